@@ -1,0 +1,35 @@
+# The two commands of the README: `make run` and `make test`. Both install everything first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: install run test lint bench
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make run   - install, migrate, run receiver + worker + beat + Flower (Ctrl-C stops)"
+	@echo "make test  - install, lint (ruff), type-check (mypy --strict), run the test suite"
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# Local secrets for a development machine, generated once (never committed).
+.env:
+	@$(PYTHON) -c "import secrets; print('WEBHOOKS_SECRET_KEY=' + secrets.token_urlsafe(48)); print('WEBHOOKS_ADMIN_TOKEN=' + secrets.token_urlsafe(32)); print('WEBHOOKS_FLOWER_PASSWORD=' + secrets.token_urlsafe(16))" > .env
+	@echo "wrote .env with a new secret key, admin token and Flower password"
+
+run: install .env
+	$(VENV)/bin/webhooks run
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy webhooks ingest tasks models
+
+test: lint
+	$(VENV)/bin/pytest

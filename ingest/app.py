@@ -1,0 +1,271 @@
+"""The receiver: a thin ASGI app that authenticates, records durably, then acknowledges.
+
+``POST /webhooks/{source_id}``, in this order, and no failing step writes a row:
+
+1. body size limit (per-source override) -> 413, never reading past the limit
+2. unknown source -> 404
+3. signature and freshness against the source's active secrets -> 401
+4. event id, type and time from the provider's own fields -> 400
+5. one transaction: receipt + deliveries (duplicate -> 200, conflict -> 200, recorded)
+6. after the commit, one Celery message per delivery (failure counted; the sweeper retries)
+7. 202
+
+Postgres unreachable -> 503 with Retry-After: nothing is acknowledged before the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from time import perf_counter
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg_pool import PoolTimeout
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Mount, Route
+
+from ingest.providers import AuthError, Challenge, MalformedEvent, authenticate, extract
+from ingest.publisher import Publisher
+from ingest.store import NewReceipt, SourceRecord, Store
+from webhooks import metrics
+from webhooks.clock import Clock, SystemClock
+from webhooks.crypto import SecretBox
+from webhooks.logs import configure_logging, get_logger
+from webhooks.settings import Settings, load_settings
+from webhooks.ttl import expires_at
+
+log = get_logger("ingest")
+
+DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError)
+# A forged request may not force a reload of a source's secrets more than once a second.
+REFRESH_AFTER_SECONDS = 1.0
+
+
+class BodyTooLarge(Exception):
+    """The body exceeds the source's limit."""
+
+
+def _json(status: int, data: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status, headers, media_type="application/json")
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise BodyTooLarge
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge
+    return bytes(body)
+
+
+class Receiver:
+    def __init__(self, settings: Settings, clock: Clock, store: Store, publisher: Publisher) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.store = store
+        self.publisher = publisher
+        self._sync_engine: Any = None
+
+    def _answer(
+        self, label: str, outcome: str, status: int, data: dict[str, Any], event_id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Response:
+        metrics.REQUESTS.labels(label, outcome).inc()
+        log.info("webhook", source=label, outcome=outcome, status=status, event_id=event_id)
+        return _json(status, data, headers)
+
+    def _unavailable(self, label: str) -> Response:
+        return self._answer(
+            label, "unavailable", 503, {"error": "database unavailable"}, headers={"Retry-After": "5"}
+        )
+
+    async def receive(self, request: Request) -> Response:
+        started = perf_counter()
+        public_id = request.path_params["source_id"]
+        try:
+            source = await self.store.source(public_id)
+        except DB_ERRORS:
+            return self._unavailable("unknown")
+        label = source.public_id if source is not None else "unknown"
+        limit = (source.max_body_bytes if source else None) or self.settings.max_body_bytes
+        try:
+            body = await read_limited(request, limit)
+        except BodyTooLarge:
+            return self._answer(label, "too_large", 413, {"error": "body too large", "limit": limit})
+        if source is None:
+            return self._answer(label, "unknown_source", 404, {"error": "unknown source"})
+
+        now = self.clock.now()
+        headers = request.headers
+        try:
+            secret_id = await self._authenticate(source, headers, body, now)
+        except DB_ERRORS:
+            return self._unavailable(label)
+        except AuthError as exc:
+            return self._answer(label, f"unauthenticated:{exc.reason}", 401, {"error": "unauthenticated"})
+
+        try:
+            meta = extract(source.provider, headers, body, config=source.config)
+        except MalformedEvent as exc:
+            return self._answer(label, f"malformed:{exc.reason}", 400, {"error": f"malformed event: {exc.reason}"})
+        if isinstance(meta, Challenge):
+            metrics.REQUESTS.labels(label, "challenge").inc()
+            return Response(meta.body, 200, media_type=meta.content_type)
+
+        receipt = NewReceipt(
+            source_id=source.id,
+            secret_id=secret_id,
+            event_id=meta.event_id,
+            event_type=meta.event_type,
+            occurred_at=meta.occurred_at,
+            expires_at=expires_at(meta.occurred_at, now, source.ttl),
+            received_at=now,
+            digest=hashlib.sha256(body).digest(),
+            content_type=headers.get("content-type"),
+            payload=body,
+        )
+        try:
+            outcome = await self._accept(receipt)
+        except DB_ERRORS:
+            return self._unavailable(label)
+
+        if outcome.status == "revoked":
+            return self._answer(label, "unauthenticated:revoked", 401, {"error": "unauthenticated"})
+        if outcome.status == "duplicate":
+            metrics.DUPLICATES.labels(label).inc()
+            return self._answer(label, "duplicate", 200, {"status": "duplicate", "event_id": meta.event_id}, meta.event_id)
+        if outcome.status == "conflict":
+            metrics.CONFLICTS.labels(label).inc()
+            return self._answer(label, "conflict", 200, {"status": "conflict", "event_id": meta.event_id}, meta.event_id)
+
+        if outcome.delivery_ids:
+            try:
+                await self.publisher.publish(outcome.delivery_ids)
+            except Exception as exc:  # noqa: BLE001  (durable already; the sweeper publishes)
+                metrics.PUBLISH_FAILURES.labels(label).inc(len(outcome.delivery_ids))
+                log.warning("publish_failed", source=label, event_id=meta.event_id, error=exc.__class__.__name__)
+        metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
+        return self._answer(label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id)
+
+    async def _authenticate(
+        self, source: SourceRecord, headers: Any, body: bytes, now: Any
+    ) -> str:
+        try:
+            return authenticate(
+                source.provider, headers, body, source.secrets,
+                config=source.config, now=now, tolerance=source.tolerance,
+            )
+        except AuthError:
+            # A secret added since the cache was filled: reload once, then decide.
+            loaded = self.store.cached_at(source.public_id)
+            if loaded is None or _age(loaded) < REFRESH_AFTER_SECONDS:
+                raise
+            fresh = await self.store.source(source.public_id, refresh=True)
+            if fresh is None:
+                raise
+            return authenticate(
+                fresh.provider, headers, body, fresh.secrets,
+                config=fresh.config, now=now, tolerance=fresh.tolerance,
+            )
+
+    async def _accept(self, receipt: NewReceipt) -> Any:
+        try:
+            return await self.store.accept(receipt)
+        except psycopg.errors.CheckViolation as exc:
+            if "no partition" not in str(exc):
+                raise
+            # expires_at beyond the partitions laid out so far: create them, then retry once.
+            await asyncio.get_running_loop().run_in_executor(None, self._ensure_partitions)
+            return await self.store.accept(receipt)
+
+    def _ensure_partitions(self) -> None:
+        from models.db import make_engine  # noqa: PLC0415
+        from models.retention import ensure_partitions  # noqa: PLC0415
+
+        if self._sync_engine is None:
+            self._sync_engine = make_engine(self.settings, pool_size=1)
+        ensure_partitions(self._sync_engine, self.settings, self.clock.now())
+
+    async def healthz(self, request: Request) -> Response:
+        return _json(200, {"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        checks: dict[str, str] = {}
+        try:
+            await asyncio.wait_for(self.store.ping(), self.settings.db_connect_timeout)
+            checks["database"] = "ok"
+        except (*DB_ERRORS, TimeoutError):
+            checks["database"] = "unreachable"
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.publisher.ping)
+            checks["broker"] = "ok"
+        except Exception:  # noqa: BLE001  (any broker failure means not ready)
+            checks["broker"] = "unreachable"
+        ready = all(v == "ok" for v in checks.values())
+        return _json(200 if ready else 503, {"status": "ready" if ready else "not ready", **checks})
+
+
+def _age(loaded_at: float) -> float:
+    return time.monotonic() - loaded_at
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest  # noqa: PLC0415
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess  # noqa: PLC0415
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    return PlainTextResponse(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
+    clock = clock or SystemClock()
+    store = Store(settings, SecretBox(settings.secret_key.get_secret_value()))
+    publisher = Publisher(settings)
+    receiver = Receiver(settings, clock, store, publisher)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await store.open()
+        try:
+            yield
+        finally:
+            await store.close()
+            publisher.close()
+
+    routes: list[Route | Mount] = [
+        Route("/webhooks/{source_id}", receiver.receive, methods=["POST"]),
+        Route("/healthz", receiver.healthz, methods=["GET"]),
+        Route("/readyz", receiver.readyz, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    try:
+        from ingest.admin import create_admin_app  # noqa: PLC0415
+    except ImportError:
+        pass
+    else:
+        routes.append(Mount("/admin", app=create_admin_app(settings, clock=clock)))
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.receiver = receiver
+    return app
+
+
+def app_from_env() -> Starlette:
+    """Entry point for ``uvicorn --factory ingest.app:app_from_env`` (settings from env)."""
+    settings = load_settings()
+    configure_logging(settings.log_level, json=settings.log_json)
+    return create_app(settings)

@@ -1,0 +1,244 @@
+"""The receiver's database shell: source lookup (cached) and the one-transaction accept.
+
+Accepting an event is one transaction of two statements, sent in one pipeline:
+
+1. ``pg_advisory_xact_lock`` on (scope, event_id): serialises the arrivals of one event, so
+   uniqueness holds across partitions even for formats without an event time (where
+   ``expires_at`` is anchored on the first arrival and is not known in advance);
+2. one data-modifying statement (:data:`ACCEPT_SQL`) that, only if the matching secret is
+   still unrevoked, inserts the receipt unless a live receipt for (scope, event_id) exists
+   (``ON CONFLICT DO NOTHING`` on the primary key as the backstop), inserts one delivery per
+   matching route, and records a conflict when the body digest differs.
+
+Nothing is acknowledged before COMMIT returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg.rows import TupleRow
+from psycopg_pool import AsyncConnectionPool
+
+from webhooks.crypto import SecretBox
+from webhooks.settings import Settings
+from webhooks.ttl import TtlOverrides, derive_ttl
+
+SOURCE_SQL = """
+SELECT s.id, s.provider, s.config, s.tolerance_s, s.max_body_bytes,
+       s.retry_window_s, s.queue_lag_s, s.clock_skew_s, s.replay_grace_s, s.name,
+       coalesce(array_agg(ss.id ORDER BY ss.created_at DESC) FILTER (WHERE ss.id IS NOT NULL), '{}'),
+       coalesce(array_agg(ss.ciphertext ORDER BY ss.created_at DESC) FILTER (WHERE ss.id IS NOT NULL), '{}')
+FROM sources s
+LEFT JOIN source_secrets ss ON ss.source_id = s.id AND ss.revoked_at IS NULL
+WHERE s.public_id = %s
+GROUP BY s.id
+"""
+
+LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
+
+ACCEPT_SQL = """
+WITH authorised AS (
+    SELECT 1 FROM source_secrets
+    WHERE id = %(secret_id)s AND source_id = %(source_id)s AND revoked_at IS NULL
+), existing AS (
+    SELECT body_digest FROM receipts
+    WHERE source_id = %(source_id)s AND event_id = %(event_id)s AND expires_at > %(now)s
+    ORDER BY expires_at DESC LIMIT 1
+), receipt AS (
+    INSERT INTO receipts (source_id, event_id, expires_at, event_type, occurred_at,
+                          received_at, body_digest, content_type, payload)
+    SELECT %(source_id)s, %(event_id)s, %(expires_at)s, %(event_type)s, %(occurred_at)s,
+           %(now)s, %(digest)s, %(content_type)s, %(payload)s
+    WHERE EXISTS (SELECT 1 FROM authorised) AND NOT EXISTS (SELECT 1 FROM existing)
+    ON CONFLICT DO NOTHING
+    RETURNING id, expires_at
+), delivery AS (
+    INSERT INTO deliveries (expires_at, receipt_id, source_id, route_id, status,
+                            next_attempt_at, created_at, updated_at)
+    SELECT receipt.expires_at, receipt.id, %(source_id)s, r.id, 'pending',
+           %(now)s + %(grace)s, %(now)s, %(now)s
+    FROM receipt JOIN routes r
+      ON r.source_id = %(source_id)s AND r.active AND %(event_type)s LIKE r.events_like
+    RETURNING id
+), conflict AS (
+    INSERT INTO conflicts (source_id, event_id, expires_at, body_digest, received_at)
+    SELECT %(source_id)s, %(event_id)s, %(expires_at)s, %(digest)s, %(now)s
+    FROM existing
+    WHERE existing.body_digest <> %(digest)s AND EXISTS (SELECT 1 FROM authorised)
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM authorised),
+       (SELECT id FROM receipt),
+       (SELECT body_digest FROM existing),
+       ARRAY(SELECT id FROM delivery ORDER BY id)
+"""
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    id: int
+    public_id: str
+    name: str
+    provider: str
+    config: dict[str, Any]
+    tolerance: timedelta | None
+    max_body_bytes: int | None
+    ttl: timedelta
+    secrets: tuple[tuple[str, str], ...]  # (secret id, plaintext), newest first
+    loaded_at: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the accept transaction decided."""
+
+    status: str  # "accepted" | "duplicate" | "conflict" | "revoked"
+    receipt_id: int | None
+    delivery_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NewReceipt:
+    source_id: int
+    secret_id: str
+    event_id: str
+    event_type: str
+    occurred_at: datetime | None
+    expires_at: datetime
+    received_at: datetime
+    digest: bytes
+    content_type: str | None
+    payload: bytes
+
+
+def accept_params(receipt: NewReceipt, grace: timedelta) -> dict[str, Any]:
+    return {
+        "secret_id": receipt.secret_id,
+        "source_id": receipt.source_id,
+        "event_id": receipt.event_id,
+        "event_type": receipt.event_type,
+        "occurred_at": receipt.occurred_at,
+        "expires_at": receipt.expires_at,
+        "now": receipt.received_at,
+        "digest": receipt.digest,
+        "content_type": receipt.content_type,
+        "payload": receipt.payload,
+        "grace": grace,
+    }
+
+
+def lock_key(source_id: int, event_id: str) -> str:
+    return f"{source_id}:{event_id}"
+
+
+def decide(row: TupleRow | None) -> Outcome:
+    """Interpret the accept statement's single row (pure)."""
+    if row is None:
+        raise RuntimeError("accept statement returned no row")
+    authorised, receipt_id, existing_digest, delivery_ids = row
+    if not authorised:
+        return Outcome("revoked", None, ())
+    if receipt_id is not None:
+        return Outcome("accepted", int(receipt_id), tuple(int(i) for i in delivery_ids))
+    return Outcome("duplicate", None, ())
+
+
+def accept_sync(conn: psycopg.Connection[Any], receipt: NewReceipt, grace: timedelta) -> Outcome:
+    """The same transaction on a synchronous connection (CLI tools, tests, benchmarks)."""
+    with conn.transaction():
+        conn.execute(LOCK_SQL, (lock_key(receipt.source_id, receipt.event_id),))
+        row = conn.execute(ACCEPT_SQL, accept_params(receipt, grace)).fetchone()
+    return _with_conflict(decide(row), row, receipt.digest)
+
+
+def _with_conflict(outcome: Outcome, row: TupleRow | None, digest: bytes) -> Outcome:
+    if outcome.status == "duplicate" and row is not None and row[2] is not None and bytes(row[2]) != digest:
+        return Outcome("conflict", None, ())
+    return outcome
+
+
+class Store:
+    """Async access for the receiver: a psycopg pool and a small source cache."""
+
+    def __init__(self, settings: Settings, box: SecretBox) -> None:
+        self.settings = settings
+        self.box = box
+        self.pool: AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]] = AsyncConnectionPool(
+            settings.psycopg_dsn,
+            min_size=2,
+            max_size=settings.db_pool_size,
+            open=False,
+            timeout=settings.db_connect_timeout,
+            kwargs={"autocommit": True, "connect_timeout": max(1, int(settings.db_connect_timeout))},
+            check=AsyncConnectionPool.check_connection,
+        )
+        self._cache: dict[str, SourceRecord] = {}
+
+    async def open(self) -> None:
+        await self.pool.open(wait=False)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def source(self, public_id: str, *, refresh: bool = False) -> SourceRecord | None:
+        """The source and its active secrets; cached for settings.source_cache_ttl.
+
+        A stale cache can only hold a secret that was revoked since: the accept transaction
+        re-checks it, so a revoked secret never writes a row.
+        """
+        cached = self._cache.get(public_id)
+        ttl = self.settings.source_cache_ttl.total_seconds()
+        if cached is not None and not refresh and time.monotonic() - cached.loaded_at < ttl:
+            return cached
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(SOURCE_SQL, (public_id,))
+            row = await cur.fetchone()
+        if row is None:
+            self._cache.pop(public_id, None)
+            return None
+        record = self._record(public_id, row)
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[public_id] = record
+        return record
+
+    def cached_at(self, public_id: str) -> float | None:
+        cached = self._cache.get(public_id)
+        return None if cached is None else cached.loaded_at
+
+    def _record(self, public_id: str, row: TupleRow) -> SourceRecord:
+        (sid, provider, config, tolerance_s, max_body, rw, ql, cs, rg, name, ids, cts) = row
+        ttl = derive_ttl(
+            provider, TtlOverrides.from_seconds(rw, ql, cs, rg), self.settings, source_name=name
+        )
+        return SourceRecord(
+            id=int(sid),
+            public_id=public_id,
+            name=name,
+            provider=provider,
+            config=dict(config or {}),
+            tolerance=None if tolerance_s is None else timedelta(seconds=tolerance_s),
+            max_body_bytes=max_body,
+            ttl=ttl.total,
+            secrets=tuple((i, self.box.decrypt(bytes(c))) for i, c in zip(ids, cts, strict=True)),
+            loaded_at=time.monotonic(),
+        )
+
+    async def accept(self, receipt: NewReceipt) -> Outcome:
+        params = accept_params(receipt, self.settings.publish_grace)
+        async with self.pool.connection() as conn:
+            async with conn.transaction():
+                async with conn.pipeline():
+                    await conn.execute(LOCK_SQL, (lock_key(receipt.source_id, receipt.event_id),))
+                    cur = await conn.execute(ACCEPT_SQL, params)
+                row = await cur.fetchone()
+        return _with_conflict(decide(row), row, receipt.digest)
+
+    async def ping(self) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("SELECT 1")

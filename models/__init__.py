@@ -1,0 +1,1 @@
+"""Storage: SQLAlchemy models, the guarded state transitions, database plumbing, migrations."""

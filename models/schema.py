@@ -1,0 +1,264 @@
+"""The database schema (SQLAlchemy 2 declarative models).
+
+receipts, deliveries and attempts are range-partitioned by ``expires_at`` (daily partitions
+created and dropped by maintenance; in ``delete`` retention mode a single DEFAULT partition
+holds everything and expiry is a batched delete). Partitioned tables cannot carry foreign
+keys to each other cheaply, so deliveries and attempts repeat ``expires_at`` and are written
+only by the statements in :mod:`models.sql`, which keep them consistent.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Sequence,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+PROVIDERS = ("stripe", "github", "shopify", "slack", "standard", "svix", "hmac")
+DELIVERY_STATES = ("pending", "processing", "succeeded", "retrying", "dead")
+PARTITIONED_TABLES = ("receipts", "deliveries", "attempts")
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {
+        datetime: DateTime(timezone=True),
+        dict[str, Any]: JSONB,
+    }
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Source(Base):
+    """One integration of one account with one provider: the dedup scope."""
+
+    __tablename__ = "sources"
+    __table_args__ = (
+        UniqueConstraint("account", "name"),
+        CheckConstraint(_in("provider", PROVIDERS), name="provider"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    public_id: Mapped[str] = mapped_column(Text, unique=True)
+    account: Mapped[str] = mapped_column(Text, server_default="default")
+    name: Mapped[str] = mapped_column(Text)
+    provider: Mapped[str] = mapped_column(Text)
+    # Provider options: generic HMAC header/algorithm/encoding, field paths, ...
+    config: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    tolerance_s: Mapped[int | None] = mapped_column(Integer)
+    max_body_bytes: Mapped[int | None] = mapped_column(Integer)
+    # Dedup TTL term overrides in seconds (NULL: provider / global default).
+    retry_window_s: Mapped[int | None] = mapped_column(BigInteger)
+    queue_lag_s: Mapped[int | None] = mapped_column(BigInteger)
+    clock_skew_s: Mapped[int | None] = mapped_column(BigInteger)
+    replay_grace_s: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+class SourceSecret(Base):
+    __tablename__ = "source_secrets"
+    __table_args__ = (Index(None, "source_id", postgresql_where=text("revoked_at IS NULL")),)
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    source_id: Mapped[int] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    revoked_at: Mapped[datetime | None] = mapped_column()
+
+
+class Route(Base):
+    """Binds a handler to a source, optionally for matching event types only."""
+
+    __tablename__ = "routes"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    source_id: Mapped[int] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"), index=True)
+    handler: Mapped[str] = mapped_column(Text)
+    events_glob: Mapped[str] = mapped_column(Text, server_default="*")
+    # SQL LIKE form of events_glob, matched inside the receipt transaction.
+    events_like: Mapped[str] = mapped_column(Text, server_default="%")
+    options: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    # The route's own signing secret (forward signs with it), encrypted.
+    signing_ciphertext: Mapped[bytes | None] = mapped_column(LargeBinary)
+    max_attempts: Mapped[int | None] = mapped_column(Integer)
+    max_age_s: Mapped[int | None] = mapped_column(BigInteger)
+    active: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+receipt_id_seq = Sequence("receipts_id_seq", metadata=Base.metadata)
+delivery_id_seq = Sequence("deliveries_id_seq", metadata=Base.metadata)
+attempt_id_seq = Sequence("attempts_id_seq", metadata=Base.metadata)
+
+
+class Receipt(Base):
+    """One accepted event per (scope, event_id): the durable dedup record."""
+
+    __tablename__ = "receipts"
+    __table_args__ = (
+        PrimaryKeyConstraint("source_id", "event_id", "expires_at"),
+        Index(None, "id"),
+        Index(None, "received_at"),
+        {"postgresql_partition_by": "RANGE (expires_at)"},
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, receipt_id_seq, server_default=receipt_id_seq.next_value())
+    source_id: Mapped[int] = mapped_column(BigInteger)
+    event_id: Mapped[str] = mapped_column(Text)
+    expires_at: Mapped[datetime] = mapped_column()
+    event_type: Mapped[str] = mapped_column(Text)
+    occurred_at: Mapped[datetime | None] = mapped_column()
+    received_at: Mapped[datetime] = mapped_column()
+    body_digest: Mapped[bytes] = mapped_column(LargeBinary)
+    content_type: Mapped[str | None] = mapped_column(Text)
+    # The raw body, dropped after its retention (NULL afterwards; payload_dropped_at says when).
+    payload: Mapped[bytes | None] = mapped_column(LargeBinary)
+    payload_dropped_at: Mapped[datetime | None] = mapped_column()
+
+
+class Delivery(Base):
+    """One (receipt, route): the unit of work a worker claims."""
+
+    __tablename__ = "deliveries"
+    __table_args__ = (
+        PrimaryKeyConstraint("id", "expires_at"),
+        UniqueConstraint("receipt_id", "route_id", "expires_at"),
+        CheckConstraint(_in("status", DELIVERY_STATES), name="status"),
+        Index(
+            "ix_deliveries_due",
+            "next_attempt_at",
+            postgresql_where=text("status IN ('pending', 'retrying', 'processing')"),
+        ),
+        Index(None, "status", "source_id", "route_id"),
+        {"postgresql_partition_by": "RANGE (expires_at)"},
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, delivery_id_seq, server_default=delivery_id_seq.next_value())
+    expires_at: Mapped[datetime] = mapped_column()
+    receipt_id: Mapped[int] = mapped_column(BigInteger)
+    source_id: Mapped[int] = mapped_column(BigInteger)
+    route_id: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(Text, server_default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Times the lease ran out while processing (the worker died): dead after max_redeliveries.
+    redeliveries: Mapped[int] = mapped_column(Integer, server_default="0")
+    generation: Mapped[int] = mapped_column(Integer, server_default="0")
+    lease_until: Mapped[datetime | None] = mapped_column()
+    # pending: when the sweeper may re-publish; retrying: when the retry is due;
+    # processing: equal to lease_until.
+    next_attempt_at: Mapped[datetime] = mapped_column()
+    last_error_class: Mapped[str | None] = mapped_column(Text)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    dead_reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column()
+    updated_at: Mapped[datetime] = mapped_column()
+    first_attempt_at: Mapped[datetime | None] = mapped_column()
+    succeeded_at: Mapped[datetime | None] = mapped_column()
+
+
+class Attempt(Base):
+    """One try of one delivery, for the operator."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        PrimaryKeyConstraint("id", "expires_at"),
+        Index(None, "delivery_id"),
+        {"postgresql_partition_by": "RANGE (expires_at)"},
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, attempt_id_seq, server_default=attempt_id_seq.next_value())
+    expires_at: Mapped[datetime] = mapped_column()
+    delivery_id: Mapped[int] = mapped_column(BigInteger)
+    number: Mapped[int] = mapped_column(Integer)
+    generation: Mapped[int] = mapped_column(Integer, server_default="0")
+    worker: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column()
+    ended_at: Mapped[datetime | None] = mapped_column()
+    # succeeded | retry | dead | crashed (set by the claim that found the lease expired)
+    outcome: Mapped[str | None] = mapped_column(Text)
+    error_class: Mapped[str | None] = mapped_column(Text)
+    error_message: Mapped[str | None] = mapped_column(Text)
+
+
+class Conflict(Base):
+    """The same event id arrived with a different body: recorded, counted, original untouched."""
+
+    __tablename__ = "conflicts"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    source_id: Mapped[int] = mapped_column(BigInteger)
+    event_id: Mapped[str] = mapped_column(Text)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+    body_digest: Mapped[bytes] = mapped_column(LargeBinary)
+    received_at: Mapped[datetime] = mapped_column()
+
+
+class Replay(Base):
+    """Audit row of one operator replay."""
+
+    __tablename__ = "replays"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    operator: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(Text)
+    filter: Mapped[dict[str, Any]] = mapped_column()
+    rerun_succeeded: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    rate: Mapped[float | None] = mapped_column()
+    status: Mapped[str] = mapped_column(Text, server_default="running")
+    planned: Mapped[int] = mapped_column(Integer, server_default="0")
+    replayed: Mapped[int] = mapped_column(Integer, server_default="0")
+    skipped: Mapped[int] = mapped_column(Integer, server_default="0")
+    started_at: Mapped[datetime] = mapped_column()
+    ended_at: Mapped[datetime | None] = mapped_column()
+    via: Mapped[str] = mapped_column(Text, server_default="cli")
+
+
+class Subscription(Base):
+    """State kept by the example ``stripe_subscription`` handler (ordering-guarded)."""
+
+    __tablename__ = "subscriptions"
+    __table_args__ = (PrimaryKeyConstraint("source_id", "subscription_id"),)
+
+    source_id: Mapped[int] = mapped_column(BigInteger)
+    subscription_id: Mapped[str] = mapped_column(Text)
+    customer: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(Text)
+    event_id: Mapped[str] = mapped_column(Text)
+    event_created: Mapped[datetime] = mapped_column()
+    updated_at: Mapped[datetime] = mapped_column()
+
+
+def include_name(name: str | None, type_: str, parent_names: object) -> bool:
+    """Alembic filter: partitions (``receipts_p20261130``, ``receipts_default``) belong to
+    maintenance, not to migrations."""
+    if type_ == "table" and name is not None:
+        return not any(name.startswith(f"{t}_p") or name == f"{t}_default" for t in PARTITIONED_TABLES)
+    return True

@@ -1,0 +1,73 @@
+"""The Celery configuration, in one place, derived from Settings.
+
+Time budgets: handler I/O timeout < soft limit < hard limit < processing TTL (4 x hard)
+< visibility timeout (checked by Settings). Retry countdowns are capped at
+visibility_timeout - hard_limit; longer delays are scheduled by the sweeper.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from webhooks.settings import Settings
+
+DELIVER_TASK = "webhooks.deliver"
+SWEEP_TASK = "webhooks.sweep"
+MAINTENANCE_TASK = "webhooks.maintenance"
+DELIVERIES_QUEUE = "deliveries"
+MAINTENANCE_QUEUE = "maintenance"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    transport = {"visibility_timeout": int(settings.visibility_timeout)}
+    return {
+        "broker_url": settings.broker_url,
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_soft_time_limit": settings.soft_time_limit,
+        "task_time_limit": settings.hard_time_limit,
+        "broker_transport_options": transport,
+        "result_backend_transport_options": transport,
+        "broker_connection_retry_on_startup": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_track_started": True,
+        "task_default_queue": DELIVERIES_QUEUE,
+        "task_queues": (
+            Queue(DELIVERIES_QUEUE, Exchange(DELIVERIES_QUEUE), routing_key=DELIVERIES_QUEUE),
+            Queue(MAINTENANCE_QUEUE, Exchange(MAINTENANCE_QUEUE), routing_key=MAINTENANCE_QUEUE),
+        ),
+        "task_routes": {
+            DELIVER_TASK: {"queue": DELIVERIES_QUEUE},
+            SWEEP_TASK: {"queue": MAINTENANCE_QUEUE},
+            MAINTENANCE_TASK: {"queue": MAINTENANCE_QUEUE},
+        },
+        "worker_concurrency": settings.worker_concurrency,
+        "worker_hijack_root_logger": False,
+        "beat_schedule": {
+            "sweep": {"task": SWEEP_TASK, "schedule": settings.sweep_interval.total_seconds()},
+            "maintenance": {
+                "task": MAINTENANCE_TASK,
+                "schedule": settings.maintenance_interval.total_seconds(),
+            },
+        },
+        "timezone": "UTC",
+        "enable_utc": True,
+    }
+
+
+def create_app(settings: Settings, *, main: str = "webhooks") -> Celery:
+    app = Celery(main)
+    app.conf.update(celery_config(settings))
+    return app

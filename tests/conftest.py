@@ -1,0 +1,131 @@
+"""Test infrastructure: a real Postgres database migrated once per run, real Redis.
+
+The suite runs against the services on this machine (Postgres 127.0.0.1:5432, Redis
+127.0.0.1:6379). It uses its own database (``webhooks_test``, recreated at the start) and
+Redis databases 14 (broker) and 15 (claims), so a pipeline started by ``make run`` on the same
+machine is not disturbed. Subprocesses (receivers, workers, beat) get the same settings through
+the environment returned by :func:`test_env`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models.db import make_engine, make_sessionmaker, upgrade
+from webhooks.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+TEST_DB = os.environ.get("WEBHOOKS_TEST_DATABASE", "webhooks_test")
+ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+BASE_ENV = {
+    "WEBHOOKS_ENVIRONMENT": "test",
+    "WEBHOOKS_DATABASE_URL": f"postgresql://postgres@127.0.0.1:5432/{TEST_DB}",
+    "WEBHOOKS_BROKER_URL": "redis://127.0.0.1:6379/14",
+    "WEBHOOKS_REDIS_URL": "redis://127.0.0.1:6379/15",
+    "WEBHOOKS_SECRET_KEY": "test-secret-key-" + "k" * 32,
+    "WEBHOOKS_LOG_JSON": "true",
+}
+
+
+def test_env(**overrides: str) -> dict[str, str]:
+    """Environment for a subprocess of the pipeline under test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
+    env.update(BASE_ENV)
+    env.update(overrides)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def make_settings(**overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "environment": "test",
+        "database_url": BASE_ENV["WEBHOOKS_DATABASE_URL"],
+        "broker_url": BASE_ENV["WEBHOOKS_BROKER_URL"],
+        "redis_url": BASE_ENV["WEBHOOKS_REDIS_URL"],
+        "secret_key": BASE_ENV["WEBHOOKS_SECRET_KEY"],
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {port} after {timeout}s")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _database() -> Iterator[None]:
+    for key, value in BASE_ENV.items():
+        os.environ[key] = value
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (TEST_DB,)
+        )
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEST_DB}"')
+    upgrade(make_settings())
+    yield
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    return make_settings()
+
+
+@pytest.fixture(scope="session")
+def engine(settings: Settings) -> Iterator[Engine]:
+    eng = make_engine(settings, pool_size=5)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def sessions(engine: Engine) -> sessionmaker[Session]:
+    return make_sessionmaker(engine)
+
+
+@pytest.fixture
+def db(sessions: sessionmaker[Session]) -> Iterator[Session]:
+    """A session whose work is committed explicitly by the test (real transactions)."""
+    with sessions() as session:
+        yield session
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(BASE_ENV["WEBHOOKS_REDIS_URL"])
+    yield client
+    client.close()
+
+
+def count_rows(engine: Engine, *tables: str) -> dict[str, int]:
+    tables = tables or ("receipts", "deliveries", "conflicts", "attempts")
+    with engine.connect() as conn:
+        return {t: int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()) for t in tables}  # noqa: S608

@@ -1,0 +1,289 @@
+"""``webhooks sources|secrets|routes``: configure where webhooks come from and where they go."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from models import catalog
+from models.schema import PROVIDERS, Source
+from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
+from webhooks.crypto import SecretBox
+from webhooks.durations import parse_duration
+from webhooks.ttl import TtlOverrides, derive_ttl
+
+sources_app = typer.Typer(help="Webhook sources (one URL per source).", no_args_is_help=True)
+secrets_app = typer.Typer(help="A source's signing secrets (rotation).", no_args_is_help=True)
+routes_app = typer.Typer(help="Handlers bound to a source.", no_args_is_help=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+DurationOpt = Annotated[str | None, typer.Option(help="Duration such as 3d, 12h, 10m.")]
+
+
+def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in values or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"{what} must be KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+def _duration(value: str | None) -> timedelta | None:
+    return None if value is None else parse_duration(value)
+
+
+def _box(e: Env) -> SecretBox:
+    return SecretBox(e.settings.secret_key.get_secret_value())
+
+
+def _source_view(e: Env, source: Source) -> dict[str, Any]:
+    ttl = derive_ttl(
+        source.provider, catalog.source_ttl_overrides(source), e.settings, source_name=source.name
+    )
+    return {
+        "id": source.public_id,
+        "name": source.name,
+        "account": source.account,
+        "provider": source.provider,
+        "url_path": f"/webhooks/{source.public_id}",
+        "config": source.config,
+        "tolerance_s": source.tolerance_s,
+        "max_body_bytes": source.max_body_bytes,
+        "dedup_ttl": ttl.describe(),
+        "created_at": source.created_at,
+    }
+
+
+@sources_app.command("add")
+@handle_errors
+def sources_add(
+    name: str,
+    provider: Annotated[str, typer.Option(help=f"One of: {', '.join(PROVIDERS)}")],
+    account: Annotated[str, typer.Option(help="Owning account (the dedup scope).")] = "default",
+    secret: Annotated[str | None, typer.Option(help="Signing secret; generated when omitted.")] = None,
+    config: Annotated[list[str] | None, typer.Option("--config", help="Provider option KEY=VALUE (generic hmac).")] = None,
+    tolerance: DurationOpt = None,
+    max_body: Annotated[int | None, typer.Option(help="Body size limit in bytes.")] = None,
+    retry_window: DurationOpt = None,
+    queue_lag: DurationOpt = None,
+    clock_skew: DurationOpt = None,
+    replay_grace: DurationOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a source; prints its id, URL path and, when generated, its secret (once)."""
+    e = env()
+    with e.session() as session:
+        source, created = catalog.create_source(
+            session,
+            _box(e),
+            e.settings,
+            name=name,
+            provider=provider,
+            account=account,
+            secret=secret,
+            config=_pairs(config, "--config"),
+            tolerance=_duration(tolerance),
+            max_body_bytes=max_body,
+            ttl=TtlOverrides(
+                _duration(retry_window), _duration(queue_lag), _duration(clock_skew), _duration(replay_grace)
+            ),
+        )
+        view = _source_view(e, source)
+    view["secret_id"] = created.id
+    if created.plaintext is not None:
+        view["secret"] = created.plaintext
+    if as_json:
+        print_json(view)
+        return
+    console.print(f"source id:  {view['id']}")
+    console.print(f"url path:   {view['url_path']}")
+    console.print(f"secret id:  {created.id}")
+    if created.plaintext is not None:
+        console.print(f"secret:     {created.plaintext}  (shown once)", highlight=False)
+    console.print(f"dedup ttl:  {view['dedup_ttl']}")
+
+
+@sources_app.command("update")
+@handle_errors
+def sources_update(
+    source: str,
+    retry_window: DurationOpt = None,
+    queue_lag: DurationOpt = None,
+    clock_skew: DurationOpt = None,
+    replay_grace: DurationOpt = None,
+    tolerance: DurationOpt = None,
+    max_body: Annotated[int | None, typer.Option(help="Body size limit in bytes.")] = None,
+) -> None:
+    """Change a source's TTL terms, timestamp tolerance or body limit."""
+    e = env()
+    with e.session() as session:
+        row = catalog.get_source(session, source)
+        catalog.update_source_ttl(
+            session,
+            e.settings,
+            row,
+            TtlOverrides(_duration(retry_window), _duration(queue_lag), _duration(clock_skew), _duration(replay_grace)),
+        )
+        if tolerance is not None:
+            row.tolerance_s = int(parse_duration(tolerance).total_seconds())
+        if max_body is not None:
+            if max_body < 1:
+                raise CliError("--max-body must be positive")
+            row.max_body_bytes = max_body
+        view = _source_view(e, row)
+    console.print(f"updated {view['id']}: dedup ttl {view['dedup_ttl']}")
+
+
+@sources_app.command("list")
+@handle_errors
+def sources_list(as_json: JsonOpt = False) -> None:
+    """List sources (never a secret)."""
+    from sqlalchemy import select  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        views = [_source_view(e, s) for s in session.scalars(select(Source).order_by(Source.id))]
+    if as_json:
+        print_json(views)
+        return
+    table = Table("id", "name", "account", "provider", "url path", "dedup ttl")
+    for v in views:
+        table.add_row(v["id"], v["name"], v["account"], v["provider"], v["url_path"], v["dedup_ttl"])
+    console.print(table)
+
+
+@sources_app.command("show")
+@handle_errors
+def sources_show(source: str, as_json: JsonOpt = False) -> None:
+    """Show one source with its secrets (ids and dates) and routes."""
+    e = env()
+    with e.session() as session:
+        row = catalog.get_source(session, source)
+        view = _source_view(e, row)
+        view["secrets"] = [_secret_view(s) for s in catalog.list_secrets(session, row)]
+        view["routes"] = [_route_view(r) for r in catalog.list_routes(session, row)]
+    if as_json:
+        print_json(view)
+        return
+    for key in ("id", "name", "account", "provider", "url_path", "dedup_ttl", "config", "created_at"):
+        console.print(f"{key + ':':<12} {view[key]}", highlight=False)
+    console.print(f"secrets:     {len(view['secrets'])}; routes: {len(view['routes'])}")
+    for r in view["routes"]:
+        console.print(f"  route {r['id']}: {r['handler']} events={r['events']} options={r['options']}")
+
+
+def _secret_view(s: Any) -> dict[str, Any]:
+    return {"id": s.id, "created_at": s.created_at, "revoked_at": s.revoked_at}
+
+
+def _route_view(r: Any) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "handler": r.handler,
+        "events": r.events_glob,
+        "options": r.options,
+        "max_attempts": r.max_attempts,
+        "max_age_s": r.max_age_s,
+        "active": r.active,
+    }
+
+
+@secrets_app.command("add")
+@handle_errors
+def secrets_add(source: str, secret: Annotated[str | None, typer.Option()] = None) -> None:
+    """Add a secret (rotation): every active secret verifies."""
+    e = env()
+    with e.session() as session:
+        row = catalog.get_source(session, source)
+        created = catalog.add_secret(session, _box(e), row, secret)
+    console.print(f"secret id: {created.id}")
+    if created.plaintext is not None:
+        console.print(f"secret:    {created.plaintext}  (shown once)", highlight=False)
+
+
+@secrets_app.command("list")
+@handle_errors
+def secrets_list(source: str, as_json: JsonOpt = False) -> None:
+    """A source's secrets: ids and dates only."""
+    e = env()
+    with e.session() as session:
+        views = [_secret_view(s) for s in catalog.list_secrets(session, catalog.get_source(session, source))]
+    if as_json:
+        print_json(views)
+        return
+    table = Table("id", "created", "revoked")
+    for v in views:
+        table.add_row(v["id"], str(v["created_at"]), str(v["revoked_at"] or ""))
+    console.print(table)
+
+
+@secrets_app.command("revoke")
+@handle_errors
+def secrets_revoke(source: str, secret_id: str) -> None:
+    """Revoke a secret: it stops verifying at once, in every receiver."""
+    e = env()
+    with e.session() as session:
+        catalog.revoke_secret(session, catalog.get_source(session, source), secret_id, now=e.clock.now())
+    console.print(f"revoked {secret_id}")
+
+
+@routes_app.command("add")
+@handle_errors
+def routes_add(
+    source: str,
+    handler: Annotated[str, typer.Option(help="Handler name (forward, log, ...).")],
+    events: Annotated[str, typer.Option(help="Event type glob, e.g. invoice.*")] = "*",
+    option: Annotated[list[str] | None, typer.Option("--option", help="KEY=VALUE, repeatable.")] = None,
+    max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
+    max_age: DurationOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Bind a handler to a source, optionally for matching event types only."""
+    e = env()
+    with e.session() as session:
+        route, signing = catalog.add_route(
+            session,
+            _box(e),
+            catalog.get_source(session, source),
+            handler=handler,
+            events=events,
+            options=_pairs(option, "--option"),
+            max_attempts=max_attempts,
+            max_age=_duration(max_age),
+        )
+        view = _route_view(route)
+    if signing is not None:
+        view["signing_secret"] = signing
+    if as_json:
+        print_json(view)
+        return
+    console.print(f"route {view['id']}: {handler} for {events}")
+    if signing is not None:
+        console.print(f"signing secret (give it to the downstream): {signing}", highlight=False)
+
+
+@routes_app.command("list")
+@handle_errors
+def routes_list(source: str, as_json: JsonOpt = False) -> None:
+    """A source's routes."""
+    e = env()
+    with e.session() as session:
+        views = [_route_view(r) for r in catalog.list_routes(session, catalog.get_source(session, source))]
+    if as_json:
+        print_json(views)
+        return
+    table = Table("id", "handler", "events", "options", "active")
+    for v in views:
+        table.add_row(str(v["id"]), v["handler"], v["events"], str(v["options"]), str(v["active"]))
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(sources_app, name="sources")
+    app.add_typer(secrets_app, name="secrets")
+    app.add_typer(routes_app, name="routes")

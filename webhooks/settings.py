@@ -1,0 +1,164 @@
+"""The one typed Settings object.
+
+Built once at each entry point (CLI, receiver, worker, beat) and passed down; nothing reads the
+environment anywhere else. Every time budget is derived from the others here, so the ordering
+handler I/O timeout < soft limit < hard limit < processing TTL < visibility timeout holds by
+construction and is checked again by :meth:`Settings.check_budgets`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import cached_property
+from typing import Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SettingsError(Exception):
+    """Settings could not be built; the message names the offending variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="WEBHOOKS_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        frozen=True,
+    )
+
+    environment: Literal["development", "production", "test"] = "development"
+
+    # Connections.
+    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/webhooks"
+    redis_url: str = "redis://127.0.0.1:6379/1"
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    db_pool_size: int = Field(default=10, ge=1, le=200)
+    db_connect_timeout: float = Field(default=5.0, gt=0)
+    redis_socket_timeout: float = Field(default=0.5, gt=0)
+
+    # Secrets.
+    secret_key: SecretStr = Field(min_length=32)
+    admin_token: SecretStr | None = None
+    flower_user: str = "admin"
+    flower_password: SecretStr | None = None
+
+    # Receiver.
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    receiver_workers: int = Field(default=1, ge=1, le=64)
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    default_tolerance: timedelta = timedelta(seconds=300)
+    source_cache_ttl: timedelta = timedelta(seconds=30)
+    publish_timeout: float = Field(default=2.0, gt=0)
+
+    # Worker time budgets (seconds). The rest are derived below.
+    handler_io_timeout: float = Field(default=10.0, gt=0)
+    soft_time_limit: float = Field(default=30.0, gt=0)
+    hard_time_limit: float = Field(default=60.0, gt=0)
+    visibility_timeout: float = Field(default=3600.0, gt=0)
+    max_redeliveries: int = Field(default=3, ge=1)
+    worker_concurrency: int | None = Field(default=None, ge=1)
+
+    # Retry policy defaults (per-route overrides live on the route).
+    # Derived from the providers' own schedules (PROVIDERS.md): Standard Webhooks and Svix
+    # back off from seconds to hours and stop after about 1-3 days, Stripe after 3 days.
+    retry_base: timedelta = timedelta(seconds=5)
+    retry_cap: timedelta = timedelta(hours=6)
+    max_attempts: int = Field(default=12, ge=1)
+    max_age: timedelta = timedelta(days=3)
+
+    # Sweeper and maintenance.
+    sweep_interval: timedelta = timedelta(seconds=15)
+    publish_grace: timedelta = timedelta(seconds=30)
+    sweep_batch: int = Field(default=500, ge=1)
+    maintenance_interval: timedelta = timedelta(minutes=10)
+
+    # Retention (issue 5): global defaults for the dedup TTL terms that are not provider ones.
+    queue_lag_budget: timedelta = timedelta(days=1)
+    clock_skew_allowance: timedelta = timedelta(minutes=10)
+    manual_replay_grace: timedelta = timedelta(days=2)
+    retention_mode: Literal["partition", "delete"] = "partition"
+    partition_ahead_days: int = Field(default=7, ge=1, le=366)
+    delete_batch_size: int = Field(default=10_000, ge=1, le=10_000)
+    payload_retention: timedelta = timedelta(days=7)
+
+    # Observability.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_json: bool = True
+    metrics_dir: str | None = None
+    flower_port: int = Field(default=5555, ge=1, le=65535)
+    worker_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+
+    # Extra modules imported by workers so their handlers register (besides entry points).
+    handler_modules: list[str] = Field(default_factory=list)
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise_database_url(cls, value: str) -> str:
+        if value.startswith("postgres://"):
+            value = "postgresql://" + value.removeprefix("postgres://")
+        if value.startswith("postgresql://"):
+            value = "postgresql+psycopg://" + value.removeprefix("postgresql://")
+        if not value.startswith("postgresql+psycopg://"):
+            raise ValueError("must be a postgresql:// URL")
+        return value
+
+    @field_validator("redis_url", "broker_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "amqp://", "pyamqp://")):
+            raise ValueError("must be a redis:// (or amqp:// for the broker) URL")
+        return value
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> Settings:
+        self.check_budgets()
+        return self
+
+    # Derived values -------------------------------------------------------------------
+
+    @cached_property
+    def processing_ttl(self) -> float:
+        """The fast claim's crash floor: four times the hard limit (see the seeds)."""
+        return 4 * self.hard_time_limit
+
+    @cached_property
+    def max_countdown(self) -> float:
+        """Longest retry delay handed to Celery as a countdown; longer ones go to the sweeper."""
+        return self.visibility_timeout - self.hard_time_limit
+
+    @property
+    def psycopg_dsn(self) -> str:
+        """The database URL in the form psycopg itself accepts."""
+        return "postgresql://" + self.database_url.removeprefix("postgresql+psycopg://")
+
+    def check_budgets(self) -> None:
+        chain = [
+            ("WEBHOOKS_HANDLER_IO_TIMEOUT", self.handler_io_timeout),
+            ("WEBHOOKS_SOFT_TIME_LIMIT", self.soft_time_limit),
+            ("WEBHOOKS_HARD_TIME_LIMIT", self.hard_time_limit),
+            ("processing_ttl (4 x WEBHOOKS_HARD_TIME_LIMIT)", self.processing_ttl),
+            ("WEBHOOKS_VISIBILITY_TIMEOUT", self.visibility_timeout),
+        ]
+        for (lo_name, lo), (hi_name, hi) in zip(chain, chain[1:], strict=False):
+            if not lo < hi:
+                raise ValueError(f"time budgets out of order: {lo_name}={lo} must be < {hi_name}={hi}")
+
+    def database_name(self) -> str:
+        return self.database_url.rsplit("/", 1)[-1].split("?", 1)[0]
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build Settings from the environment; raise SettingsError naming the bad variable."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = "_".join(str(p) for p in err["loc"]) if err["loc"] else ""
+            name = f"WEBHOOKS_{loc.upper()}" if loc else "settings"
+            problems.append(f"{name}: {err['msg']}")
+        raise SettingsError("invalid settings: " + "; ".join(problems)) from None
