@@ -45,8 +45,9 @@ from webhooks.ttl import expires_at
 log = get_logger("ingest")
 
 DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError)
-# A forged request may not force a reload of a source's secrets more than once a second.
-REFRESH_AFTER_SECONDS = 1.0
+# A request no cached secret verifies reloads the source's secrets (one may have been added),
+# but a flood of forged requests may not reload it more often than this.
+REFRESH_AFTER_SECONDS = 0.25
 
 
 class BodyTooLarge(Exception):
@@ -70,7 +71,9 @@ async def read_limited(request: Request, limit: int) -> bytes:
 
 
 class Receiver:
-    def __init__(self, settings: Settings, clock: Clock, store: Store, publisher: Publisher) -> None:
+    def __init__(
+        self, settings: Settings, clock: Clock, store: Store, publisher: Publisher
+    ) -> None:
         self.settings = settings
         self.clock = clock
         self.store = store
@@ -78,7 +81,12 @@ class Receiver:
         self._sync_engine: Any = None
 
     def _answer(
-        self, label: str, outcome: str, status: int, data: dict[str, Any], event_id: str | None = None,
+        self,
+        label: str,
+        outcome: str,
+        status: int,
+        data: dict[str, Any],
+        event_id: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> Response:
         metrics.REQUESTS.labels(label, outcome).inc()
@@ -87,7 +95,11 @@ class Receiver:
 
     def _unavailable(self, label: str) -> Response:
         return self._answer(
-            label, "unavailable", 503, {"error": "database unavailable"}, headers={"Retry-After": "5"}
+            label,
+            "unavailable",
+            503,
+            {"error": "database unavailable"},
+            headers={"Retry-After": "5"},
         )
 
     async def receive(self, request: Request) -> Response:
@@ -102,7 +114,9 @@ class Receiver:
         try:
             body = await read_limited(request, limit)
         except BodyTooLarge:
-            return self._answer(label, "too_large", 413, {"error": "body too large", "limit": limit})
+            return self._answer(
+                label, "too_large", 413, {"error": "body too large", "limit": limit}
+            )
         if source is None:
             return self._answer(label, "unknown_source", 404, {"error": "unknown source"})
 
@@ -113,12 +127,16 @@ class Receiver:
         except DB_ERRORS:
             return self._unavailable(label)
         except AuthError as exc:
-            return self._answer(label, f"unauthenticated:{exc.reason}", 401, {"error": "unauthenticated"})
+            return self._answer(
+                label, f"unauthenticated:{exc.reason}", 401, {"error": "unauthenticated"}
+            )
 
         try:
             meta = extract(source.provider, headers, body, config=source.config)
         except MalformedEvent as exc:
-            return self._answer(label, f"malformed:{exc.reason}", 400, {"error": f"malformed event: {exc.reason}"})
+            return self._answer(
+                label, f"malformed:{exc.reason}", 400, {"error": f"malformed event: {exc.reason}"}
+            )
         if isinstance(meta, Challenge):
             metrics.REQUESTS.labels(label, "challenge").inc()
             return Response(meta.body, 200, media_type=meta.content_type)
@@ -141,30 +159,53 @@ class Receiver:
             return self._unavailable(label)
 
         if outcome.status == "revoked":
+            self.store.forget(source.public_id)
             return self._answer(label, "unauthenticated:revoked", 401, {"error": "unauthenticated"})
         if outcome.status == "duplicate":
             metrics.DUPLICATES.labels(label).inc()
-            return self._answer(label, "duplicate", 200, {"status": "duplicate", "event_id": meta.event_id}, meta.event_id)
+            return self._answer(
+                label,
+                "duplicate",
+                200,
+                {"status": "duplicate", "event_id": meta.event_id},
+                meta.event_id,
+            )
         if outcome.status == "conflict":
             metrics.CONFLICTS.labels(label).inc()
-            return self._answer(label, "conflict", 200, {"status": "conflict", "event_id": meta.event_id}, meta.event_id)
+            return self._answer(
+                label,
+                "conflict",
+                200,
+                {"status": "conflict", "event_id": meta.event_id},
+                meta.event_id,
+            )
 
         if outcome.delivery_ids:
             try:
                 await self.publisher.publish(outcome.delivery_ids)
             except Exception as exc:  # noqa: BLE001  (durable already; the sweeper publishes)
                 metrics.PUBLISH_FAILURES.labels(label).inc(len(outcome.delivery_ids))
-                log.warning("publish_failed", source=label, event_id=meta.event_id, error=exc.__class__.__name__)
+                log.warning(
+                    "publish_failed",
+                    source=label,
+                    event_id=meta.event_id,
+                    error=exc.__class__.__name__,
+                )
         metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
-        return self._answer(label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id)
+        return self._answer(
+            label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id
+        )
 
-    async def _authenticate(
-        self, source: SourceRecord, headers: Any, body: bytes, now: Any
-    ) -> str:
+    async def _authenticate(self, source: SourceRecord, headers: Any, body: bytes, now: Any) -> str:
         try:
             return authenticate(
-                source.provider, headers, body, source.secrets,
-                config=source.config, now=now, tolerance=source.tolerance,
+                source.provider,
+                headers,
+                body,
+                source.secrets,
+                config=source.config,
+                now=now,
+                tolerance=source.tolerance,
             )
         except AuthError:
             # A secret added since the cache was filled: reload once, then decide.
@@ -175,8 +216,13 @@ class Receiver:
             if fresh is None:
                 raise
             return authenticate(
-                fresh.provider, headers, body, fresh.secrets,
-                config=fresh.config, now=now, tolerance=fresh.tolerance,
+                fresh.provider,
+                headers,
+                body,
+                fresh.secrets,
+                config=fresh.config,
+                now=now,
+                tolerance=fresh.tolerance,
             )
 
     async def _accept(self, receipt: NewReceipt) -> Any:

@@ -48,7 +48,7 @@ class Publisher:
 
     def ping(self) -> None:
         with self.app.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=self.timeout)
+            conn.ensure_connection(max_retries=1, timeout=max(1, int(self.timeout)))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

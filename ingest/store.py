@@ -31,8 +31,10 @@ from webhooks.ttl import TtlOverrides, derive_ttl
 SOURCE_SQL = """
 SELECT s.id, s.provider, s.config, s.tolerance_s, s.max_body_bytes,
        s.retry_window_s, s.queue_lag_s, s.clock_skew_s, s.replay_grace_s, s.name,
-       coalesce(array_agg(ss.id ORDER BY ss.created_at DESC) FILTER (WHERE ss.id IS NOT NULL), '{}'),
-       coalesce(array_agg(ss.ciphertext ORDER BY ss.created_at DESC) FILTER (WHERE ss.id IS NOT NULL), '{}')
+       coalesce(array_agg(ss.id ORDER BY ss.created_at DESC)
+                FILTER (WHERE ss.id IS NOT NULL), '{}'),
+       coalesce(array_agg(ss.ciphertext ORDER BY ss.created_at DESC)
+                FILTER (WHERE ss.id IS NOT NULL), '{}')
 FROM sources s
 LEFT JOIN source_secrets ss ON ss.source_id = s.id AND ss.revoked_at IS NULL
 WHERE s.public_id = %s
@@ -140,7 +142,7 @@ def decide(row: TupleRow | None) -> Outcome:
     """Interpret the accept statement's single row (pure)."""
     if row is None:
         raise RuntimeError("accept statement returned no row")
-    authorised, receipt_id, existing_digest, delivery_ids = row
+    authorised, receipt_id, _existing_digest, delivery_ids = row
     if not authorised:
         return Outcome("revoked", None, ())
     if receipt_id is not None:
@@ -157,7 +159,12 @@ def accept_sync(conn: psycopg.Connection[Any], receipt: NewReceipt, grace: timed
 
 
 def _with_conflict(outcome: Outcome, row: TupleRow | None, digest: bytes) -> Outcome:
-    if outcome.status == "duplicate" and row is not None and row[2] is not None and bytes(row[2]) != digest:
+    if (
+        outcome.status == "duplicate"
+        and row is not None
+        and row[2] is not None
+        and bytes(row[2]) != digest
+    ):
         return Outcome("conflict", None, ())
     return outcome
 
@@ -174,7 +181,10 @@ class Store:
             max_size=settings.db_pool_size,
             open=False,
             timeout=settings.db_connect_timeout,
-            kwargs={"autocommit": True, "connect_timeout": max(1, int(settings.db_connect_timeout))},
+            kwargs={
+                "autocommit": True,
+                "connect_timeout": max(1, int(settings.db_connect_timeout)),
+            },
             check=AsyncConnectionPool.check_connection,
         )
         self._cache: dict[str, SourceRecord] = {}
@@ -207,6 +217,9 @@ class Store:
         self._cache[public_id] = record
         return record
 
+    def forget(self, public_id: str) -> None:
+        self._cache.pop(public_id, None)
+
     def cached_at(self, public_id: str) -> float | None:
         cached = self._cache.get(public_id)
         return None if cached is None else cached.loaded_at
@@ -231,12 +244,11 @@ class Store:
 
     async def accept(self, receipt: NewReceipt) -> Outcome:
         params = accept_params(receipt, self.settings.publish_grace)
-        async with self.pool.connection() as conn:
-            async with conn.transaction():
-                async with conn.pipeline():
-                    await conn.execute(LOCK_SQL, (lock_key(receipt.source_id, receipt.event_id),))
-                    cur = await conn.execute(ACCEPT_SQL, params)
-                row = await cur.fetchone()
+        async with self.pool.connection() as conn, conn.transaction():
+            async with conn.pipeline():
+                await conn.execute(LOCK_SQL, (lock_key(receipt.source_id, receipt.event_id),))
+                cur = await conn.execute(ACCEPT_SQL, params)
+            row = await cur.fetchone()
         return _with_conflict(decide(row), row, receipt.digest)
 
     async def ping(self) -> None:

@@ -121,7 +121,9 @@ def update_source_ttl(
         retry_window=changes.retry_window or merged.retry_window,
         queue_lag=changes.queue_lag if changes.queue_lag is not None else merged.queue_lag,
         clock_skew=changes.clock_skew if changes.clock_skew is not None else merged.clock_skew,
-        replay_grace=changes.replay_grace if changes.replay_grace is not None else merged.replay_grace,
+        replay_grace=changes.replay_grace
+        if changes.replay_grace is not None
+        else merged.replay_grace,
     )
     derive_ttl(source.provider, merged, settings, source_name=source.name)
     source.retry_window_s = _seconds(merged.retry_window)
@@ -158,7 +160,9 @@ def _check_whsec(secret: str) -> None:
 def list_secrets(session: Session, source: Source) -> list[SourceSecret]:
     return list(
         session.scalars(
-            select(SourceSecret).where(SourceSecret.source_id == source.id).order_by(SourceSecret.created_at)
+            select(SourceSecret)
+            .where(SourceSecret.source_id == source.id)
+            .order_by(SourceSecret.created_at)
         )
     )
 
@@ -223,4 +227,6 @@ def add_route(
 
 
 def list_routes(session: Session, source: Source) -> list[Route]:
-    return list(session.scalars(select(Route).where(Route.source_id == source.id).order_by(Route.id)))
+    return list(
+        session.scalars(select(Route).where(Route.source_id == source.id).order_by(Route.id))
+    )

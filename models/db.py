@@ -46,7 +46,9 @@ def ensure_database(settings: Settings) -> bool:
     admin_dsn = settings.psycopg_dsn.rsplit("/", 1)[0] + "/postgres"
     try:
         with psycopg.connect(admin_dsn, autocommit=True, connect_timeout=5) as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (name,)
+            ).fetchone()
             if exists:
                 return False
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))

@@ -1,18 +1,45 @@
 """Daily range partitions of receipts, deliveries and attempts on ``expires_at``.
 
 Partition ``<table>_pYYYYMMDD`` holds rows with expires_at in [that day 00:00 UTC, next day).
-In ``delete`` retention mode there is a single ``<table>_default`` partition instead and expiry
-is a batched delete (see :mod:`models.retention`).
+Deliveries and attempts carry their receipt's ``expires_at``, so one day's three partitions
+expire together. In ``delete`` retention mode there is a single ``<table>_default`` partition
+(with an index on ``expires_at`` for the batched delete) instead, and expiry is a batched
+delete (see :mod:`models.retention`).
+
+Maintenance reads each partition's bounds from the catalog (``pg_class.relpartbound``), never
+from its name: a partition is dropped because Postgres guarantees every row in it is below
+its upper bound.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
 from sqlalchemy import Connection, Engine, text
 
 from models.schema import PARTITIONED_TABLES
 from webhooks.settings import Settings
+
+# Serialises layout changes (beat, the receiver's on-demand create, the CLI), so concurrent
+# creators never race on the same partition name. Any constant works; this one is ours.
+LAYOUT_LOCK_KEY = 0x5745_4248_4B50  # "WEBHKP"
+
+# DDL on a partition locks its parent: give up quickly rather than queue the receiver behind
+# us (the next maintenance run tries again).
+LOCK_TIMEOUT = "5s"
+
+
+@dataclass(frozen=True)
+class Partition:
+    table: str  # the partitioned parent
+    name: str
+    lower: datetime | None  # None: DEFAULT partition (or an unbounded side)
+    upper: datetime | None
+
+    @property
+    def is_default(self) -> bool:
+        return self.lower is None and self.upper is None
 
 
 def partition_name(table: str, day: date) -> str:
@@ -24,6 +51,39 @@ def day_bounds(day: date) -> tuple[datetime, datetime]:
     return start, start + timedelta(days=1)
 
 
+def quote(conn: Connection, name: str) -> str:
+    return conn.dialect.identifier_preparer.quote(name)
+
+
+def lock_layout(conn: Connection) -> None:
+    """Take the layout lock and the DDL lock timeout for the rest of this transaction."""
+    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": LAYOUT_LOCK_KEY})
+
+
+_LIST = text(
+    r"""
+    SELECT parent.relname, child.relname,
+           (regexp_match(pg_get_expr(child.relpartbound, child.oid),
+                         'FROM \(''([^'']+)''\)'))[1]::timestamptz,
+           (regexp_match(pg_get_expr(child.relpartbound, child.oid),
+                         'TO \(''([^'']+)''\)'))[1]::timestamptz
+    FROM pg_inherits i
+    JOIN pg_class child ON child.oid = i.inhrelid
+    JOIN pg_class parent ON parent.oid = i.inhparent
+    JOIN pg_namespace ns ON ns.oid = parent.relnamespace
+    WHERE parent.relname = ANY(:tables) AND ns.nspname = current_schema()
+    ORDER BY 1, 4 NULLS LAST, 2
+    """
+)
+
+
+def list_partitions(conn: Connection) -> list[Partition]:
+    """Every partition of the partitioned tables with its bounds as Postgres enforces them."""
+    rows = conn.execute(_LIST, {"tables": list(PARTITIONED_TABLES)}).all()
+    return [Partition(r[0], r[1], r[2], r[3]) for r in rows]
+
+
 def create_day(conn: Connection, day: date) -> list[str]:
     """Create the partitions of every partitioned table for one day (idempotent)."""
     lo, hi = day_bounds(day)
@@ -32,7 +92,7 @@ def create_day(conn: Connection, day: date) -> list[str]:
         name = partition_name(table, day)
         conn.execute(
             text(
-                f"CREATE TABLE IF NOT EXISTS {name} PARTITION OF {table} "
+                f"CREATE TABLE IF NOT EXISTS {quote(conn, name)} PARTITION OF {table} "
                 f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
             )
         )
@@ -41,16 +101,23 @@ def create_day(conn: Connection, day: date) -> list[str]:
 
 
 def create_default(conn: Connection) -> None:
+    """The delete-mode layout: one DEFAULT partition per table, indexed on expires_at so each
+    batch of the delete finds its rows without scanning the table."""
     for table in PARTITIONED_TABLES:
-        conn.execute(text(f"CREATE TABLE IF NOT EXISTS {table}_default PARTITION OF {table} DEFAULT"))
+        default = f"{table}_default"
+        conn.execute(text(f"CREATE TABLE IF NOT EXISTS {default} PARTITION OF {table} DEFAULT"))
+        conn.execute(
+            text(f"CREATE INDEX IF NOT EXISTS ix_{default}_expires_at ON {default} (expires_at)")
+        )
+
+
+def drop(conn: Connection, partition: Partition) -> None:
+    conn.execute(text(f"DROP TABLE {quote(conn, partition.name)}"))
 
 
 def bootstrap(engine: Engine, settings: Settings, now: datetime | None = None) -> None:
     """Lay out partitions after a migration."""
     from models import retention  # noqa: PLC0415  (retention imports this module)
 
-    with engine.begin() as conn:
-        if settings.retention_mode == "delete":
-            create_default(conn)
-            return
+    # An entry point (``webhooks db upgrade``): the wall clock is the right default here.
     retention.ensure_partitions(engine, settings, now or datetime.now(UTC))

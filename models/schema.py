@@ -130,7 +130,9 @@ class Receipt(Base):
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 
-    id: Mapped[int] = mapped_column(BigInteger, receipt_id_seq, server_default=receipt_id_seq.next_value())
+    id: Mapped[int] = mapped_column(
+        BigInteger, receipt_id_seq, server_default=receipt_id_seq.next_value()
+    )
     source_id: Mapped[int] = mapped_column(BigInteger)
     event_id: Mapped[str] = mapped_column(Text)
     expires_at: Mapped[datetime] = mapped_column()
@@ -161,7 +163,9 @@ class Delivery(Base):
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 
-    id: Mapped[int] = mapped_column(BigInteger, delivery_id_seq, server_default=delivery_id_seq.next_value())
+    id: Mapped[int] = mapped_column(
+        BigInteger, delivery_id_seq, server_default=delivery_id_seq.next_value()
+    )
     expires_at: Mapped[datetime] = mapped_column()
     receipt_id: Mapped[int] = mapped_column(BigInteger)
     source_id: Mapped[int] = mapped_column(BigInteger)
@@ -194,7 +198,9 @@ class Attempt(Base):
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 
-    id: Mapped[int] = mapped_column(BigInteger, attempt_id_seq, server_default=attempt_id_seq.next_value())
+    id: Mapped[int] = mapped_column(
+        BigInteger, attempt_id_seq, server_default=attempt_id_seq.next_value()
+    )
     expires_at: Mapped[datetime] = mapped_column()
     delivery_id: Mapped[int] = mapped_column(BigInteger)
     number: Mapped[int] = mapped_column(Integer)
@@ -260,5 +266,7 @@ def include_name(name: str | None, type_: str, parent_names: object) -> bool:
     """Alembic filter: partitions (``receipts_p20261130``, ``receipts_default``) belong to
     maintenance, not to migrations."""
     if type_ == "table" and name is not None:
-        return not any(name.startswith(f"{t}_p") or name == f"{t}_default" for t in PARTITIONED_TABLES)
+        return not any(
+            name.startswith(f"{t}_p") or name == f"{t}_default" for t in PARTITIONED_TABLES
+        )
     return True

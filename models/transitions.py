@@ -286,9 +286,7 @@ def rerun(session: Session, delivery_id: int, *, now: datetime, publish_grace: t
     return row is not None
 
 
-def due_for_publish(
-    session: Session, *, now: datetime, grace: timedelta, limit: int
-) -> list[int]:
+def due_for_publish(session: Session, *, now: datetime, grace: timedelta, limit: int) -> list[int]:
     """The sweeper's pick, claimed with SKIP LOCKED so two sweepers never take the same rows:
 
     - pending deliveries whose publish grace passed (never published, or the message was lost);

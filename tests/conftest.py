@@ -1,9 +1,9 @@
-"""Test infrastructure: a real Postgres database migrated once per run, real Redis.
+"""Test infrastructure: real Postgres and Redis, no mocks of either.
 
 The suite runs against the services on this machine (Postgres 127.0.0.1:5432, Redis
-127.0.0.1:6379). It uses its own database (``webhooks_test``, recreated at the start) and
-Redis databases 14 (broker) and 15 (claims), so a pipeline started by ``make run`` on the same
-machine is not disturbed. Subprocesses (receivers, workers, beat) get the same settings through
+127.0.0.1:6379). Each run creates and migrates its own database ``webhooks_test_<pid>`` (dropped
+at the end) and uses Redis databases 14 (broker) and 15 (claims), so a pipeline started by
+``make run`` on the same machine is not disturbed. Subprocesses (receivers, workers, beat) get the same settings through
 the environment returned by :func:`test_env`.
 """
 
@@ -28,7 +28,8 @@ from webhooks.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-TEST_DB = os.environ.get("WEBHOOKS_TEST_DATABASE", "webhooks_test")
+# One database per test run, so runs on one machine never share (or drop) each other's data.
+TEST_DB = os.environ.get("WEBHOOKS_TEST_DATABASE", f"webhooks_test_{os.getpid()}")
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 BASE_ENV = {
@@ -69,7 +70,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 20) -> None:
+def wait_for_port(
+    port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 20
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -92,6 +95,11 @@ def _database() -> Iterator[None]:
         conn.execute(f'DROP DATABASE IF EXISTS "{TEST_DB}"')
     upgrade(make_settings())
     yield
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (TEST_DB,)
+        )
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEST_DB}"')
 
 
 @pytest.fixture(scope="session")
@@ -128,4 +136,6 @@ def redis_client() -> Iterator[redis.Redis]:
 def count_rows(engine: Engine, *tables: str) -> dict[str, int]:
     tables = tables or ("receipts", "deliveries", "conflicts", "attempts")
     with engine.connect() as conn:
-        return {t: int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()) for t in tables}  # noqa: S608
+        return {
+            t: int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()) for t in tables
+        }

@@ -69,7 +69,13 @@ def make_source(
             route, _ = catalog.add_route(session, box, source, **spec)
             route_ids.append(route.id)
         return MadeSource(
-            source.id, source.public_id, source.name, provider, created.id, plaintext, tuple(route_ids)
+            source.id,
+            source.public_id,
+            source.name,
+            provider,
+            created.id,
+            plaintext,
+            tuple(route_ids),
         )
 
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 # Receiver.
-REQUESTS = Counter("webhooks_requests_total", "Webhook requests by source and outcome", ["source", "outcome"])
-DUPLICATES = Counter("webhooks_duplicates_total", "Duplicate deliveries (same id, same body)", ["source"])
+REQUESTS = Counter(
+    "webhooks_requests_total", "Webhook requests by source and outcome", ["source", "outcome"]
+)
+DUPLICATES = Counter(
+    "webhooks_duplicates_total", "Duplicate deliveries (same id, same body)", ["source"]
+)
 CONFLICTS = Counter("webhooks_conflicts_total", "Same event id, different body", ["source"])
-PUBLISH_FAILURES = Counter("webhooks_publish_failures_total", "Messages not published after commit", ["source"])
+PUBLISH_FAILURES = Counter(
+    "webhooks_publish_failures_total", "Messages not published after commit", ["source"]
+)
 ACCEPT_LATENCY = Histogram(
     "webhooks_accept_latency_seconds",
     "Time from request start to the durable 2xx",

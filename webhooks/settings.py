@@ -8,6 +8,7 @@ construction and is checked again by :meth:`Settings.check_budgets`.
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 from functools import cached_property
 from typing import Literal
@@ -69,6 +70,8 @@ class Settings(BaseSettings):
     retry_cap: timedelta = timedelta(hours=6)
     max_attempts: int = Field(default=12, ge=1)
     max_age: timedelta = timedelta(days=3)
+    # Seed of the workers' jitter source: reproducible retry delays in tests; None = OS entropy.
+    retry_seed: int | None = None
 
     # Sweeper and maintenance.
     sweep_interval: timedelta = timedelta(seconds=15)
@@ -143,9 +146,11 @@ class Settings(BaseSettings):
             ("processing_ttl (4 x WEBHOOKS_HARD_TIME_LIMIT)", self.processing_ttl),
             ("WEBHOOKS_VISIBILITY_TIMEOUT", self.visibility_timeout),
         ]
-        for (lo_name, lo), (hi_name, hi) in zip(chain, chain[1:], strict=False):
+        for (lo_name, lo), (hi_name, hi) in itertools.pairwise(chain):
             if not lo < hi:
-                raise ValueError(f"time budgets out of order: {lo_name}={lo} must be < {hi_name}={hi}")
+                raise ValueError(
+                    f"time budgets out of order: {lo_name}={lo} must be < {hi_name}={hi}"
+                )
 
     def database_name(self) -> str:
         return self.database_url.rsplit("/", 1)[-1].split("?", 1)[0]

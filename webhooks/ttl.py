@@ -1,11 +1,15 @@
 """Dedup TTL derivation (pure): the sender's delivery contract, never a round number.
 
-    dedup_ttl = provider_retry_window + queue_lag_budget + clock_skew_allowance + manual_replay_grace
+    dedup_ttl = provider_retry_window + queue_lag_budget
+              + clock_skew_allowance + manual_replay_grace
 
 Each term has a default (the provider's documented retry window, cited below; the other three
-from Settings) and a per-source override. ``expires_at`` is deterministic for an event: it is
-anchored on the provider's own event time where the format carries one, so every retry of the
-same event computes the same value.
+from Settings) and a per-source override. A TTL that is not strictly above the retry window in
+force (the provider's documented one, or a longer overridden one) is refused: a late retry
+would then run twice.
+
+The expiry boundary is inclusive: a receipt deduplicates while ``now < expires_at`` and is
+expired (new work, removable by maintenance) from ``now >= expires_at`` on.
 """
 
 from __future__ import annotations
@@ -45,9 +49,18 @@ PROVIDER_RETRY_WINDOWS: dict[str, tuple[timedelta, str]] = {
 
 TERM_NAMES = ("retry_window", "queue_lag", "clock_skew", "replay_grace")
 
+# An event time further ahead of our clock than this is not trusted as the expiry anchor: a
+# sender with a broken clock must not push a receipt past the partitions laid out ahead
+# (maintenance keeps at least a day of slack beyond the longest TTL).
+MAX_EVENT_TIME_LEAD = timedelta(hours=1)
+
 
 class TtlConfigError(ValueError):
-    """A source's TTL terms do not cover its provider's retry window."""
+    """A source's TTL terms do not cover its provider's retry window (or are invalid)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -61,11 +74,21 @@ class TtlTerm:
 class DedupTtl:
     provider: str
     terms: tuple[TtlTerm, ...]
-    provider_window: timedelta
+    provider_window: timedelta  # the provider's documented retry window
 
     @property
     def total(self) -> timedelta:
         return sum((t.value for t in self.terms), timedelta())
+
+    @property
+    def retry_window(self) -> timedelta:
+        """The retry window in force: the larger of the documented and the configured one."""
+        configured = next(t.value for t in self.terms if t.name == "retry_window")
+        return max(self.provider_window, configured)
+
+    @property
+    def covers_retries(self) -> bool:
+        return self.total > self.retry_window
 
     def describe(self) -> str:
         parts = " + ".join(f"{t.name} {format_duration(t.value)}" for t in self.terms)
@@ -93,11 +116,17 @@ class TtlOverrides:
         return cls(td(retry_window_s), td(queue_lag_s), td(clock_skew_s), td(replay_grace_s))
 
 
-def derive_ttl(
+def dedup_terms(
     provider: str, overrides: TtlOverrides, settings: Settings, *, source_name: str = "?"
 ) -> DedupTtl:
-    """Sum the four terms; refuse a TTL that does not exceed the provider's retry window."""
-    window, citation = PROVIDER_RETRY_WINDOWS[provider]
+    """The four terms and where each came from, without the coverage check (``ttl explain``
+    shows a refused configuration too; maintenance sizes partitions from it)."""
+    try:
+        window, citation = PROVIDER_RETRY_WINDOWS[provider]
+    except KeyError:
+        raise TtlConfigError(
+            f"source {source_name}: unknown provider {provider!r}", "unknown_provider"
+        ) from None
     defaults = {
         "retry_window": (window, f"provider default ({citation})"),
         "queue_lag": (settings.queue_lag_budget, "setting WEBHOOKS_QUEUE_LAG_BUDGET"),
@@ -109,31 +138,53 @@ def derive_ttl(
         override = getattr(overrides, name)
         if override is not None:
             if override < timedelta():
-                raise TtlConfigError(f"source {source_name}: {name} must not be negative")
+                raise TtlConfigError(
+                    f"source {source_name}: {name} must not be negative", "negative_term"
+                )
             terms.append(TtlTerm(name, override, "source override"))
         else:
             value, origin = defaults[name]
+            if value < timedelta():
+                raise TtlConfigError(f"{origin}: {name} must not be negative", "negative_term")
             terms.append(TtlTerm(name, value, origin))
-    ttl = DedupTtl(provider, tuple(terms), window)
-    if ttl.total <= window:
+    return DedupTtl(provider, tuple(terms), window)
+
+
+def derive_ttl(
+    provider: str, overrides: TtlOverrides, settings: Settings, *, source_name: str = "?"
+) -> DedupTtl:
+    """Sum the four terms; refuse a TTL that does not exceed the retry window in force."""
+    ttl = dedup_terms(provider, overrides, settings, source_name=source_name)
+    if not ttl.covers_retries:
         raise TtlConfigError(
             f"source {source_name}: dedup TTL {ttl.describe()} is not above the {provider} "
-            f"retry window {format_duration(window)}; a late retry would run twice"
+            f"retry window {format_duration(ttl.retry_window)}; a late retry would run twice",
+            "ttl_not_above_retry_window",
         )
     return ttl
 
 
 def expires_at(occurred_at: datetime | None, received_at: datetime, ttl: timedelta) -> datetime:
-    """Deterministic expiry of an event's receipt.
+    """Deterministic expiry of an event's receipt: ``anchor + ttl``.
 
-    Anchored on the provider's event time when the format has one (every retry of the event
-    carries the same time, so computes the same value). Formats without one (GitHub, a
-    Standard Webhooks payload without ``timestamp``, generic HMAC without a time field) anchor
-    on the first arrival: retries find that receipt under the per-event lock and keep it. An
-    event time so old that the anchor has already expired is anchored on arrival too: the
-    sender's contract is over, so the delivery is new work (see README, Retention).
+    The anchor is the provider's event time when the format carries one (Stripe ``created``,
+    Slack ``event_time``, a Standard Webhooks payload ``timestamp``, a generic source's
+    configured time field): every retry of the event carries the same time, so every retry
+    computes the same ``expires_at``, and the retry window, which providers count from the
+    event, is measured from the same instant.
+
+    Otherwise (GitHub, Shopify without ``X-Shopify-Triggered-At``, a generic source without a
+    time field) the anchor is the first arrival: retries serialise on the receiver's
+    per-(scope, event_id) lock, find that receipt live and keep it, so its ``expires_at`` is
+    the one every retry sees. The first arrival is never earlier than the event, so this only
+    lengthens protection.
+
+    Two event times are not trusted and fall back to the arrival anchor: one so old that
+    ``event time + ttl`` is already past (the sender's contract for it is over, so the
+    delivery is new work), and one more than :data:`MAX_EVENT_TIME_LEAD` ahead of our clock.
+    Either way, a live receipt of the same event still deduplicates it under the lock.
     """
-    if occurred_at is not None:
+    if occurred_at is not None and occurred_at <= received_at + MAX_EVENT_TIME_LEAD:
         anchored = occurred_at + ttl
         if anchored > received_at:
             return anchored

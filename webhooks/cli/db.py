@@ -13,7 +13,8 @@ db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 @handle_errors
 def upgrade(revision: str = typer.Argument("head", help="Alembic revision")) -> None:
     """Create the database if it is missing and migrate it to the latest schema."""
-    from models.db import ensure_database, upgrade as run_upgrade  # noqa: PLC0415
+    from models.db import ensure_database  # noqa: PLC0415
+    from models.db import upgrade as run_upgrade
 
     settings = env().settings
     created = ensure_database(settings)

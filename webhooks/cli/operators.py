@@ -1,9 +1,463 @@
-"""Commands of this area are registered here."""
+"""Operators' commands: ``events list|show``, ``dead list``, ``replay``, ``replays list``, ``demo``.
+
+Every listing takes ``--json``. Nothing printed here carries a secret or a payload: events
+show their payload's size and whether retention dropped it, never its content.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import getpass
+import time
+from collections import Counter
+from datetime import datetime
+from typing import Annotated, Any
+
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from models import queries, replays
+from models.queries import EventFilter, ReplayFilter
+from webhooks.cli.common import CliError, Env, console, env, err_console, handle_errors, print_json
+
+events_app = typer.Typer(
+    help="Received events, their deliveries and attempts.", no_args_is_help=True
+)
+dead_app = typer.Typer(help="Dead letters: deliveries that gave up.", no_args_is_help=True)
+replays_app = typer.Typer(help="The replay audit trail.", no_args_is_help=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+SourceOpt = Annotated[str | None, typer.Option("--source", help="Source id or name.")]
+TypeOpt = Annotated[str | None, typer.Option("--type", help="Event type, globs allowed: invoice.*")]
+SinceOpt = Annotated[
+    str | None,
+    typer.Option("--since", help="Received at or after: ISO time, or 2h for 2 hours ago."),
+]
+UntilOpt = Annotated[
+    str | None,
+    typer.Option("--until", help="Received before: ISO time, or 30m for 30 minutes ago."),
+]
+
+
+def _when(value: datetime | None) -> str:
+    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _time(e: Env, text: str | None) -> datetime | None:
+    return None if text is None else queries.parse_time(text, now=e.clock.now())
+
+
+def _plain(obj: Any) -> Any:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj  # type: ignore[arg-type]
+
+
+# events --------------------------------------------------------------------------------------
+
+
+@events_app.command("list")
+@handle_errors
+def events_list(
+    *,
+    source: SourceOpt = None,
+    event_type: TypeOpt = None,
+    status: Annotated[
+        str | None, typer.Option("--status", help="Events with a delivery in this state.")
+    ] = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many, newest first.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List received events, newest first, with their deliveries' states."""
+    e = env()
+    flt = EventFilter(source, event_type, status, _time(e, since), _time(e, until), limit)
+    with e.session() as session:
+        rows = queries.list_events(session, flt)
+    if as_json:
+        print_json([_plain(r) for r in rows])
+        return
+    table = Table("id", "received", "source", "type", "event id", "deliveries", title="events")
+    for r in rows:
+        states = ", ".join(f"{k} {v}" for k, v in sorted(r.deliveries.items())) or "none"
+        if r.payload_dropped:
+            states += " (payload dropped)"
+        table.add_row(
+            str(r.id), _when(r.received_at), r.source_name, r.event_type, r.event_id, states
+        )
+    console.print(table)
+    if not rows:
+        console.print("no events match")
+
+
+@events_app.command("show")
+@handle_errors
+def events_show(
+    event: Annotated[str, typer.Argument(help="Receipt id (from `events list`) or event id.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """One event: the receipt, its deliveries and every attempt with its error."""
+    e = env()
+    with e.session() as session:
+        detail = queries.get_event(session, event)
+    if as_json:
+        print_json(_plain(detail))
+        return
+    payload = (
+        f"dropped {_when(detail.payload_dropped_at)}"
+        if detail.payload_dropped_at
+        else f"{detail.payload_bytes} bytes ({detail.content_type or 'unknown type'})"
+    )
+    for label, value in (
+        ("receipt", detail.id),
+        ("source", f"{detail.source_name} ({detail.source}, {detail.provider})"),
+        ("event id", detail.event_id),
+        ("type", detail.event_type),
+        ("occurred", _when(detail.occurred_at) or "-"),
+        ("received", _when(detail.received_at)),
+        ("expires", _when(detail.expires_at)),
+        ("payload", payload),
+    ):
+        console.print(f"{label + ':':<10} {value}", highlight=False)
+    if not detail.deliveries:
+        console.print("no deliveries (no route matched)")
+    for d in detail.deliveries:
+        line = f"\ndelivery {d.id}: route {d.route_id} ({d.handler}) [bold]{d.status}[/bold]"
+        line += f", {d.attempts} attempt(s), key generation {d.generation}"
+        if d.dead_reason:
+            line += f", dead: {d.dead_reason}"
+        console.print(line)
+        if d.last_error_class:
+            console.print(
+                f"  last error: {d.last_error_class}: {d.last_error or ''}", highlight=False
+            )
+        if d.attempt_log:
+            table = Table("#", "gen", "worker", "started", "ended", "outcome", "error")
+            for a in d.attempt_log:
+                error = f"{a.error_class}: {a.error or ''}" if a.error_class else ""
+                table.add_row(
+                    str(a.number),
+                    str(a.generation),
+                    a.worker or "",
+                    _when(a.started_at),
+                    _when(a.ended_at),
+                    a.outcome or "running",
+                    error,
+                )
+            console.print(table)
+
+
+# dead letters --------------------------------------------------------------------------------
+
+
+@dead_app.command("list")
+@handle_errors
+def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
+    """Dead deliveries grouped by source, route and reason, with counts."""
+    e = env()
+    with e.session() as session:
+        groups = queries.dead_letters(session, source=source)
+    if as_json:
+        print_json([_plain(g) for g in groups])
+        return
+    if not groups:
+        console.print("no dead letters")
+        return
+    table = Table(
+        "source",
+        "route",
+        "reason",
+        "count",
+        "oldest",
+        "newest",
+        "errors",
+        "latest ids",
+        title="dead letters",
+    )
+    for g in groups:
+        table.add_row(
+            f"{g.source_name} ({g.source})",
+            f"{g.route_id} {g.handler}",
+            g.reason or "-",
+            str(g.count),
+            _when(g.oldest),
+            _when(g.newest),
+            ", ".join(g.error_classes),
+            " ".join(str(i) for i in g.sample_ids),
+        )
+    console.print(table)
+    total = sum(g.count for g in groups)
+    console.print(
+        f"{total} dead. Replay: webhooks replay ID ... --reason TEXT, "
+        "or webhooks replay --source S [--type T] --reason TEXT"
+    )
+
+
+# replay --------------------------------------------------------------------------------------
+
+
+def _preview_view(plan: replays.Plan) -> dict[str, Any]:
+    return {
+        "count": plan.count,
+        "by_status": plan.by_status,
+        "without_payload": plan.without_payload,
+        "rate": plan.request.rate,
+        "rerun_succeeded": plan.request.rerun_succeeded,
+        "sample": [_plain(c) for c in plan.sample],
+    }
+
+
+def _show_preview(plan: replays.Plan) -> None:
+    req = plan.request
+    if plan.count == 0:
+        console.print("nothing to replay: no delivery matches")
+        return
+    table = Table("delivery", "source", "event id", "type", "handler", "status", "dead reason")
+    for c in plan.sample:
+        table.add_row(
+            str(c.delivery_id),
+            c.source,
+            c.event_id,
+            c.event_type,
+            c.handler,
+            c.status,
+            c.dead_reason or "",
+        )
+    console.print(table)
+    states = ", ".join(f"{n} {s}" for s, n in sorted(plan.by_status.items()))
+    more = f" (showing {len(plan.sample)})" if plan.count > len(plan.sample) else ""
+    console.print(f"would replay {plan.count} deliveries{more}: {states}")
+    if plan.by_status.get("succeeded"):
+        console.print("succeeded ones run again under a NEW downstream key (--rerun-succeeded)")
+    if plan.without_payload:
+        console.print(
+            f"{plan.without_payload} of them lost their payload to retention and will be skipped"
+        )
+    seconds = plan.count / req.rate
+    console.print(f"at most {req.rate:g}/s: about {seconds:.0f}s", highlight=False)
+
+
+def _result_view(result: replays.ReplayResult) -> dict[str, Any]:
+    return {
+        "replay_id": result.replay_id,
+        "status": result.status,
+        "planned": result.planned,
+        "replayed": result.replayed,
+        "skipped": result.skipped,
+        "publish_failed": result.publish_failed,
+        "skips": [_plain(s) for s in result.skips],
+    }
+
+
+def _show_result(result: replays.ReplayResult) -> None:
+    console.print(
+        f"replay {result.replay_id} {result.status}: {result.replayed} replayed, "
+        f"{result.skipped} skipped of {result.planned} planned"
+    )
+    for skip in result.skips[:20]:
+        console.print(f"  skipped delivery {skip.delivery_id}: {skip.reason}", highlight=False)
+    if len(result.skips) > 20:
+        reasons = Counter(s.reason.split(":")[0] for s in result.skips)
+        console.print(f"  ... {len(result.skips) - 20} more; by reason: {dict(reasons)}")
+    if result.publish_failed:
+        console.print(
+            f"{result.publish_failed} could not be queued now (broker unreachable); they are "
+            "pending and the sweeper queues them shortly"
+        )
+
+
+@handle_errors
+def replay(
+    ids: Annotated[
+        list[int] | None,
+        typer.Argument(
+            help="Delivery ids (see `events show` and `dead list`).", show_default=False
+        ),
+    ] = None,
+    *,
+    source: SourceOpt = None,
+    event_type: TypeOpt = None,
+    status: Annotated[
+        str, typer.Option("--status", help="dead, or succeeded with --rerun-succeeded.")
+    ] = "dead",
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    reason: Annotated[
+        str | None, typer.Option("--reason", help="Why (required; recorded in the audit).")
+    ] = None,
+    operator: Annotated[
+        str | None, typer.Option("--as", help="Who is replaying (default: your login name).")
+    ] = None,
+    rate: Annotated[
+        float, typer.Option("--rate", help=f"At most N per second (max {replays.MAX_RATE:g}).")
+    ] = replays.DEFAULT_RATE,
+    rerun_succeeded: Annotated[
+        bool,
+        typer.Option(
+            "--rerun-succeeded", help="Run succeeded deliveries again with a new downstream key."
+        ),
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the preview only.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Replay dead deliveries by id or by filter: preview, confirm, then run at a capped rate.
+
+    A dead delivery keeps its downstream idempotency key; a succeeded one runs again only with
+    --rerun-succeeded, under a new key. Every run is audited (see `webhooks replays list`).
+    """
+    e = env()
+    has_filter = any(v is not None for v in (source, event_type, since, until))
+    if ids and (has_filter or status != "dead"):
+        raise CliError("give delivery ids or filter options, not both")
+    if not ids and not has_filter:
+        raise CliError("give delivery ids, or a filter such as --source S (see `dead list`)")
+    if not dry_run and not (reason or "").strip():
+        raise CliError("--reason is required: it is recorded in the audit trail")
+    if as_json and not (yes or dry_run):
+        raise CliError("--json needs --yes or --dry-run (there is no prompt in JSON mode)")
+    given: dict[str, Any]
+    if ids:
+        given = {"ids": sorted(set(ids))}
+        flt = None
+    else:
+        given = {
+            "source": source,
+            "type": event_type,
+            "status": status,
+            "since": since,
+            "until": until,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        flt = ReplayFilter(source, event_type, status, _time(e, since), _time(e, until))
+    request = replays.ReplayRequest(
+        operator=operator or getpass.getuser(),
+        reason=reason or "(dry run)",
+        via="cli",
+        filter_as_given=given,
+        ids=tuple(sorted(set(ids or []))),
+        flt=flt,
+        rerun_succeeded=rerun_succeeded,
+        rate=rate,
+    )
+    with e.session() as session:
+        plan = replays.plan_replay(session, request)
+    if as_json and dry_run:
+        print_json({"preview": _preview_view(plan), "dry_run": True})
+        return
+    if not as_json:
+        _show_preview(plan)
+    if plan.count == 0:
+        if as_json:
+            print_json({"preview": _preview_view(plan), "result": None})
+        return
+    if dry_run:
+        console.print("dry run: nothing changed")
+        return
+    if not yes:
+        typer.confirm(f"Replay {plan.count} deliveries?", abort=True)
+    result = _run(e, plan, show_progress=not as_json)
+    if as_json:
+        print_json({"preview": _preview_view(plan), "result": _result_view(result)})
+    else:
+        _show_result(result)
+    if result.skipped:
+        raise typer.Exit(1)
+
+
+def _run(e: Env, plan: replays.Plan, *, show_progress: bool) -> replays.ReplayResult:
+    publisher = replays.CeleryPublisher(e.settings)
+    replay_id = replays.start_replay(e.sessions, plan, now=e.clock.now())
+    progress = Progress(
+        TextColumn(f"replay {replay_id}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("replayed {task.fields[replayed]} skipped {task.fields[skipped]}"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not show_progress,
+    )
+    task = progress.add_task("replay", total=plan.count, replayed=0, skipped=0)
+
+    def advance(result: replays.ReplayResult) -> None:
+        progress.update(
+            task, completed=result.done, replayed=result.replayed, skipped=result.skipped
+        )
+
+    try:
+        with progress:
+            return replays.execute(
+                e.sessions,
+                plan,
+                replay_id,
+                settings=e.settings,
+                clock=e.clock,
+                sleep=time.sleep,
+                publish=publisher,
+                on_progress=advance,
+            )
+    except KeyboardInterrupt:
+        err_console.print(
+            f"interrupted: replay {replay_id} recorded as interrupted; deliveries not reached "
+            "are still dead, run the same command again to continue"
+        )
+        raise typer.Exit(130) from None
+    finally:
+        publisher.close()
+
+
+# replay audit --------------------------------------------------------------------------------
+
+
+@replays_app.command("list")
+@handle_errors
+def replays_list(
+    limit: Annotated[int, typer.Option("--limit", help="Most recent first.")] = 20,
+    as_json: JsonOpt = False,
+) -> None:
+    """Who replayed what, when and why."""
+    e = env()
+    with e.session() as session:
+        rows = replays.list_replays(session, limit=limit)
+    if as_json:
+        print_json([_plain(r) for r in rows])
+        return
+    table = Table(
+        "id",
+        "started",
+        "ended",
+        "operator",
+        "via",
+        "reason",
+        "filter",
+        "planned",
+        "replayed",
+        "skipped",
+        "status",
+        title="replays",
+    )
+    for r in rows:
+        flt = ", ".join(f"{k}={v}" for k, v in r.filter.items())
+        if r.rerun_succeeded:
+            flt += " (rerun succeeded)"
+        table.add_row(
+            str(r.id),
+            _when(r.started_at),
+            _when(r.ended_at),
+            r.operator,
+            r.via,
+            r.reason,
+            flt,
+            str(r.planned),
+            str(r.replayed),
+            str(r.skipped),
+            r.status,
+        )
+    console.print(table)
 
 
 def register(app: typer.Typer) -> None:
-    """Filled in by the area's own work."""
+    app.add_typer(events_app, name="events")
+    app.add_typer(dead_app, name="dead")
+    app.command("replay")(replay)
+    app.add_typer(replays_app, name="replays")

@@ -62,18 +62,45 @@ def run(
     commands: dict[str, list[str]] = {
         "receiver": [_bin("webhooks"), "serve"],
         "worker": [
-            _bin("celery"), "-A", "tasks", "worker", "-Q", "deliveries,maintenance",
-            "-c", str(workers), "-n", "worker@%h", "--loglevel", "WARNING",
+            _bin("celery"),
+            "-A",
+            "tasks",
+            "worker",
+            "-Q",
+            "deliveries,maintenance",
+            "-c",
+            str(workers),
+            "-n",
+            "worker@%h",
+            "--loglevel",
+            "WARNING",
         ],
-        "beat": [_bin("celery"), "-A", "tasks", "beat", "-s", str(state / "beat-schedule"), "--loglevel", "WARNING"],
+        "beat": [
+            _bin("celery"),
+            "-A",
+            "tasks",
+            "beat",
+            "-s",
+            str(state / "beat-schedule"),
+            "--loglevel",
+            "WARNING",
+        ],
     }
     if not no_flower:
         if settings.flower_password is None:
-            raise CliError("set WEBHOOKS_FLOWER_PASSWORD (Flower runs with basic auth), or pass --no-flower")
+            raise CliError(
+                "set WEBHOOKS_FLOWER_PASSWORD (Flower runs with basic auth), or pass --no-flower"
+            )
         auth = f"{settings.flower_user}:{settings.flower_password.get_secret_value()}"
         commands["flower"] = [
-            _bin("celery"), "-A", "tasks", "flower", f"--port={settings.flower_port}",
-            "--address=127.0.0.1", f"--basic-auth={auth}", "--persistent=False",
+            _bin("celery"),
+            "-A",
+            "tasks",
+            "flower",
+            f"--port={settings.flower_port}",
+            "--address=127.0.0.1",
+            f"--basic-auth={auth}",
+            "--persistent=False",
         ]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stopping = False
@@ -89,12 +116,16 @@ def run(
             procs[name] = subprocess.Popen(cmd, env=child_env, start_new_session=True)  # noqa: S603
         console.print(f"receiver  http://{settings.host}:{settings.port}/webhooks/<source_id>")
         if "flower" in procs:
-            console.print(f"flower    http://127.0.0.1:{settings.flower_port}  (user {settings.flower_user})")
+            console.print(
+                f"flower    http://127.0.0.1:{settings.flower_port}  (user {settings.flower_user})"
+            )
         console.print("pipeline running; Ctrl-C stops it")
         while not stopping:
             for name, proc in procs.items():
                 if proc.poll() is not None:
-                    raise CliError(f"{name} exited with status {proc.returncode}; stopping the pipeline")
+                    raise CliError(
+                        f"{name} exited with status {proc.returncode}; stopping the pipeline"
+                    )
             time.sleep(0.5)
     finally:
         for proc in procs.values():

@@ -1,9 +1,113 @@
-"""Commands of this area are registered here."""
+"""``webhooks ttl explain SOURCE`` and ``webhooks maintenance run``."""
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import typer
+from rich.table import Table
+
+from webhooks.cli.common import CliError, console, env, handle_errors, print_json
+from webhooks.durations import format_duration
+
+ttl_app = typer.Typer(
+    help="Deduplication TTLs derived from each sender's contract.", no_args_is_help=True
+)
+maintenance_app = typer.Typer(help="Expiry maintenance (what beat runs).", no_args_is_help=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+@ttl_app.command("explain")
+@handle_errors
+def ttl_explain(
+    source: Annotated[str, typer.Argument(help="Source id or unambiguous name.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Each term of the source's dedup TTL, where its value came from, and the sum."""
+    from models import catalog  # noqa: PLC0415
+    from webhooks.ttl import dedup_terms  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        try:
+            row = catalog.get_source(session, source)
+        except catalog.CatalogError as exc:
+            raise CliError(str(exc)) from None
+        ttl = dedup_terms(
+            row.provider, catalog.source_ttl_overrides(row), e.settings, source_name=row.name
+        )
+        view: dict[str, Any] = {
+            "source": row.public_id,
+            "name": row.name,
+            "provider": row.provider,
+            "terms": [
+                {
+                    "name": t.name,
+                    "value": format_duration(t.value),
+                    "seconds": int(t.value.total_seconds()),
+                    "origin": t.origin,
+                }
+                for t in ttl.terms
+            ],
+            "dedup_ttl": format_duration(ttl.total),
+            "dedup_ttl_seconds": int(ttl.total.total_seconds()),
+            "retry_window": format_duration(ttl.retry_window),
+            "covers_retries": ttl.covers_retries,
+        }
+    if as_json:
+        print_json(view)
+    else:
+        table = Table(title=f"dedup TTL of {row.name} ({row.public_id}, {row.provider})")
+        for column in ("term", "value", "seconds", "from"):
+            table.add_column(column)
+        for term in view["terms"]:
+            table.add_row(term["name"], term["value"], str(term["seconds"]), term["origin"])
+        table.add_row("= dedup_ttl", view["dedup_ttl"], str(view["dedup_ttl_seconds"]), "sum")
+        console.print(table)
+    if not ttl.covers_retries:
+        raise CliError(
+            f"source {row.name}: dedup TTL {ttl.describe()} is not above the retry window "
+            f"{view['retry_window']}; the receiver refuses it until a term is raised"
+        )
+    if not as_json:
+        console.print(
+            f"above the {row.provider} retry window ({view['retry_window']}) "
+            f"by {format_duration(ttl.total - ttl.retry_window)}",
+            highlight=False,
+        )
+
+
+@maintenance_app.command("run")
+@handle_errors
+def maintenance_run(as_json: JsonOpt = False) -> None:
+    """Run one maintenance pass now: partitions or batched delete, then payload retention."""
+    from models.retention import run_maintenance  # noqa: PLC0415
+
+    e = env()
+    try:
+        report = run_maintenance(e.engine, e.settings, e.clock.now())
+    finally:
+        e.engine.dispose()
+    if as_json:
+        print_json(report.as_dict())
+        return
+    console.print(f"mode {report.mode}", highlight=False)
+    if report.mode == "partition":
+        console.print(
+            f"partitions created {len(report.partitions_created)}, "
+            f"dropped {len(report.partitions_dropped)}, "
+            f"laid out through {report.partitions_through}",
+            highlight=False,
+        )
+    for table, rows in report.rows_deleted.items():
+        statements = report.delete_statements.get(table, 0)
+        console.print(
+            f"{table}: {rows} expired rows deleted in {statements} statements", highlight=False
+        )
+    console.print(f"payloads dropped {report.payloads_dropped}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
-    """Filled in by the area's own work."""
+    app.add_typer(ttl_app, name="ttl")
+    app.add_typer(maintenance_app, name="maintenance")

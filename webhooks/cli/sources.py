@@ -65,8 +65,12 @@ def sources_add(
     name: str,
     provider: Annotated[str, typer.Option(help=f"One of: {', '.join(PROVIDERS)}")],
     account: Annotated[str, typer.Option(help="Owning account (the dedup scope).")] = "default",
-    secret: Annotated[str | None, typer.Option(help="Signing secret; generated when omitted.")] = None,
-    config: Annotated[list[str] | None, typer.Option("--config", help="Provider option KEY=VALUE (generic hmac).")] = None,
+    secret: Annotated[
+        str | None, typer.Option(help="Signing secret; generated when omitted.")
+    ] = None,
+    config: Annotated[
+        list[str] | None, typer.Option("--config", help="Provider option KEY=VALUE (generic hmac).")
+    ] = None,
     tolerance: DurationOpt = None,
     max_body: Annotated[int | None, typer.Option(help="Body size limit in bytes.")] = None,
     retry_window: DurationOpt = None,
@@ -90,7 +94,10 @@ def sources_add(
             tolerance=_duration(tolerance),
             max_body_bytes=max_body,
             ttl=TtlOverrides(
-                _duration(retry_window), _duration(queue_lag), _duration(clock_skew), _duration(replay_grace)
+                _duration(retry_window),
+                _duration(queue_lag),
+                _duration(clock_skew),
+                _duration(replay_grace),
             ),
         )
         view = _source_view(e, source)
@@ -127,7 +134,12 @@ def sources_update(
             session,
             e.settings,
             row,
-            TtlOverrides(_duration(retry_window), _duration(queue_lag), _duration(clock_skew), _duration(replay_grace)),
+            TtlOverrides(
+                _duration(retry_window),
+                _duration(queue_lag),
+                _duration(clock_skew),
+                _duration(replay_grace),
+            ),
         )
         if tolerance is not None:
             row.tolerance_s = int(parse_duration(tolerance).total_seconds())
@@ -153,7 +165,9 @@ def sources_list(as_json: JsonOpt = False) -> None:
         return
     table = Table("id", "name", "account", "provider", "url path", "dedup ttl")
     for v in views:
-        table.add_row(v["id"], v["name"], v["account"], v["provider"], v["url_path"], v["dedup_ttl"])
+        table.add_row(
+            v["id"], v["name"], v["account"], v["provider"], v["url_path"], v["dedup_ttl"]
+        )
     console.print(table)
 
 
@@ -170,11 +184,22 @@ def sources_show(source: str, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(view)
         return
-    for key in ("id", "name", "account", "provider", "url_path", "dedup_ttl", "config", "created_at"):
+    for key in (
+        "id",
+        "name",
+        "account",
+        "provider",
+        "url_path",
+        "dedup_ttl",
+        "config",
+        "created_at",
+    ):
         console.print(f"{key + ':':<12} {view[key]}", highlight=False)
     console.print(f"secrets:     {len(view['secrets'])}; routes: {len(view['routes'])}")
     for r in view["routes"]:
-        console.print(f"  route {r['id']}: {r['handler']} events={r['events']} options={r['options']}")
+        console.print(
+            f"  route {r['id']}: {r['handler']} events={r['events']} options={r['options']}"
+        )
 
 
 def _secret_view(s: Any) -> dict[str, Any]:
@@ -212,7 +237,10 @@ def secrets_list(source: str, as_json: JsonOpt = False) -> None:
     """A source's secrets: ids and dates only."""
     e = env()
     with e.session() as session:
-        views = [_secret_view(s) for s in catalog.list_secrets(session, catalog.get_source(session, source))]
+        views = [
+            _secret_view(s)
+            for s in catalog.list_secrets(session, catalog.get_source(session, source))
+        ]
     if as_json:
         print_json(views)
         return
@@ -228,7 +256,9 @@ def secrets_revoke(source: str, secret_id: str) -> None:
     """Revoke a secret: it stops verifying at once, in every receiver."""
     e = env()
     with e.session() as session:
-        catalog.revoke_secret(session, catalog.get_source(session, source), secret_id, now=e.clock.now())
+        catalog.revoke_secret(
+            session, catalog.get_source(session, source), secret_id, now=e.clock.now()
+        )
     console.print(f"revoked {secret_id}")
 
 
@@ -238,7 +268,9 @@ def routes_add(
     source: str,
     handler: Annotated[str, typer.Option(help="Handler name (forward, log, ...).")],
     events: Annotated[str, typer.Option(help="Event type glob, e.g. invoice.*")] = "*",
-    option: Annotated[list[str] | None, typer.Option("--option", help="KEY=VALUE, repeatable.")] = None,
+    option: Annotated[
+        list[str] | None, typer.Option("--option", help="KEY=VALUE, repeatable.")
+    ] = None,
     max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
     max_age: DurationOpt = None,
     as_json: JsonOpt = False,
@@ -273,7 +305,10 @@ def routes_list(source: str, as_json: JsonOpt = False) -> None:
     """A source's routes."""
     e = env()
     with e.session() as session:
-        views = [_route_view(r) for r in catalog.list_routes(session, catalog.get_source(session, source))]
+        views = [
+            _route_view(r)
+            for r in catalog.list_routes(session, catalog.get_source(session, source))
+        ]
     if as_json:
         print_json(views)
         return

@@ -1,0 +1,389 @@
+"""Operator replays, shared by the CLI and the admin API: plan, preview, execute, audit.
+
+1. :func:`plan_replay` selects the candidates once (by ids, or by filter) and freezes their ids:
+   what the preview counted is exactly what runs. It refuses, changing nothing, a plain replay
+   of a succeeded delivery (its effect would run again under the same downstream key) and
+   deliveries that are still being worked on.
+2. :func:`start_replay` writes the audit row (who, why, the filter as given, planned count).
+3. :func:`execute` moves each delivery with one guarded statement from :mod:`models.transitions`
+   (``replay``: dead -> pending, same key generation; ``rerun``: succeeded -> pending,
+   generation + 1), paced by :func:`pace`, bumping the audit counters in the same transaction,
+   and publishes the delivery id after the commit. A publish failure is counted, not fatal:
+   the row is pending and the sweeper publishes it after ``publish_grace``.
+
+Two replays racing for one delivery both plan it; the guarded UPDATE lets exactly one move it
+and the other records a skip.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import queries, transitions
+from models.queries import Candidate, ReplayFilter
+from models.schema import Replay
+from webhooks.clock import Clock
+from webhooks.logs import get_logger
+from webhooks.settings import Settings
+
+log = get_logger("replays")
+
+DEFAULT_RATE = 10.0  # replays per second unless the operator asks otherwise
+MAX_RATE = 200.0  # the cap neither the CLI nor the API may exceed
+MAX_PLAN = 100_000  # candidates in one replay; narrow the filter beyond that
+SAMPLE_SIZE = 10
+
+Via = Literal["cli", "api"]
+Publish = Callable[[int], bool]
+
+
+class ReplayError(ValueError):
+    """The replay was refused or is malformed; nothing was changed."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    operator: str
+    reason: str
+    via: Via
+    filter_as_given: dict[str, Any]  # stored verbatim in the audit row
+    ids: tuple[int, ...] = ()
+    flt: ReplayFilter | None = None
+    rerun_succeeded: bool = False
+    rate: float = DEFAULT_RATE
+
+
+def validate_request(req: ReplayRequest) -> None:
+    if not req.reason.strip():
+        raise ReplayError(
+            "a reason is required (--reason): it goes into the audit record", "no_reason"
+        )
+    if not req.operator.strip():
+        raise ReplayError("an operator name is required (--as)", "no_operator")
+    if not 0 < req.rate <= MAX_RATE:
+        raise ReplayError(f"rate must be above 0 and at most {MAX_RATE:g} per second", "bad_rate")
+    if bool(req.ids) == (req.flt is not None):
+        raise ReplayError(
+            "give delivery ids or a filter (--source/--type/...), not both", "bad_target"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    request: ReplayRequest
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.candidates)
+
+    @property
+    def sample(self) -> tuple[Candidate, ...]:
+        return self.candidates[:SAMPLE_SIZE]
+
+    @property
+    def without_payload(self) -> int:
+        """Candidates whose payload retention already dropped: they will be skipped."""
+        return sum(1 for c in self.candidates if not c.has_payload)
+
+    @property
+    def by_status(self) -> dict[str, int]:
+        return dict(Counter(c.status for c in self.candidates))
+
+
+def _refuse_states(candidates: list[Candidate], rerun_succeeded: bool) -> None:
+    succeeded = [c.delivery_id for c in candidates if c.status == "succeeded"]
+    if succeeded and not rerun_succeeded:
+        raise ReplayError(
+            f"refused: delivery {_ids(succeeded)} already succeeded. A plain replay would run "
+            "its effect again under the same downstream idempotency key; to run it again "
+            "deliberately, with a new key, pass --rerun-succeeded (audited like any replay)",
+            "succeeded",
+        )
+    busy = [c for c in candidates if c.status not in queries.REPLAYABLE_STATES]
+    if busy:
+        listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in busy[:10])
+        raise ReplayError(
+            f"refused: delivery {listed} is still being worked on; only dead deliveries "
+            "(or succeeded ones, with --rerun-succeeded) can be replayed",
+            "not_replayable",
+        )
+
+
+def _ids(ids: list[int]) -> str:
+    shown = ", ".join(str(i) for i in ids[:10])
+    return shown + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+
+
+def plan_replay(session: Session, req: ReplayRequest) -> Plan:
+    """Select and freeze the candidates. Read-only."""
+    validate_request(req)
+    if req.ids:
+        found = queries.candidates_by_ids(session, req.ids)
+        _refuse_states(found, req.rerun_succeeded)
+    else:
+        assert req.flt is not None
+        if req.flt.status == "succeeded" and not req.rerun_succeeded:
+            raise ReplayError(
+                "refused: replaying succeeded deliveries would run their effects again under "
+                "the same downstream idempotency key; pass --rerun-succeeded to run them again "
+                "with a new key (audited)",
+                "succeeded",
+            )
+        found = queries.candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
+    if len(found) > MAX_PLAN:
+        raise ReplayError(
+            f"more than {MAX_PLAN} deliveries match; narrow the filter (--since/--until/--type)",
+            "too_many",
+        )
+    return Plan(req, tuple(found))
+
+
+# Pacing --------------------------------------------------------------------------------------
+
+
+def pace(last_slot: float | None, now: float, rate: float) -> tuple[float, float]:
+    """Even pacing (a token bucket holding one token): ``(wait, slot)``.
+
+    ``last_slot`` is when the previous replay ran (seconds on any monotonic scale), ``now`` the
+    current time on that scale. The next replay runs ``1 / rate`` after the previous one at the
+    earliest, so no window of one second ever holds more than ``rate`` replays.
+    """
+    if last_slot is None:
+        return 0.0, now
+    slot = max(now, last_slot + 1.0 / rate)
+    return slot - now, slot
+
+
+# Execution -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Skip:
+    delivery_id: int
+    reason: str
+
+
+@dataclass
+class ReplayResult:
+    replay_id: int
+    planned: int
+    replayed: int = 0
+    skipped: int = 0
+    publish_failed: int = 0  # moved to pending but not published: the sweeper will
+    skips: list[Skip] = field(default_factory=list)
+    status: str = "running"
+
+    @property
+    def done(self) -> int:
+        return self.replayed + self.skipped
+
+
+def start_replay(sessions: sessionmaker[Session], plan: Plan, *, now: datetime) -> int:
+    """Write the audit row; returns its id."""
+    req = plan.request
+    with sessions() as session, session.begin():
+        row = Replay(
+            operator=req.operator.strip(),
+            reason=req.reason.strip(),
+            filter=req.filter_as_given,
+            rerun_succeeded=req.rerun_succeeded,
+            rate=req.rate,
+            status="running",
+            planned=plan.count,
+            started_at=now,
+            via=req.via,
+        )
+        session.add(row)
+        session.flush()
+        replay_id = int(row.id)
+    log.info(
+        "replay.started",
+        replay_id=replay_id,
+        operator=req.operator,
+        via=req.via,
+        planned=plan.count,
+    )
+    return replay_id
+
+
+def _bump(session: Session, replay_id: int, column: str) -> None:
+    session.execute(
+        update(Replay).where(Replay.id == replay_id).values({column: getattr(Replay, column) + 1})
+    )
+
+
+def _replay_one(
+    session: Session, c: Candidate, replay_id: int, *, now: datetime, settings: Settings
+) -> str | None:
+    """One delivery in one transaction. Returns None when moved, else the skip reason."""
+    present, dropped_at = queries.payload_present(session, c.receipt_id)
+    if not present:
+        when = f" on {dropped_at:%Y-%m-%d %H:%M}Z" if dropped_at else ""
+        reason = f"payload dropped by retention{when}: nothing left to deliver"
+    else:
+        move = transitions.rerun if c.status == "succeeded" else transitions.replay
+        if move(session, c.delivery_id, now=now, publish_grace=settings.publish_grace):
+            _bump(session, replay_id, "replayed")
+            return None
+        current = queries.current_status(session, c.delivery_id)
+        reason = (
+            f"now {current}, no longer {c.status}: another replay or the pipeline moved it first"
+        )
+    _bump(session, replay_id, "skipped")
+    return reason
+
+
+def _finish(sessions: sessionmaker[Session], replay_id: int, status: str, now: datetime) -> None:
+    with sessions() as session, session.begin():
+        session.execute(
+            update(Replay).where(Replay.id == replay_id).values(status=status, ended_at=now)
+        )
+
+
+def execute(
+    sessions: sessionmaker[Session],
+    plan: Plan,
+    replay_id: int,
+    *,
+    settings: Settings,
+    clock: Clock,
+    sleep: Callable[[float], None],
+    publish: Publish,
+    on_progress: Callable[[ReplayResult], None] | None = None,
+) -> ReplayResult:
+    """Run the plan at ``plan.request.rate`` per second; always closes the audit row.
+
+    Interrupted (Ctrl-C) or failed runs keep what they did: the audit row says so, and the
+    deliveries not reached are still dead, so running the same filter again picks them up.
+    """
+    result = ReplayResult(replay_id, plan.count)
+    rate = plan.request.rate
+    last_slot: float | None = None
+    try:
+        for c in plan.candidates:
+            wait, _ = pace(last_slot, clock.now().timestamp(), rate)
+            if wait > 0:
+                sleep(wait)
+            now = clock.now()
+            # Pace from when this one really ran, so an overslept wait never shortens the next.
+            last_slot = now.timestamp()
+            with sessions() as session, session.begin():
+                skip = _replay_one(session, c, replay_id, now=now, settings=settings)
+            if skip is None:
+                result.replayed += 1
+                if not publish(c.delivery_id):
+                    result.publish_failed += 1
+            else:
+                result.skipped += 1
+                result.skips.append(Skip(c.delivery_id, skip))
+            if on_progress is not None:
+                on_progress(result)
+        result.status = "done"
+    except KeyboardInterrupt:
+        result.status = "interrupted"
+        raise
+    except BaseException:
+        result.status = "failed"
+        raise
+    finally:
+        try:
+            _finish(sessions, replay_id, result.status, clock.now())
+        finally:
+            log.info(
+                "replay.finished",
+                replay_id=replay_id,
+                status=result.status,
+                planned=result.planned,
+                replayed=result.replayed,
+                skipped=result.skipped,
+                publish_failed=result.publish_failed,
+            )
+    return result
+
+
+class CeleryPublisher:
+    """Publishes ``webhooks.deliver(delivery_id)`` without blocking on a dead broker.
+
+    Reuses the receiver's fail-fast Celery configuration; a failure returns False (the
+    delivery is pending in Postgres and the sweeper publishes it after ``publish_grace``).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        from ingest.publisher import Publisher  # noqa: PLC0415  (Celery only when publishing)
+
+        self._publisher = Publisher(settings)
+
+    def __call__(self, delivery_id: int) -> bool:
+        try:
+            self._publisher.publish_sync([delivery_id])
+        except Exception as exc:  # noqa: BLE001  (any broker failure: the sweeper recovers)
+            log.warning(
+                "replay.publish_failed", delivery_id=delivery_id, error=exc.__class__.__name__
+            )
+            return False
+        return True
+
+    def close(self) -> None:
+        self._publisher.close()
+        self._publisher.app.close()
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    """The audit row as operators read it."""
+
+    id: int
+    operator: str
+    reason: str
+    filter: dict[str, Any]
+    rerun_succeeded: bool
+    rate: float | None
+    status: str
+    planned: int
+    replayed: int
+    skipped: int
+    started_at: datetime
+    ended_at: datetime | None
+    via: str
+
+
+def _record(row: Replay) -> ReplayRecord:
+    return ReplayRecord(
+        row.id,
+        row.operator,
+        row.reason,
+        row.filter,
+        row.rerun_succeeded,
+        row.rate,
+        row.status,
+        row.planned,
+        row.replayed,
+        row.skipped,
+        row.started_at,
+        row.ended_at,
+        row.via,
+    )
+
+
+def get_replay(session: Session, replay_id: int) -> ReplayRecord:
+    row = session.get(Replay, replay_id)
+    if row is None:
+        raise queries.NotFoundError(f"no such replay: {replay_id}")
+    return _record(row)
+
+
+def list_replays(session: Session, *, limit: int = 20) -> list[ReplayRecord]:
+    rows = session.scalars(select(Replay).order_by(Replay.id.desc()).limit(limit))
+    return [_record(r) for r in rows]

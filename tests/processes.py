@@ -1,0 +1,53 @@
+"""Real pipeline processes for tests: receivers (``webhooks serve``) with their logs kept."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tests.conftest import BIN, free_port, test_env, wait_for_port
+from tests.leakcheck import log_file
+
+_counter = itertools.count()
+
+
+@dataclass
+class Receiver:
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+
+
+def spawn(name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start a process whose stdout and stderr go to the suite's log directory."""
+    out = log_file(f"{name}-{next(_counter)}").open("ab")
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def receiver(**env_overrides: str) -> Iterator[Receiver]:
+    port = free_port()
+    proc = spawn(
+        "receiver",
+        [str(BIN / "webhooks"), "serve", "--port", str(port)],
+        test_env(**env_overrides),
+    )
+    try:
+        wait_for_port(port, proc)
+        yield Receiver(f"http://127.0.0.1:{port}", port, proc)
+    finally:
+        stop(proc)

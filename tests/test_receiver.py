@@ -1,0 +1,485 @@
+"""The receiver over real HTTP, against real Postgres and Redis (issue 2)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import catalog
+from models.schema import PROVIDERS
+from tests.conftest import count_rows
+from tests.factories import MadeSource, make_source
+from tests.leakcheck import remember
+from tests.netproxy import CuttableProxy
+from tests.processes import Receiver, receiver
+from tests.signing import sign
+from webhooks.crypto import SecretBox
+from webhooks.settings import Settings
+
+HMAC_CONFIG = {
+    "signature_header": "x-acme-signature",
+    "algorithm": "sha256",
+    "encoding": "hex",
+    "timestamp_header": "x-acme-timestamp",
+}
+
+
+@pytest.fixture(scope="module")
+def receivers() -> Iterator[list[Receiver]]:
+    """Two receiver processes sharing one database and broker."""
+    with receiver() as first, receiver() as second:
+        yield [first, second]
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=10) as c:
+        yield c
+
+
+def new_source(
+    sessions: sessionmaker[Session], settings: Settings, provider: str, **kwargs: Any
+) -> MadeSource:
+    config = HMAC_CONFIG if provider == "hmac" else None
+    made = make_source(sessions, settings, provider=provider, config=config, **kwargs)
+    remember(made.secret)
+    return made
+
+
+def signed(
+    source: MadeSource,
+    *,
+    event_id: str | None = None,
+    secret: str | None = None,
+    timestamp: datetime | None = None,
+    body_obj: dict[str, Any] | None = None,
+    raw_body: bytes | None = None,
+    event_type: str = "invoice.paid",
+) -> tuple[str, dict[str, str], bytes]:
+    event_id = event_id or f"evt_{uuid.uuid4().hex}"
+    headers, body = sign(
+        source.provider,
+        secret or source.secret,
+        event_id=event_id,
+        event_type=event_type,
+        body_obj=body_obj,
+        raw_body=raw_body,
+        timestamp=timestamp,
+        config=HMAC_CONFIG if source.provider == "hmac" else None,
+    )
+    remember(body)
+    return event_id, headers, body
+
+
+def post(
+    client: httpx.Client, rcv: Receiver, source: MadeSource, headers: dict[str, str], body: bytes
+) -> httpx.Response:
+    return client.post(f"{rcv.url}/webhooks/{source.public_id}", headers=headers, content=body)
+
+
+def receipts_of(engine: Engine, source: MadeSource) -> list[tuple[str, int]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT r.event_id, (SELECT count(*) FROM deliveries d WHERE d.receipt_id = r.id) "
+                "FROM receipts r WHERE r.source_id = :s ORDER BY r.received_at"
+            ),
+            {"s": source.id},
+        ).all()
+    return [(r[0], int(r[1])) for r in rows]
+
+
+# --- every provider: accepted when signed by its library, 401 and nothing written otherwise ---
+
+TIMED = {"stripe", "slack", "standard", "svix", "hmac"}
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_provider_signed_request_is_accepted(
+    provider: str,
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = new_source(sessions, settings, provider)
+    event_id, headers, body = signed(source)
+    response = post(client, receivers[0], source, headers, body)
+    assert response.status_code == 202, response.text
+    assert response.json() == {"status": "accepted", "event_id": event_id}
+    assert receipts_of(engine, source) == [(event_id, 1)]
+
+
+FORGERIES = [
+    (provider, attack)
+    for provider in PROVIDERS
+    for attack in ("tampered", "wrong_secret", "stale", "future", "unsigned")
+    if provider in TIMED or attack not in ("stale", "future")  # GitHub/Shopify sign no time
+]
+
+
+@pytest.mark.parametrize(("provider", "attack"), FORGERIES)
+def test_provider_forgeries_are_401_and_write_nothing(
+    provider: str,
+    attack: str,
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = new_source(sessions, settings, provider)
+    now = datetime.now(UTC)
+    if attack == "stale":
+        _, headers, body = signed(source, timestamp=now - timedelta(seconds=301))
+    elif attack == "future":
+        _, headers, body = signed(source, timestamp=now + timedelta(seconds=301))
+    elif attack == "wrong_secret":
+        other = new_source(sessions, settings, provider)
+        _, headers, body = signed(source, secret=other.secret)
+    else:
+        _, headers, body = signed(source)
+    if attack == "tampered":
+        body = body + b" "  # still valid JSON, no longer the signed bytes
+    if attack == "unsigned":
+        headers = {
+            k: v for k, v in headers.items() if "sign" not in k.lower() and "hmac" not in k.lower()
+        }
+    before = count_rows(engine)
+    response = post(client, receivers[0], source, headers, body)
+    assert response.status_code == 401, response.text
+    assert count_rows(engine) == before
+
+
+# --- every other rejection path ---
+
+
+def test_rejections_write_no_row(
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = new_source(sessions, settings, "standard")
+    rcv = receivers[1]
+    before = count_rows(engine)
+
+    # 413 from the declared length, and from a streamed (chunked) body that never declares it.
+    big = b"x" * (settings.max_body_bytes + 1)
+    assert post(client, rcv, source, {}, big).status_code == 413
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(settings.max_body_bytes // 65536 + 2):
+            yield b"y" * 65536
+
+    streamed = client.post(f"{rcv.url}/webhooks/{source.public_id}", content=chunks())
+    assert streamed.status_code == 413
+    # 404: unknown source.
+    _, headers, body = signed(source)
+    assert (
+        client.post(
+            f"{rcv.url}/webhooks/src_doesnotexist", headers=headers, content=body
+        ).status_code
+        == 404
+    )
+    # 400: authentic but malformed events (id too long, id with whitespace, no type).
+    for bad_id in ("x" * 256, "has space"):
+        _, headers, body = signed(source, event_id=bad_id)
+        response = post(client, rcv, source, headers, body)
+        assert response.status_code == 400, response.text
+    _, headers, body = signed(source, body_obj={"data": {"no": "type"}})
+    response = post(client, rcv, source, headers, body)
+    assert response.status_code == 400
+    assert "malformed" in response.json()["error"]
+    assert count_rows(engine) == before
+
+
+def test_per_source_body_limit_override(
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    small = new_source(sessions, settings, "standard", max_body_bytes=2048)
+    _, headers, body = signed(small, body_obj={"type": "t.x", "data": {"pad": "z" * 3000}})
+    before = count_rows(engine)
+    assert post(client, receivers[0], small, headers, body).status_code == 413
+    assert count_rows(engine) == before
+    large = new_source(sessions, settings, "standard", max_body_bytes=4 * 1024 * 1024)
+    _, headers, body = signed(
+        large, body_obj={"type": "t.x", "data": {"pad": "z" * (2 * 1024 * 1024)}}
+    )
+    assert post(client, receivers[0], large, headers, body).status_code == 202
+
+
+# --- deduplication ---
+
+
+def test_duplicate_and_conflict(
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = new_source(sessions, settings, "stripe")
+    event_id, headers, body = signed(source)
+    assert post(client, receivers[0], source, headers, body).status_code == 202
+    # A provider retry: same event, new signature timestamp, through the other receiver.
+    _, headers2, body2 = signed(source, event_id=event_id, raw_body=body)
+    assert body2 == body
+    before = count_rows(engine)
+    again = post(client, receivers[1], source, headers2, body2)
+    assert again.status_code == 200
+    assert again.json() == {"status": "duplicate", "event_id": event_id}
+    assert count_rows(engine) == before
+    # Same id, different body: 200, conflict recorded, original untouched.
+    _, headers3, body3 = signed(
+        source,
+        event_id=event_id,
+        body_obj={
+            "id": event_id,
+            "type": "invoice.paid",
+            "created": int(time.time()),
+            "data": {"changed": True},
+        },
+    )
+    conflict = post(client, receivers[0], source, headers3, body3)
+    assert conflict.status_code == 200
+    assert conflict.json()["status"] == "conflict"
+    with engine.connect() as conn:
+        payload = conn.execute(
+            text("SELECT payload FROM receipts WHERE source_id = :s AND event_id = :e"),
+            {"s": source.id, "e": event_id},
+        ).scalar_one()
+        conflicts = conn.execute(
+            text("SELECT count(*) FROM conflicts WHERE source_id = :s AND event_id = :e"),
+            {"s": source.id, "e": event_id},
+        ).scalar_one()
+    assert bytes(payload) == body
+    assert conflicts == 1
+    metrics = client.get(f"{receivers[0].url}/metrics").text
+    assert f'webhooks_conflicts_total{{source="{source.public_id}"}} 1.0' in metrics
+
+
+def test_fifty_concurrent_copies_make_one_receipt(
+    receivers: list[Receiver],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = make_source(
+        sessions,
+        settings,
+        provider="standard",
+        routes=[{"handler": "log"}, {"handler": "log", "events": "invoice.*"}],
+    )
+    remember(source.secret)
+    event_id, headers, body = signed(source)
+    barrier = threading.Barrier(50)
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def fire(i: int) -> None:
+        with httpx.Client(timeout=30) as c:
+            barrier.wait()
+            r = post(c, receivers[i % 2], source, headers, body)
+        with lock:
+            statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=fire, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(statuses) == 50
+    assert all(200 <= s < 300 for s in statuses), statuses
+    assert statuses.count(202) == 1
+    assert receipts_of(engine, source) == [(event_id, 2)]
+
+
+def test_same_event_id_under_two_accounts_is_two_receipts(
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    a = new_source(sessions, settings, "stripe", account="acct-a")
+    b = new_source(sessions, settings, "stripe", account="acct-b")
+    _, ha, ba = signed(a, event_id="evt_shared_42")
+    _, hb, bb = signed(b, event_id="evt_shared_42")
+    assert post(client, receivers[0], a, ha, ba).status_code == 202
+    assert post(client, receivers[1], b, hb, bb).status_code == 202
+    assert receipts_of(engine, a) == [("evt_shared_42", 1)]
+    assert receipts_of(engine, b) == [("evt_shared_42", 1)]
+
+
+def test_rotation_drill(
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = new_source(sessions, settings, "standard")
+    old_secret = source.secret
+    event_id, headers, body = signed(source)
+    assert post(client, receivers[0], source, headers, body).status_code == 202  # warms caches
+    box = SecretBox(settings.secret_key.get_secret_value())
+    with sessions() as session, session.begin():
+        row = catalog.get_source(session, source.public_id)
+        new = catalog.add_secret(session, box, row)
+        assert new.plaintext is not None
+        new_secret = new.plaintext
+        remember(new_secret)
+        catalog.revoke_secret(session, row, source.secret_id, now=datetime.now(UTC))
+    # Old secret: 401 everywhere at once, nothing written (both receivers have it cached).
+    for rcv in receivers:
+        _, h_old, b_old = signed(source, secret=old_secret)
+        before = count_rows(engine)
+        assert post(client, rcv, source, h_old, b_old).status_code == 401
+        assert count_rows(engine) == before
+    # The already-accepted event re-sent under the new secret: a duplicate.
+    _, h_new, b_new = signed(source, event_id=event_id, secret=new_secret, raw_body=body)
+    assert b_new == body
+    response = post(client, receivers[1], source, h_new, b_new)
+    assert response.status_code == 200
+    assert response.json()["status"] == "duplicate"
+    # And a new event under the new secret is accepted.
+    _, h_next, b_next = signed(source, secret=new_secret)
+    assert post(client, receivers[0], source, h_next, b_next).status_code == 202
+
+
+def test_slack_url_verification_is_answered_after_authentication(
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = new_source(sessions, settings, "slack")
+    challenge = {
+        "type": "url_verification",
+        "challenge": "3eZbrw1aBm2rZgRNFdxV2595E9CY3gmdALWMmHkvFXO7tYXAYM8P",
+        "token": "x",
+    }
+    _, headers, body = signed(source, body_obj=challenge)
+    before = count_rows(engine)
+    response = post(client, receivers[0], source, headers, body)
+    assert response.status_code == 200
+    assert response.text == challenge["challenge"]
+    _, headers, body = signed(source, body_obj=challenge, secret="wrong-secret-value-123")
+    assert post(client, receivers[0], source, headers, body).status_code == 401
+    assert count_rows(engine) == before
+
+
+# --- failures of the parts around the receiver ---
+
+
+def test_postgres_unreachable_is_503_and_nothing_acknowledged(
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = new_source(sessions, settings, "standard")
+    proxy = CuttableProxy(5432)
+    db = settings.database_name()
+    try:
+        with receiver(
+            WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{proxy.port}/{db}",
+            WEBHOOKS_DB_CONNECT_TIMEOUT="1",
+        ) as rcv:
+            _, headers, body = signed(source)
+            assert post(client, rcv, source, headers, body).status_code == 202  # source now cached
+            proxy.cut()
+            event_id, headers, body = signed(source)
+            response = post(client, rcv, source, headers, body)
+            assert response.status_code == 503
+            assert response.headers["retry-after"]
+            assert receipts_of(engine, source)[-1][0] != event_id
+            assert client.get(f"{rcv.url}/readyz").status_code == 503
+            proxy.restore()
+            deadline = time.monotonic() + 15
+            status = 0
+            while time.monotonic() < deadline and status != 202:
+                status = post(client, rcv, source, headers, body).status_code
+                time.sleep(0.2)
+            assert status == 202
+            assert receipts_of(engine, source)[-1][0] == event_id
+    finally:
+        proxy.close()
+
+
+def test_broker_unreachable_is_202_with_delivery_left_pending(
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    source = new_source(sessions, settings, "standard")
+    with receiver(WEBHOOKS_BROKER_URL="redis://127.0.0.1:1/0", WEBHOOKS_PUBLISH_TIMEOUT="1") as rcv:
+        event_id, headers, body = signed(source)
+        response = post(client, rcv, source, headers, body)
+        assert response.status_code == 202
+        assert response.json()["status"] == "accepted"
+        metrics = client.get(f"{rcv.url}/metrics").text
+        ready = client.get(f"{rcv.url}/readyz")
+    with engine.connect() as conn:
+        status = conn.execute(
+            text(
+                "SELECT d.status FROM deliveries d JOIN receipts r ON r.id = d.receipt_id "
+                "WHERE r.source_id = :s AND r.event_id = :e"
+            ),
+            {"s": source.id, "e": event_id},
+        ).scalar_one()
+    assert status == "pending"
+    assert f'webhooks_publish_failures_total{{source="{source.public_id}"}} 1.0' in metrics
+    assert ready.status_code == 503
+    assert ready.json()["broker"] == "unreachable"
+
+
+def test_health_and_readiness(receivers: list[Receiver], client: httpx.Client) -> None:
+    assert client.get(f"{receivers[0].url}/healthz").json() == {"status": "ok"}
+    ready = client.get(f"{receivers[0].url}/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "database": "ok", "broker": "ok"}
+
+
+def test_logs_are_json_with_source_outcome_and_event_id(
+    receivers: list[Receiver],
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+) -> None:
+    from tests.leakcheck import LOG_DIR
+
+    source = new_source(sessions, settings, "github")
+    event_id, headers, body = signed(source)
+    assert post(client, receivers[0], source, headers, body).status_code == 202
+    deadline = time.monotonic() + 5
+    found: dict[str, Any] | None = None
+    while found is None and time.monotonic() < deadline:
+        for path in LOG_DIR.glob("receiver-*.log"):
+            for line in path.read_text(errors="replace").splitlines():
+                if event_id in line and line.startswith("{"):
+                    found = json.loads(line)
+        time.sleep(0.1)
+    assert found is not None
+    assert found["source"] == source.public_id
+    assert found["outcome"] == "accepted"
+    assert found["event_id"] == event_id
