@@ -7,7 +7,8 @@
 3. signature and freshness against the source's active secrets -> 401
 4. event id, type and time from the provider's own fields -> 400
 5. one transaction: receipt + deliveries (duplicate -> 200, conflict -> 200, recorded)
-6. after the commit, one Celery message per delivery (failure counted; the sweeper retries)
+6. after the commit, one Celery message per delivery, published by a background thread in
+   batches (failure counted; the sweeper publishes what was lost)
 7. 202
 
 Postgres unreachable -> 503 with Retry-After: nothing is acknowledged before the commit.
@@ -180,17 +181,9 @@ class Receiver:
                 meta.event_id,
             )
 
-        if outcome.delivery_ids:
-            try:
-                await self.publisher.publish(outcome.delivery_ids)
-            except Exception as exc:  # noqa: BLE001  (durable already; the sweeper publishes)
-                metrics.PUBLISH_FAILURES.labels(label).inc(len(outcome.delivery_ids))
-                log.warning(
-                    "publish_failed",
-                    source=label,
-                    event_id=meta.event_id,
-                    error=exc.__class__.__name__,
-                )
+        # After the commit: hand the ids to the publisher thread; its failures are counted
+        # there and the sweeper covers them, so the answer does not wait for the broker.
+        self.publisher.submit(label, outcome.delivery_ids)
         metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
         return self._answer(
             label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id

@@ -437,7 +437,12 @@ def test_broker_unreachable_is_202_with_delivery_left_pending(
         response = post(client, rcv, source, headers, body)
         assert response.status_code == 202
         assert response.json()["status"] == "accepted"
-        metrics = client.get(f"{rcv.url}/metrics").text
+        expected = f'webhooks_publish_failures_total{{source="{source.public_id}"}} 1.0'
+        deadline = time.monotonic() + 10  # the publisher thread counts the failure
+        metrics = ""
+        while expected not in metrics and time.monotonic() < deadline:
+            metrics = client.get(f"{rcv.url}/metrics").text
+            time.sleep(0.1)
         ready = client.get(f"{rcv.url}/readyz")
     with engine.connect() as conn:
         status = conn.execute(
@@ -448,7 +453,7 @@ def test_broker_unreachable_is_202_with_delivery_left_pending(
             {"s": source.id, "e": event_id},
         ).scalar_one()
     assert status == "pending"
-    assert f'webhooks_publish_failures_total{{source="{source.public_id}"}} 1.0' in metrics
+    assert expected in metrics
     assert ready.status_code == 503
     assert ready.json()["broker"] == "unreachable"
 
