@@ -15,10 +15,10 @@ from typing import Any
 
 from celery import Celery
 from fastapi import FastAPI, HTTPException, Request
-from starlette.concurrency import run_in_threadpool
 from sqlalchemy import Column, Integer, LargeBinary, MetaData, Table, Text, create_engine
 from sqlalchemy.orm import sessionmaker
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+from starlette.concurrency import run_in_threadpool
 
 SECRET = os.environ["BENCH_SECRET"]
 BROKER = os.environ["WEBHOOKS_BROKER_URL"]

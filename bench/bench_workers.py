@@ -1,0 +1,280 @@
+"""Worker benchmark: events per second from a queued delivery to ``succeeded``, against a
+bare Celery no-op task drained by the same worker settings on the same broker.
+
+Both targets run as ``celery worker -P prefork -c 2`` with the pipeline's Celery configuration
+(Redis broker, acks_late, prefetch 1, time limits, task events) and the same log level:
+
+  ours   ``celery -A tasks worker``: fast claim (Redis), durable claim (Postgres), a ``noop``
+         handler, success committed, claim promoted; one receipt + delivery row per event
+  bare   ``celery -A bench.noop_app worker``: a task that returns at once
+
+Throughput: N messages are queued before the worker starts; the clock runs from the first
+message taken to the last one done (``succeeded`` rows for ours; an empty queue with nothing
+unacknowledged for bare). Rounds alternate between the targets; the best round counts.
+Latency: events are then accepted (receipt + delivery committed, as the receiver does) and
+published at half of our measured rate; p50/p99 of ``succeeded_at - received_at``.
+
+Usage: .venv/bin/python bench/bench_workers.py [--events 2000] [--rounds 2] [--seconds 10]
+Uses its own database and Redis DBs 8 (broker) and 9 (claims); drops them after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import orjson
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from celery import Celery  # noqa: E402
+
+from ingest.store import NewReceipt, accept_sync  # noqa: E402
+from models import catalog  # noqa: E402
+from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from tasks.config import DELIVER_TASK, DELIVERIES_QUEUE, create_app  # noqa: E402
+from webhooks.crypto import SecretBox  # noqa: E402
+from webhooks.settings import Settings  # noqa: E402
+from webhooks.ttl import expires_at  # noqa: E402
+
+BIN = Path(sys.executable).parent
+DB = "webhooks_bench_workers"
+BROKER = "redis://127.0.0.1:6379/8"
+CLAIMS = "redis://127.0.0.1:6379/9"
+NOOP_TASK = "bench.noop"
+ENV = {
+    "WEBHOOKS_DATABASE_URL": f"postgresql://postgres@127.0.0.1:5432/{DB}",
+    "WEBHOOKS_BROKER_URL": BROKER,
+    "WEBHOOKS_REDIS_URL": CLAIMS,
+    "WEBHOOKS_SECRET_KEY": "bench-secret-key-" + "w" * 32,
+    "WEBHOOKS_LOG_LEVEL": "INFO",
+}
+
+
+def settings() -> Settings:
+    return Settings(
+        database_url=ENV["WEBHOOKS_DATABASE_URL"],
+        broker_url=BROKER,
+        redis_url=CLAIMS,
+        secret_key=ENV["WEBHOOKS_SECRET_KEY"],  # type: ignore[arg-type]
+    )
+
+
+def worker_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
+    env.update(ENV)
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+class Worker:
+    def __init__(self, app: str, logdir: Path) -> None:
+        self.log = logdir / f"{app.replace('.', '_')}-{uuid.uuid4().hex[:6]}.log"
+        self.out = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            [str(BIN / "celery"), "-A", app, "worker", "-Q", DELIVERIES_QUEUE, "-P", "prefork",
+             "-c", "2", "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "--without-mingle",
+             "--without-gossip", "-l", "INFO"],
+            env=worker_env(), stdout=self.out, stderr=subprocess.STDOUT, cwd=logdir,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+
+
+def queue_length(client: redis.Redis) -> int:
+    return int(client.llen(DELIVERIES_QUEUE))
+
+
+def wait_first_taken(client: redis.Redis, total: int, worker: Worker) -> float:
+    while queue_length(client) >= total:
+        if worker.proc.poll() is not None:
+            raise RuntimeError(f"worker exited: see {worker.log}")
+        time.sleep(0.002)
+    return time.perf_counter()
+
+
+def bare_round(app: Celery, client: redis.Redis, n: int, logdir: Path) -> float:
+    client.flushdb()
+    with app.producer_or_acquire() as producer:
+        for i in range(n):
+            app.send_task(NOOP_TASK, args=[i], queue=DELIVERIES_QUEUE, producer=producer)
+    worker = Worker("bench.noop_app", logdir)
+    try:
+        start = wait_first_taken(client, n, worker)
+        while queue_length(client) or client.hlen("unacked"):
+            time.sleep(0.005)
+        return n / (time.perf_counter() - start)
+    finally:
+        worker.stop()
+
+
+def accept(s: Settings, conn: psycopg.Connection[object], source: tuple[int, str]) -> int:
+    now = datetime.now(UTC)
+    event_id = f"evt_{uuid.uuid4().hex}"
+    body = orjson.dumps({"id": event_id, "type": "bench.event", "data": {"n": 1}})
+    receipt = NewReceipt(
+        source_id=source[0],
+        secret_id=source[1],
+        event_id=event_id,
+        event_type="bench.event",
+        occurred_at=None,
+        expires_at=expires_at(None, now, timedelta(days=4)),
+        received_at=now,
+        digest=hashlib.sha256(body).digest(),
+        content_type="application/json",
+        payload=body,
+    )
+    outcome = accept_sync(conn, receipt, s.publish_grace)  # type: ignore[arg-type]
+    return outcome.delivery_ids[0]
+
+
+def succeeded(conn: psycopg.Connection[object], ids: list[int]) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM deliveries WHERE status = 'succeeded' AND id = ANY(%s)", (ids,)
+    ).fetchone()
+    return int(row[0])  # type: ignore[index]
+
+
+def ours_round(
+    s: Settings, app: Celery, client: redis.Redis, conn: psycopg.Connection[object],
+    source: tuple[int, str], n: int, logdir: Path,
+) -> float:  # fmt: skip
+    client.flushdb()
+    redis.Redis.from_url(CLAIMS).flushdb()
+    ids = [accept(s, conn, source) for _ in range(n)]
+    with app.producer_or_acquire() as producer:
+        for delivery_id in ids:
+            app.send_task(
+                DELIVER_TASK, args=[delivery_id], queue=DELIVERIES_QUEUE, producer=producer
+            )
+    worker = Worker("tasks", logdir)
+    try:
+        start = wait_first_taken(client, n, worker)
+        while succeeded(conn, ids) < n:
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: see {worker.log}")
+            time.sleep(0.02)
+        return n / (time.perf_counter() - start)
+    finally:
+        worker.stop()
+
+
+def latency(
+    s: Settings, app: Celery, conn: psycopg.Connection[object], source: tuple[int, str],
+    rate: float, seconds: float, logdir: Path,
+) -> tuple[float, float, int]:  # fmt: skip
+    worker = Worker("tasks", logdir)
+    try:
+        while "ready." not in worker.log.read_text(errors="replace"):
+            time.sleep(0.05)
+        ids = []
+        interval = 1.0 / rate
+        start = time.perf_counter()
+        with app.producer_or_acquire() as producer:
+            while time.perf_counter() - start < seconds:
+                due = start + len(ids) * interval
+                pause = due - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                delivery_id = accept(s, conn, source)
+                app.send_task(
+                    DELIVER_TASK, args=[delivery_id], queue=DELIVERIES_QUEUE, producer=producer
+                )
+                ids.append(delivery_id)
+        deadline = time.monotonic() + 120
+        while succeeded(conn, ids) < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        worker.stop()
+    rows = conn.execute(
+        "SELECT extract(epoch FROM d.succeeded_at - r.received_at) FROM deliveries d "
+        "JOIN receipts r ON r.id = d.receipt_id AND r.expires_at = d.expires_at "
+        "WHERE d.id = ANY(%s) AND d.status = 'succeeded'",
+        (ids,),
+    ).fetchall()
+    values = sorted(float(r[0]) for r in rows)  # type: ignore[index]
+    q = statistics.quantiles(values, n=100)
+    return q[49], q[98], len(values)
+
+
+def setup(s: Settings) -> tuple[int, str]:
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+    upgrade(s)
+    engine = make_engine(s, pool_size=1)
+    try:
+        with make_sessionmaker(engine)() as session, session.begin():
+            box = SecretBox(s.secret_key.get_secret_value())
+            source, secret = catalog.create_source(
+                session, box, s, name="bench", provider="standard"
+            )
+            catalog.add_route(session, box, source, handler="noop")
+            return source.id, secret.id
+    finally:
+        engine.dispose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--events", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_workers.txt")
+    args = parser.parse_args()
+
+    os.environ.update(ENV)
+    s = settings()
+    source = setup(s)
+    app = create_app(s)
+    client = redis.Redis.from_url(BROKER)
+    logdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
+    ours_rates: list[float] = []
+    bare_rates: list[float] = []
+    with psycopg.connect(s.psycopg_dsn, autocommit=True) as conn:
+        for _ in range(args.rounds):
+            bare_rates.append(bare_round(app, client, args.events, logdir))
+            ours_rates.append(ours_round(s, app, client, conn, source, args.events, logdir))
+        ours, bare = max(ours_rates), max(bare_rates)
+        p50, p99, count = latency(s, app, conn, source, ours / 2, args.seconds, logdir)
+    client.flushdb()
+    redis.Redis.from_url(CLAIMS).flushdb()
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+
+    lines = [
+        f"bench_workers: {args.events} events per round, {args.rounds} rounds, "
+        f"2 prefork processes, {os.cpu_count()} CPUs, {datetime.now(UTC):%Y-%m-%d}",
+        "target  events/s (best)  rounds",
+        f"ours    {ours:14.0f}  {', '.join(f'{r:.0f}' for r in ours_rates)}",
+        f"bare    {bare:14.0f}  {', '.join(f'{r:.0f}' for r in bare_rates)}",
+        f"ratio ours/bare: {ours / bare:.2f} (floor 0.5)",
+        f"latency receipt->succeeded at {ours / 2:.0f} events/s for {args.seconds:.0f} s "
+        f"({count} events): p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

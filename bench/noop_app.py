@@ -1,0 +1,16 @@
+"""The baseline of bench_workers.py: a bare Celery no-op task, with the pipeline's own Celery
+configuration (same broker, acks_late, prefetch 1, time limits, events) and nothing else."""
+
+from __future__ import annotations
+
+from tasks.config import create_app
+from webhooks.settings import load_settings
+
+NOOP_TASK = "bench.noop"
+
+app = create_app(load_settings(), main="bench")
+
+
+@app.task(name=NOOP_TASK, ignore_result=True)
+def noop(delivery_id: int) -> None:
+    return None
