@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -260,11 +259,17 @@ def _age(loaded_at: float) -> float:
 
 
 async def metrics_endpoint(request: Request) -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest  # noqa: PLC0415
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        generate_latest,
+        multiprocess,
+        values,
+    )
 
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess  # noqa: PLC0415
-
+    # Multiprocess mode is fixed when prometheus_client is first imported: ask it, not the env.
+    if values.ValueClass is not values.MutexValue:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -39,11 +39,11 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
 
 
 @contextmanager
-def receiver(**env_overrides: str) -> Iterator[Receiver]:
+def receiver(*, workers: int = 1, **env_overrides: str) -> Iterator[Receiver]:
     port = free_port()
     proc = spawn(
         "receiver",
-        [str(BIN / "webhooks"), "serve", "--port", str(port)],
+        [str(BIN / "webhooks"), "serve", "--port", str(port), "--workers", str(workers)],
         test_env(**env_overrides),
     )
     try:

@@ -488,3 +488,23 @@ def test_logs_are_json_with_source_outcome_and_event_id(
     assert found["source"] == source.public_id
     assert found["outcome"] == "accepted"
     assert found["event_id"] == event_id
+
+
+def test_metrics_add_up_across_receiver_processes(
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    tmp_path: Any,
+) -> None:
+    source = new_source(sessions, settings, "standard")
+    with receiver(workers=2, WEBHOOKS_METRICS_DIR=str(tmp_path)) as rcv:
+        for _ in range(12):
+            _, headers, body = signed(source)
+            # A new connection each time, so both processes answer some of them.
+            with httpx.Client(timeout=10) as fresh:
+                assert post(fresh, rcv, source, headers, body).status_code == 202
+        metrics = client.get(f"{rcv.url}/metrics").text
+        writers = list((tmp_path / "receiver").glob("counter_*.db"))
+    assert len(writers) >= 2, writers  # both processes counted into the shared directory
+    line = f'webhooks_requests_total{{outcome="accepted",source="{source.public_id}"}} 12.0'
+    assert line in metrics, [m for m in metrics.splitlines() if "requests_total" in m]

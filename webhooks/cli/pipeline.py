@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,13 @@ def serve(
     import uvicorn  # noqa: PLC0415
 
     settings = env().settings
+    if settings.metrics_dir:
+        # Several receiver processes: prometheus-client's multiprocess mode, in a directory of
+        # the receiver's own (workers keep theirs), emptied so old counts do not linger.
+        directory = Path(settings.metrics_dir) / "receiver"
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
     uvicorn.run(
         "ingest.app:app_from_env",
         factory=True,
