@@ -185,7 +185,8 @@ class Store:
                 "autocommit": True,
                 "connect_timeout": max(1, int(settings.db_connect_timeout)),
             },
-            check=AsyncConnectionPool.check_connection,
+            # No per-checkout health check (a round trip per request): a broken connection
+            # fails its request with 503, is discarded by the pool, and the provider retries.
         )
         self._cache: dict[str, SourceRecord] = {}
 
