@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import date, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from models import partitions
 from models.schema import PROVIDERS
@@ -30,13 +30,6 @@ log = get_logger("retention")
 
 # Deleted children first: a delivery never outlives the receipt it points at.
 EXPIRING_TABLES = ("attempts", "deliveries", "receipts", "conflicts")
-# The columns that identify one row of each table (its primary key).
-_ROW_KEYS = {
-    "attempts": "id, expires_at",
-    "deliveries": "id, expires_at",
-    "receipts": "source_id, event_id, expires_at",
-    "conflicts": "id",
-}
 # Partitions are dropped in the order the receiver and the workers lock the parents.
 _DROP_ORDER = {"receipts": 0, "deliveries": 1, "attempts": 2}
 
@@ -153,29 +146,41 @@ def drop_expired_partitions(engine: Engine, settings: Settings, now: datetime) -
 # ----------------------------------------------------------------------------------------
 
 
-def _delete_statement(table: str) -> Any:
-    keys = _ROW_KEYS[table]
-    # Rows are picked by primary key, not ctid (a ctid is only unique within one partition);
-    # the outer predicate repeats the expiry test so a row can never be deleted unexpired.
+def _delete_statement(conn: Connection, leaf: str) -> Any:
+    """One batch on one leaf table, found oldest first (expires_at is indexed there) and
+    deleted by ctid: a TID lookup per row, never a scan of the table. A ctid is unique only
+    within one table, so this runs per partition, never on a partitioned parent; the outer
+    predicate repeats the expiry test so a row can never be deleted unexpired."""
+    name = partitions.quote(conn, leaf)
     return text(
-        f"DELETE FROM {table} WHERE ({keys}) IN ("  # noqa: S608 (table and keys are constants)
-        f" SELECT {keys} FROM {table} WHERE expires_at <= :now LIMIT :limit"
-        f") AND expires_at <= :now"
+        f"DELETE FROM {name} WHERE ctid = ANY(ARRAY("  # noqa: S608 (catalog names, quoted)
+        f" SELECT ctid FROM {name} WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit"
+        f")) AND expires_at <= :now"
     )
+
+
+def _leaves(conn: Connection, table: str) -> list[str]:
+    if table in _DROP_ORDER:
+        return [p.name for p in partitions.list_partitions(conn) if p.table == table]
+    return [table]
 
 
 def _delete_batched(engine: Engine, table: str, now: datetime, batch: int) -> tuple[int, int]:
     """Delete expired rows of one table, ``batch`` at most per statement, each statement in
-    its own transaction; stops on the first short batch. Returns (rows, statements)."""
-    statement = _delete_statement(table)
+    its own transaction, partition by partition; a partition is done at its first short
+    batch. Returns (rows, statements)."""
+    with engine.connect() as conn:
+        statements_by_leaf = [_delete_statement(conn, leaf) for leaf in _leaves(conn, table)]
     rows = statements = 0
-    while True:
-        with engine.begin() as conn:
-            deleted = conn.execute(statement, {"now": now, "limit": batch}).rowcount
-        statements += 1
-        rows += deleted
-        if deleted < batch:
-            return rows, statements
+    for statement in statements_by_leaf:
+        while True:
+            with engine.begin() as conn:
+                deleted = conn.execute(statement, {"now": now, "limit": batch}).rowcount
+            statements += 1
+            rows += deleted
+            if deleted < batch:
+                break
+    return rows, statements
 
 
 def delete_expired(

@@ -52,6 +52,9 @@ def test_env(**overrides: str) -> dict[str, str]:
     return env
 
 
+test_env.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
 def make_settings(**overrides: object) -> Settings:
     values: dict[str, object] = {
         "environment": "test",

@@ -168,13 +168,15 @@ def expires_at(occurred_at: datetime | None, received_at: datetime, ttl: timedel
     """Deterministic expiry of an event's receipt: ``anchor + ttl``.
 
     The anchor is the provider's event time when the format carries one (Stripe ``created``,
-    Slack ``event_time``, a Standard Webhooks payload ``timestamp``, a generic source's
-    configured time field): every retry of the event carries the same time, so every retry
-    computes the same ``expires_at``, and the retry window, which providers count from the
-    event, is measured from the same instant.
+    Slack ``event_time``, a Standard Webhooks / Svix payload ``timestamp``, a generic source's
+    configured time field, all inside the signed body; Shopify's ``X-Shopify-Triggered-At``,
+    which retries repeat but which is not signed): every retry of the event carries the same
+    time, so every retry computes the same ``expires_at``, and the retry window, which
+    providers count from the event, is measured from the same instant. Per-attempt times
+    (Stripe ``t``, ``webhook-timestamp``, Slack's request timestamp) are never the anchor.
 
-    Otherwise (GitHub, Shopify without ``X-Shopify-Triggered-At``, a generic source without a
-    time field) the anchor is the first arrival: retries serialise on the receiver's
+    Otherwise (GitHub, Shopify without the header, a generic source without a time field)
+    the anchor is the first arrival: retries serialise on the receiver's
     per-(scope, event_id) lock, find that receipt live and keep it, so its ``expires_at`` is
     the one every retry sees. The first arrival is never earlier than the event, so this only
     lengthens protection.

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from sqlalchemy.exc import OperationalError
 
-from webhooks.cli.common import CliError, console, env, handle_errors, print_json
+from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
 from webhooks.durations import format_duration
 
 ttl_app = typer.Typer(
@@ -16,6 +19,17 @@ ttl_app = typer.Typer(
 maintenance_app = typer.Typer(help="Expiry maintenance (what beat runs).", no_args_is_help=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+@contextmanager
+def _database(e: Env) -> Iterator[None]:
+    """A database that cannot be reached is a one-line error, not a traceback."""
+    from models.db import DatabaseUnavailable  # noqa: PLC0415
+
+    try:
+        yield
+    except OperationalError:
+        raise DatabaseUnavailable(f"cannot reach database {e.settings.database_name()}") from None
 
 
 @ttl_app.command("explain")
@@ -29,7 +43,7 @@ def ttl_explain(
     from webhooks.ttl import dedup_terms  # noqa: PLC0415
 
     e = env()
-    with e.session() as session:
+    with _database(e), e.session() as session:
         try:
             row = catalog.get_source(session, source)
         except catalog.CatalogError as exc:
@@ -59,8 +73,9 @@ def ttl_explain(
         print_json(view)
     else:
         table = Table(title=f"dedup TTL of {row.name} ({row.public_id}, {row.provider})")
-        for column in ("term", "value", "seconds", "from"):
-            table.add_column(column)
+        for column in ("term", "value", "seconds"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("from", overflow="fold")  # a cited URL is folded, never cut
         for term in view["terms"]:
             table.add_row(term["name"], term["value"], str(term["seconds"]), term["origin"])
         table.add_row("= dedup_ttl", view["dedup_ttl"], str(view["dedup_ttl_seconds"]), "sum")
@@ -83,10 +98,13 @@ def ttl_explain(
 def maintenance_run(as_json: JsonOpt = False) -> None:
     """Run one maintenance pass now: partitions or batched delete, then payload retention."""
     from models.retention import run_maintenance  # noqa: PLC0415
+    from webhooks.logs import configure_logging  # noqa: PLC0415
 
     e = env()
+    configure_logging(e.settings.log_level, json=e.settings.log_json)  # stderr: stdout is data
     try:
-        report = run_maintenance(e.engine, e.settings, e.clock.now())
+        with _database(e):
+            report = run_maintenance(e.engine, e.settings, e.clock.now())
     finally:
         e.engine.dispose()
     if as_json:
