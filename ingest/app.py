@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 import psycopg
+import sqlalchemy.exc
 from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -44,7 +45,13 @@ from webhooks.ttl import expires_at
 
 log = get_logger("ingest")
 
-DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError)
+DB_ERRORS = (
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    PoolTimeout,
+    OSError,
+    sqlalchemy.exc.OperationalError,  # from the on-demand partition layout
+)
 # A request no cached secret verifies reloads the source's secrets (one may have been added),
 # but a flood of forged requests may not reload it more often than this.
 REFRESH_AFTER_SECONDS = 0.25

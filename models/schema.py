@@ -127,6 +127,13 @@ class Receipt(Base):
         PrimaryKeyConstraint("source_id", "event_id", "expires_at"),
         Index(None, "id"),
         Index(None, "received_at"),
+        # Payload retention walks only the receipts that still hold a body.
+        Index(
+            "ix_receipts_payload_held",
+            "received_at",
+            "id",
+            postgresql_where=text("payload IS NOT NULL"),
+        ),
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 

@@ -37,6 +37,14 @@ def _duration(value: str | None) -> timedelta | None:
     return None if value is None else parse_duration(value)
 
 
+def _lay_out_partitions(e: Env) -> None:
+    """A longer TTL needs partitions further ahead: lay them out now rather than on the first
+    event that needs them."""
+    from models.retention import ensure_partitions
+
+    ensure_partitions(e.engine, e.settings, e.clock.now())
+
+
 def _box(e: Env) -> SecretBox:
     return SecretBox(e.settings.secret_key.get_secret_value())
 
@@ -101,6 +109,7 @@ def sources_add(
             ),
         )
         view = _source_view(e, source)
+    _lay_out_partitions(e)
     view["secret_id"] = created.id
     if created.plaintext is not None:
         view["secret"] = created.plaintext
@@ -148,6 +157,7 @@ def sources_update(
                 raise CliError("--max-body must be positive")
             row.max_body_bytes = max_body
         view = _source_view(e, row)
+    _lay_out_partitions(e)
     console.print(f"updated {view['id']}: dedup ttl {view['dedup_ttl']}")
 
 

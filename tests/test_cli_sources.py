@@ -1,0 +1,156 @@
+"""The ``webhooks sources|secrets|routes`` commands, run as a user runs them (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+
+from sqlalchemy import Engine, text
+
+from tests.conftest import BIN, test_env
+from tests.leakcheck import remember
+
+
+def webhooks(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "webhooks"), *args], env=test_env(), capture_output=True, text=True, timeout=60
+    )
+
+
+def count(engine: Engine, table: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())  # noqa: S608
+
+
+def test_source_lifecycle_prints_the_secret_once_and_never_again(engine: Engine) -> None:
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    added = webhooks(
+        "sources", "add", name, "--provider", "standard", "--account", "acme", "--json"
+    )
+    assert added.returncode == 0, added.stderr
+    view = json.loads(added.stdout)
+    secret = view["secret"]
+    remember(secret)
+    assert secret.startswith("whsec_")
+    assert view["id"].startswith("src_")
+    assert view["url_path"] == f"/webhooks/{view['id']}"
+
+    human = webhooks(
+        "sources", "add", f"{name}-2", "--provider", "github", "--secret", "given-secret-value"
+    )
+    assert human.returncode == 0
+    assert "given-secret-value" not in human.stdout  # a secret we were given is not echoed
+
+    for args in (
+        ("sources", "list"),
+        ("sources", "list", "--json"),
+        ("sources", "show", view["id"]),
+        ("sources", "show", view["id"], "--json"),
+        ("secrets", "list", view["id"], "--json"),
+    ):
+        result = webhooks(*args)
+        assert result.returncode == 0, (args, result.stderr)
+        assert secret not in result.stdout
+        assert "given-secret-value" not in result.stdout
+
+    shown = json.loads(webhooks("sources", "show", view["id"], "--json").stdout)
+    assert shown["account"] == "acme"
+    assert [s["id"] for s in shown["secrets"]] == [view["secret_id"]]
+
+
+def test_secret_rotation_commands(engine: Engine) -> None:
+    view = json.loads(
+        webhooks(
+            "sources", "add", f"rot-{uuid.uuid4().hex[:8]}", "--provider", "stripe", "--json"
+        ).stdout
+    )
+    remember(view["secret"])
+    added = webhooks("secrets", "add", view["id"])
+    assert added.returncode == 0
+    new_id = next(
+        line.split()[-1] for line in added.stdout.splitlines() if line.startswith("secret id")
+    )
+    revoked = webhooks("secrets", "revoke", view["id"], view["secret_id"])
+    assert revoked.returncode == 0
+    listed = json.loads(webhooks("secrets", "list", view["id"], "--json").stdout)
+    assert {s["id"]: s["revoked_at"] is not None for s in listed} == {
+        view["secret_id"]: True,
+        new_id: False,
+    }
+    again = webhooks("secrets", "revoke", view["id"], view["secret_id"])
+    assert again.returncode == 1
+    assert "no active secret" in again.stderr
+
+
+def test_routes_add_with_glob_and_forward_options(engine: Engine) -> None:
+    view = json.loads(
+        webhooks(
+            "sources", "add", f"rt-{uuid.uuid4().hex[:8]}", "--provider", "stripe", "--json"
+        ).stdout
+    )
+    remember(view["secret"])
+    route = webhooks(
+        "routes", "add", view["id"], "--handler", "log", "--events", "invoice.*", "--json"
+    )
+    assert route.returncode == 0, route.stderr
+    assert json.loads(route.stdout)["events"] == "invoice.*"
+    forward = webhooks(
+        "routes",
+        "add",
+        view["id"],
+        "--handler",
+        "forward",
+        "--option",
+        "url=http://127.0.0.1:9/hook",
+        "--json",
+    )
+    assert forward.returncode == 0, forward.stderr
+    created = json.loads(forward.stdout)
+    remember(created["signing_secret"])
+    assert created["options"] == {"url": "http://127.0.0.1:9/hook"}
+    assert created["signing_secret"].startswith("whsec_")
+    listed = webhooks("routes", "list", view["id"], "--json")
+    assert created["signing_secret"] not in listed.stdout
+    assert [r["handler"] for r in json.loads(listed.stdout)] == ["log", "forward"]
+
+
+def test_bad_input_is_a_clear_error_and_changes_nothing(engine: Engine) -> None:
+    view = json.loads(
+        webhooks(
+            "sources", "add", f"bad-{uuid.uuid4().hex[:8]}", "--provider", "shopify", "--json"
+        ).stdout
+    )
+    remember(view["secret"])
+    sources, routes = count(engine, "sources"), count(engine, "routes")
+    cases = [
+        (("sources", "add", "x", "--provider", "paypal"), "unknown provider"),
+        (("sources", "add", "x", "--provider", "stripe", "--queue-lag", "soon"), "not a duration"),
+        (
+            (
+                "sources",
+                "add",
+                "x",
+                "--provider",
+                "stripe",
+                "--queue-lag",
+                "0s",
+                "--clock-skew",
+                "0s",
+                "--replay-grace",
+                "0s",
+            ),
+            "not above",
+        ),
+        (("sources", "add", "x", "--provider", "hmac", "--config", "algorithm=md5"), "algorithm"),
+        (("routes", "add", view["id"], "--handler", "forward"), "url="),
+        (("routes", "add", view["id"], "--handler", "log", "--option", "novalue"), "KEY=VALUE"),
+        (("routes", "add", "src_nope", "--handler", "log"), "no such source"),
+        (("sources", "show", "src_nope"), "no such source"),
+    ]
+    for args, message in cases:
+        result = webhooks(*args)
+        assert result.returncode == 1, (args, result.stdout)
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert (count(engine, "sources"), count(engine, "routes")) == (sources, routes)
