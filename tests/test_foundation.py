@@ -45,7 +45,8 @@ def test_db_upgrade_creates_a_missing_database() -> None:
                 "SELECT count(*) FROM pg_inherits WHERE inhparent = 'receipts'::regclass"
             ).fetchone()
         assert version is not None
-        assert partitions is not None and partitions[0] > 0
+        assert partitions is not None
+        assert partitions[0] > 0
         again = subprocess.run(
             [str(BIN / "webhooks"), "db", "upgrade"], env=env, capture_output=True, text=True, timeout=120
         )
