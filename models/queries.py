@@ -75,6 +75,8 @@ class EventFilter:
 
 @dataclass(frozen=True)
 class EventSummary:
+    """One received event and how many of its deliveries are in each state."""
+
     id: int
     source: str
     source_name: str
@@ -88,6 +90,8 @@ class EventSummary:
 
 @dataclass(frozen=True)
 class AttemptView:
+    """One try of a delivery: who ran it, when, and how it ended."""
+
     number: int
     generation: int
     worker: str | None
@@ -100,6 +104,8 @@ class AttemptView:
 
 @dataclass(frozen=True)
 class DeliveryView:
+    """One (event, route) unit of work with its attempts."""
+
     id: int
     route_id: int
     handler: str
@@ -118,6 +124,8 @@ class DeliveryView:
 
 @dataclass(frozen=True)
 class EventDetail:
+    """A receipt with its deliveries and attempts; the payload's size, never its content."""
+
     id: int
     source: str
     source_name: str
@@ -135,6 +143,8 @@ class EventDetail:
 
 @dataclass(frozen=True)
 class DeadGroup:
+    """Dead deliveries of one source, route and reason."""
+
     source: str
     source_name: str
     route_id: int
@@ -158,6 +168,8 @@ class ReplayFilter:
 
 @dataclass(frozen=True)
 class Candidate:
+    """A delivery a replay would move, as planned."""
+
     delivery_id: int
     receipt_id: int
     source: str
@@ -452,3 +464,37 @@ def payload_present(session: Session, receipt_id: int) -> tuple[bool, datetime |
     if row is None:
         return False, None
     return bool(row[0]), row[1]
+
+
+@dataclass(frozen=True)
+class DeliveryState:
+    """Where one delivery of a watched event stands (the demo's live view)."""
+
+    event_id: str
+    event_type: str
+    delivery_id: int
+    handler: str
+    status: str
+    attempts: int
+    generation: int
+
+
+def deliveries_of(session: Session, source: str, event_ids: Sequence[str]) -> list[DeliveryState]:
+    """The deliveries of the given events of one source, in event order."""
+    source_id = get_source(session, source).id
+    rows = session.execute(
+        select(
+            Receipt.event_id,
+            Receipt.event_type,
+            Delivery.id,
+            Route.handler,
+            Delivery.status,
+            Delivery.attempts,
+            Delivery.generation,
+        )
+        .join(Delivery, _delivery_of_receipt())
+        .join(Route, Route.id == Delivery.route_id)
+        .where(Receipt.source_id == source_id, Receipt.event_id.in_(list(event_ids)))
+        .order_by(Receipt.received_at, Delivery.id)
+    ).all()
+    return [DeliveryState(*row) for row in rows]

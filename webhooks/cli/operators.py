@@ -8,18 +8,27 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
+import json
+import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any
 
+import httpx
 import typer
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from sqlalchemy import select
 
-from models import queries, replays
+from models import catalog, queries, replays
 from models.queries import EventFilter, ReplayFilter
+from models.schema import Source
 from webhooks.cli.common import CliError, Env, console, env, err_console, handle_errors, print_json
+from webhooks.crypto import SecretBox
+from webhooks.logs import configure_logging
 
 events_app = typer.Typer(
     help="Received events, their deliveries and attempts.", no_args_is_help=True
@@ -38,6 +47,13 @@ UntilOpt = Annotated[
     str | None,
     typer.Option("--until", help="Received before: ISO time, or 30m for 30 minutes ago."),
 ]
+
+
+def _login() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container user without a passwd entry or $USER
+        return "unknown"
 
 
 def _when(value: datetime | None) -> str:
@@ -301,10 +317,10 @@ def replay(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Replay dead deliveries by id or by filter: preview, confirm, then run at a capped rate.
+    """Replay dead deliveries by id or by filter: preview, confirm, run at a capped rate.
 
-    A dead delivery keeps its downstream idempotency key; a succeeded one runs again only with
-    --rerun-succeeded, under a new key. Every run is audited (see `webhooks replays list`).
+    A dead delivery keeps its downstream idempotency key. A succeeded one runs again only
+    with --rerun-succeeded, under a new key. Every run is audited: webhooks replays list.
     """
     e = env()
     has_filter = any(v is not None for v in (source, event_type, since, until))
@@ -331,7 +347,7 @@ def replay(
         given = {k: v for k, v in given.items() if v is not None}
         flt = ReplayFilter(source, event_type, status, _time(e, since), _time(e, until))
     request = replays.ReplayRequest(
-        operator=operator or getpass.getuser(),
+        operator=operator or _login(),
         reason=reason or "(dry run)",
         via="cli",
         filter_as_given=given,
@@ -366,6 +382,9 @@ def replay(
 
 
 def _run(e: Env, plan: replays.Plan, *, show_progress: bool) -> replays.ReplayResult:
+    # Log lines go to stderr, warnings only: the terminal shows the progress and the summary
+    # (and stdout stays pure JSON with --json); the audit row is the record.
+    configure_logging("WARNING", json=e.settings.log_json)
     publisher = replays.CeleryPublisher(e.settings)
     replay_id = replays.start_replay(e.sessions, plan, now=e.clock.now())
     progress = Progress(
@@ -456,8 +475,206 @@ def replays_list(
     console.print(table)
 
 
+# demo ----------------------------------------------------------------------------------------
+
+DEMO_ACCOUNT = "demo"
+DEMO_SOURCE = "demo"
+# (handler, event types): "flaky" is the built-in handler that fails until replayed.
+DEMO_ROUTES = (("log", "order.*"), ("flaky", "payment.*"))
+DEMO_EVENTS = ("order.created", "order.paid", "order.shipped", "payment.captured")
+
+
+def _receiver_url(e: Env) -> str:
+    host = e.settings.host
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{e.settings.port}"  # noqa: S104
+
+
+def _demo_source(e: Env) -> tuple[str, str]:
+    """The demo source (created on first use) and its newest secret."""
+    box = SecretBox(e.settings.secret_key.get_secret_value())
+    with e.session() as session:
+        source = session.scalars(
+            select(Source).where(Source.account == DEMO_ACCOUNT, Source.name == DEMO_SOURCE)
+        ).first()
+        if source is None:
+            source, created = catalog.create_source(
+                session, box, e.settings, name=DEMO_SOURCE, provider="standard",
+                account=DEMO_ACCOUNT,
+            )  # fmt: skip
+            secret = created.plaintext
+        else:
+            active = [s for s in catalog.list_secrets(session, source) if s.revoked_at is None]
+            secret = box.decrypt(active[-1].ciphertext) if active else None
+            if secret is None:
+                secret = catalog.add_secret(session, box, source).plaintext
+        have = {(r.handler, r.events_glob) for r in catalog.list_routes(session, source)}
+        for handler, events in DEMO_ROUTES:
+            if (handler, events) not in have:
+                catalog.add_route(session, box, source, handler=handler, events=events)
+        assert secret is not None
+        return source.public_id, secret
+
+
+def _send(
+    client: httpx.Client, url: str, secret: str, event_id: str, body: bytes, now: datetime
+) -> str:
+    import standardwebhooks  # noqa: PLC0415
+
+    signature = standardwebhooks.Webhook(secret).sign(event_id, now, body.decode())
+    response = client.post(
+        url,
+        content=body,
+        headers={
+            "webhook-id": event_id,
+            "webhook-timestamp": str(int(now.timestamp())),
+            "webhook-signature": signature,
+            "content-type": "application/json",
+        },
+    )
+    if response.status_code not in (200, 202):
+        raise CliError(f"the receiver answered {response.status_code} to {event_id}")
+    return str(response.json().get("status", response.status_code))
+
+
+def _states_table(states: list[queries.DeliveryState], title: str) -> Table:
+    table = Table(
+        "event", "type", "delivery", "handler", "status", "attempts", "key gen", title=title
+    )
+    colours = {"succeeded": "green", "dead": "red", "retrying": "yellow"}
+    for st in states:
+        colour = colours.get(st.status, "cyan")
+        table.add_row(
+            st.event_id, st.event_type, str(st.delivery_id), st.handler,
+            f"[{colour}]{st.status}[/{colour}]", str(st.attempts), str(st.generation),
+        )  # fmt: skip
+    return table
+
+
+def _watch(
+    e: Env,
+    source: str,
+    event_ids: list[str],
+    title: str,
+    done: Callable[[list[queries.DeliveryState]], bool],
+    timeout: float,
+) -> list[queries.DeliveryState]:
+    deadline = time.monotonic() + timeout
+    with Live(console=console, refresh_per_second=8) as live:
+        while True:
+            with e.session() as session:
+                states = queries.deliveries_of(session, source, event_ids)
+            live.update(_states_table(states, title))
+            if done(states):
+                break
+            if time.monotonic() > deadline:
+                raise CliError(
+                    f"deliveries did not get there within {timeout:g}s: is a worker running? "
+                    "(`webhooks run` starts receiver, worker and beat)"
+                )
+            time.sleep(0.2)
+    console.print()  # Live leaves the cursor on the table's last line when not a terminal
+    return states
+
+
+@handle_errors
+def demo(
+    receiver: Annotated[
+        str | None,
+        typer.Option("--receiver", help="Receiver URL (default from WEBHOOKS_HOST/PORT)."),
+    ] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds per stage.")] = 60.0,
+) -> None:
+    """Run the whole flow against the running pipeline (start it with `webhooks run`).
+
+    Creates a demo source and routes, sends signed events (one duplicate, one whose handler
+    fails until replayed), shows them move through the states, replays the dead one and
+    prints a summary.
+    """
+    e = env()
+    configure_logging("WARNING", json=e.settings.log_json)
+    base = (receiver or _receiver_url(e)).rstrip("/")
+    started = time.monotonic()
+    with httpx.Client(timeout=10) as client:
+        try:
+            client.get(f"{base}/healthz").raise_for_status()
+        except httpx.HTTPError:
+            raise CliError(
+                f"no receiver at {base}: start the pipeline first (`make run` or `webhooks run`)"
+            ) from None
+        source, secret = _demo_source(e)
+        console.print(
+            f"demo source {source} (Standard Webhooks), routes: "
+            + ", ".join(f"{h} for {t}" for h, t in DEMO_ROUTES)
+        )
+        run = secrets.token_hex(4)
+        now = e.clock.now()
+        events = [
+            (f"evt_demo_{run}_{n}", kind, json.dumps({
+                "type": kind, "timestamp": now.isoformat(), "data": {"order": f"ord_{run}_{n}"},
+            }).encode())
+            for n, kind in enumerate(DEMO_EVENTS, 1)
+        ]  # fmt: skip
+        console.rule("1. a provider sends 5 signed webhooks; the last is a retry of the first")
+        answers: Counter[str] = Counter()
+        for event_id, kind, body in [*events, events[0]]:
+            answer = _send(client, f"{base}/webhooks/{source}", secret, event_id, body, now)
+            answers[answer] += 1
+            console.print(f"  {event_id} {kind:<17} -> {answer}", highlight=False)
+    ids = [event_id for event_id, _, _ in events]
+
+    def settled(states: list[queries.DeliveryState]) -> bool:
+        return len(states) == len(ids) and all(
+            st.status == ("dead" if st.handler == "flaky" else "succeeded") for st in states
+        )
+
+    console.rule("2. workers deliver them; the flaky handler fails and its delivery goes dead")
+    states = _watch(e, source, ids, "deliveries", settled, timeout)
+    dead = [st.delivery_id for st in states if st.status == "dead"]
+
+    console.rule("3. an operator replays the dead letter (audited, same downstream key)")
+    request = replays.ReplayRequest(
+        operator=_login(),
+        reason="webhooks demo: the flaky handler fails until its delivery is replayed",
+        via="cli",
+        filter_as_given={"ids": dead},
+        ids=tuple(dead),
+    )
+    with e.session() as session:
+        plan = replays.plan_replay(session, request)
+    result = _run(e, plan, show_progress=False)
+    console.print(
+        f"  replay {result.replay_id} by {request.operator}: {result.replayed} replayed",
+        highlight=False,
+    )
+    final = _watch(
+        e, source, ids, "after the replay",
+        lambda sts: len(sts) == len(ids) and all(st.status == "succeeded" for st in sts), timeout,
+    )  # fmt: skip
+
+    console.rule("summary")
+    first_time = sum(1 for st in final if st.delivery_id not in dead)
+    for label, value in (
+        ("webhooks sent", f"{sum(answers.values())} ({len(ids)} events + 1 provider retry)"),
+        ("receiver said", ", ".join(f"{n} {k}" for k, n in sorted(answers.items()))),
+        (
+            "deliveries",
+            f"{len(final)} succeeded: {first_time} first time, {len(dead)} after replay",
+        ),
+        ("replay audit", f"#{result.replay_id} by {request.operator} (webhooks replays list)"),
+        ("took", f"{time.monotonic() - started:.1f}s"),
+    ):
+        console.print(f"  {label + ':':<14} {value}", highlight=False)
+    console.print(
+        f"\nnext: webhooks events list --source {source} | webhooks events show {ids[-1]} | "
+        f"webhooks dead list | webhooks replays list\n"
+        f"Flower: http://127.0.0.1:{e.settings.flower_port} (workers, tasks, retries)",
+        highlight=False,
+    )
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(events_app, name="events")
     app.add_typer(dead_app, name="dead")
     app.command("replay")(replay)
     app.add_typer(replays_app, name="replays")
+    app.command("demo")(demo)

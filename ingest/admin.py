@@ -1,0 +1,370 @@
+"""The admin HTTP API, mounted by the receiver under ``/admin``.
+
+Bearer token from ``WEBHOOKS_ADMIN_TOKEN``, compared in constant time. Without a token the API
+is off: :func:`create_admin_app` returns an app with no routes and no schema, so every
+``/admin`` path is a 404 and nothing reveals that the API exists.
+
+Replays have the CLI's semantics and limits (:mod:`models.replays`): a required reason and
+operator, a capped rate, the same refusals and the same audit row (``via: api``). ``POST
+/replays`` plans synchronously, writes the audit row and answers 202 with its id; the replay
+then runs in a background thread of this process at the requested rate, and ``GET
+/replays/{id}`` shows its progress from the audit row, which the run updates in the same
+transaction as each delivery it moves. If the process stops mid-run the row stays
+``running``; the deliveries it did not reach are still dead, so a new replay with the same
+filter finishes the job.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import queries, replays
+from models.catalog import CatalogError
+from models.db import make_engine, make_sessionmaker
+from models.queries import (
+    Candidate,
+    DeadGroup,
+    EventDetail,
+    EventFilter,
+    EventSummary,
+    ReplayFilter,
+)
+from models.replays import ReplayError, ReplayRecord
+from webhooks.clock import Clock, SystemClock
+from webhooks.logs import configure_logging, get_logger
+from webhooks.settings import Settings, load_settings
+
+log = get_logger("admin")
+
+MAX_RUNNING_REPLAYS = 2  # per process; more answer 429
+
+DESCRIPTION = """
+Operators' API of the webhook pipeline: received events with their deliveries and attempts,
+dead letters, and audited replays. Authenticate with `Authorization: Bearer <WEBHOOKS_ADMIN_TOKEN>`.
+Responses never contain a secret or a payload.
+"""
+
+
+class ReplayIn(BaseModel):
+    """A replay: delivery ids, or a filter. Same rules as `webhooks replay`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    operator: str = Field(min_length=1, description="Who replays (recorded in the audit).")
+    reason: str = Field(min_length=1, description="Why (required; recorded in the audit).")
+    ids: list[int] | None = Field(
+        default=None, min_length=1, description="Delivery ids. Excludes the filter fields."
+    )
+    source: str | None = Field(default=None, description="Filter: source id or name.")
+    type: str | None = Field(default=None, description="Filter: event type, globs allowed.")
+    status: str = Field(
+        default="dead", description="Filter: `dead`, or `succeeded` with rerun_succeeded."
+    )
+    since: str | None = Field(
+        default=None, description="Filter: received at or after (ISO time, or `2h` ago)."
+    )
+    until: str | None = Field(
+        default=None, description="Filter: received before (ISO time, or `30m` ago)."
+    )
+    rerun_succeeded: bool = Field(
+        default=False,
+        description="Allow succeeded deliveries to run again, under a new downstream key.",
+    )
+    rate: float = Field(
+        default=replays.DEFAULT_RATE,
+        gt=0,
+        le=replays.MAX_RATE,
+        description="At most this many replays per second.",
+    )
+    dry_run: bool = Field(default=False, description="Preview only: count and sample.")
+
+
+class PreviewOut(BaseModel):
+    """What the replay covers: frozen when planned, so this count is what runs."""
+
+    count: int
+    by_status: dict[str, int]
+    without_payload: int = Field(description="Candidates whose payload retention dropped.")
+    sample: list[Candidate]
+
+
+class ReplayCreatedOut(BaseModel):
+    """The preview, and the audit row when the replay started (null for a dry run or 0)."""
+
+    preview: PreviewOut
+    replay: ReplayRecord | None
+
+
+class ErrorOut(BaseModel):
+    """An error with a machine-readable reason."""
+
+    detail: str
+    reason: str
+
+
+def _preview(plan: replays.Plan) -> PreviewOut:
+    return PreviewOut(
+        count=plan.count,
+        by_status=plan.by_status,
+        without_payload=plan.without_payload,
+        sample=list(plan.sample),
+    )
+
+
+class _State:
+    """Lazily built per-app resources (the mounted app has no lifespan of its own)."""
+
+    def __init__(self, settings: Settings, clock: Clock) -> None:
+        self.settings = settings
+        self.clock = clock
+        assert settings.admin_token is not None
+        self.token = settings.admin_token.get_secret_value().encode()
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._sessions: sessionmaker[Session] | None = None
+        self._publisher: replays.CeleryPublisher | None = None
+        self.running = threading.BoundedSemaphore(MAX_RUNNING_REPLAYS)
+
+    @property
+    def sessions(self) -> sessionmaker[Session]:
+        with self._lock:
+            if self._sessions is None:
+                self._engine = make_engine(self.settings, pool_size=2)
+                self._sessions = make_sessionmaker(self._engine)
+            return self._sessions
+
+    @property
+    def publisher(self) -> replays.CeleryPublisher:
+        with self._lock:
+            if self._publisher is None:
+                self._publisher = replays.CeleryPublisher(self.settings)
+            return self._publisher
+
+    def run_in_background(self, plan: replays.Plan, replay_id: int) -> None:
+        def work() -> None:
+            try:
+                replays.execute(
+                    self.sessions,
+                    plan,
+                    replay_id,
+                    settings=self.settings,
+                    clock=self.clock,
+                    sleep=time.sleep,
+                    publish=self.publisher,
+                )
+            except Exception as exc:  # noqa: BLE001  (the audit row says failed; log the class)
+                log.error("replay.failed", replay_id=replay_id, error=exc.__class__.__name__)
+            finally:
+                self.running.release()
+
+        threading.Thread(target=work, name=f"replay-{replay_id}", daemon=True).start()
+
+
+_bearer = HTTPBearer(auto_error=False, description="WEBHOOKS_ADMIN_TOKEN")
+
+
+def _require_token(
+    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    state: _State = request.app.state.admin
+    given = creds.credentials.encode() if creds is not None else b""
+    # compare_digest on every request, even without a header, so timing tells nothing.
+    if not hmac.compare_digest(given, state.token) or creds is None:
+        raise HTTPException(
+            401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+
+def _session(request: Request) -> Iterator[Session]:
+    state: _State = request.app.state.admin
+    with state.sessions() as session, session.begin():
+        yield session
+
+
+Db = Annotated[Session, Depends(_session)]
+
+
+def _error(code: int, detail: str, reason: str) -> JSONResponse:
+    return JSONResponse({"detail": detail, "reason": reason}, status_code=code)
+
+
+def _off() -> FastAPI:
+    return FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+
+def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastAPI:
+    """The admin API, or (no WEBHOOKS_ADMIN_TOKEN) an app that answers 404 to everything."""
+    if settings.admin_token is None or not settings.admin_token.get_secret_value():
+        return _off()
+    state = _State(settings, clock or SystemClock())
+    app = FastAPI(
+        title="webhooks admin API",
+        description=DESCRIPTION,
+        version="1",
+        dependencies=[Depends(_require_token)],
+        responses={401: {"description": "Missing or wrong bearer token."}},
+    )
+
+    @app.exception_handler(queries.NotFoundError)
+    def _not_found(request: Request, exc: queries.NotFoundError) -> JSONResponse:
+        return _error(404, str(exc), exc.reason)
+
+    @app.exception_handler(queries.QueryError)
+    def _bad_query(request: Request, exc: queries.QueryError) -> JSONResponse:
+        return _error(422, str(exc), exc.reason)
+
+    @app.exception_handler(CatalogError)
+    def _bad_source(request: Request, exc: CatalogError) -> JSONResponse:
+        return _error(422, str(exc), "bad_source")
+
+    @app.exception_handler(ReplayError)
+    def _refused(request: Request, exc: ReplayError) -> JSONResponse:
+        refused = exc.reason in ("succeeded", "not_replayable")
+        return _error(409 if refused else 422, str(exc), exc.reason)
+
+    @app.exception_handler(OperationalError)
+    def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
+        return _error(503, "database unavailable", "database_unavailable")
+
+    def _time(text: str | None) -> Any:
+        return None if text is None else queries.parse_time(text, now=state.clock.now())
+
+    @app.get("/events", tags=["events"], summary="List events, newest first")
+    def list_events(
+        session: Db,
+        source: Annotated[str | None, Query(description="Source id or name.")] = None,
+        type: Annotated[str | None, Query(description="Event type, globs allowed.")] = None,
+        status: Annotated[
+            str | None, Query(description="Events with a delivery in this state.")
+        ] = None,
+        since: Annotated[
+            str | None, Query(description="Received at or after (ISO time, or `2h` ago).")
+        ] = None,
+        until: Annotated[
+            str | None, Query(description="Received before (ISO time, or `30m` ago).")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=queries.MAX_LIST_LIMIT)] = 50,
+    ) -> list[EventSummary]:
+        """Received events with the count of their deliveries in each state."""
+        return queries.list_events(
+            session, EventFilter(source, type, status, _time(since), _time(until), limit)
+        )
+
+    @app.get(
+        "/events/{event}",
+        tags=["events"],
+        summary="Show one event",
+        responses={404: {"model": ErrorOut}},
+    )
+    def show_event(event: str, session: Db) -> EventDetail:
+        """The receipt (by receipt number or event id), its deliveries and every attempt with
+        its error. The payload's size is shown, never its content."""
+        return queries.get_event(session, event)
+
+    @app.get("/dead", tags=["dead letters"], summary="Dead letters, grouped")
+    def dead(
+        session: Db,
+        source: Annotated[str | None, Query(description="Source id or name.")] = None,
+    ) -> list[DeadGroup]:
+        """Dead deliveries grouped by source, route and reason, with counts and recent ids."""
+        return queries.dead_letters(session, source=source)
+
+    @app.post(
+        "/replays",
+        tags=["replays"],
+        summary="Preview or start a replay",
+        status_code=202,
+        response_model=ReplayCreatedOut,
+        responses={
+            200: {"model": ReplayCreatedOut, "description": "Dry run, or nothing matched."},
+            409: {"model": ErrorOut, "description": "Refused (e.g. a succeeded delivery)."},
+            422: {"model": ErrorOut},
+            429: {"model": ErrorOut, "description": "Too many replays running here."},
+        },
+    )
+    def create_replay(body: ReplayIn, session: Db) -> Any:
+        """Plan the replay (the preview), write its audit row and run it in the background
+        at `rate` per second. Poll `GET /replays/{id}` for progress."""
+        given = body.model_dump(
+            exclude={"operator", "reason", "rerun_succeeded", "rate", "dry_run"}
+        )
+        given = {k: v for k, v in given.items() if v is not None}
+        if body.ids:
+            if set(given) - {"ids", "status"} or body.status != "dead":
+                raise ReplayError("give delivery ids or a filter, not both", "bad_target")
+            given = {"ids": sorted(set(body.ids))}
+            flt = None
+        else:
+            flt = ReplayFilter(
+                body.source, body.type, body.status, _time(body.since), _time(body.until)
+            )
+            if not set(given) - {"status"}:
+                raise ReplayError(
+                    "give delivery ids or a filter (source, type, since, until)", "bad_target"
+                )
+        request = replays.ReplayRequest(
+            operator=body.operator,
+            reason=body.reason,
+            via="api",
+            filter_as_given=given,
+            ids=tuple(sorted(set(body.ids or []))),
+            flt=flt,
+            rerun_succeeded=body.rerun_succeeded,
+            rate=body.rate,
+        )
+        plan = replays.plan_replay(session, request)
+        preview = _preview(plan)
+        if body.dry_run or plan.count == 0:
+            return JSONResponse(
+                ReplayCreatedOut(preview=preview, replay=None).model_dump(mode="json")
+            )
+        if not state.running.acquire(blocking=False):
+            return _error(429, "too many replays running in this process; retry later", "busy")
+        try:
+            replay_id = replays.start_replay(state.sessions, plan, now=state.clock.now())
+            record = replays.get_replay(session, replay_id)
+        except BaseException:
+            state.running.release()
+            raise
+        state.run_in_background(plan, replay_id)
+        return ReplayCreatedOut(preview=preview, replay=record)
+
+    @app.get("/replays", tags=["replays"], summary="The replay audit trail")
+    def list_replays(
+        session: Db, limit: Annotated[int, Query(ge=1, le=500)] = 20
+    ) -> list[ReplayRecord]:
+        """Who replayed what, when and why; most recent first."""
+        return replays.list_replays(session, limit=limit)
+
+    @app.get(
+        "/replays/{replay_id}",
+        tags=["replays"],
+        summary="A replay's progress",
+        responses={404: {"model": ErrorOut}},
+    )
+    def show_replay(replay_id: int, session: Db) -> ReplayRecord:
+        """The audit row: `planned`, `replayed` and `skipped` grow as the run goes; `status`
+        is `running`, then `done`, `failed` or `interrupted`."""
+        return replays.get_replay(session, replay_id)
+
+    app.state.admin = state
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """``uvicorn --factory ingest.admin:app_from_env``: the admin API on its own."""
+    settings = load_settings()
+    configure_logging(settings.log_level, json=settings.log_json)
+    return create_admin_app(settings)

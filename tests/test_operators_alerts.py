@@ -1,0 +1,76 @@
+"""deploy/alerts.yml loads, has the rules the issue asks for, and names only metrics (and their
+labels) that webhooks/metrics.py declares."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml  # type: ignore[import-untyped]
+from prometheus_client.metrics import MetricWrapperBase
+
+from webhooks import metrics
+
+ALERTS = Path(__file__).resolve().parent.parent / "deploy" / "alerts.yml"
+REQUIRED = {
+    "WebhookDeadLetters": "webhooks_dead_letters_total",
+    "WebhookOldestPendingTooOld": "webhooks_oldest_pending_seconds",
+    "WebhookDegradedClaims": "webhooks_degraded_claims_total",
+    "WebhookDuplicateRateCollapsed": "webhooks_duplicates_total",
+}
+SUFFIXES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("_sum", "_count", ""),
+}
+
+
+def declared() -> dict[str, tuple[str, ...]]:
+    """Exported sample name -> label names, for every metric in webhooks.metrics."""
+    names: dict[str, tuple[str, ...]] = {}
+    for obj in vars(metrics).values():
+        if isinstance(obj, MetricWrapperBase):
+            for suffix in SUFFIXES[str(obj._type)]:
+                extra = ("le",) if suffix == "_bucket" else ()
+                names[obj._name + suffix] = (*obj._labelnames, *extra)
+    return names
+
+
+def rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def test_the_alert_rules_cover_what_the_issue_asks_for() -> None:
+    by_name = {r["alert"]: r for r in rules()}
+    assert set(REQUIRED) <= set(by_name)
+    for alert, metric in REQUIRED.items():
+        rule = by_name[alert]
+        assert metric in rule["expr"], alert
+        assert re.fullmatch(r"\d+[smhd]", rule["for"]), alert
+        assert rule["labels"]["severity"] in {"warning", "critical"}
+        assert rule["annotations"]["summary"]
+        assert rule["annotations"]["description"]
+
+
+def test_every_metric_and_label_in_the_rules_is_declared() -> None:
+    known = declared()
+    assert "webhooks_dead_letters_total" in known  # the table itself is right
+    for rule in rules():
+        expr: str = rule["expr"]
+        assert expr.count("(") == expr.count(")"), rule["alert"]
+        used = set(re.findall(r"\bwebhooks_[a-z_]+\b", expr))
+        assert used, rule["alert"]
+        unknown = used - set(known)
+        assert not unknown, f"{rule['alert']} uses undeclared metrics {unknown}"
+        labels_of_rule = {label for name in used for label in known[name]}
+        for name, matchers in re.findall(r"\b(webhooks_[a-z_]+)\{([^}]*)\}", expr):
+            for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+                assert label in known[name], f"{rule['alert']}: {name} has no label {label!r}"
+        for grouping in re.findall(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)", expr):
+            for label in filter(None, (x.strip() for x in grouping.split(","))):
+                assert label in labels_of_rule, f"{rule['alert']}: no metric has label {label!r}"
+        for label in re.findall(r"\$labels\.(\w+)", str(rule["annotations"])):
+            assert label in labels_of_rule, f"{rule['alert']}: annotation label {label!r}"

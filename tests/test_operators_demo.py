@@ -1,0 +1,95 @@
+"""``webhooks demo`` runs to its summary against the pipeline the README's run command starts
+(``make run`` = ``webhooks run``: migrate, receiver, worker, beat, Flower), on a database that
+does not exist beforehand, as on a fresh machine. Flower asks for basic auth and shows the
+deliver tasks with their argument: a delivery id, nothing else."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from tests import conftest
+from tests.conftest import ADMIN_DSN, BIN, free_port, wait_for_port
+from tests.leakcheck import remember
+from tests.operators_support import OPS, cli, flush, ops_settings
+from tests.workers import Process, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DEMO_DB = "webhooks_test_ops_demo"
+PASSWORD = "flower-" + "p" * 16
+remember(PASSWORD)
+
+
+def _drop_demo_db() -> None:
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (DEMO_DB,)
+        )
+        conn.execute(f'DROP DATABASE IF EXISTS "{DEMO_DB}"')
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    _drop_demo_db()
+    flush(ops_settings())
+    yield
+    flush(ops_settings())
+    _drop_demo_db()
+
+
+def test_demo_runs_to_its_summary_against_webhooks_run(fresh: None, tmp_path: Path) -> None:
+    port, flower_port = free_port(), free_port()
+    env = conftest.test_env(
+        WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{DEMO_DB}",
+        WEBHOOKS_BROKER_URL=OPS["broker_url"],
+        WEBHOOKS_REDIS_URL=OPS["redis_url"],
+        WEBHOOKS_PORT=str(port),
+        WEBHOOKS_FLOWER_PORT=str(flower_port),
+        WEBHOOKS_FLOWER_PASSWORD=PASSWORD,
+    )
+    pipeline = Process("webhooks-run", [str(BIN / "webhooks"), "run"], env, tmp_path)
+    try:
+        wait_for_port(port, pipeline.proc, timeout=90)
+        wait_for_port(flower_port, pipeline.proc, timeout=90)
+
+        demo = cli("demo", "--timeout", "90", env=env, timeout=240)
+        assert demo.returncode == 0, demo.stdout + demo.stderr
+        out = demo.stdout
+        assert "summary" in out
+        assert "5 (4 events + 1 provider retry)" in out
+        assert "4 accepted" in out
+        assert "1 duplicate" in out
+        assert "4 succeeded: 3 first time, 1 after replay" in out
+        assert "dead" in out  # the flaky delivery was shown dead before the replay
+
+        # The audit trail has the demo's replay, as the CLI shows it.
+        audit = cli("replays", "list", "--json", env=env)
+        [replay] = json.loads(audit.stdout)
+        assert (replay["replayed"], replay["via"], replay["status"]) == (1, "cli", "done")
+        assert replay["reason"].startswith("webhooks demo")
+
+        # Flower: basic auth from settings; deliver tasks carry the delivery id only.
+        flower = f"http://127.0.0.1:{flower_port}"
+        assert httpx.get(f"{flower}/api/tasks", timeout=10).status_code == 401
+        auth = ("admin", PASSWORD)
+
+        def deliver_tasks() -> list[dict[str, object]] | None:
+            response = httpx.get(f"{flower}/api/tasks", auth=auth, timeout=10)
+            assert response.status_code == 200
+            found = [t for t in response.json().values() if t.get("name") == "webhooks.deliver"]
+            return found if len(found) >= 5 else None
+
+        tasks = wait_for(deliver_tasks, timeout=30, what="Flower to list the deliver tasks")
+        for task in tasks:
+            args = task["args"]
+            assert isinstance(args, str)
+            assert args.strip("[]() ,").isdigit(), args  # one delivery id, no payload
+    finally:
+        pipeline.stop(timeout=30)
+    assert pipeline.proc.returncode is not None

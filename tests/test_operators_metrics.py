@@ -1,0 +1,112 @@
+"""Worker metrics move as events flow through a real prefork worker with several processes,
+and the main process's /metrics endpoint adds up every process's share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from tasks.config import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
+from tests.conftest import BIN, free_port, wait_for_port
+from tests.operators_support import accept, flush, ops_env, ops_settings, source_with
+from tests.workers import Broker, Worker, attempts, wait_for, wait_status
+from webhooks.settings import Settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture
+def ops() -> Iterator[Settings]:
+    settings = ops_settings()
+    flush(settings)
+    yield settings
+    flush(settings)
+
+
+def scrape(port: int) -> Samples:
+    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert response.status_code == 200
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_worker_metrics_add_up_across_worker_processes(
+    tmp_path: Path, ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    port = free_port()
+    root = tmp_path / "metrics"
+    queues = f"{DELIVERIES_QUEUE},{MAINTENANCE_QUEUE}"
+    cmd = [
+        str(BIN / "celery"), "-A", "tasks", "worker", "-Q", queues,
+        "-P", "prefork", "-c", "2", "--max-tasks-per-child", "1", "-n", "metrics@%h",
+        "--without-mingle", "--without-gossip", "-l", "INFO",
+    ]  # fmt: skip
+    # Every task runs in a fresh pool process (--max-tasks-per-child 1), so each count below
+    # is the sum over as many processes, most of them exited by the time we scrape.
+    worker = Worker(
+        "worker-metrics", cmd, ops_env(worker_metrics_port=port, metrics_dir=str(root)), tmp_path
+    )
+    broker = Broker(ops)
+    try:
+        worker.wait_ready()
+        wait_for_port(port, worker.proc)
+        directory = root / f"worker-{worker.pid}"
+        assert directory.is_dir()
+        before = scrape(port)
+        assert value(before, "webhooks_deliveries_total", outcome="succeeded") == 0
+
+        source = source_with(sessions, ops, "log")
+        ids = [accept(ops, source)[0] for _ in range(6)]
+        for delivery in ids:
+            broker.publish(delivery)
+        for delivery in ids:
+            wait_status(engine, delivery, "succeeded", timeout=60)
+
+        def counted(name: str, expected: float, **labels: str) -> Samples:
+            def check() -> Samples | None:
+                now = scrape(port)
+                return now if value(now, name, **labels) == expected else None
+
+            result: Samples = wait_for(check, timeout=20, what=f"{name} {labels} == {expected}")
+            return result
+
+        after = counted("webhooks_deliveries_total", 6, outcome="succeeded")
+        assert value(after, "webhooks_claims_total", result="first") == 6
+        assert value(after, "webhooks_receipt_to_success_seconds_count") == 6
+        workers = {a.worker for d in ids for a in attempts(engine, d)}
+        assert len(workers) >= 2, workers  # several processes really did the work
+        assert len(list(directory.glob("counter_*.db"))) >= 3  # main process + pool children
+
+        # A second message for a delivery that succeeded: the fast claim says duplicate.
+        broker.publish(ids[0])
+        dup = counted("webhooks_claims_total", 1, result="duplicate")
+        assert value(dup, "webhooks_deliveries_total", outcome="duplicate") == 1
+        assert value(dup, "webhooks_deliveries_total", outcome="succeeded") == 6
+
+        # A handler that fails permanently: a dead letter, by reason.
+        [dead] = accept(ops, source_with(sessions, ops, "permanent"))
+        broker.publish(dead)
+        reason = wait_status(engine, dead, "dead", timeout=60).dead_reason
+        final = counted("webhooks_dead_letters_total", 1, reason=reason)
+        assert value(final, "webhooks_deliveries_total", outcome="dead") == 1
+        assert value(final, "webhooks_claims_total", result="first") == 7
+        assert value(final, "webhooks_degraded_claims_total") == 0
+    finally:
+        broker.close()
+        worker.stop()
+    assert not (root / f"worker-{worker.pid}").exists()  # removed at shutdown
