@@ -38,7 +38,8 @@ DEGRADED = Counter("webhooks_degraded_claims_total", "Claims made on the durable
 OLDEST_PENDING = Gauge(
     "webhooks_oldest_pending_seconds",
     "Age of the oldest unfinished delivery, measured by the sweeper",
-    multiprocess_mode="max",
+    # The latest sweep's reading, not the maximum ever seen by some (possibly dead) process.
+    multiprocess_mode="mostrecent",
 )
 RECEIPT_TO_SUCCESS = Histogram(
     "webhooks_receipt_to_success_seconds",

@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from webhooks.clock import Clock, SystemClock
+from webhooks.logs import configure_logging
 from webhooks.settings import Settings, SettingsError, load_settings
 
 P = ParamSpec("P")
@@ -54,9 +55,12 @@ class Env:
 
 def env() -> Env:
     try:
-        return Env(load_settings())
+        settings = load_settings()
     except SettingsError as exc:
         raise CliError(str(exc)) from None
+    # Commands print their results on stdout (--json must stay parseable): logs go to stderr.
+    configure_logging("WARNING", json=settings.log_json)
+    return Env(settings)
 
 
 def handle_errors(func: Callable[P, R]) -> Callable[P, R]:

@@ -67,6 +67,8 @@ def run(
     metrics_dir = settings.metrics_dir or str(state / "metrics")
     Path(metrics_dir).mkdir(parents=True, exist_ok=True)
     child_env = {**os.environ, "WEBHOOKS_METRICS_DIR": metrics_dir}
+    worker_metrics_port = settings.worker_metrics_port or 9100
+    child_env.setdefault("WEBHOOKS_WORKER_METRICS_PORT", str(worker_metrics_port))
     commands: dict[str, list[str]] = {
         "receiver": [_bin("webhooks"), "serve"],
         "worker": [
@@ -127,6 +129,8 @@ def run(
             console.print(
                 f"flower    http://127.0.0.1:{settings.flower_port}  (user {settings.flower_user})"
             )
+        console.print(f"metrics   http://{settings.host}:{settings.port}/metrics (receiver), "
+                      f"http://127.0.0.1:{worker_metrics_port}/metrics (workers)")
         console.print("pipeline running; Ctrl-C stops it")
         while not stopping:
             for name, proc in procs.items():
