@@ -1,8 +1,8 @@
 """Publishing delivery ids to Celery after the commit (never before).
 
 The receiver hands committed delivery ids to :meth:`Publisher.submit` and answers at once; a
-background thread publishes whatever has accumulated in one kombu producer batch (a single
-Redis pipeline round trip for many messages). A publish failure is counted and logged: the
+background thread publishes whatever has accumulated, with a Redis broker as one LPUSH for
+the whole batch. A publish failure is counted and logged: the
 delivery rows are already durable and pending, and the sweeper publishes them after
 ``publish_grace``. So the 202 never depends on the broker, and a crash between the commit and
 the publish costs latency, never an event.
@@ -10,9 +10,16 @@ the publish costs latency, never an event.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import queue
 import threading
+import uuid
 from collections.abc import Sequence
+from typing import Any
+
+import redis
+from kombu.utils import json as kombu_json
 
 from tasks.config import DELIVER_TASK, DELIVERIES_QUEUE, create_app
 from webhooks import metrics
@@ -44,6 +51,9 @@ class Publisher:
         self.timeout = settings.publish_timeout
         self._queue: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._producer: Any = None
+        self._client: redis.Redis | None = None
+        self._redis_broker = settings.broker_url.startswith(("redis://", "rediss://"))
         self._lock = threading.Lock()
 
     def submit(self, label: str, delivery_ids: Sequence[int]) -> None:
@@ -78,25 +88,79 @@ class Publisher:
         try:
             self.publish_sync([delivery_id for _, delivery_id in batch])
         except Exception as exc:  # noqa: BLE001  (durable already; the sweeper publishes)
+            self._drop_producer()
             for label, _ in batch:
                 metrics.PUBLISH_FAILURES.labels(label).inc()
             log.warning("publish_failed", deliveries=len(batch), error=exc.__class__.__name__)
 
     def publish_sync(self, delivery_ids: Sequence[int]) -> None:
-        """Publish now, in one producer batch where the transport supports it."""
-        with self.app.producer_or_acquire() as producer:
-            batch = getattr(producer, "batch", None)  # kombu >= 5.7: one Redis round trip
-            if batch is None:
-                for delivery_id in delivery_ids:
-                    self.app.send_task(
-                        DELIVER_TASK, args=[delivery_id], queue=DELIVERIES_QUEUE, producer=producer
-                    )
-                return
-            with batch(max_size=MAX_BATCH):
-                for delivery_id in delivery_ids:
-                    self.app.send_task(
-                        DELIVER_TASK, args=[delivery_id], queue=DELIVERIES_QUEUE, producer=producer
-                    )
+        """Publish now; raises on failure. One thread per Publisher calls this: the background
+        thread behind :meth:`submit`, or a caller that never uses submit (replays)."""
+        if self._redis_broker:
+            self._lpush(delivery_ids)
+            return
+        producer = self._get_producer()
+        for delivery_id in delivery_ids:
+            self.app.send_task(
+                DELIVER_TASK, args=[delivery_id], queue=DELIVERIES_QUEUE, producer=producer
+            )
+
+    def _lpush(self, delivery_ids: Sequence[int]) -> None:
+        """The Redis broker path: Celery builds each message (``as_task_v2``), kombu's channel
+        turns it into the transport's wire form, and the whole batch is one LPUSH.
+
+        ``send_task`` would spend about 0.5 ms of CPU per message on this machine (a fresh
+        Redis client object per publish, the retry policy, a task-sent event), more than the
+        rest of the request together. Messages published here have no task-sent event:
+        Flower shows them from the moment a worker receives them.
+        """
+        channel = self._get_producer().channel
+        amqp = self.app.amqp
+        wire = []
+        for delivery_id in delivery_ids:
+            task_id = str(uuid.uuid4())
+            headers, properties, body, _ = amqp.as_task_v2(
+                task_id,
+                DELIVER_TASK,
+                args=(delivery_id,),
+                argsrepr=f"[{delivery_id}]",
+                kwargsrepr="{}",
+            )
+            message = channel.prepare_message(
+                json.dumps(body),
+                0,
+                "application/json",
+                "utf-8",
+                headers,
+                {**properties, "delivery_mode": 2},
+            )
+            channel._inplace_augment_message(message, "", DELIVERIES_QUEUE)  # noqa: SLF001
+            wire.append(kombu_json.dumps(message))
+        self._redis().lpush(channel._q_for_pri(DELIVERIES_QUEUE, 0), *wire)  # noqa: SLF001
+
+    def _redis(self) -> redis.Redis:
+        if self._client is None:
+            self._client = redis.Redis.from_url(
+                self.app.conf.broker_url,
+                socket_timeout=self.timeout,
+                socket_connect_timeout=self.timeout,
+            )
+        return self._client
+
+    def _get_producer(self) -> Any:
+        if self._producer is None:
+            self._producer = self.app.amqp.Producer(self.app.connection_for_write())
+        return self._producer
+
+    def _drop_producer(self) -> None:
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                self._producer.connection.close()
+            self._producer = None
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
 
     def ping(self) -> None:
         with self.app.connection_for_write() as conn:

@@ -1,16 +1,17 @@
 """The receiver's database shell: source lookup (cached) and the one-transaction accept.
 
-Accepting an event is one transaction of two statements, sent in one pipeline:
+Accepting an event is one autocommit statement, ``webhooks_accept(...)`` (a PL/pgSQL function,
+migration 0003), so one round trip. Inside its transaction it:
 
-1. ``pg_advisory_xact_lock`` on (scope, event_id): serialises the arrivals of one event, so
-   uniqueness holds across partitions even for formats without an event time (where
+1. takes ``pg_advisory_xact_lock`` on (scope, event_id): serialises the arrivals of one event,
+   so uniqueness holds across partitions even for formats without an event time (where
    ``expires_at`` is anchored on the first arrival and is not known in advance);
-2. one data-modifying statement (:data:`ACCEPT_SQL`) that, only if the matching secret is
-   still unrevoked, inserts the receipt unless a live receipt for (scope, event_id) exists
-   (``ON CONFLICT DO NOTHING`` on the primary key as the backstop), inserts one delivery per
-   matching route, and records a conflict when the body digest differs.
+2. runs one data-modifying statement, in a snapshot taken after the lock, that only if the
+   matching secret is still unrevoked inserts the receipt unless a live receipt for
+   (scope, event_id) exists (``ON CONFLICT DO NOTHING`` on the primary key as the backstop),
+   inserts one delivery per matching route, and records a conflict when the digest differs.
 
-Nothing is acknowledged before COMMIT returns.
+Nothing is acknowledged before that statement's COMMIT returns.
 """
 
 from __future__ import annotations
@@ -41,43 +42,14 @@ WHERE s.public_id = %s
 GROUP BY s.id
 """
 
-LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
-
+# One statement, one round trip, autocommit: the function (migration 0003) takes the
+# per-event advisory lock, then inserts the receipt unless a live one exists, one delivery per
+# matching route, and a conflict row when the digest differs; all or nothing.
 ACCEPT_SQL = """
-WITH authorised AS (
-    SELECT 1 FROM source_secrets
-    WHERE id = %(secret_id)s AND source_id = %(source_id)s AND revoked_at IS NULL
-), existing AS (
-    SELECT body_digest FROM receipts
-    WHERE source_id = %(source_id)s AND event_id = %(event_id)s AND expires_at > %(now)s
-    ORDER BY expires_at DESC LIMIT 1
-), receipt AS (
-    INSERT INTO receipts (source_id, event_id, expires_at, event_type, occurred_at,
-                          received_at, body_digest, content_type, payload)
-    SELECT %(source_id)s, %(event_id)s, %(expires_at)s, %(event_type)s, %(occurred_at)s,
-           %(now)s, %(digest)s, %(content_type)s, %(payload)s
-    WHERE EXISTS (SELECT 1 FROM authorised) AND NOT EXISTS (SELECT 1 FROM existing)
-    ON CONFLICT DO NOTHING
-    RETURNING id, expires_at
-), delivery AS (
-    INSERT INTO deliveries (expires_at, receipt_id, source_id, route_id, status,
-                            next_attempt_at, created_at, updated_at)
-    SELECT receipt.expires_at, receipt.id, %(source_id)s, r.id, 'pending',
-           %(now)s + %(grace)s, %(now)s, %(now)s
-    FROM receipt JOIN routes r
-      ON r.source_id = %(source_id)s AND r.active AND %(event_type)s LIKE r.events_like
-    RETURNING id
-), conflict AS (
-    INSERT INTO conflicts (source_id, event_id, expires_at, body_digest, received_at)
-    SELECT %(source_id)s, %(event_id)s, %(expires_at)s, %(digest)s, %(now)s
-    FROM existing
-    WHERE existing.body_digest <> %(digest)s AND EXISTS (SELECT 1 FROM authorised)
-    RETURNING 1
-)
-SELECT EXISTS (SELECT 1 FROM authorised),
-       (SELECT id FROM receipt),
-       (SELECT body_digest FROM existing),
-       ARRAY(SELECT id FROM delivery ORDER BY id)
+SELECT authorised, receipt_id, existing_digest, delivery_ids
+FROM webhooks_accept(%(source_id)s, %(secret_id)s, %(event_id)s, %(event_type)s,
+                     %(occurred_at)s, %(expires_at)s, %(now)s, %(digest)s,
+                     %(content_type)s, %(payload)s, %(grace)s)
 """
 
 
@@ -134,10 +106,6 @@ def accept_params(receipt: NewReceipt, grace: timedelta) -> dict[str, Any]:
     }
 
 
-def lock_key(source_id: int, event_id: str) -> str:
-    return f"{source_id}:{event_id}"
-
-
 def decide(row: TupleRow | None) -> Outcome:
     """Interpret the accept statement's single row (pure)."""
     if row is None:
@@ -151,10 +119,8 @@ def decide(row: TupleRow | None) -> Outcome:
 
 
 def accept_sync(conn: psycopg.Connection[Any], receipt: NewReceipt, grace: timedelta) -> Outcome:
-    """The same transaction on a synchronous connection (CLI tools, tests, benchmarks)."""
-    with conn.transaction():
-        conn.execute(LOCK_SQL, (lock_key(receipt.source_id, receipt.event_id),))
-        row = conn.execute(ACCEPT_SQL, accept_params(receipt, grace)).fetchone()
+    """The same statement on a synchronous autocommit connection (tools, tests, benchmarks)."""
+    row = conn.execute(ACCEPT_SQL, accept_params(receipt, grace)).fetchone()
     return _with_conflict(decide(row), row, receipt.digest)
 
 
@@ -245,10 +211,8 @@ class Store:
 
     async def accept(self, receipt: NewReceipt) -> Outcome:
         params = accept_params(receipt, self.settings.publish_grace)
-        async with self.pool.connection() as conn, conn.transaction():
-            async with conn.pipeline():
-                await conn.execute(LOCK_SQL, (lock_key(receipt.source_id, receipt.event_id),))
-                cur = await conn.execute(ACCEPT_SQL, params)
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(ACCEPT_SQL, params)
             row = await cur.fetchone()
         return _with_conflict(decide(row), row, receipt.digest)
 
