@@ -8,6 +8,7 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any
 
+import orjson
 import structlog
 
 FORBIDDEN_KEYS = frozenset(
@@ -24,9 +25,16 @@ def _drop_sensitive(
     return event_dict
 
 
+def _dumps(obj: Any, **_: Any) -> str:
+    # orjson: the receiver writes one line per request, so the renderer is on the hot path.
+    return orjson.dumps(obj, default=str).decode()
+
+
 def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
     renderer: Any = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer(serializer=_dumps)
+        if json
+        else structlog.dev.ConsoleRenderer(colors=False)
     )
     logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s", force=False)
     structlog.configure(
