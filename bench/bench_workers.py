@@ -149,8 +149,10 @@ def accept(s: Settings, conn: psycopg.Connection[object], source: tuple[int, str
 
 
 def succeeded(conn: psycopg.Connection[object], ids: list[int]) -> int:
+    """How many of ``ids`` succeeded (ids are consecutive: a range keeps the poll cheap)."""
     row = conn.execute(
-        "SELECT count(*) FROM deliveries WHERE status = 'succeeded' AND id = ANY(%s)", (ids,)
+        "SELECT count(*) FROM deliveries WHERE status = 'succeeded' AND id BETWEEN %s AND %s",
+        (min(ids), max(ids)),
     ).fetchone()
     return int(row[0])  # type: ignore[index]
 
@@ -173,7 +175,7 @@ def ours_round(
         while succeeded(conn, ids) < n:
             if worker.proc.poll() is not None:
                 raise RuntimeError(f"worker exited: see {worker.log}")
-            time.sleep(0.02)
+            time.sleep(0.05)
         return n / (time.perf_counter() - start)
     finally:
         worker.stop()
@@ -187,7 +189,7 @@ def latency(
     try:
         while "ready." not in worker.log.read_text(errors="replace"):
             time.sleep(0.05)
-        ids = []
+        ids: list[int] = []
         interval = 1.0 / rate
         start = time.perf_counter()
         with app.producer_or_acquire() as producer:

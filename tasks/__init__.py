@@ -1,0 +1,96 @@
+"""The Celery app of the pipeline: ``celery -A tasks worker`` and ``celery -A tasks beat``.
+
+``tasks.app`` is built on first access from the environment (``WEBHOOKS_*``, ``.env``), so
+importing a submodule such as ``tasks.config`` or ``tasks.policy`` needs no configuration,
+while the Celery command line finds a fully configured app with its tasks registered. Each
+worker process builds its own engine and Redis client on first use; ``worker_process_init``
+drops whatever a pool child inherited from its parent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from celery.signals import beat_init, worker_init, worker_process_init, worker_process_shutdown
+
+from tasks.config import create_app
+from webhooks.logs import configure_logging
+from webhooks.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from tasks.runtime import Runtime
+
+TASK_MODULES = ("tasks.deliver", "tasks.sweeper")
+# Multi-process metrics for prefork workers.
+OBSERVABILITY_MODULE = "tasks.observability"
+
+_settings: Settings | None = None
+_app: Celery | None = None
+_runtime: Runtime | None = None
+
+
+def get_settings() -> Settings:
+    global _settings  # noqa: PLW0603
+    if _settings is None:
+        _settings = load_settings()
+    return _settings
+
+
+def get_app() -> Celery:
+    """The configured app, with the pipeline's tasks and signal handlers registered."""
+    global _app  # noqa: PLW0603
+    if _app is None:
+        settings = get_settings()
+        app = create_app(settings)
+        # First: it chooses prometheus-client's multi-process mode, which must happen before
+        # anything (the task modules, through webhooks.metrics) imports prometheus_client.
+        importlib.import_module(OBSERVABILITY_MODULE)
+        for module in TASK_MODULES:
+            importlib.import_module(module)
+        worker_init.connect(_configure_logging, weak=False)
+        beat_init.connect(_configure_logging, weak=False)
+        worker_process_init.connect(_after_fork, weak=False)
+        worker_process_shutdown.connect(_close_runtime, weak=False)
+        app.set_current()
+        _app = app
+    return _app
+
+
+def get_runtime() -> Runtime:
+    """This process's engine, Redis client and handlers (built on first use)."""
+    from tasks.runtime import build_runtime
+
+    global _runtime  # noqa: PLW0603
+    if _runtime is None:
+        _runtime = build_runtime(get_settings())
+    return _runtime
+
+
+def _configure_logging(**_: Any) -> None:
+    settings = get_settings()
+    configure_logging(settings.log_level, json=settings.log_json)
+
+
+def _after_fork(**_: Any) -> None:
+    # A pool child must not reuse the parent's sockets: forget them, build its own lazily.
+    global _runtime  # noqa: PLW0603
+    if _runtime is not None:
+        _runtime.forget_after_fork()
+        _runtime = None
+    _configure_logging()
+
+
+def _close_runtime(**_: Any) -> None:
+    global _runtime  # noqa: PLW0603
+    if _runtime is not None:
+        _runtime.close()
+        _runtime = None
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A tasks` looks up `tasks.app`; build it only then.
+    if name == "app":
+        return get_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

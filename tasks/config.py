@@ -7,6 +7,7 @@ visibility_timeout - hard_limit; longer delays are scheduled by the sweeper.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from celery import Celery
@@ -22,7 +23,8 @@ MAINTENANCE_QUEUE = "maintenance"
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    transport = {"visibility_timeout": int(settings.visibility_timeout)}
+    # Rounded up: the visibility timeout must stay above the budgets it was checked against.
+    transport = {"visibility_timeout": math.ceil(settings.visibility_timeout)}
     return {
         "broker_url": settings.broker_url,
         "result_backend": None,

@@ -1,0 +1,121 @@
+"""The fast claim tier in Redis: a three-state key per delivery and key generation.
+
+    acquire  SET claim:<delivery>:<generation> <token> NX PX processing_ttl
+    confirm  SET claim:<delivery>:<generation> <token> PX dedup_ttl      (plain SET, always lands)
+    release  DEL claim:<delivery>:<generation> only while it holds our token (atomic script)
+
+(PX: the TTLs in milliseconds, so that fractional time budgets keep their value.) The key
+generation is part of the key because an explicit re-run (generation + 1) of a succeeded
+delivery must not be stopped by the previous generation's confirmed key.
+
+``processing_ttl`` (4 x the hard time limit) is the crash floor: a worker killed mid-handler
+runs no code, so the short expiry alone lets the next copy through. A caught failure releases
+the key at once; success promotes it to the source's dedup TTL so later copies stop here
+without touching Postgres.
+
+Redis is an optimisation, never the authority: Postgres' guarded claim decides. When Redis is
+unreachable, slow beyond its small socket timeout, or refusing writes (out of memory, a
+read-only replica after a failover), the claim fails open: it reports
+``degraded=True``, is counted and logged, and the durable tier alone decides. A flushed Redis
+behaves like a first delivery and Postgres refuses the second effect.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from webhooks.logs import get_logger
+from webhooks.metrics import CLAIMS, DEGRADED
+
+log = get_logger(__name__)
+
+# KEYS[1] = claim key, ARGV[1] = our token. Compare-and-delete in one step, so a key that has
+# expired and been re-acquired by another worker is never deleted by us.
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+# ConnectionError and TimeoutError, and also the errors of a Redis that answers but refuses.
+_REDIS_DOWN = (redis.RedisError,)
+
+
+def claim_key(delivery_id: int, generation: int) -> str:
+    return f"claim:{delivery_id}:{generation}"
+
+
+@dataclass(frozen=True)
+class FastClaim:
+    key: str
+    token: str
+    # True: go on to the durable claim (we hold the key, or Redis is down); False: duplicate.
+    first: bool
+    degraded: bool
+
+
+def make_client(url: str, socket_timeout: float) -> redis.Redis:
+    """A client that fails within ``socket_timeout`` instead of retrying (fail open fast)."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+class ClaimStore:
+    def __init__(self, client: redis.Redis, *, processing_ttl: float) -> None:
+        self._client = client
+        self._ttl_ms = int(processing_ttl * 1000)
+        self._release: Any = client.register_script(_RELEASE)
+
+    def acquire(self, delivery_id: int, generation: int) -> FastClaim:
+        key = claim_key(delivery_id, generation)
+        token = secrets.token_hex(8)
+        try:
+            won = self._client.set(key, token, nx=True, px=self._ttl_ms)
+        except _REDIS_DOWN as exc:
+            CLAIMS.labels(result="degraded").inc()
+            DEGRADED.inc()
+            log.warning(
+                "claim.degraded",
+                delivery_id=delivery_id,
+                error_class=type(exc).__name__,
+                tier="durable_only",
+            )
+            return FastClaim(key, token, first=True, degraded=True)
+        CLAIMS.labels(result="first" if won else "duplicate").inc()
+        return FastClaim(key, token, first=bool(won), degraded=False)
+
+    def confirm(self, claim: FastClaim, dedup_ttl: timedelta) -> bool:
+        """Promote the key to the dedup TTL. No NX: it must land even though the key exists."""
+        if claim.degraded:
+            return False
+        try:
+            self._client.set(
+                claim.key, claim.token, px=max(1, int(dedup_ttl.total_seconds() * 1000))
+            )
+        except _REDIS_DOWN as exc:
+            # The processing TTL expires on its own; Postgres still blocks a second effect.
+            log.warning("claim.confirm_failed", key=claim.key, error_class=type(exc).__name__)
+            return False
+        return True
+
+    def release(self, claim: FastClaim) -> bool:
+        """Delete the key if it still holds our token, so the next copy is a first delivery."""
+        if claim.degraded:
+            return False
+        try:
+            return bool(self._release(keys=[claim.key], args=[claim.token]))
+        except _REDIS_DOWN as exc:
+            log.warning("claim.release_failed", key=claim.key, error_class=type(exc).__name__)
+            return False

@@ -1,0 +1,97 @@
+"""What a handler sees: the event, and the context of this attempt.
+
+A handler is a callable ``handler(event, ctx)``. ``ctx.idempotency_key`` is the key to hand
+to any downstream that accepts one: it is derived from (scope, event id, route, generation),
+so every retry and every replay of one event carries the same key, a re-run (generation + 1)
+gets a new one, and two events about the same resource get different ones (we dedup the
+delivery event, never the business resource). ``ctx.session`` is the open transaction in which
+the worker marks the delivery succeeded: whatever the handler writes through it commits
+atomically with that mark, or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+import orjson
+from sqlalchemy.orm import Session
+
+from tasks.errors import PermanentError
+from webhooks.clock import Clock
+
+KEY_PREFIX = "whk_"
+
+
+def idempotency_key(source_id: int, event_id: str, route_id: int, generation: int) -> str:
+    """The downstream idempotency key of one event on one route, in one key generation.
+
+    The source id is the dedup scope (one account's integration, stable across secret
+    rotation), so the same provider event id seen by two accounts never shares a key.
+    """
+    material = f"{source_id}\x1f{event_id}\x1f{route_id}\x1f{generation}".encode()
+    return KEY_PREFIX + hashlib.sha256(material).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class EventMeta:
+    """Receipt metadata: safe to log (ids, type, times), never the body."""
+
+    receipt_id: int
+    source_id: int
+    source: str  # the source's public id
+    provider: str
+    event_id: str
+    event_type: str
+    occurred_at: datetime | None
+    received_at: datetime
+    content_type: str | None
+
+
+@dataclass(frozen=True)
+class Event:
+    meta: EventMeta
+    body: bytes = field(repr=False)
+
+    @property
+    def event_id(self) -> str:
+        return self.meta.event_id
+
+    @property
+    def event_type(self) -> str:
+        return self.meta.event_type
+
+    @cached_property
+    def json(self) -> Any:
+        """The body parsed as JSON (once). A body that is not JSON is a permanent error."""
+        try:
+            return orjson.loads(self.body)
+        except orjson.JSONDecodeError:
+            raise PermanentError("event body is not valid JSON", reason="malformed_body") from None
+
+
+@dataclass(frozen=True)
+class RouteInfo:
+    id: int
+    handler: str
+    options: Mapping[str, Any]
+    # The route's own signing secret (decrypted), for handlers that sign what they send.
+    signing_secret: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class HandlerContext:
+    idempotency_key: str
+    delivery_id: int
+    attempt: int  # 1 on the first try of this generation (a replay starts again at 1)
+    generation: int
+    meta: EventMeta
+    route: RouteInfo
+    session: Session = field(repr=False)
+    clock: Clock = field(repr=False)
+    # Connect / read timeout for the handler's own I/O, below the soft time limit.
+    io_timeout: float = 10.0

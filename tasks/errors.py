@@ -1,0 +1,59 @@
+"""What a handler may raise, and the worker's own typed errors.
+
+Every error carries a short machine ``reason`` (a metric label and the dead-letter reason) and
+a message that never contains payload or secrets: it is stored in ``attempts.error_message``
+and ``deliveries.last_error`` for the operator.
+"""
+
+from __future__ import annotations
+
+
+class HandlerError(Exception):
+    """Base class of the errors a handler raises on purpose."""
+
+    reason: str = "handler_error"
+
+    def __init__(self, message: str = "", *, reason: str | None = None) -> None:
+        super().__init__(message or (reason or self.reason))
+        if reason is not None:
+            self.reason = reason
+
+
+class RetryableError(HandlerError):
+    """Try again later; ``delay`` (seconds) asks for a specific wait, bounded by the policy."""
+
+    reason = "retryable"
+
+    def __init__(
+        self, message: str = "", *, delay: float | None = None, reason: str | None = None
+    ) -> None:
+        super().__init__(message, reason=reason)
+        if delay is not None and delay < 0:
+            raise ValueError("retry delay must not be negative")
+        self.delay = delay
+
+
+class PermanentError(HandlerError):
+    """Retrying cannot help (bad request, gone resource): the delivery goes dead at once."""
+
+    reason = "permanent"
+
+
+class UnknownHandlerError(PermanentError):
+    """The route names a handler no installed module registers.
+
+    Permanent: a dead letter is visible and can be replayed once the handler is deployed,
+    whereas retrying would only burn attempts on every worker that lacks it too.
+    """
+
+    reason = "unknown_handler"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no handler registered under {name!r}", reason=self.reason)
+        self.name = name
+
+
+class HandlerRegistrationError(Exception):
+    """A handler name was registered twice with different callables, or a module failed."""
+
+    reason = "handler_registration"

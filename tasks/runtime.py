@@ -1,0 +1,83 @@
+"""The per-process resources a worker's tasks use, built lazily after fork.
+
+Nothing here is needed for correctness across processes: it is a pool of connections and
+the handler table. ``tasks.get_runtime()`` builds one per process on first use; the
+``worker_process_init`` signal throws away anything inherited from the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from sqlalchemy import Engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from models.db import make_engine, make_sessionmaker
+from tasks.claims import ClaimStore, make_client
+from tasks.handlers.registry import HandlerRegistry, load_registry
+from webhooks.clock import Clock, SystemClock
+from webhooks.crypto import SecretBox
+from webhooks.settings import Settings
+
+# A pool process runs one task at a time: one connection for the task, one spare.
+WORKER_POOL_SIZE = 2
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    redis: redis.Redis
+    claims: ClaimStore
+    registry: HandlerRegistry
+    box: SecretBox
+    clock: Clock
+    rng: random.Random
+    worker: str
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.redis.close()
+
+    def forget_after_fork(self) -> None:
+        """Drop the parent's pooled connections without closing them under the parent."""
+        self.engine.dispose(close=False)
+
+
+def _generic_plans(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+    # The worker's statements are few, prepared, and hit daily partitions: a custom plan
+    # re-plans every execution across all partitions, a generic one prunes at run time.
+    cparams["options"] = " ".join(
+        filter(None, [cparams.get("options"), "-c plan_cache_mode=force_generic_plan"])
+    )
+
+
+def build_runtime(
+    settings: Settings,
+    *,
+    clock: Clock | None = None,
+    rng: random.Random | None = None,
+    worker: str | None = None,
+) -> Runtime:
+    engine = make_engine(settings, pool_size=WORKER_POOL_SIZE)
+    event.listen(engine, "do_connect", _generic_plans)
+    client = make_client(settings.redis_url, settings.redis_socket_timeout)
+    return Runtime(
+        settings=settings,
+        engine=engine,
+        sessions=make_sessionmaker(engine),
+        redis=client,
+        claims=ClaimStore(client, processing_ttl=settings.processing_ttl),
+        registry=load_registry(settings.handler_modules),
+        box=SecretBox(settings.secret_key.get_secret_value()),
+        clock=clock or SystemClock(),
+        # A seed makes retry delays reproducible (tests); None draws from the OS.
+        rng=rng or random.Random(settings.retry_seed),  # noqa: S311 (jitter, not crypto)
+        worker=worker or f"{socket.gethostname()}:{os.getpid()}",
+    )

@@ -1,0 +1,88 @@
+"""Beat's periodic tasks, on the maintenance queue. Each run is idempotent: running twice or
+missing a run only changes when, never whether, work is published.
+
+``webhooks.sweep`` picks (``transitions.due_for_publish``, SKIP LOCKED, committed before any
+publish) pending deliveries never published or whose message was lost, retries that are due
+but whose countdown message did not come (or that were too long for a countdown), and
+processing deliveries whose lease expired (the worker died); then publishes each id. A
+published id that turns out not to be claimable is dropped quietly by the delivery task.
+
+``webhooks.maintenance`` runs the retention work of :mod:`models.retention`. Both use the
+worker's engine, so they run on any worker that consumes the maintenance queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+from celery import shared_task
+from sqlalchemy import text
+
+from models import retention, transitions
+from models.db import session_scope
+from tasks import get_runtime
+from tasks.config import MAINTENANCE_TASK, SWEEP_TASK
+from tasks.deliver import deliver
+from tasks.runtime import Runtime
+from webhooks.logs import get_logger
+from webhooks.metrics import OLDEST_PENDING, SWEPT
+
+log = get_logger(__name__)
+
+_OLDEST_UNFINISHED = text(
+    """
+    SELECT min(created_at) FROM deliveries
+    WHERE status IN ('pending', 'retrying', 'processing')
+    """
+)
+
+
+def sweep_once(rt: Runtime, publish: Callable[[int], None]) -> list[int]:
+    """One sweep: returns the delivery ids published."""
+    now = rt.clock.now()
+    with session_scope(rt.sessions) as session:
+        ids = transitions.due_for_publish(
+            session, now=now, grace=rt.settings.publish_grace, limit=rt.settings.sweep_batch
+        )
+        oldest: datetime | None = session.execute(_OLDEST_UNFINISHED).scalar_one_or_none()
+    OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, (now - oldest).total_seconds()))
+    published = []
+    for delivery_id in ids:
+        try:
+            publish(delivery_id)
+        except Exception as exc:  # noqa: BLE001 (next sweep retries it after the grace)
+            log.warning(
+                "sweep.publish_failed", delivery_id=delivery_id, error_class=type(exc).__name__
+            )
+            continue
+        published.append(delivery_id)
+    SWEPT.inc(len(published))
+    if ids:
+        log.info("sweep.published", count=len(published), picked=len(ids))
+    return published
+
+
+@shared_task(name=SWEEP_TASK, ignore_result=True)
+def sweep() -> int:
+    def publish(delivery_id: int) -> None:
+        deliver.apply_async(args=(delivery_id,))
+
+    return len(sweep_once(get_runtime(), publish))
+
+
+@shared_task(name=MAINTENANCE_TASK, ignore_result=True)
+def maintenance() -> str:
+    """Retention (:func:`models.retention.run_maintenance`): partitions laid out ahead,
+    expired ones dropped (or a batched delete), payloads past their retention cleared."""
+    rt = get_runtime()
+    report = retention.run_maintenance(rt.engine, rt.settings, rt.clock.now())
+    log.info(
+        "maintenance.done",
+        mode=report.mode,
+        partitions_created=len(report.partitions_created),
+        partitions_dropped=len(report.partitions_dropped),
+        rows_deleted=sum(report.rows_deleted.values()),
+        payloads_dropped=report.payloads_dropped,
+    )
+    return "done"

@@ -1,0 +1,111 @@
+"""Handlers the worker tests route events to (WEBHOOKS_HANDLER_MODULES=tests.handlers_for_tests).
+
+Effects are rows in ``test_effects`` written through ``ctx.session``, so they commit exactly
+when the delivery is marked succeeded. The table is created by the tests, not by migrations.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from celery.exceptions import SoftTimeLimitExceeded
+from sqlalchemy import text
+
+from tasks.context import Event, HandlerContext
+from tasks.errors import PermanentError, RetryableError
+from tasks.handlers import register
+
+EFFECTS_DDL = """
+CREATE TABLE IF NOT EXISTS test_effects (
+    id bigserial PRIMARY KEY,
+    delivery_id bigint NOT NULL,
+    event_id text NOT NULL,
+    idempotency_key text NOT NULL,
+    attempt int NOT NULL,
+    generation int NOT NULL,
+    handler text NOT NULL,
+    pid int NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+def record_effect(event: Event, ctx: HandlerContext) -> None:
+    ctx.session.execute(
+        text(
+            "INSERT INTO test_effects "
+            "(delivery_id, event_id, idempotency_key, attempt, generation, handler, pid) "
+            "VALUES (:d, :e, :k, :a, :g, :h, :p)"
+        ),
+        {
+            "d": ctx.delivery_id,
+            "e": event.event_id,
+            "k": ctx.idempotency_key,
+            "a": ctx.attempt,
+            "g": ctx.generation,
+            "h": ctx.route.handler,
+            "p": os.getpid(),
+        },
+    )
+
+
+@register("effect")
+def effect(event: Event, ctx: HandlerContext) -> None:
+    record_effect(event, ctx)
+
+
+@register("slow_effect")
+def slow_effect(event: Event, ctx: HandlerContext) -> None:
+    """Writes its effect (uncommitted), then on the first attempt announces itself with a
+    marker file ``<marker_dir>/<delivery>.<attempt>.<pid>`` and sleeps: the window in which
+    the tests kill the process."""
+    record_effect(event, ctx)
+    if ctx.attempt == 1:
+        marker = (
+            Path(ctx.route.options["marker_dir"]) / f"{ctx.delivery_id}.{ctx.attempt}.{os.getpid()}"
+        )
+        marker.write_text("started")
+        time.sleep(float(ctx.route.options.get("sleep", 2.0)))
+
+
+@register("flaky_n")
+def flaky_n(event: Event, ctx: HandlerContext) -> None:
+    """Fails ``failures`` times (retryable), then succeeds."""
+    if ctx.attempt <= int(ctx.route.options.get("failures", 3)):
+        raise RetryableError(f"planned failure {ctx.attempt}", reason="planned")
+    record_effect(event, ctx)
+
+
+@register("always_fail")
+def always_fail(event: Event, ctx: HandlerContext) -> None:
+    # A foreign exception quoting the body: the worker must store neither the body nor this
+    # message, only the class and where it was raised.
+    raise RuntimeError("handler broke on " + event.body.decode())
+
+
+@register("permanent")
+def permanent(event: Event, ctx: HandlerContext) -> None:
+    raise PermanentError("this event can never be handled", reason="test_permanent")
+
+
+@register("retry_after")
+def retry_after(event: Event, ctx: HandlerContext) -> None:
+    """Asks for an explicit delay on its first attempt, then succeeds."""
+    if ctx.attempt == 1:
+        raise RetryableError("come back later", delay=float(ctx.route.options["delay"]))
+    record_effect(event, ctx)
+
+
+@register("hang")
+def hang(event: Event, ctx: HandlerContext) -> None:
+    """Never returns, and swallows the soft time limit (as code stuck in a C call would):
+    only the hard time limit, which kills the process, ends it."""
+    record_effect(event, ctx)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(0.1)
+        except SoftTimeLimitExceeded:
+            continue
