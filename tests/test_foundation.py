@@ -25,7 +25,11 @@ def test_models_and_migrations_agree(engine: Engine) -> None:
     with engine.connect() as conn:
         context = MigrationContext.configure(
             conn,
-            opts={"include_name": include_name, "compare_type": True, "compare_server_default": True},
+            opts={
+                "include_name": include_name,
+                "compare_type": True,
+                "compare_server_default": True,
+            },
         )
         assert compare_metadata(context, Base.metadata) == []
 
@@ -35,7 +39,11 @@ def test_db_upgrade_creates_a_missing_database() -> None:
     env = test_env(WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{name}")
     try:
         result = subprocess.run(
-            [str(BIN / "webhooks"), "db", "upgrade"], env=env, capture_output=True, text=True, timeout=120
+            [str(BIN / "webhooks"), "db", "upgrade"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert result.returncode == 0, result.stderr
         assert "created and migrated" in result.stdout
@@ -48,7 +56,11 @@ def test_db_upgrade_creates_a_missing_database() -> None:
         assert partitions is not None
         assert partitions[0] > 0
         again = subprocess.run(
-            [str(BIN / "webhooks"), "db", "upgrade"], env=env, capture_output=True, text=True, timeout=120
+            [str(BIN / "webhooks"), "db", "upgrade"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert again.returncode == 0
         assert "created and migrated" not in again.stdout
@@ -102,7 +114,10 @@ def test_secrets_are_encrypted_at_rest(
     other_key = make_settings(secret_key="another-key-" + "z" * 40)
     from webhooks.crypto import SecretBox, SecretDecryptError
 
-    assert SecretBox(settings.secret_key.get_secret_value()).decrypt(bytes(stored)) == "plain-github-secret-123"
+    assert (
+        SecretBox(settings.secret_key.get_secret_value()).decrypt(bytes(stored))
+        == "plain-github-secret-123"
+    )
     with pytest.raises(SecretDecryptError):
         SecretBox(other_key.secret_key.get_secret_value()).decrypt(bytes(stored))
 
@@ -120,7 +135,9 @@ def test_secrets_are_encrypted_at_rest(
         ("100%_done", "100xxdone", False),
     ],
 )
-def test_route_globs_match_in_sql(engine: Engine, glob: str, event_type: str, matches: bool) -> None:
+def test_route_globs_match_in_sql(
+    engine: Engine, glob: str, event_type: str, matches: bool
+) -> None:
     with engine.connect() as conn:
         result = conn.execute(text("SELECT :t LIKE :p"), {"t": event_type, "p": glob_to_like(glob)})
         assert result.scalar_one() is matches
@@ -165,7 +182,9 @@ def test_bad_catalog_input_changes_nothing(
                     sessions,
                     settings,
                     provider="stripe",
-                    ttl=TtlOverrides(queue_lag=timedelta(0), clock_skew=timedelta(0), replay_grace=timedelta(0)),
+                    ttl=TtlOverrides(
+                        queue_lag=timedelta(0), clock_skew=timedelta(0), replay_grace=timedelta(0)
+                    ),
                 )
             continue
         with pytest.raises((CatalogError, ValueError)):
@@ -178,7 +197,10 @@ def test_engine_factory_reaches_the_test_database(settings: Settings) -> None:
     eng = make_engine(settings, pool_size=1)
     try:
         with eng.connect() as conn:
-            assert conn.execute(text("SELECT current_database()")).scalar_one() == settings.database_name()
+            assert (
+                conn.execute(text("SELECT current_database()")).scalar_one()
+                == settings.database_name()
+            )
     finally:
         eng.dispose()
     upgrade(settings)  # idempotent on an up-to-date database

@@ -129,8 +129,10 @@ def run(
             console.print(
                 f"flower    http://127.0.0.1:{settings.flower_port}  (user {settings.flower_user})"
             )
-        console.print(f"metrics   http://{settings.host}:{settings.port}/metrics (receiver), "
-                      f"http://127.0.0.1:{worker_metrics_port}/metrics (workers)")
+        console.print(
+            f"metrics   http://{settings.host}:{settings.port}/metrics (receiver), "
+            f"http://127.0.0.1:{worker_metrics_port}/metrics (workers)"
+        )
         console.print("pipeline running; Ctrl-C stops it")
         while not stopping:
             for name, proc in procs.items():
