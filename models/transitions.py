@@ -59,45 +59,44 @@ class Claim:
         return self.status == "dead"
 
 
+# One statement: the guarded claim, the previous attempt marked crashed when its worker died
+# holding the lease, and this attempt's row. (All parts see one snapshot; a successful claim
+# leaves no live attempt behind it, so any attempt still open then belongs to a dead worker.)
 _CLAIM = text(
     """
-    UPDATE deliveries SET
-        redeliveries = redeliveries + CASE WHEN status = 'processing' THEN 1 ELSE 0 END,
-        status = CASE
-            WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries THEN 'dead'
-            ELSE 'processing' END,
-        dead_reason = CASE
-            WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-            THEN 'crashed' ELSE dead_reason END,
-        attempts = attempts + CASE
-            WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-            THEN 0 ELSE 1 END,
-        lease_until = :now + :lease,
-        next_attempt_at = :now + :lease,
-        first_attempt_at = coalesce(first_attempt_at, :now),
-        updated_at = :now
-    WHERE id = :id
-      AND (status = 'pending'
-           OR (status = 'retrying' AND next_attempt_at <= :now)
-           OR (status = 'processing' AND lease_until <= :now))
-    RETURNING id, expires_at, receipt_id, source_id, route_id, attempts, redeliveries,
-              generation, created_at, first_attempt_at, lease_until, status
-    """
-)
-
-_MARK_CRASHED = text(
-    """
-    UPDATE attempts SET outcome = 'crashed', ended_at = :now,
-        error_class = 'WorkerLost', error_message = 'lease expired while processing'
-    WHERE delivery_id = :id AND expires_at = :expires_at AND ended_at IS NULL
-    """
-)
-
-_START_ATTEMPT = text(
-    """
-    INSERT INTO attempts (expires_at, delivery_id, number, generation, worker, started_at)
-    VALUES (:expires_at, :id, :number, :generation, :worker, :now)
-    RETURNING id
+    WITH claimed AS (
+        UPDATE deliveries SET
+            redeliveries = redeliveries + CASE WHEN status = 'processing' THEN 1 ELSE 0 END,
+            status = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries THEN 'dead'
+                ELSE 'processing' END,
+            dead_reason = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN 'crashed' ELSE dead_reason END,
+            attempts = attempts + CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN 0 ELSE 1 END,
+            lease_until = :now + :lease,
+            next_attempt_at = :now + :lease,
+            first_attempt_at = coalesce(first_attempt_at, :now),
+            updated_at = :now
+        WHERE id = :id
+          AND (status = 'pending'
+               OR (status = 'retrying' AND next_attempt_at <= :now)
+               OR (status = 'processing' AND lease_until <= :now))
+        RETURNING id, expires_at, receipt_id, source_id, route_id, attempts, redeliveries,
+                  generation, created_at, first_attempt_at, lease_until, status
+    ), crashed AS (
+        UPDATE attempts SET outcome = 'crashed', ended_at = :now,
+            error_class = 'WorkerLost', error_message = 'lease expired while processing'
+        WHERE delivery_id = :id AND expires_at = (SELECT expires_at FROM claimed)
+          AND ended_at IS NULL
+    ), started AS (
+        INSERT INTO attempts (expires_at, delivery_id, number, generation, worker, started_at)
+        SELECT expires_at, id, attempts, generation, :worker, :now
+        FROM claimed WHERE status = 'processing'
+    )
+    SELECT * FROM claimed
     """
 )
 
@@ -115,73 +114,51 @@ def claim(
 
     Returns None when the delivery is done, dead, not yet due, or owned by a live lease.
     A claim that finds an expired lease counts a redelivery (the previous holder died) and
-    records that attempt as crashed; at ``max_redeliveries`` the delivery goes dead instead.
+    records that attempt as crashed; at ``max_redeliveries`` it goes dead instead. One
+    statement, one round trip.
     """
     row = session.execute(
         _CLAIM,
-        {"id": delivery_id, "now": now, "lease": lease, "max_redeliveries": max_redeliveries},
+        {
+            "id": delivery_id,
+            "now": now,
+            "lease": lease,
+            "max_redeliveries": max_redeliveries,
+            "worker": worker,
+        },
     ).one_or_none()
-    if row is None:
-        return None
-    found = Claim(*row)
-    if found.redeliveries > 0:
-        session.execute(_MARK_CRASHED, {"id": found.id, "expires_at": found.expires_at, "now": now})
-    if not found.crashed_too_often:
-        session.execute(
-            _START_ATTEMPT,
-            {
-                "expires_at": found.expires_at,
-                "id": found.id,
-                "number": found.attempt,
-                "generation": found.generation,
-                "worker": worker,
-                "now": now,
-            },
-        )
-    return found
+    return None if row is None else Claim(*row)
 
 
-def _end_attempt(
+def _guarded_finish(
     session: Session,
     found: Claim,
+    transition: str,
+    assignments: str,
     *,
     now: datetime,
     outcome: str,
     error_class: str | None = None,
     error: str | None = None,
+    params: dict[str, Any] | None = None,
 ) -> None:
-    session.execute(
-        text(
-            """
-            UPDATE attempts SET ended_at = :now, outcome = :outcome,
-                error_class = :error_class, error_message = :error
-            WHERE delivery_id = :id AND expires_at = :expires_at AND number = :number
-              AND generation = :generation AND ended_at IS NULL
-            """
-        ),
-        {
-            "now": now,
-            "outcome": outcome,
-            "error_class": error_class,
-            "error": error,
-            "id": found.id,
-            "expires_at": found.expires_at,
-            "number": found.attempt,
-            "generation": found.generation,
-        },
-    )
-
-
-def _guarded_finish(
-    session: Session, found: Claim, transition: str, assignments: str, params: dict[str, Any]
-) -> None:
+    """One statement: the guarded state change and the end of this attempt's row."""
     row = session.execute(
         text(
             f"""
-            UPDATE deliveries SET {assignments}, lease_until = NULL, updated_at = :now
-            WHERE id = :id AND expires_at = :expires_at AND status = 'processing'
-              AND attempts = :attempt AND generation = :generation
-            RETURNING id
+            WITH done AS (
+                UPDATE deliveries SET {assignments}, lease_until = NULL, updated_at = :now
+                WHERE id = :id AND expires_at = :expires_at AND status = 'processing'
+                  AND attempts = :attempt AND generation = :generation
+                RETURNING id
+            ), ended AS (
+                UPDATE attempts SET ended_at = :now, outcome = :outcome,
+                    error_class = :error_class, error_message = :error
+                WHERE delivery_id = :id AND expires_at = :expires_at AND number = :attempt
+                  AND generation = :generation AND ended_at IS NULL
+                  AND EXISTS (SELECT 1 FROM done)
+            )
+            SELECT id FROM done
             """  # noqa: S608 (assignments are literals of this module)
         ),
         {
@@ -189,7 +166,11 @@ def _guarded_finish(
             "expires_at": found.expires_at,
             "attempt": found.attempt,
             "generation": found.generation,
-            **params,
+            "now": now,
+            "outcome": outcome,
+            "error_class": error_class,
+            "error": error,
+            **(params or {}),
         },
     ).one_or_none()
     if row is None:
@@ -204,9 +185,9 @@ def succeed(session: Session, found: Claim, *, now: datetime) -> None:
         "succeed",
         "status = 'succeeded', succeeded_at = :now, next_attempt_at = :now, "
         "last_error = NULL, last_error_class = NULL",
-        {"now": now},
+        now=now,
+        outcome="succeeded",
     )
-    _end_attempt(session, found, now=now, outcome="succeeded")
 
 
 def retry_later(
@@ -225,9 +206,12 @@ def retry_later(
         "retry",
         "status = 'retrying', next_attempt_at = :next_at, "
         "last_error_class = :error_class, last_error = :error",
-        {"now": now, "next_at": next_attempt_at, "error_class": error_class, "error": error},
+        now=now,
+        outcome="retry",
+        error_class=error_class,
+        error=error,
+        params={"next_at": next_attempt_at},
     )
-    _end_attempt(session, found, now=now, outcome="retry", error_class=error_class, error=error)
 
 
 def kill(
@@ -247,19 +231,23 @@ def kill(
         "status = 'dead', dead_reason = :reason, next_attempt_at = :now, "
         "last_error_class = coalesce(:error_class, last_error_class), "
         "last_error = coalesce(:error, last_error)",
-        {"now": now, "reason": reason, "error_class": error_class, "error": error},
+        now=now,
+        outcome="dead",
+        error_class=error_class,
+        error=error,
+        params={"reason": reason},
     )
-    _end_attempt(session, found, now=now, outcome="dead", error_class=error_class, error=error)
 
 
 def replay(session: Session, delivery_id: int, *, now: datetime, publish_grace: timedelta) -> bool:
-    """dead -> pending, keeping the key generation. False when it was not dead (someone else
-    replayed it first, or it is in another state)."""
+    """dead -> pending, keeping the key generation; attempts and the max-age clock start
+    again. False when it was not dead (someone else replayed it first, or another state)."""
     row = session.execute(
         text(
             """
             UPDATE deliveries SET status = 'pending', attempts = 0, redeliveries = 0,
-                dead_reason = NULL, next_attempt_at = :now + :grace, updated_at = :now
+                dead_reason = NULL, first_attempt_at = NULL,
+                next_attempt_at = :now + :grace, updated_at = :now
             WHERE id = :id AND status = 'dead'
             RETURNING id
             """
@@ -275,7 +263,7 @@ def rerun(session: Session, delivery_id: int, *, now: datetime, publish_grace: t
         text(
             """
             UPDATE deliveries SET status = 'pending', attempts = 0, redeliveries = 0,
-                generation = generation + 1, succeeded_at = NULL,
+                generation = generation + 1, succeeded_at = NULL, first_attempt_at = NULL,
                 next_attempt_at = :now + :grace, updated_at = :now
             WHERE id = :id AND status = 'succeeded'
             RETURNING id

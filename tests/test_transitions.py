@@ -1,0 +1,125 @@
+"""The delivery state machine's guarded statements, against real Postgres."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import transitions
+from tests.factories import accept_event, make_source
+from webhooks.settings import Settings
+
+T0 = datetime.now(UTC).replace(microsecond=0)
+LEASE = timedelta(minutes=4)
+
+
+def new_delivery(sessions: sessionmaker[Session], settings: Settings) -> int:
+    made = make_source(sessions, settings)
+    _, outcome = accept_event(settings, made, now=T0)
+    (delivery_id,) = outcome.delivery_ids
+    return delivery_id
+
+
+def claim(
+    sessions: sessionmaker[Session], delivery_id: int, now: datetime
+) -> transitions.Claim | None:
+    with sessions() as s, s.begin():
+        return transitions.claim(
+            s, delivery_id, now=now, lease=LEASE, max_redeliveries=3, worker="w"
+        )
+
+
+def attempts(sessions: sessionmaker[Session], delivery_id: int) -> list[tuple[int, str | None]]:
+    with sessions() as s:
+        rows = s.execute(
+            text("SELECT number, outcome FROM attempts WHERE delivery_id = :d ORDER BY id"),
+            {"d": delivery_id},
+        ).all()
+    return [(r[0], r[1]) for r in rows]
+
+
+def test_claim_is_exclusive_and_records_the_attempt(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    delivery_id = new_delivery(sessions, settings)
+    first = claim(sessions, delivery_id, T0)
+    assert first is not None
+    assert (first.status, first.attempt) == ("processing", 1)
+    assert claim(sessions, delivery_id, T0 + timedelta(seconds=1)) is None  # live lease
+    assert attempts(sessions, delivery_id) == [(1, None)]
+
+
+def test_expired_lease_counts_a_crash_and_fences_the_old_attempt(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    delivery_id = new_delivery(sessions, settings)
+    old = claim(sessions, delivery_id, T0)
+    new = claim(sessions, delivery_id, T0 + LEASE)
+    assert old is not None
+    assert new is not None
+    assert (new.attempt, new.redeliveries) == (2, 1)
+    with sessions() as s, s.begin(), pytest.raises(transitions.IllegalTransition):
+        transitions.succeed(s, old, now=T0 + LEASE)
+    with sessions() as s, s.begin():
+        transitions.succeed(s, new, now=T0 + LEASE)
+    assert attempts(sessions, delivery_id) == [(1, "crashed"), (2, "succeeded")]
+    assert claim(sessions, delivery_id, T0 + 2 * LEASE) is None  # done
+
+
+def test_crash_loop_goes_dead(sessions: sessionmaker[Session], settings: Settings) -> None:
+    delivery_id = new_delivery(sessions, settings)
+    now = T0
+    verdicts = []
+    for _ in range(4):
+        found = claim(sessions, delivery_id, now)
+        assert found is not None
+        verdicts.append(found.status)
+        now += LEASE
+    assert verdicts == ["processing", "processing", "processing", "dead"]
+    with sessions() as s:
+        row = s.execute(
+            text("SELECT status, dead_reason FROM deliveries WHERE id = :d"), {"d": delivery_id}
+        ).one()
+    assert tuple(row) == ("dead", "crashed")
+
+
+def test_replay_only_from_dead_and_restarts_the_age_clock(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    delivery_id = new_delivery(sessions, settings)
+    found = claim(sessions, delivery_id, T0)
+    assert found is not None
+    with sessions() as s, s.begin():
+        assert not transitions.replay(
+            s, delivery_id, now=T0, publish_grace=timedelta(0)
+        )  # not dead
+        transitions.kill(s, found, now=T0, reason="permanent", error_class="E", error="boom")
+    later = T0 + timedelta(days=3)
+    with sessions() as s, s.begin():
+        assert transitions.replay(s, delivery_id, now=later, publish_grace=timedelta(0))
+        assert not transitions.replay(s, delivery_id, now=later, publish_grace=timedelta(0))  # once
+    again = claim(sessions, delivery_id, later)
+    assert again is not None
+    assert again.attempt == 1
+    assert again.generation == found.generation  # same downstream key
+    assert again.first_attempt_at == later  # max age counts from the replay
+
+
+def test_rerun_only_from_succeeded_and_bumps_the_generation(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    delivery_id = new_delivery(sessions, settings)
+    found = claim(sessions, delivery_id, T0)
+    assert found is not None
+    with sessions() as s, s.begin():
+        assert not transitions.rerun(
+            s, delivery_id, now=T0, publish_grace=timedelta(0)
+        )  # processing
+        transitions.succeed(s, found, now=T0)
+        assert transitions.rerun(s, delivery_id, now=T0, publish_grace=timedelta(0))
+    again = claim(sessions, delivery_id, T0)
+    assert again is not None
+    assert again.generation == found.generation + 1
