@@ -15,12 +15,29 @@ fencing token: a worker whose lease expired and was re-claimed can no longer fin
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
+
+
+def _placeholders(sql: str) -> str:
+    """``:name`` (this module's notation) -> psycopg's ``%(name)s``; ``::`` casts untouched."""
+    return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", sql)
+
+
+def _fetchone(session: Session, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+    """Run a hot-path statement on the session's own connection and transaction, through
+    psycopg directly: on a worker, SQLAlchemy's result machinery cost more CPU than the
+    statements themselves (tuple rows, no per-result column metadata). Handler writes made
+    through the same session commit or roll back with it."""
+    raw = session.connection().connection.driver_connection
+    assert raw is not None
+    row: tuple[Any, ...] | None = raw.execute(sql, params).fetchone()
+    return row
 
 
 class TransitionError(Exception):
@@ -62,7 +79,7 @@ class Claim:
 # One statement: the guarded claim, the previous attempt marked crashed when its worker died
 # holding the lease, and this attempt's row. (All parts see one snapshot; a successful claim
 # leaves no live attempt behind it, so any attempt still open then belongs to a dead worker.)
-_CLAIM = text(
+_CLAIM = _placeholders(
     """
     WITH claimed AS (
         UPDATE deliveries SET
@@ -117,7 +134,8 @@ def claim(
     records that attempt as crashed; at ``max_redeliveries`` it goes dead instead. One
     statement, one round trip.
     """
-    row = session.execute(
+    row = _fetchone(
+        session,
         _CLAIM,
         {
             "id": delivery_id,
@@ -126,7 +144,7 @@ def claim(
             "max_redeliveries": max_redeliveries,
             "worker": worker,
         },
-    ).one_or_none()
+    )
     return None if row is None else Claim(*row)
 
 
@@ -143,24 +161,26 @@ def _guarded_finish(
     params: dict[str, Any] | None = None,
 ) -> None:
     """One statement: the guarded state change and the end of this attempt's row."""
-    row = session.execute(
-        text(
-            f"""
-            WITH done AS (
-                UPDATE deliveries SET {assignments}, lease_until = NULL, updated_at = :now
-                WHERE id = :id AND expires_at = :expires_at AND status = 'processing'
-                  AND attempts = :attempt AND generation = :generation
-                RETURNING id
-            ), ended AS (
-                UPDATE attempts SET ended_at = :now, outcome = :outcome,
-                    error_class = :error_class, error_message = :error
-                WHERE delivery_id = :id AND expires_at = :expires_at AND number = :attempt
-                  AND generation = :generation AND ended_at IS NULL
-                  AND EXISTS (SELECT 1 FROM done)
-            )
-            SELECT id FROM done
-            """  # noqa: S608 (assignments are literals of this module)
-        ),
+    sql = _placeholders(
+        f"""
+        WITH done AS (
+            UPDATE deliveries SET {assignments}, lease_until = NULL, updated_at = :now
+            WHERE id = :id AND expires_at = :expires_at AND status = 'processing'
+              AND attempts = :attempt AND generation = :generation
+            RETURNING id
+        ), ended AS (
+            UPDATE attempts SET ended_at = :now, outcome = :outcome,
+                error_class = :error_class, error_message = :error
+            WHERE delivery_id = :id AND expires_at = :expires_at AND number = :attempt
+              AND generation = :generation AND ended_at IS NULL
+              AND EXISTS (SELECT 1 FROM done)
+        )
+        SELECT id FROM done
+        """  # noqa: S608 (assignments are literals of this module)
+    )
+    row = _fetchone(
+        session,
+        sql,
         {
             "id": found.id,
             "expires_at": found.expires_at,
@@ -172,7 +192,7 @@ def _guarded_finish(
             "error": error,
             **(params or {}),
         },
-    ).one_or_none()
+    )
     if row is None:
         raise IllegalTransition(found.id, transition, "processing with this attempt")
 

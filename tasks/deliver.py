@@ -69,10 +69,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import psycopg
 from celery import Task, shared_task
-from sqlalchemy import text
+from psycopg.rows import namedtuple_row
 from sqlalchemy.orm import Session
 
 from models import transitions
@@ -95,13 +96,12 @@ log = get_logger(__name__)
 PublishRetry = Callable[[int, float], None]
 
 # Reads the key generation and makes this (claim) transaction's commit asynchronous.
-_GENERATION = text(
+_GENERATION = (
     "SELECT generation, set_config('synchronous_commit', 'off', true) "
-    "FROM deliveries WHERE id = :id"
+    "FROM deliveries WHERE id = %(id)s"
 )
 
-_LOAD = text(
-    """
+_LOAD = """
     SELECT rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts, rt.max_age_s,
            rt.active, s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s,
            s.clock_skew_s, s.replay_grace_s,
@@ -109,10 +109,18 @@ _LOAD = text(
            r.content_type, r.payload
     FROM routes rt
     JOIN sources s ON s.id = rt.source_id
-    LEFT JOIN receipts r ON r.id = :receipt_id AND r.expires_at = :expires_at
-    WHERE rt.id = :route_id
+    LEFT JOIN receipts r ON r.id = %(receipt_id)s AND r.expires_at = %(expires_at)s
+    WHERE rt.id = %(route_id)s
     """
-)
+
+
+def _raw(session: Session) -> psycopg.Connection[Any]:
+    """The session's own psycopg connection (same transaction): the hot-path reads skip
+    SQLAlchemy's result machinery, which cost more CPU than the statements (see
+    models.transitions)."""
+    raw = session.connection().connection.driver_connection
+    assert raw is not None
+    return cast("psycopg.Connection[Any]", raw)
 
 
 @dataclass(frozen=True)
@@ -151,14 +159,19 @@ def _dedup_ttl(rt: Runtime, row: Any) -> timedelta | None:
 
 def load(session: Session, rt: Runtime, found: Claim) -> Loaded:
     """Receipt, route and source of a claimed delivery; what is missing is permanent."""
-    row = session.execute(
-        _LOAD,
-        {
-            "route_id": found.route_id,
-            "receipt_id": found.receipt_id,
-            "expires_at": found.expires_at,
-        },
-    ).one_or_none()
+    row: Any = (
+        _raw(session)
+        .cursor(row_factory=namedtuple_row)
+        .execute(
+            _LOAD,
+            {
+                "route_id": found.route_id,
+                "receipt_id": found.receipt_id,
+                "expires_at": found.expires_at,
+            },
+        )
+        .fetchone()
+    )
     if row is None:
         raise PermanentError("the route of this delivery no longer exists", reason="route_gone")
     if row.event_id is None:
@@ -212,7 +225,8 @@ def _deliver(rt: Runtime, session: Session, delivery_id: int, publish_retry: Pub
             # The claim's commit is asynchronous: losing it in a Postgres crash only undoes
             # the claim (the delivery runs again, as after a worker crash), and the success
             # commit, which is synchronous, flushes it first. One fsync per delivery saved.
-            generation = session.execute(_GENERATION, {"id": delivery_id}).scalar()
+            first = _raw(session).execute(_GENERATION, {"id": delivery_id}).fetchone()
+            generation = None if first is None else first[0]
             if generation is None:
                 return _quiet(delivery_id, "missing")
             fast = rt.claims.acquire(delivery_id, generation)
