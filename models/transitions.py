@@ -79,8 +79,7 @@ class Claim:
 # One statement: the guarded claim, the previous attempt marked crashed when its worker died
 # holding the lease, and this attempt's row. (All parts see one snapshot; a successful claim
 # leaves no live attempt behind it, so any attempt still open then belongs to a dead worker.)
-_CLAIM = _placeholders(
-    """
+_CLAIM_SQL = """
     WITH claimed AS (
         UPDATE deliveries SET
             redeliveries = redeliveries + CASE WHEN status = 'processing' THEN 1 ELSE 0 END,
@@ -97,7 +96,7 @@ _CLAIM = _placeholders(
             next_attempt_at = :now + :lease,
             first_attempt_at = coalesce(first_attempt_at, :now),
             updated_at = :now
-        WHERE id = :id
+        WHERE id = :id {expires_match}
           AND (status = 'pending'
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
@@ -106,7 +105,7 @@ _CLAIM = _placeholders(
     ), crashed AS (
         UPDATE attempts SET outcome = 'crashed', ended_at = :now,
             error_class = 'WorkerLost', error_message = 'lease expired while processing'
-        WHERE delivery_id = :id AND expires_at = (SELECT expires_at FROM claimed)
+        WHERE delivery_id = :id AND expires_at = {attempt_expiry}
           AND ended_at IS NULL
     ), started AS (
         INSERT INTO attempts (expires_at, delivery_id, number, generation, worker, started_at)
@@ -115,6 +114,15 @@ _CLAIM = _placeholders(
     )
     SELECT * FROM claimed
     """
+
+
+# With the delivery's expires_at known (the worker reads it with the key generation) the claim
+# touches one partition; by id alone it probes every partition's index.
+_CLAIM = _placeholders(
+    _CLAIM_SQL.format(expires_match="", attempt_expiry="(SELECT expires_at FROM claimed)")
+)
+_CLAIM_IN_PARTITION = _placeholders(
+    _CLAIM_SQL.format(expires_match="AND expires_at = :expires_at", attempt_expiry=":expires_at")
 )
 
 
@@ -126,18 +134,20 @@ def claim(
     lease: timedelta,
     max_redeliveries: int,
     worker: str,
+    expires_at: datetime | None = None,
 ) -> Claim | None:
     """pending | retrying (due) | processing (lease expired) -> processing, attempts + 1.
 
     Returns None when the delivery is done, dead, not yet due, or owned by a live lease.
     A claim that finds an expired lease counts a redelivery (the previous holder died) and
     records that attempt as crashed; at ``max_redeliveries`` it goes dead instead. One
-    statement, one round trip.
+    statement, one round trip; pass the delivery's ``expires_at`` when known (one partition).
     """
     row = _fetchone(
         session,
-        _CLAIM,
+        _CLAIM if expires_at is None else _CLAIM_IN_PARTITION,
         {
+            "expires_at": expires_at,
             "id": delivery_id,
             "now": now,
             "lease": lease,

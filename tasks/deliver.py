@@ -96,8 +96,9 @@ log = get_logger(__name__)
 PublishRetry = Callable[[int, float], None]
 
 # Reads the key generation and makes this (claim) transaction's commit asynchronous.
+# Also its partition key, so the claim touches one partition.
 _GENERATION = (
-    "SELECT generation, set_config('synchronous_commit', 'off', true) "
+    "SELECT generation, expires_at, set_config('synchronous_commit', 'off', true) "
     "FROM deliveries WHERE id = %(id)s"
 )
 
@@ -226,9 +227,9 @@ def _deliver(rt: Runtime, session: Session, delivery_id: int, publish_retry: Pub
             # the claim (the delivery runs again, as after a worker crash), and the success
             # commit, which is synchronous, flushes it first. One fsync per delivery saved.
             first = _raw(session).execute(_GENERATION, {"id": delivery_id}).fetchone()
-            generation = None if first is None else first[0]
-            if generation is None:
+            if first is None:
                 return _quiet(delivery_id, "missing")
+            generation, expires_at = first[0], first[1]
             fast = rt.claims.acquire(delivery_id, generation)
             if not fast.first:
                 return _quiet(delivery_id, "duplicate")
@@ -239,6 +240,7 @@ def _deliver(rt: Runtime, session: Session, delivery_id: int, publish_retry: Pub
                 lease=timedelta(seconds=rt.settings.processing_ttl),
                 max_redeliveries=rt.settings.max_redeliveries,
                 worker=rt.worker,
+                expires_at=expires_at,
             )
     except BaseException:
         if fast is not None and fast.first:

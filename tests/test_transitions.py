@@ -123,3 +123,34 @@ def test_rerun_only_from_succeeded_and_bumps_the_generation(
     again = claim(sessions, delivery_id, T0)
     assert again is not None
     assert again.generation == found.generation + 1
+
+
+def test_claim_in_its_partition(sessions: sessionmaker[Session], settings: Settings) -> None:
+    delivery_id = new_delivery(sessions, settings)
+    with sessions() as s:
+        expires_at = s.execute(
+            text("SELECT expires_at FROM deliveries WHERE id = :d"), {"d": delivery_id}
+        ).scalar_one()
+    with sessions() as s, s.begin():
+        wrong = transitions.claim(
+            s,
+            delivery_id,
+            now=T0,
+            lease=LEASE,
+            max_redeliveries=3,
+            worker="w",
+            expires_at=expires_at + timedelta(days=1),
+        )
+        assert wrong is None
+        found = transitions.claim(
+            s,
+            delivery_id,
+            now=T0,
+            lease=LEASE,
+            max_redeliveries=3,
+            worker="w",
+            expires_at=expires_at,
+        )
+        assert found is not None
+        assert found.expires_at == expires_at
+    assert attempts(sessions, delivery_id) == [(1, None)]
