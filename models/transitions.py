@@ -15,6 +15,7 @@ fencing token: a worker whose lease expired and was re-claimed can no longer fin
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -158,20 +159,10 @@ def claim(
     return None if row is None else Claim(*row)
 
 
-def _guarded_finish(
-    session: Session,
-    found: Claim,
-    transition: str,
-    assignments: str,
-    *,
-    now: datetime,
-    outcome: str,
-    error_class: str | None = None,
-    error: str | None = None,
-    params: dict[str, Any] | None = None,
-) -> None:
-    """One statement: the guarded state change and the end of this attempt's row."""
-    sql = _placeholders(
+@functools.cache
+def _finish_sql(assignments: str) -> str:
+    """The finishing statement for one transition's assignments (built once per transition)."""
+    return _placeholders(
         f"""
         WITH done AS (
             UPDATE deliveries SET {assignments}, lease_until = NULL, updated_at = :now
@@ -188,6 +179,22 @@ def _guarded_finish(
         SELECT id FROM done
         """  # noqa: S608 (assignments are literals of this module)
     )
+
+
+def _guarded_finish(
+    session: Session,
+    found: Claim,
+    transition: str,
+    assignments: str,
+    *,
+    now: datetime,
+    outcome: str,
+    error_class: str | None = None,
+    error: str | None = None,
+    params: dict[str, Any] | None = None,
+) -> None:
+    """One statement: the guarded state change and the end of this attempt's row."""
+    sql = _finish_sql(assignments)
     row = _fetchone(
         session,
         sql,
