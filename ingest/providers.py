@@ -425,12 +425,18 @@ def _auth_github(
     if decoded is None:
         raise AuthError("malformed_signature")
 
+    return _first_match(secrets, (decoded,), _body_sha256(body)), None
+
+
+def _body_sha256(body: bytes) -> Callable[[str], bytes]:
+    """HMAC-SHA256 of the raw body under one secret (GitHub hex, Shopify base64)."""
+
     def digest(secret: str) -> bytes:
         mac = _keyed("sha256", secret)
         mac.update(body)
         return mac.digest()
 
-    return _first_match(secrets, (decoded,), digest), None
+    return digest
 
 
 def _auth_shopify(
@@ -446,12 +452,7 @@ def _auth_shopify(
     if decoded is None:
         raise AuthError("malformed_signature")
 
-    def digest(secret: str) -> bytes:
-        mac = _keyed("sha256", secret)
-        mac.update(body)
-        return mac.digest()
-
-    return _first_match(secrets, (decoded,), digest), None
+    return _first_match(secrets, (decoded,), _body_sha256(body)), None
 
 
 def _auth_slack(
