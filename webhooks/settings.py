@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     default_tolerance: timedelta = timedelta(seconds=300)
     source_cache_ttl: timedelta = timedelta(seconds=30)
     publish_timeout: float = Field(default=2.0, gt=0)
+    # Group commit (ingest/store.py): accept batches in flight per receiver process, and the
+    # most receipts one batch (one transaction) carries.
+    accept_concurrency: int = Field(default=2, ge=1, le=64)
+    accept_batch_max: int = Field(default=64, ge=1, le=1000)
 
     # Worker time budgets (seconds). The rest are derived below.
     handler_io_timeout: float = Field(default=10.0, gt=0)
