@@ -24,6 +24,11 @@ ACCEPT_LATENCY = Histogram(
     "Time from request start to the durable 2xx",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+ACCEPT_BATCH = Histogram(
+    "webhooks_accept_batch_size",
+    "Receipts committed together by one accept statement (group commit)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000),
+)
 
 # Workers.
 DELIVERIES = Counter("webhooks_deliveries_total", "Delivery attempts by outcome", ["outcome"])

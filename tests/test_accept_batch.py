@@ -1,0 +1,245 @@
+"""The receiver's group commit (issue 2): many accepts in one statement and one transaction.
+
+The batch function (migration 0004) must give every element exactly the outcome the
+one-at-a-time function (migration 0003) gives when the same arrivals come in the same order;
+the Store must group concurrent requests, and one bad element must not fail its neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from ingest.store import (
+    ACCEPT_MANY_SQL,
+    NewReceipt,
+    Outcome,
+    Store,
+    accept_many_params,
+    accept_sync,
+    decide_many,
+)
+from models import catalog
+from models.schema import Source
+from tests.conftest import make_settings
+from tests.factories import MadeSource, make_source
+from webhooks import metrics
+from webhooks.crypto import SecretBox
+from webhooks.settings import Settings
+from webhooks.ttl import expires_at
+
+ROUTES = [{"handler": "log", "events": "invoice.*"}, {"handler": "log"}]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    event_id: str
+    body: bytes
+    event_type: str = "invoice.paid"
+    revoked: bool = False
+
+
+def receipt_for(
+    source: MadeSource, revoked_secret: str, arrival: Arrival, now: datetime
+) -> NewReceipt:
+    return NewReceipt(
+        source_id=source.id,
+        secret_id=revoked_secret if arrival.revoked else source.secret_id,
+        event_id=arrival.event_id,
+        event_type=arrival.event_type,
+        occurred_at=None,
+        expires_at=expires_at(None, now, timedelta(days=4)),
+        received_at=now,
+        digest=hashlib.sha256(arrival.body).digest(),
+        content_type="application/json",
+        payload=arrival.body,
+    )
+
+
+def source_with_revoked_secret(
+    sessions: sessionmaker[Session], settings: Settings
+) -> tuple[MadeSource, str]:
+    source = make_source(sessions, settings, routes=ROUTES)
+    box = SecretBox(settings.secret_key.get_secret_value())
+    with sessions() as session, session.begin():
+        row = session.get(Source, source.id)
+        assert row is not None
+        extra = catalog.add_secret(session, box, row)
+        catalog.revoke_secret(session, row, extra.id, now=datetime.now(UTC))
+    return source, extra.id
+
+
+def rows_of(engine: Engine, source_id: int) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {
+            table: int(
+                conn.execute(
+                    text(f"SELECT count(*) FROM {table} WHERE source_id = :s"), {"s": source_id}
+                ).scalar_one()
+            )
+            for table in ("receipts", "deliveries", "conflicts")
+        }
+
+
+def shape(outcomes: list[Outcome]) -> list[tuple[str, int]]:
+    return [(o.status, len(o.delivery_ids)) for o in outcomes]
+
+
+def test_a_batch_decides_each_arrival_as_the_one_at_a_time_function_does(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    live, other = f"evt_live_{uuid.uuid4().hex}", f"evt_{uuid.uuid4().hex}"
+    arrivals = [
+        Arrival("evt_a", b'{"a":1}'),  # new, two routes match
+        Arrival("evt_a", b'{"a":1}'),  # the same again in the same batch: duplicate
+        Arrival("evt_a", b'{"a":2}'),  # same id, other body: conflict
+        Arrival(live, b'{"live":1}'),  # accepted before the batch: duplicate
+        Arrival(live, b'{"live":2}'),  # ... with another body: conflict
+        Arrival("evt_r", b'{"r":1}', revoked=True),  # revoked secret: nothing written
+        Arrival("evt_d", b'{"d":1}', revoked=True),  # revoked first ...
+        Arrival("evt_d", b'{"d":1}', event_type="charge.ok"),  # ... then authorised: accepted
+        Arrival(other, b'{"o":1}', event_type="charge.ok"),  # new, one route matches
+    ]
+    expected_shape = [
+        ("accepted", 2),
+        ("duplicate", 0),
+        ("conflict", 0),
+        ("duplicate", 0),
+        ("conflict", 0),
+        ("revoked", 0),
+        ("revoked", 0),
+        ("accepted", 1),
+        ("accepted", 1),
+    ]
+    now = datetime.now(UTC)
+    results = {}
+    for path in ("one_at_a_time", "batch"):
+        source, revoked = source_with_revoked_secret(sessions, settings)
+        receipts = [receipt_for(source, revoked, a, now) for a in arrivals]
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+            accept_sync(
+                conn,
+                receipt_for(source, revoked, Arrival(live, b'{"live":1}'), now),
+                settings.publish_grace,
+            )
+            if path == "batch":
+                cur = conn.execute(
+                    ACCEPT_MANY_SQL, accept_many_params(receipts, settings.publish_grace)
+                )
+                outcomes = decide_many(receipts, cur.fetchall())
+            else:
+                outcomes = [accept_sync(conn, r, settings.publish_grace) for r in receipts]
+        results[path] = (shape(outcomes), rows_of(engine, source.id))
+
+    assert results["batch"] == results["one_at_a_time"]
+    assert results["batch"][0] == expected_shape
+    # The live receipt, evt_a, evt_d and the new one: 2 + 2 + 1 + 1 deliveries; two conflicts.
+    assert results["batch"][1] == {"receipts": 4, "deliveries": 6, "conflicts": 2}
+
+
+def test_a_batch_of_one_event_many_times_writes_one_receipt(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    source, revoked = source_with_revoked_secret(sessions, settings)
+    now = datetime.now(UTC)
+    receipts = [receipt_for(source, revoked, Arrival("evt_same", b'{"x":1}'), now)] * 30
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        cur = conn.execute(ACCEPT_MANY_SQL, accept_many_params(receipts, settings.publish_grace))
+        outcomes = decide_many(receipts, cur.fetchall())
+    assert shape(outcomes) == [("accepted", 2)] + [("duplicate", 0)] * 29
+    assert rows_of(engine, source.id) == {"receipts": 1, "deliveries": 2, "conflicts": 0}
+
+
+def batch_sizes() -> tuple[float, float]:
+    """(number of accept statements, receipts they carried) so far in this process."""
+    count = total = 0.0
+    for family in metrics.ACCEPT_BATCH.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_count"):
+                count = sample.value
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+    return count, total
+
+
+def test_the_store_commits_concurrent_requests_together(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    source, revoked = source_with_revoked_secret(sessions, settings)
+    now = datetime.now(UTC)
+    ids = [f"evt_{uuid.uuid4().hex}" for _ in range(40)]
+    arrivals = [Arrival(i, i.encode()) for i in ids] + [Arrival(ids[0], ids[0].encode())]
+    store = Store(
+        make_settings(accept_concurrency=1), SecretBox(settings.secret_key.get_secret_value())
+    )
+
+    async def scenario() -> list[Outcome]:
+        await store.open()
+        try:
+            return await asyncio.gather(
+                *(store.accept(receipt_for(source, revoked, a, now)) for a in arrivals)
+            )
+        finally:
+            await store.close()
+
+    before = batch_sizes()
+    outcomes = asyncio.run(scenario())
+    after = batch_sizes()
+
+    assert shape(outcomes) == [("accepted", 2)] * 40 + [("duplicate", 0)]
+    assert rows_of(engine, source.id) == {"receipts": 40, "deliveries": 80, "conflicts": 0}
+    statements, carried = after[0] - before[0], after[1] - before[1]
+    assert carried == 41
+    assert statements < 41  # grouped: fewer statements than requests
+
+
+def test_one_bad_arrival_fails_alone_and_its_neighbours_commit(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    source, revoked = source_with_revoked_secret(sessions, settings)
+    now = datetime.now(UTC)
+    good = [receipt_for(source, revoked, Arrival(f"evt_{n}", b"{}"), now) for n in range(5)]
+    # expires_at years ahead: no partition holds it, so its insert fails (CheckViolation).
+    bad = receipt_for(source, revoked, Arrival("evt_far", b"{}"), now)
+    bad = NewReceipt(**{**bad.__dict__, "expires_at": now + timedelta(days=3650)})
+    store = Store(
+        make_settings(accept_concurrency=1), SecretBox(settings.secret_key.get_secret_value())
+    )
+
+    async def scenario() -> list[Outcome | BaseException]:
+        await store.open()
+        try:
+            return await asyncio.gather(
+                *(store.accept(r) for r in [*good[:2], bad, *good[2:]]), return_exceptions=True
+            )
+        finally:
+            await store.close()
+
+    outcomes = asyncio.run(scenario())
+    assert isinstance(outcomes[2], psycopg.errors.CheckViolation)
+    assert [o.status for o in outcomes if isinstance(o, Outcome)] == ["accepted"] * 5
+    assert rows_of(engine, source.id) == {"receipts": 5, "deliveries": 10, "conflicts": 0}
+
+
+@pytest.mark.parametrize("size", [2, 64])
+def test_batch_parameters_line_up_with_positions(size: int) -> None:
+    now = datetime.now(UTC)
+    receipts = [
+        NewReceipt(1, "s", f"e{n}", "t", None, now, now, bytes([n]), None, bytes([n]) * 3)
+        for n in range(size)
+    ]
+    params = accept_many_params(receipts, timedelta(seconds=30))
+    assert params["digests"] == [bytes([n]) for n in range(size)]
+    assert params["payloads"] == [bytes([n]) * 3 for n in range(size)]
+    assert '"ord":1,' in params["items"]
+    assert f'"ord":{size},' in params["items"]
+    with pytest.raises(RuntimeError):
+        decide_many(receipts, [(1, True, 1, None, [1])])  # rows missing: refused
