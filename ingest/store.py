@@ -80,6 +80,7 @@ FROM webhooks_accept_many(%(items)s::json, %(digests)b::bytea[], %(payloads)b::b
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     psycopg.OperationalError,
     psycopg.InterfaceError,
+    PoolTimeout,
     OSError,
 )
 
@@ -305,7 +306,7 @@ class Store:
         metrics.ACCEPT_BATCH.observe(len(batch))
         try:
             outcomes: Sequence[Outcome | BaseException] = await self._accept_many(receipts)
-        except CONNECTION_ERRORS + (PoolTimeout,) as exc:
+        except CONNECTION_ERRORS as exc:
             outcomes = [exc] * len(batch)
         except psycopg.Error as exc:
             outcomes = [exc] if len(batch) == 1 else await self._one_by_one(receipts)
