@@ -19,12 +19,18 @@ class DatabaseUnavailable(Exception):
     """Postgres could not be reached."""
 
 
-def make_engine(settings: Settings, *, pool_size: int | None = None) -> Engine:
+def make_engine(
+    settings: Settings, *, pool_size: int | None = None, pre_ping: bool = True
+) -> Engine:
+    """``pre_ping``: a round trip per checkout to replace connections that died while pooled.
+    The worker turns it off and recovers from a dead connection itself (tasks.deliver); its
+    other statements (sweeper, maintenance) are then discarded once by SQLAlchemy's
+    disconnect handling and run again on the next beat."""
     return create_engine(
         settings.database_url,
         pool_size=pool_size or settings.db_pool_size,
         max_overflow=5,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         connect_args={"connect_timeout": max(1, int(settings.db_connect_timeout))},
     )
 

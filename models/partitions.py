@@ -46,6 +46,16 @@ def partition_name(table: str, day: date) -> str:
     return f"{table}_p{day:%Y%m%d}"
 
 
+def leaf_suffix(expires_at: datetime, mode: str) -> str:
+    """The suffix of the leaf partitions (of all three tables) that hold rows with this
+    ``expires_at``: ``p<YYYYMMDD>`` of its UTC day, or ``default`` in delete retention mode.
+    When that leaf exists Postgres guarantees the row is in it (a range partition never
+    coexists with matching rows in the default one)."""
+    if mode == "delete":
+        return "default"
+    return f"p{expires_at.astimezone(UTC):%Y%m%d}"
+
+
 def day_bounds(day: date) -> tuple[datetime, datetime]:
     start = datetime(day.year, day.month, day.day, tzinfo=UTC)
     return start, start + timedelta(days=1)

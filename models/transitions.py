@@ -19,8 +19,9 @@ import functools
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
+import psycopg
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -30,13 +31,22 @@ def _placeholders(sql: str) -> str:
     return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", sql)
 
 
-def _fetchone(session: Session, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
-    """Run a hot-path statement on the session's own connection and transaction, through
-    psycopg directly: on a worker, SQLAlchemy's result machinery cost more CPU than the
-    statements themselves (tuple rows, no per-result column metadata). Handler writes made
-    through the same session commit or roll back with it."""
-    raw = session.connection().connection.driver_connection
-    assert raw is not None
+# Where a hot-path statement runs: a session (its own connection and transaction), or a
+# psycopg connection the caller manages (the worker's autocommit statements).
+Target = Session | psycopg.Connection[Any]
+
+
+def _fetchone(target: Target, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+    """Run a hot-path statement through psycopg directly: on a worker, SQLAlchemy's result
+    machinery cost more CPU than the statements themselves (tuple rows, no per-result column
+    metadata). On a session it runs in the session's transaction, so handler writes made
+    through the same session commit or roll back with it; on a bare psycopg connection in
+    autocommit it is its own transaction (one round trip, commit included)."""
+    if isinstance(target, Session):
+        raw = target.connection().connection.driver_connection
+        assert raw is not None
+    else:
+        raw = target
     row: tuple[Any, ...] | None = raw.execute(sql, params).fetchone()
     return row
 
@@ -97,34 +107,117 @@ _CLAIM_SQL = """
             next_attempt_at = :now + :lease,
             first_attempt_at = coalesce(first_attempt_at, :now),
             updated_at = :now
-        WHERE id = :id {expires_match}
+        WHERE id = :id {expires_match} {generation_match}
           AND (status = 'pending'
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
         RETURNING id, expires_at, receipt_id, source_id, route_id, attempts, redeliveries,
                   generation, created_at, first_attempt_at, lease_until, status
     ), crashed AS (
-        UPDATE attempts SET outcome = 'crashed', ended_at = :now,
+        UPDATE {attempts} SET outcome = 'crashed', ended_at = :now,
             error_class = 'WorkerLost', error_message = 'lease expired while processing'
         WHERE delivery_id = :id AND expires_at = {attempt_expiry}
           AND ended_at IS NULL
     ), started AS (
-        INSERT INTO attempts (expires_at, delivery_id, number, generation, worker, started_at)
+        INSERT INTO {attempts} (expires_at, delivery_id, number, generation, worker, started_at)
         SELECT expires_at, id, attempts, generation, :worker, :now
         FROM claimed WHERE status = 'processing'
     )
-    SELECT * FROM claimed
+    {select}
+    """
+
+_SELECT_CLAIM = "SELECT * FROM claimed"
+
+# The worker's variant: the claim and what running the handler needs, in one statement and
+# (in autocommit) one transaction whose commit does not wait for the WAL flush: losing the
+# claim in a Postgres crash only means the delivery is claimed again, and the success commit,
+# which is synchronous, flushes it first. Route and source may be gone (left joins): the
+# caller turns that into a permanent failure. The receipt shares the delivery's expires_at;
+# naming it by the parameter (not the claimed row's column) lets the generic plan prune the
+# receipts partitions when it starts, instead of opening every partition's scan each time.
+_SELECT_CLAIM_AND_EVENT = """
+    SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
+           c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
+           c.status,
+           rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
+           rt.max_age_s, rt.active, s.public_id, s.name, s.provider, s.retry_window_s,
+           s.queue_lag_s, s.clock_skew_s, s.replay_grace_s,
+           r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
+           r.content_type, r.payload,
+           set_config('synchronous_commit', 'off', true)
+    FROM claimed c
+    LEFT JOIN routes rt ON rt.id = c.route_id
+    LEFT JOIN sources s ON s.id = rt.source_id
+    LEFT JOIN {receipts} r ON r.id = c.receipt_id AND r.expires_at = :expires_at
     """
 
 
 # With the delivery's expires_at known (the worker reads it with the key generation) the claim
 # touches one partition; by id alone it probes every partition's index.
-_CLAIM = _placeholders(
-    _CLAIM_SQL.format(expires_match="", attempt_expiry="(SELECT expires_at FROM claimed)")
-)
-_CLAIM_IN_PARTITION = _placeholders(
-    _CLAIM_SQL.format(expires_match="AND expires_at = :expires_at", attempt_expiry=":expires_at")
-)
+def _tables(leaf: str | None) -> dict[str, str]:
+    """Table names for a statement: the partitioned parents, or one day's leaf partitions
+    (``<table>_<leaf>``, aliased to the parent's name so the statement reads the same).
+
+    Why leaves: a generic plan on a parent locks every partition (and more than 16 locks
+    leave Postgres's fast path); the worker's claim with its event read cost about 1 ms that
+    way against 0.26 ms on the leaves (bench/results_workers.txt)."""
+    if leaf is None:
+        return {"deliveries": "deliveries", "attempts": "attempts", "receipts": "receipts"}
+    return {
+        "deliveries": f"deliveries_{leaf} AS deliveries",
+        "attempts": f"attempts_{leaf} AS attempts",
+        "receipts": f"receipts_{leaf}",
+    }
+
+
+def _leaf(leaf: str | None) -> str | None:
+    if leaf is not None and re.fullmatch(r"p\d{8}|default", leaf) is None:
+        raise ValueError(f"not a partition suffix: {leaf!r}")
+    return leaf
+
+
+@functools.cache
+def _claim_sql(
+    *, in_partition: bool, generation: bool, with_event: bool, leaf: str | None = None
+) -> str:
+    return _placeholders(
+        _CLAIM_SQL.format(
+            expires_match="AND expires_at = :expires_at" if in_partition else "",
+            attempt_expiry=":expires_at" if in_partition else "(SELECT expires_at FROM claimed)",
+            generation_match="AND generation = :generation" if generation else "",
+            select=(_SELECT_CLAIM_AND_EVENT if with_event else _SELECT_CLAIM).format(
+                **_tables(_leaf(leaf))
+            ),
+            **_tables(_leaf(leaf)),
+        )
+    )
+
+
+class ClaimedEvent(NamedTuple):
+    """What the worker's claim returns besides the claim: route, source and receipt fields
+    (``route_found`` / ``receipt_found`` False when that row is gone)."""
+
+    route_found: bool
+    handler: str | None
+    options: dict[str, Any] | None
+    signing_ciphertext: bytes | None
+    max_attempts: int | None
+    max_age_s: int | None
+    active: bool | None
+    public_id: str | None
+    name: str | None
+    provider: str | None
+    retry_window_s: int | None
+    queue_lag_s: int | None
+    clock_skew_s: int | None
+    replay_grace_s: int | None
+    receipt_found: bool
+    event_id: str | None
+    event_type: str | None
+    occurred_at: datetime | None
+    received_at: datetime | None
+    content_type: str | None
+    payload: bytes | None
 
 
 def claim(
@@ -146,7 +239,7 @@ def claim(
     """
     row = _fetchone(
         session,
-        _CLAIM if expires_at is None else _CLAIM_IN_PARTITION,
+        _claim_sql(in_partition=expires_at is not None, generation=False, with_event=False),
         {
             "expires_at": expires_at,
             "id": delivery_id,
@@ -159,18 +252,55 @@ def claim(
     return None if row is None else Claim(*row)
 
 
+def claim_with_event(
+    conn: psycopg.Connection[Any],
+    delivery_id: int,
+    *,
+    generation: int,
+    expires_at: datetime,
+    now: datetime,
+    lease: timedelta,
+    max_redeliveries: int,
+    worker: str,
+    leaf: str | None = None,
+) -> tuple[Claim, ClaimedEvent] | None:
+    """The worker's claim (the same guarded transition as :func:`claim`, also requiring the
+    key generation the worker read), returning the route, source and receipt with it: one
+    statement, one partition. Run it in autocommit: one round trip, its commit asynchronous.
+    ``leaf``: run it on that day's leaf partitions (:func:`models.partitions.leaf_suffix`);
+    psycopg.errors.UndefinedTable if they do not exist (run it again without)."""
+    row = _fetchone(
+        conn,
+        _claim_sql(in_partition=True, generation=True, with_event=True, leaf=leaf),
+        {
+            "expires_at": expires_at,
+            "generation": generation,
+            "id": delivery_id,
+            "now": now,
+            "lease": lease,
+            "max_redeliveries": max_redeliveries,
+            "worker": worker,
+        },
+    )
+    if row is None:
+        return None
+    return Claim(*row[:12]), ClaimedEvent(*row[12:33])
+
+
 @functools.cache
-def _finish_sql(assignments: str) -> str:
-    """The finishing statement for one transition's assignments (built once per transition)."""
+def _finish_sql(assignments: str, leaf: str | None = None) -> str:
+    """The finishing statement for one transition's assignments (built once per transition
+    and partition)."""
+    tables = _tables(_leaf(leaf))
     return _placeholders(
         f"""
         WITH done AS (
-            UPDATE deliveries SET {assignments}, lease_until = NULL, updated_at = :now
+            UPDATE {tables["deliveries"]} SET {assignments}, lease_until = NULL, updated_at = :now
             WHERE id = :id AND expires_at = :expires_at AND status = 'processing'
               AND attempts = :attempt AND generation = :generation
             RETURNING id
         ), ended AS (
-            UPDATE attempts SET ended_at = :now, outcome = :outcome,
+            UPDATE {tables["attempts"]} SET ended_at = :now, outcome = :outcome,
                 error_class = :error_class, error_message = :error
             WHERE delivery_id = :id AND expires_at = :expires_at AND number = :attempt
               AND generation = :generation AND ended_at IS NULL
@@ -182,7 +312,7 @@ def _finish_sql(assignments: str) -> str:
 
 
 def _guarded_finish(
-    session: Session,
+    session: Target,
     found: Claim,
     transition: str,
     assignments: str,
@@ -192,9 +322,10 @@ def _guarded_finish(
     error_class: str | None = None,
     error: str | None = None,
     params: dict[str, Any] | None = None,
+    leaf: str | None = None,
 ) -> None:
     """One statement: the guarded state change and the end of this attempt's row."""
-    sql = _finish_sql(assignments)
+    sql = _finish_sql(assignments, leaf)
     row = _fetchone(
         session,
         sql,
@@ -214,8 +345,12 @@ def _guarded_finish(
         raise IllegalTransition(found.id, transition, "processing with this attempt")
 
 
-def succeed(session: Session, found: Claim, *, now: datetime) -> None:
-    """processing (this attempt) -> succeeded. Raises IllegalTransition if the lease was lost."""
+def succeed(session: Target, found: Claim, *, now: datetime, leaf: str | None = None) -> None:
+    """processing (this attempt) -> succeeded. Raises IllegalTransition if the lease was lost.
+
+    On a session it commits with the handler's writes; on a psycopg connection in autocommit
+    (a handler that wrote nothing through ``ctx.session``) it is one synchronous commit.
+    ``leaf`` as for :func:`claim_with_event`."""
     _guarded_finish(
         session,
         found,
@@ -224,6 +359,7 @@ def succeed(session: Session, found: Claim, *, now: datetime) -> None:
         "last_error = NULL, last_error_class = NULL",
         now=now,
         outcome="succeeded",
+        leaf=leaf,
     )
 
 

@@ -2,15 +2,17 @@
 
 Flow (the message carries the delivery id only):
 
- 0. read the delivery's key generation (it names the fast claim);
+ 0. read the delivery's key generation (it names the fast claim) and partition key;
  1. fast claim in Redis: ``SET claim:<id>:<generation> <token> NX`` with the processing TTL;
     a held key means another copy is running or has succeeded: return;
- 2. durable claim in Postgres (:func:`models.transitions.claim`), committed: one guarded
-    UPDATE pending | retrying (due) | processing (lease expired) -> processing, attempts + 1,
-    lease = processing TTL; no row means done, dead, not due or owned: release and return.
-    A claim that finds a dead worker's lease counts a redelivery; at ``max_redeliveries`` it
-    returns the verdict "dead" (crash loop) instead of running the handler again;
- 3. load receipt, route and source; run ``handler(event, ctx)``;
+ 2. durable claim in Postgres (:func:`models.transitions.claim_with_event`), committed: one
+    guarded UPDATE pending | retrying (due) | processing (lease expired) -> processing,
+    attempts + 1, lease = processing TTL, for this generation; no row means done, dead, not
+    due, owned or replayed since: release and return. A claim that finds a dead worker's
+    lease counts a redelivery; at ``max_redeliveries`` it returns the verdict "dead" (crash
+    loop) instead of running the handler again. The same statement returns the receipt,
+    route and source;
+ 3. run ``handler(event, ctx)``;
  4. success: :func:`transitions.succeed` in the *same transaction* as the handler's writes
     through ``ctx.session``; commit; then promote the Redis key to the source's dedup TTL;
  5. caught failure: roll the handler's writes back; commit ``retry_later`` (next_attempt_at =
@@ -54,6 +56,13 @@ it can commit nothing more, and the delivery is claimed again, as after a worker
 success commit is synchronous (it also flushes the claim), and only after it returns is the
 Redis key promoted: a promoted key always stands for a durable success.
 
+*Round trips.* Steps 0, 2 and (for a handler that wrote nothing through ``ctx.session``) 4 are
+each one autocommit statement: no BEGIN, no separate COMMIT, no ping on checkout (a pooled
+connection found dead by step 0, which changes nothing, is replaced and the task starts
+again). Steps 2 and 4 name the delivery's leaf partitions directly (a generic plan on the
+partitioned parents locks every partition), falling back to the parents when that leaf does
+not exist. Three statements and two Redis commands per delivery.
+
 *Budgets.* The lease is the processing TTL (4 x hard time limit): a live task is killed by the
 hard limit long before its lease can run out, even with some clock skew between hosts, and
 the fencing token protects the commit if it ever does. The soft limit raises inside the
@@ -65,19 +74,21 @@ Logs carry ids, outcomes and error classes, never payloads or secrets.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar
 
 import psycopg
 from celery import Task, shared_task
-from psycopg.rows import namedtuple_row
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from models import transitions
-from models.transitions import Claim, IllegalTransition
+from models.partitions import leaf_suffix
+from models.transitions import Claim, ClaimedEvent, IllegalTransition
 from tasks import get_runtime
 from tasks.claims import FastClaim
 from tasks.config import DELIVER_TASK
@@ -95,33 +106,25 @@ log = get_logger(__name__)
 # Publishes the delivery again after ``countdown`` seconds.
 PublishRetry = Callable[[int, float], None]
 
-# Reads the key generation and makes this (claim) transaction's commit asynchronous.
-# Also its partition key, so the claim touches one partition.
-_GENERATION = (
-    "SELECT generation, expires_at, set_config('synchronous_commit', 'off', true) "
-    "FROM deliveries WHERE id = %(id)s"
-)
-
-_LOAD = """
-    SELECT rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts, rt.max_age_s,
-           rt.active, s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s,
-           s.clock_skew_s, s.replay_grace_s,
-           r.id AS receipt_id, r.event_id, r.event_type, r.occurred_at, r.received_at,
-           r.content_type, r.payload
-    FROM routes rt
-    JOIN sources s ON s.id = rt.source_id
-    LEFT JOIN receipts r ON r.id = %(receipt_id)s AND r.expires_at = %(expires_at)s
-    WHERE rt.id = %(route_id)s
-    """
+# The key generation (it names the fast claim) and the partition key (the claim then
+# touches one partition).
+_GENERATION = "SELECT generation, expires_at FROM deliveries WHERE id = %(id)s"
 
 
-def _raw(session: Session) -> psycopg.Connection[Any]:
-    """The session's own psycopg connection (same transaction): the hot-path reads skip
-    SQLAlchemy's result machinery, which cost more CPU than the statements (see
-    models.transitions)."""
-    raw = session.connection().connection.driver_connection
-    assert raw is not None
-    return cast("psycopg.Connection[Any]", raw)
+class _StaleConnection(Exception):
+    """The pooled connection died while idle (a Postgres restart): take a fresh one."""
+
+
+@contextmanager
+def _autocommit(raw: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+    """Statements on ``raw`` each commit on their own: one round trip each, no BEGIN/COMMIT.
+    Only between transactions: the session never sees the connection in this mode."""
+    raw.autocommit = True
+    try:
+        yield raw
+    finally:
+        if not raw.closed:
+            raw.autocommit = False
 
 
 @dataclass(frozen=True)
@@ -158,29 +161,23 @@ def _dedup_ttl(rt: Runtime, row: Any) -> timedelta | None:
         return None
 
 
-def load(session: Session, rt: Runtime, found: Claim) -> Loaded:
-    """Receipt, route and source of a claimed delivery; what is missing is permanent."""
-    row: Any = (
-        _raw(session)
-        .cursor(row_factory=namedtuple_row)
-        .execute(
-            _LOAD,
-            {
-                "route_id": found.route_id,
-                "receipt_id": found.receipt_id,
-                "expires_at": found.expires_at,
-            },
-        )
-        .fetchone()
-    )
-    if row is None:
+def load(rt: Runtime, found: Claim, row: ClaimedEvent) -> Loaded:
+    """The handler's inputs from the claim's row; what is missing is permanent."""
+    if not row.route_found:
         raise PermanentError("the route of this delivery no longer exists", reason="route_gone")
-    if row.event_id is None:
+    if not row.receipt_found:
         raise PermanentError("the receipt of this delivery no longer exists", reason="receipt_gone")
     if row.payload is None:
         raise PermanentError("the event's payload was dropped (retention)", reason="payload_gone")
     if not row.active:
         raise PermanentError("the route is disabled", reason="route_inactive")
+    # NOT NULL columns of rows that were found:
+    assert row.handler is not None
+    assert row.public_id is not None
+    assert row.provider is not None
+    assert row.event_id is not None
+    assert row.event_type is not None
+    assert row.received_at is not None
     secret: str | None = None
     if row.signing_ciphertext is not None:
         try:
@@ -190,7 +187,7 @@ def load(session: Session, rt: Runtime, found: Claim) -> Loaded:
                 "the route's signing secret cannot be decrypted", reason="secret_undecryptable"
             ) from None
     meta = EventMeta(
-        receipt_id=row.receipt_id,
+        receipt_id=found.receipt_id,
         source_id=found.source_id,
         source=row.public_id,
         provider=row.provider,
@@ -214,41 +211,67 @@ def deliver_one(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) -
     """Run one delivery. Returns the outcome: succeeded, retry, dead, duplicate (fast tier),
     skipped (durable tier: done, dead, not due or owned), missing, or lost (our lease was
     taken over)."""
-    # One pooled connection for the task's short transactions: one checkout, one ping.
-    with rt.engine.connect() as conn, rt.sessions(bind=conn) as session:
-        return _deliver(rt, session, delivery_id, publish_retry)
+    # One pooled connection for the task's statements. No ping per checkout (a round trip
+    # per task): a connection that died while pooled fails the first read, which changes
+    # nothing, and the task starts again once on a fresh connection.
+    for fresh in (False, True):
+        try:
+            with rt.engine.connect() as conn, rt.sessions(bind=conn) as session:
+                raw = conn.connection.driver_connection
+                assert raw is not None
+                return _deliver(rt, conn, session, raw, delivery_id, publish_retry, fresh)
+        except _StaleConnection:
+            log.warning("delivery.stale_connection", delivery_id=delivery_id)
+    raise AssertionError("unreachable: a fresh connection raises instead")  # pragma: no cover
 
 
-def _deliver(rt: Runtime, session: Session, delivery_id: int, publish_retry: PublishRetry) -> str:
-    fast: FastClaim | None = None
+def _deliver(
+    rt: Runtime,
+    conn: Connection,
+    session: Session,
+    raw: psycopg.Connection[Any],
+    delivery_id: int,
+    publish_retry: PublishRetry,
+    fresh: bool,
+) -> str:
     try:
-        with session.begin():
-            # The claim's commit is asynchronous: losing it in a Postgres crash only undoes
-            # the claim (the delivery runs again, as after a worker crash), and the success
-            # commit, which is synchronous, flushes it first. One fsync per delivery saved.
-            first = _raw(session).execute(_GENERATION, {"id": delivery_id}).fetchone()
-            if first is None:
-                return _quiet(delivery_id, "missing")
-            generation, expires_at = first[0], first[1]
-            fast = rt.claims.acquire(delivery_id, generation)
-            if not fast.first:
-                return _quiet(delivery_id, "duplicate")
-            found = transitions.claim(
-                session,
-                delivery_id,
-                now=rt.clock.now(),
-                lease=timedelta(seconds=rt.settings.processing_ttl),
-                max_redeliveries=rt.settings.max_redeliveries,
-                worker=rt.worker,
-                expires_at=expires_at,
+        with _autocommit(raw):
+            first = raw.execute(_GENERATION, {"id": delivery_id}).fetchone()
+    except (psycopg.OperationalError, psycopg.ProgrammingError):
+        if fresh or not raw.closed:
+            raise
+        conn.invalidate()
+        raise _StaleConnection from None
+    if first is None:
+        return _quiet(delivery_id, "missing")
+    generation, expires_at = first[0], first[1]
+    fast = rt.claims.acquire(delivery_id, generation)
+    if not fast.first:
+        return _quiet(delivery_id, "duplicate")
+    leaf = _leaf_for(rt, expires_at)
+    try:
+        with _autocommit(raw):
+            claimed = _on_leaf(
+                leaf,
+                lambda on: transitions.claim_with_event(
+                    raw,
+                    delivery_id,
+                    generation=generation,
+                    expires_at=expires_at,
+                    now=rt.clock.now(),
+                    lease=timedelta(seconds=rt.settings.processing_ttl),
+                    max_redeliveries=rt.settings.max_redeliveries,
+                    worker=rt.worker,
+                    leaf=on,
+                ),
             )
     except BaseException:
-        if fast is not None and fast.first:
-            rt.claims.release(fast)
+        rt.claims.release(fast)
         raise
-    if found is None:
+    if claimed is None:
         rt.claims.release(fast)
         return _quiet(delivery_id, "skipped")
+    found, row = claimed
     if found.crashed_too_often:
         rt.claims.release(fast)
         DEAD_LETTERS.labels(reason=DEAD_CRASHED).inc()
@@ -260,7 +283,30 @@ def _deliver(rt: Runtime, session: Session, delivery_id: int, publish_retry: Pub
             redeliveries=found.redeliveries,
         )
         return "dead"
-    return _run(rt, session, found, fast, publish_retry)
+    return _run(rt, session, raw, found, row, fast, publish_retry, leaf)
+
+
+# Leaf partitions found missing in this process (an unusual layout): use the parents.
+_MISSING_LEAVES: set[str] = set()
+
+T = TypeVar("T")
+
+
+def _leaf_for(rt: Runtime, expires_at: datetime) -> str | None:
+    leaf = leaf_suffix(expires_at, rt.settings.retention_mode)
+    return None if leaf in _MISSING_LEAVES else leaf
+
+
+def _on_leaf(leaf: str | None, statement: Callable[[str | None], T]) -> T:
+    """Run an autocommit statement on the delivery's leaf partitions, or on the parents when
+    that leaf does not exist (nothing ran: the failed statement was its own transaction)."""
+    if leaf is None:
+        return statement(None)
+    try:
+        return statement(leaf)
+    except psycopg.errors.UndefinedTable:
+        _MISSING_LEAVES.add(leaf)
+        return statement(None)
 
 
 def _quiet(delivery_id: int, outcome: str) -> str:
@@ -270,12 +316,18 @@ def _quiet(delivery_id: int, outcome: str) -> str:
 
 
 def _run(
-    rt: Runtime, session: Session, found: Claim, fast: FastClaim, publish_retry: PublishRetry
+    rt: Runtime,
+    session: Session,
+    raw: psycopg.Connection[Any],
+    found: Claim,
+    row: ClaimedEvent,
+    fast: FastClaim,
+    publish_retry: PublishRetry,
+    leaf: str | None,
 ) -> str:
     loaded: Loaded | None = None
-    transaction = session.begin()
     try:
-        loaded = load(session, rt, found)
+        loaded = load(rt, found, row)
         handler = rt.registry.get(loaded.route.handler)
         ctx = HandlerContext(
             idempotency_key=idempotency_key(
@@ -291,14 +343,21 @@ def _run(
             io_timeout=rt.settings.handler_io_timeout,
         )
         handler(loaded.event, ctx)
+        session.flush()
         done_at = rt.clock.now()
-        transitions.succeed(session, found, now=done_at)
-        transaction.commit()
+        if session.in_transaction():
+            # The handler used ctx.session: its writes and the success commit together.
+            transitions.succeed(session, found, now=done_at)
+            session.commit()
+        else:
+            # Nothing of the handler's to commit: the success alone, one round trip.
+            with _autocommit(raw):
+                _on_leaf(leaf, lambda on: transitions.succeed(raw, found, now=done_at, leaf=on))
     except IllegalTransition:
-        transaction.rollback()
+        session.rollback()
         return _lost(rt, found, fast)
     except Exception as exc:  # noqa: BLE001 (any handler error is a failed attempt)
-        transaction.rollback()
+        session.rollback()
         policy = loaded.policy if loaded else RetryPolicy.for_route(rt.settings)
         return _fail(
             rt, session, found, fast=fast, exc=exc, policy=policy, publish_retry=publish_retry

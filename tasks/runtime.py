@@ -65,7 +65,7 @@ def build_runtime(
     rng: random.Random | None = None,
     worker: str | None = None,
 ) -> Runtime:
-    engine = make_engine(settings, pool_size=WORKER_POOL_SIZE)
+    engine = make_engine(settings, pool_size=WORKER_POOL_SIZE, pre_ping=False)
     event.listen(engine, "do_connect", _generic_plans)
     client = make_client(settings.redis_url, settings.redis_socket_timeout)
     return Runtime(

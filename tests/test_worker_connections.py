@@ -1,0 +1,94 @@
+"""The worker's database connections (issue 3): no ping per task, so a pooled connection that
+died while idle must cost nothing but a fresh connection; statements run on the delivery's
+leaf partitions, and on the parents when that leaf does not exist."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from tasks import deliver as deliver_module
+from tasks.deliver import deliver_one
+from tasks.runtime import Runtime, build_runtime
+from tests.factories import accept_event, make_source
+from tests.workers import attempts, delivery, worker_settings
+from webhooks.settings import Settings
+
+
+def _no_publish(delivery_id: int, countdown: float) -> None:
+    raise AssertionError("nothing here retries")
+
+
+@pytest.fixture
+def runtime() -> Iterator[Runtime]:
+    made = build_runtime(worker_settings(), worker="conn-test")
+    yield made
+    made.close()
+
+
+def _backend_pids(settings: Settings) -> set[int]:
+    """Idle client backends of the test database other than the asking connection."""
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            " AND state = 'idle'"
+        ).fetchall()
+    return {int(r[0]) for r in rows}
+
+
+def test_a_pooled_connection_killed_while_idle_costs_one_fresh_connection(
+    engine: Engine, sessions: sessionmaker[Session], runtime: Runtime
+) -> None:
+    settings = worker_settings()
+    source = make_source(sessions, settings)
+    first = accept_event(settings, source)[1].delivery_ids[0]
+    assert deliver_one(runtime, first, publish_retry=_no_publish) == "succeeded"
+
+    # Postgres restarted under the idle pool: every idle backend of this database goes away.
+    victims = _backend_pids(settings)
+    assert victims
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        for pid in victims:
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    second = accept_event(settings, source)[1].delivery_ids[0]
+    assert deliver_one(runtime, second, publish_retry=_no_publish) == "succeeded"
+    assert delivery(engine, second).status == "succeeded"
+    assert [a.outcome for a in attempts(engine, second)] == ["succeeded"]
+
+
+def test_statements_fall_back_to_the_parents_when_the_leaf_is_missing(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    # Delete-mode settings name the `*_default` leaves, which this partition-mode database
+    # does not have: the claim and the success must still land, through the parents.
+    settings = worker_settings(retention_mode="delete")
+    source = make_source(sessions, settings)
+    delivery_id = accept_event(settings, source)[1].delivery_ids[0]
+    deliver_module._MISSING_LEAVES.discard("default")
+    made = build_runtime(settings, worker="leafless")
+    try:
+        assert deliver_one(made, delivery_id, publish_retry=_no_publish) == "succeeded"
+    finally:
+        made.close()
+    assert "default" in deliver_module._MISSING_LEAVES
+    deliver_module._MISSING_LEAVES.discard("default")
+    assert delivery(engine, delivery_id).status == "succeeded"
+    assert [a.outcome for a in attempts(engine, delivery_id)] == ["succeeded"]
+
+
+def test_in_partition_mode_the_leaves_exist_and_are_used(
+    engine: Engine, sessions: sessionmaker[Session], runtime: Runtime
+) -> None:
+    settings = worker_settings()
+    source = make_source(sessions, settings)
+    delivery_id = accept_event(settings, source)[1].delivery_ids[0]
+    before = set(deliver_module._MISSING_LEAVES)
+    assert deliver_one(runtime, delivery_id, publish_retry=_no_publish) == "succeeded"
+    assert before == deliver_module._MISSING_LEAVES  # no fallback was needed
+    assert delivery(engine, delivery_id).status == "succeeded"
