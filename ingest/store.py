@@ -16,11 +16,11 @@ Nothing is acknowledged before that statement's COMMIT returns.
 Group commit. Concurrent requests in one receiver process share that round trip and that
 commit: :meth:`Store.accept` queues the receipt and at most ``accept_concurrency`` batches are
 in flight at once, each taking whatever queued up while the previous ones ran (up to
-``accept_batch_max``) and running ``webhooks_accept_many(...)`` (migration 0004, the same
-function per element, one transaction). Alone, a request runs at once as a batch of one (no
-added latency); under load, one WAL flush and one network exchange serve many webhooks. A
-batch that fails on one element (not a lost connection) is run again element by element, so
-one bad request never fails its neighbours.
+``accept_batch_max``) and running ``webhooks_accept_many(...)`` (migration 0004: for each
+element exactly what ``webhooks_accept`` decides, set-based, in one transaction). Alone, a
+request runs at once as a batch of one (no added latency); under load, one WAL flush and one
+network exchange serve many webhooks. A batch that fails on one element (not a lost
+connection) is run again element by element, so one bad request never fails its neighbours.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ FROM webhooks_accept_many(%(items)s::json, %(digests)b::bytea[], %(payloads)b::b
                           %(grace)s)
 """
 
-# Connection-level failures: the batch's fate is unknown to the caller only in the sense that
-# nothing was acknowledged; every request of the batch answers 503 and the provider retries.
+# Failures of the connection or of the transaction as a whole (psycopg files deadlocks and
+# cancellations under OperationalError too): every request of the batch answers 503 and the
+# provider retries. Whether or not the batch committed, nothing was acknowledged, and a retry
+# of a committed event is a duplicate.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     psycopg.OperationalError,
     psycopg.InterfaceError,

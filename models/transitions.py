@@ -92,7 +92,7 @@ class Claim:
 # leaves no live attempt behind it, so any attempt still open then belongs to a dead worker.)
 _CLAIM_SQL = """
     WITH claimed AS (
-        UPDATE deliveries SET
+        UPDATE {deliveries} SET
             redeliveries = redeliveries + CASE WHEN status = 'processing' THEN 1 ELSE 0 END,
             status = CASE
                 WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries THEN 'dead'
@@ -152,8 +152,6 @@ _SELECT_CLAIM_AND_EVENT = """
     """
 
 
-# With the delivery's expires_at known (the worker reads it with the key generation) the claim
-# touches one partition; by id alone it probes every partition's index.
 def _tables(leaf: str | None) -> dict[str, str]:
     """Table names for a statement: the partitioned parents, or one day's leaf partitions
     (``<table>_<leaf>``, aliased to the parent's name so the statement reads the same).
@@ -176,6 +174,8 @@ def _leaf(leaf: str | None) -> str | None:
     return leaf
 
 
+# With the delivery's expires_at known (the worker reads it with the key generation) the claim
+# touches one partition; by id alone it probes every partition's index.
 @functools.cache
 def _claim_sql(
     *, in_partition: bool, generation: bool, with_event: bool, leaf: str | None = None

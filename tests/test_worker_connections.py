@@ -92,3 +92,21 @@ def test_in_partition_mode_the_leaves_exist_and_are_used(
     assert deliver_one(runtime, delivery_id, publish_retry=_no_publish) == "succeeded"
     assert before == deliver_module._MISSING_LEAVES  # no fallback was needed
     assert delivery(engine, delivery_id).status == "succeeded"
+
+
+def test_leaf_statements_name_only_that_days_partitions() -> None:
+    from models.transitions import _claim_sql, _finish_sql  # noqa: PLC0415
+
+    claim = _claim_sql(in_partition=True, generation=True, with_event=True, leaf="p20261204")
+    finish = _finish_sql("status = 'succeeded'", "p20261204")
+    assert "UPDATE deliveries_p20261204 AS deliveries SET" in claim
+    assert "UPDATE attempts_p20261204 AS attempts SET" in claim
+    assert "INSERT INTO attempts_p20261204 AS attempts" in claim
+    assert "JOIN receipts_p20261204 r" in claim
+    assert "UPDATE deliveries_p20261204 AS deliveries SET" in finish
+    assert "UPDATE attempts_p20261204 AS attempts SET" in finish
+    parents = _claim_sql(in_partition=True, generation=True, with_event=True)
+    assert "_p2026" not in parents
+    assert "UPDATE deliveries SET" in parents
+    with pytest.raises(ValueError, match="not a partition suffix"):
+        _claim_sql(in_partition=True, generation=True, with_event=True, leaf="x; DROP TABLE")
