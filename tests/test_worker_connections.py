@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+import sqlalchemy.exc
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -15,12 +16,18 @@ from tasks import deliver as deliver_module
 from tasks.deliver import deliver_one
 from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
-from tests.workers import attempts, delivery, worker_settings
+from tests.netproxy import CuttableProxy
+from tests.workers import attempts, delivery, flush_redis, worker_settings
 from webhooks.settings import Settings
 
 
 def _no_publish(delivery_id: int, countdown: float) -> None:
     raise AssertionError("nothing here retries")
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> None:
+    flush_redis()  # fast-claim keys of earlier runs name the same delivery ids
 
 
 @pytest.fixture
@@ -110,3 +117,34 @@ def test_leaf_statements_name_only_that_days_partitions() -> None:
     assert "UPDATE deliveries SET" in parents
     with pytest.raises(ValueError, match="not a partition suffix"):
         _claim_sql(in_partition=True, generation=True, with_event=True, leaf="x; DROP TABLE")
+
+
+def test_postgres_unreachable_fails_the_task_and_leaves_nothing_behind(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    base = worker_settings()
+    source = make_source(sessions, base)
+    delivery_id = accept_event(base, source)[1].delivery_ids[0]
+    proxy = CuttableProxy(5432)
+    settings = worker_settings(
+        database_url=f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{base.database_name()}",
+        db_connect_timeout=1.0,
+    )
+    made = build_runtime(settings, worker="cut-off")
+    try:
+        warm = accept_event(base, source)[1].delivery_ids[0]
+        assert deliver_one(made, warm, publish_retry=_no_publish) == "succeeded"  # pooled
+        proxy.cut()
+        # The pooled connection is found dead, and so is the fresh one: the task fails.
+        with pytest.raises((psycopg.OperationalError, sqlalchemy.exc.OperationalError)):
+            deliver_one(made, delivery_id, publish_retry=_no_publish)
+        # Nothing changed: still pending, no attempt, and no fast-claim key to block a retry.
+        assert delivery(engine, delivery_id).status == "pending"
+        assert attempts(engine, delivery_id) == []
+        assert made.redis.keys(f"claim:{delivery_id}:*") == []
+        proxy.restore()
+        assert deliver_one(made, delivery_id, publish_retry=_no_publish) == "succeeded"
+    finally:
+        made.close()
+        proxy.close()
+    assert delivery(engine, delivery_id).status == "succeeded"
