@@ -42,8 +42,12 @@ class Partition:
         return self.lower is None and self.upper is None
 
 
+def _day_suffix(day: date) -> str:
+    return f"p{day:%Y%m%d}"
+
+
 def partition_name(table: str, day: date) -> str:
-    return f"{table}_p{day:%Y%m%d}"
+    return f"{table}_{_day_suffix(day)}"
 
 
 def leaf_suffix(expires_at: datetime, mode: str) -> str:
@@ -53,7 +57,7 @@ def leaf_suffix(expires_at: datetime, mode: str) -> str:
     coexists with matching rows in the default one)."""
     if mode == "delete":
         return "default"
-    return f"p{expires_at.astimezone(UTC):%Y%m%d}"
+    return _day_suffix(expires_at.astimezone(UTC).date())
 
 
 def day_bounds(day: date) -> tuple[datetime, datetime]:
