@@ -118,6 +118,7 @@ _CLAIM_SQL = """
             error_class = 'WorkerLost', error_message = 'lease expired while processing'
         WHERE delivery_id = :id AND expires_at = {attempt_expiry}
           AND ended_at IS NULL
+          AND EXISTS (SELECT 1 FROM claimed)  -- only a claim that won: never a live attempt
     ), started AS (
         INSERT INTO {attempts} (expires_at, delivery_id, number, generation, worker, started_at)
         SELECT expires_at, id, attempts, generation, :worker, :now
@@ -174,21 +175,18 @@ def _leaf(leaf: str | None) -> str | None:
     return leaf
 
 
-# With the delivery's expires_at known (the worker reads it with the key generation) the claim
-# touches one partition; by id alone it probes every partition's index.
 @functools.cache
-def _claim_sql(
-    *, in_partition: bool, generation: bool, with_event: bool, leaf: str | None = None
-) -> str:
+def _claim_sql(*, worker: bool, leaf: str | None = None) -> str:
+    """The claim by id alone (:func:`claim`: every partition's index), or the worker's
+    (:func:`claim_with_event`: its partition, its generation, the event with it)."""
+    tables = _tables(_leaf(leaf))
     return _placeholders(
         _CLAIM_SQL.format(
-            expires_match="AND expires_at = :expires_at" if in_partition else "",
-            attempt_expiry=":expires_at" if in_partition else "(SELECT expires_at FROM claimed)",
-            generation_match="AND generation = :generation" if generation else "",
-            select=(_SELECT_CLAIM_AND_EVENT if with_event else _SELECT_CLAIM).format(
-                **_tables(_leaf(leaf))
-            ),
-            **_tables(_leaf(leaf)),
+            expires_match="AND expires_at = :expires_at" if worker else "",
+            attempt_expiry=":expires_at" if worker else "(SELECT expires_at FROM claimed)",
+            generation_match="AND generation = :generation" if worker else "",
+            select=(_SELECT_CLAIM_AND_EVENT if worker else _SELECT_CLAIM).format(**tables),
+            **tables,
         )
     )
 
@@ -228,20 +226,19 @@ def claim(
     lease: timedelta,
     max_redeliveries: int,
     worker: str,
-    expires_at: datetime | None = None,
 ) -> Claim | None:
     """pending | retrying (due) | processing (lease expired) -> processing, attempts + 1.
 
     Returns None when the delivery is done, dead, not yet due, or owned by a live lease.
     A claim that finds an expired lease counts a redelivery (the previous holder died) and
     records that attempt as crashed; at ``max_redeliveries`` it goes dead instead. One
-    statement, one round trip; pass the delivery's ``expires_at`` when known (one partition).
+    statement, by id alone, in the session's transaction (tools and tests; the worker runs
+    :func:`claim_with_event`, the same transition).
     """
     row = _fetchone(
         session,
-        _claim_sql(in_partition=expires_at is not None, generation=False, with_event=False),
+        _claim_sql(worker=False),
         {
-            "expires_at": expires_at,
             "id": delivery_id,
             "now": now,
             "lease": lease,
@@ -271,7 +268,7 @@ def claim_with_event(
     psycopg.errors.UndefinedTable if they do not exist (run it again without)."""
     row = _fetchone(
         conn,
-        _claim_sql(in_partition=True, generation=True, with_event=True, leaf=leaf),
+        _claim_sql(worker=True, leaf=leaf),
         {
             "expires_at": expires_at,
             "generation": generation,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -126,31 +127,78 @@ def test_rerun_only_from_succeeded_and_bumps_the_generation(
 
 
 def test_claim_in_its_partition(sessions: sessionmaker[Session], settings: Settings) -> None:
+    import psycopg  # noqa: PLC0415
+
     delivery_id = new_delivery(sessions, settings)
     with sessions() as s:
-        expires_at = s.execute(
-            text("SELECT expires_at FROM deliveries WHERE id = :d"), {"d": delivery_id}
-        ).scalar_one()
-    with sessions() as s, s.begin():
-        wrong = transitions.claim(
-            s,
+        expires_at, generation = s.execute(
+            text("SELECT expires_at, generation FROM deliveries WHERE id = :d"),
+            {"d": delivery_id},
+        ).one()
+
+    def worker_claim(conn: psycopg.Connection[Any], at: datetime) -> transitions.Claim | None:
+        claimed = transitions.claim_with_event(
+            conn,
             delivery_id,
+            generation=generation,
+            expires_at=at,
             now=T0,
             lease=LEASE,
             max_redeliveries=3,
             worker="w",
-            expires_at=expires_at + timedelta(days=1),
         )
+        return None if claimed is None else claimed[0]
+
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        wrong = worker_claim(conn, expires_at + timedelta(days=1))
         assert wrong is None
-        found = transitions.claim(
-            s,
-            delivery_id,
-            now=T0,
-            lease=LEASE,
-            max_redeliveries=3,
-            worker="w",
-            expires_at=expires_at,
-        )
+        found = worker_claim(conn, expires_at)
         assert found is not None
         assert found.expires_at == expires_at
     assert attempts(sessions, delivery_id) == [(1, None)]
+
+
+def test_the_workers_claim_requires_its_generation_and_returns_the_event(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    import psycopg  # noqa: PLC0415
+
+    from models.partitions import leaf_suffix  # noqa: PLC0415
+
+    ids = [new_delivery(sessions, settings) for _ in range(2)]
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        results = []
+        for delivery_id, leaf in zip(ids, ("leaf", None), strict=True):
+            row = conn.execute(
+                "SELECT generation, expires_at FROM deliveries WHERE id = %s", (delivery_id,)
+            ).fetchone()
+            assert row is not None
+            generation, expires_at = row
+
+            def run(gen: int, *, at: datetime = T0, **_: object) -> object:
+                return transitions.claim_with_event(
+                    conn,
+                    delivery_id,  # noqa: B023 (called within this iteration)
+                    generation=gen,
+                    expires_at=expires_at,  # noqa: B023
+                    now=at,
+                    lease=LEASE,
+                    max_redeliveries=3,
+                    worker="w",
+                    leaf=None if leaf is None else leaf_suffix(expires_at, "partition"),  # noqa: B023
+                )
+
+            assert run(generation + 1) is None  # a message of another generation claims nothing
+            claimed = run(generation)
+            assert claimed is not None
+            found, event = claimed  # type: ignore[misc]
+            assert (found.id, found.status, found.attempt) == (delivery_id, "processing", 1)
+            assert event.route_found
+            assert event.receipt_found
+            assert event.handler == "log"
+            assert event.payload is not None
+            assert event.event_type == "test.event"
+            assert run(generation, at=T0 + timedelta(seconds=1)) is None  # live lease
+            results.append((found.status, found.attempt, event.handler, event.event_type))
+    assert results[0] == results[1]  # on the leaf partitions as on the parents
+    assert attempts(sessions, ids[0]) == attempts(sessions, ids[1]) == [(1, None)]

@@ -104,7 +104,7 @@ def test_in_partition_mode_the_leaves_exist_and_are_used(
 def test_leaf_statements_name_only_that_days_partitions() -> None:
     from models.transitions import _claim_sql, _finish_sql  # noqa: PLC0415
 
-    claim = _claim_sql(in_partition=True, generation=True, with_event=True, leaf="p20261204")
+    claim = _claim_sql(worker=True, leaf="p20261204")
     finish = _finish_sql("status = 'succeeded'", "p20261204")
     assert "UPDATE deliveries_p20261204 AS deliveries SET" in claim
     assert "UPDATE attempts_p20261204 AS attempts SET" in claim
@@ -112,11 +112,11 @@ def test_leaf_statements_name_only_that_days_partitions() -> None:
     assert "JOIN receipts_p20261204 r" in claim
     assert "UPDATE deliveries_p20261204 AS deliveries SET" in finish
     assert "UPDATE attempts_p20261204 AS attempts SET" in finish
-    parents = _claim_sql(in_partition=True, generation=True, with_event=True)
+    parents = _claim_sql(worker=True)
     assert "_p2026" not in parents
     assert "UPDATE deliveries SET" in parents
     with pytest.raises(ValueError, match="not a partition suffix"):
-        _claim_sql(in_partition=True, generation=True, with_event=True, leaf="x; DROP TABLE")
+        _claim_sql(worker=True, leaf="x; DROP TABLE")
 
 
 def test_postgres_unreachable_fails_the_task_and_leaves_nothing_behind(
