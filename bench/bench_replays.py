@@ -78,6 +78,7 @@ def make_dead(s: Settings, sessions: sessionmaker[Session], n: int) -> str:
                     source_id=source_id, secret_id=secret.id, event_id=event_id,
                     event_type="bench.event", occurred_at=None,
                     expires_at=expires_at(None, now, timedelta(days=4)), received_at=now,
+                    ttl=timedelta(days=4),
                     digest=hashlib.sha256(body).digest(), content_type="application/json",
                     payload=body,
                 ),

@@ -139,6 +139,7 @@ def accept(s: Settings, conn: psycopg.Connection[object], source: tuple[int, str
         event_type="bench.event",
         occurred_at=None,
         expires_at=expires_at(None, now, timedelta(days=4)),
+        ttl=timedelta(days=4),
         received_at=now,
         digest=hashlib.sha256(body).digest(),
         content_type="application/json",

@@ -37,7 +37,7 @@ from ingest.providers import AuthError, Challenge, MalformedEvent, authenticate,
 from ingest.publisher import Publisher
 from ingest.store import NewReceipt, SourceRecord, Store
 from webhooks import metrics
-from webhooks.clock import Clock, SystemClock
+from webhooks.clock import Clock, SystemClock, pinned
 from webhooks.crypto import SecretBox
 from webhooks.logs import configure_logging, get_logger
 from webhooks.settings import Settings, load_settings
@@ -155,10 +155,12 @@ class Receiver:
             event_type=meta.event_type,
             occurred_at=meta.occurred_at,
             expires_at=expires_at(meta.occurred_at, now, source.ttl),
-            received_at=now,
+            # Stamped by the accept statement on the database's clock (a test pins it).
+            received_at=pinned(self.clock),
             digest=hashlib.sha256(body).digest(),
             content_type=headers.get("content-type"),
             payload=body,
+            ttl=source.ttl,
         )
         try:
             outcome = await self._accept(receipt)
@@ -240,7 +242,8 @@ class Receiver:
 
         if self._sync_engine is None:
             self._sync_engine = make_engine(self.settings, pool_size=1)
-        ensure_partitions(self._sync_engine, self.settings, self.clock.now())
+        # Which days are past is the database's call, made under the layout lock.
+        ensure_partitions(self._sync_engine, self.settings, pinned(self.clock))
 
     async def healthz(self, request: Request) -> Response:
         return _json(200, {"status": "ok"})

@@ -61,8 +61,8 @@ GROUP BY s.id
 ACCEPT_SQL = """
 SELECT authorised, receipt_id, existing_digest, delivery_ids
 FROM webhooks_accept(%(source_id)s, %(secret_id)s, %(event_id)s, %(event_type)s,
-                     %(occurred_at)s, %(expires_at)s, %(now)s, %(digest)s,
-                     %(content_type)s, %(payload)s, %(grace)s)
+                     %(occurred_at)s, %(expires_at)s, %(now)s::timestamptz, %(digest)s,
+                     %(content_type)s, %(payload)s, %(grace)s, %(ttl)s)
 """
 
 
@@ -72,7 +72,7 @@ FROM webhooks_accept(%(source_id)s, %(secret_id)s, %(event_id)s, %(event_type)s,
 ACCEPT_MANY_SQL = """
 SELECT ord, authorised, receipt_id, existing_digest, delivery_ids
 FROM webhooks_accept_many(%(items)s::json, %(digests)b::bytea[], %(payloads)b::bytea[],
-                          %(grace)s)
+                          %(grace)s, %(now)s::timestamptz)
 """
 
 # Failures of the connection or of the transaction as a whole (psycopg files deadlocks and
@@ -112,16 +112,24 @@ class Outcome:
 
 @dataclass(frozen=True)
 class NewReceipt:
+    """One authenticated arrival. ``expires_at`` is computed on the receiver's clock
+    (:func:`webhooks.ttl.expires_at`); the accept statement decides on the database's: it
+    stamps ``received_at`` with its own instant and, should ``expires_at`` not lie after
+    that instant (a receiver clock behind the database's), anchors it there instead
+    (``instant + ttl``), so no receipt is ever written into a day maintenance has passed.
+    ``received_at``: None in production; a test pins the instant."""
+
     source_id: int
     secret_id: str
     event_id: str
     event_type: str
     occurred_at: datetime | None
     expires_at: datetime
-    received_at: datetime
+    received_at: datetime | None
     digest: bytes
     content_type: str | None
     payload: bytes
+    ttl: timedelta
 
 
 def accept_params(receipt: NewReceipt, grace: timedelta) -> dict[str, Any]:
@@ -137,12 +145,19 @@ def accept_params(receipt: NewReceipt, grace: timedelta) -> dict[str, Any]:
         "content_type": receipt.content_type,
         "payload": receipt.payload,
         "grace": grace,
+        "ttl": receipt.ttl,
     }
 
 
 def accept_many_params(receipts: Sequence[NewReceipt], grace: timedelta) -> dict[str, Any]:
     """The batch statement's parameters: the small fields as one JSON array (element i has
-    ``ord`` i + 1), the digests and bodies as binary arrays in the same order (pure)."""
+    ``ord`` i + 1), the digests and bodies as binary arrays in the same order (pure).
+
+    The batch is decided at one instant, the database's (or the first element's pinned one:
+    a test pins the same instant for every element of a batch)."""
+    instants = {r.received_at for r in receipts}
+    if len(instants) > 1:
+        raise ValueError("a batch is decided at one instant: pin the same time for all")
     items = [
         {
             "ord": position,
@@ -152,7 +167,7 @@ def accept_many_params(receipts: Sequence[NewReceipt], grace: timedelta) -> dict
             "event_type": r.event_type,
             "occurred_at": r.occurred_at,
             "expires_at": r.expires_at,
-            "received_at": r.received_at,
+            "ttl_s": r.ttl.total_seconds(),
             "content_type": r.content_type,
         }
         for position, r in enumerate(receipts, start=1)
@@ -162,6 +177,7 @@ def accept_many_params(receipts: Sequence[NewReceipt], grace: timedelta) -> dict
         "digests": [r.digest for r in receipts],
         "payloads": [r.payload for r in receipts],
         "grace": grace,
+        "now": receipts[0].received_at if receipts else None,
     }
 
 

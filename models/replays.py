@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import queries, transitions
 from models.queries import Candidate, ReplayFilter
 from models.schema import Replay
-from webhooks.clock import Clock
+from webhooks.clock import Clock, pinned
 from webhooks.logs import get_logger
 from webhooks.settings import Settings
 
@@ -225,7 +225,7 @@ def _bump(session: Session, replay_id: int, column: str) -> None:
 
 
 def _replay_one(
-    session: Session, c: Candidate, replay_id: int, *, now: datetime, settings: Settings
+    session: Session, c: Candidate, replay_id: int, *, now: datetime | None, settings: Settings
 ) -> str | None:
     """One delivery in one transaction. Returns None when moved, else the skip reason."""
     present, dropped_at = queries.payload_present(session, c.receipt_id)
@@ -280,7 +280,8 @@ def execute(
             # Pace from when this one really ran, so an overslept wait never shortens the next.
             last_slot = now.timestamp()
             with sessions() as session, session.begin():
-                skip = _replay_one(session, c, replay_id, now=now, settings=settings)
+                # Its due time on the database's clock (unless a test pinned one).
+                skip = _replay_one(session, c, replay_id, now=pinned(clock), settings=settings)
             if skip is None:
                 result.replayed += 1
                 if not publish(c.delivery_id):

@@ -33,7 +33,9 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 PROVIDERS = ("stripe", "github", "shopify", "slack", "standard", "svix", "hmac")
-DELIVERY_STATES = ("pending", "processing", "succeeded", "retrying", "dead")
+DELIVERY_STATES = ("pending", "processing", "succeeded", "retrying", "dead", "discarded")
+# Work retention never removes: not finished yet (a dead letter is held by its own retention).
+UNFINISHED_STATES = ("pending", "retrying", "processing")
 PARTITIONED_TABLES = ("receipts", "deliveries", "attempts")
 
 NAMING = {
@@ -167,6 +169,8 @@ class Delivery(Base):
             postgresql_where=text("status IN ('pending', 'retrying', 'processing')"),
         ),
         Index(None, "status", "source_id", "route_id"),
+        # Dead letters of each partition, found without a scan (retention holds them).
+        Index("ix_deliveries_dead", "dead_at", postgresql_where=text("status = 'dead'")),
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 
@@ -178,7 +182,12 @@ class Delivery(Base):
     source_id: Mapped[int] = mapped_column(BigInteger)
     route_id: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(Text, server_default="pending")
+    # The attempt number of the latest claim: the fencing token, so it only grows (a replay
+    # or re-run continues it); attempt rows carry it as their number.
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    # ``attempts`` when the delivery was last replayed or re-run: the retry policy counts the
+    # attempts since then.
+    attempt_base: Mapped[int] = mapped_column(Integer, server_default="0")
     # Times the lease ran out while processing (the worker died): dead after max_redeliveries.
     redeliveries: Mapped[int] = mapped_column(Integer, server_default="0")
     generation: Mapped[int] = mapped_column(Integer, server_default="0")
@@ -189,6 +198,8 @@ class Delivery(Base):
     last_error_class: Mapped[str | None] = mapped_column(Text)
     last_error: Mapped[str | None] = mapped_column(Text)
     dead_reason: Mapped[str | None] = mapped_column(Text)
+    # When it went dead: dead letters are kept for WEBHOOKS_DEAD_LETTER_RETENTION from then.
+    dead_at: Mapped[datetime | None] = mapped_column()
     created_at: Mapped[datetime] = mapped_column()
     updated_at: Mapped[datetime] = mapped_column()
     first_attempt_at: Mapped[datetime | None] = mapped_column()
@@ -251,6 +262,21 @@ class Replay(Base):
     skipped: Mapped[int] = mapped_column(Integer, server_default="0")
     started_at: Mapped[datetime] = mapped_column()
     ended_at: Mapped[datetime | None] = mapped_column()
+    via: Mapped[str] = mapped_column(Text, server_default="cli")
+
+
+class AuditEntry(Base):
+    """Who changed what outside the pipeline's own flow, and why (discards, routes, sources)."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(index=True)
+    operator: Mapped[str] = mapped_column(Text)
+    action: Mapped[str] = mapped_column(Text)
+    target: Mapped[dict[str, Any]] = mapped_column()
+    reason: Mapped[str] = mapped_column(Text)
+    count: Mapped[int] = mapped_column(Integer, server_default="0")
     via: Mapped[str] = mapped_column(Text, server_default="cli")
 
 

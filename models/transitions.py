@@ -10,7 +10,13 @@
 A statement that matches no row means the transition was illegal from the row's current state;
 callers that require it raise :class:`IllegalTransition` (finishing), callers for which "no
 row" is a normal answer (claiming, replaying) get ``None``. The attempt number doubles as a
-fencing token: a worker whose lease expired and was re-claimed can no longer finish.
+fencing token: a worker whose lease expired and was re-claimed can no longer finish. It only
+grows: a replay or re-run continues it (``attempt_base`` remembers where, for the retry
+policy), so a worker frozen before a replay can never match a later attempt's guard.
+
+Time: every comparison here (lease expired, retry due) is made on the database's clock,
+``now()`` inside the statement, never a host's. ``now`` parameters are None in production;
+a test pins an instant by passing one (:func:`webhooks.clock.pinned`).
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+# The instant a statement decides at: the database's clock unless a test pinned one.
+NOW = "coalesce(CAST(:now AS timestamptz), now())"
+
 
 def _placeholders(sql: str) -> str:
     """``:name`` (this module's notation) -> psycopg's ``%(name)s``; ``::`` casts untouched."""
-    return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", sql)
+    return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", sql.replace(":now", NOW))
 
 
 # Where a hot-path statement runs: a session (its own connection and transaction), or a
@@ -81,6 +90,14 @@ class Claim:
     first_attempt_at: datetime
     lease_until: datetime
     status: str  # "processing", or "dead" when this claim found one crash too many
+    attempt_base: int  # ``attempt`` when last replayed or re-run (the policy counts from it)
+    at: datetime  # the instant the claim was decided at (the database's clock)
+
+    @property
+    def attempts_in_run(self) -> int:
+        """This attempt's number since the last replay or re-run (1-based): what the retry
+        policy's ``max_attempts`` and backoff count."""
+        return self.attempt - self.attempt_base
 
     @property
     def crashed_too_often(self) -> bool:
@@ -100,6 +117,9 @@ _CLAIM_SQL = """
             dead_reason = CASE
                 WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
                 THEN 'crashed' ELSE dead_reason END,
+            dead_at = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN :now ELSE dead_at END,
             attempts = attempts + CASE
                 WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
                 THEN 0 ELSE 1 END,
@@ -112,7 +132,8 @@ _CLAIM_SQL = """
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
         RETURNING id, expires_at, receipt_id, source_id, route_id, attempts, redeliveries,
-                  generation, created_at, first_attempt_at, lease_until, status
+                  generation, created_at, first_attempt_at, lease_until, status, attempt_base,
+                  :now AS at
     ), crashed AS (
         UPDATE {attempts} SET outcome = 'crashed', ended_at = :now,
             error_class = 'WorkerLost', error_message = 'lease expired while processing'
@@ -139,7 +160,7 @@ _SELECT_CLAIM = "SELECT * FROM claimed"
 _SELECT_CLAIM_AND_EVENT = """
     SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
            c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
-           c.status,
+           c.status, c.attempt_base, c.at,
            rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
            rt.max_age_s, rt.active, s.public_id, s.name, s.provider, s.retry_window_s,
            s.queue_lag_s, s.clock_skew_s, s.replay_grace_s,
@@ -222,7 +243,7 @@ def claim(
     session: Session,
     delivery_id: int,
     *,
-    now: datetime,
+    now: datetime | None,
     lease: timedelta,
     max_redeliveries: int,
     worker: str,
@@ -255,7 +276,7 @@ def claim_with_event(
     *,
     generation: int,
     expires_at: datetime,
-    now: datetime,
+    now: datetime | None,
     lease: timedelta,
     max_redeliveries: int,
     worker: str,
@@ -281,7 +302,7 @@ def claim_with_event(
     )
     if row is None:
         return None
-    return Claim(*row[:12]), ClaimedEvent(*row[12:33])
+    return Claim(*row[:14]), ClaimedEvent(*row[14:35])
 
 
 @functools.cache
@@ -398,7 +419,7 @@ def kill(
         session,
         found,
         "dead",
-        "status = 'dead', dead_reason = :reason, next_attempt_at = :now, "
+        "status = 'dead', dead_reason = :reason, dead_at = :now, next_attempt_at = :now, "
         "last_error_class = coalesce(:error_class, last_error_class), "
         "last_error = coalesce(:error, last_error)",
         now=now,
@@ -409,14 +430,22 @@ def kill(
     )
 
 
-def replay(session: Session, delivery_id: int, *, now: datetime, publish_grace: timedelta) -> bool:
-    """dead -> pending, keeping the key generation; attempts and the max-age clock start
-    again. False when it was not dead (someone else replayed it first, or another state)."""
+def _sql(statement: str) -> Any:
+    """A statement of this module for a SQLAlchemy session (``:now`` as :data:`NOW`)."""
+    return text(statement.replace(":now", NOW))
+
+
+def replay(
+    session: Session, delivery_id: int, *, now: datetime | None, publish_grace: timedelta
+) -> bool:
+    """dead -> pending, keeping the key generation; the policy's attempt count and the
+    max-age clock start again, the attempt number (the fencing token) goes on. False when it
+    was not dead (someone else replayed it first, or another state)."""
     row = session.execute(
-        text(
+        _sql(
             """
-            UPDATE deliveries SET status = 'pending', attempts = 0, redeliveries = 0,
-                dead_reason = NULL, first_attempt_at = NULL,
+            UPDATE deliveries SET status = 'pending', attempt_base = attempts, redeliveries = 0,
+                dead_reason = NULL, dead_at = NULL, first_attempt_at = NULL,
                 next_attempt_at = :now + :grace, updated_at = :now
             WHERE id = :id AND status = 'dead'
             RETURNING id
@@ -427,12 +456,15 @@ def replay(session: Session, delivery_id: int, *, now: datetime, publish_grace: 
     return row is not None
 
 
-def rerun(session: Session, delivery_id: int, *, now: datetime, publish_grace: timedelta) -> bool:
-    """succeeded -> pending with generation + 1, so downstreams see a new idempotency key."""
+def rerun(
+    session: Session, delivery_id: int, *, now: datetime | None, publish_grace: timedelta
+) -> bool:
+    """succeeded -> pending with generation + 1, so downstreams see a new idempotency key;
+    the attempt number goes on, as for a replay."""
     row = session.execute(
-        text(
+        _sql(
             """
-            UPDATE deliveries SET status = 'pending', attempts = 0, redeliveries = 0,
+            UPDATE deliveries SET status = 'pending', attempt_base = attempts, redeliveries = 0,
                 generation = generation + 1, succeeded_at = NULL, first_attempt_at = NULL,
                 next_attempt_at = :now + :grace, updated_at = :now
             WHERE id = :id AND status = 'succeeded'
@@ -444,7 +476,25 @@ def rerun(session: Session, delivery_id: int, *, now: datetime, publish_grace: t
     return row is not None
 
 
-def due_for_publish(session: Session, *, now: datetime, grace: timedelta, limit: int) -> list[int]:
+def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) -> list[int]:
+    """dead -> discarded (an operator's audited decision): no longer a dead letter, so
+    retention no longer holds it. Returns the ids that were dead (others are left alone)."""
+    rows = session.execute(
+        _sql(
+            """
+            UPDATE deliveries SET status = 'discarded', updated_at = :now
+            WHERE id = ANY(:ids) AND status = 'dead'
+            RETURNING id
+            """
+        ),
+        {"ids": list(delivery_ids), "now": now},
+    ).all()
+    return sorted(int(r[0]) for r in rows)
+
+
+def due_for_publish(
+    session: Session, *, now: datetime | None, grace: timedelta, limit: int
+) -> list[int]:
     """The sweeper's pick, claimed with SKIP LOCKED so two sweepers never take the same rows:
 
     - pending deliveries whose publish grace passed (never published, or the message was lost);
@@ -457,7 +507,7 @@ def due_for_publish(session: Session, *, now: datetime, grace: timedelta, limit:
     most once per grace period. The caller publishes after committing.
     """
     rows = session.execute(
-        text(
+        _sql(
             """
             WITH due AS (
                 SELECT id, expires_at FROM deliveries

@@ -96,6 +96,12 @@ class ClaimStore:
         CLAIMS.labels(result="first" if won else "duplicate").inc()
         return FastClaim(key, token, first=bool(won), degraded=False)
 
+    def note_stale(self, claim: FastClaim, delivery_id: int) -> None:
+        """The key is held but Postgres shows its row overdue: count it; the durable claim
+        decides, and on success :meth:`confirm` overwrites the key with ours."""
+        CLAIMS.labels(result="stale_key").inc()
+        log.warning("claim.stale_key", delivery_id=delivery_id, key=claim.key)
+
     def confirm(self, claim: FastClaim, dedup_ttl: timedelta) -> bool:
         """Promote the key to the dedup TTL. No NX: it must land even though the key exists."""
         if claim.degraded:

@@ -73,6 +73,7 @@ Logs carry ids, outcomes and error classes, never payloads or secrets.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -96,6 +97,7 @@ from tasks.context import Event, EventMeta, HandlerContext, RouteInfo, idempoten
 from tasks.errors import HandlerError, PermanentError, RetryableError
 from tasks.policy import DEAD_CRASHED, RetryPolicy, decide
 from tasks.runtime import Runtime
+from webhooks.clock import pinned
 from webhooks.crypto import SecretDecryptError
 from webhooks.logs import get_logger
 from webhooks.metrics import DEAD_LETTERS, DELIVERIES, RECEIPT_TO_SUCCESS, RETRIES
@@ -106,9 +108,18 @@ log = get_logger(__name__)
 # Publishes the delivery again after ``countdown`` seconds.
 PublishRetry = Callable[[int, float], None]
 
-# The key generation (it names the fast claim) and the partition key (the claim then
-# touches one partition).
-_GENERATION = "SELECT generation, expires_at FROM deliveries WHERE id = %(id)s"
+# The key generation (it names the fast claim), the partition key (the claim then touches
+# one partition), and whether Postgres shows the row claimable now and past its publish grace
+# or lease (a fast-claim key held for such a row is stale: see _deliver). On the database's
+# clock, like the claim.
+_PROBE = """
+    SELECT d.generation, d.expires_at,
+           d.status IN ('pending', 'retrying', 'processing')
+           AND CASE d.status WHEN 'processing' THEN d.lease_until
+                             ELSE d.next_attempt_at END <= t.now
+    FROM deliveries d, (SELECT coalesce(%(now)s::timestamptz, now()) AS now) t
+    WHERE d.id = %(id)s
+"""
 
 
 class _StaleConnection(Exception):
@@ -236,7 +247,7 @@ def _deliver(
 ) -> str:
     try:
         with _autocommit(raw):
-            first = raw.execute(_GENERATION, {"id": delivery_id}).fetchone()
+            first = raw.execute(_PROBE, {"id": delivery_id, "now": pinned(rt.clock)}).fetchone()
     except (psycopg.OperationalError, psycopg.ProgrammingError):
         if fresh or not raw.closed:
             raise
@@ -244,11 +255,17 @@ def _deliver(
         raise _StaleConnection from None
     if first is None:
         return _quiet(delivery_id, "missing")
-    generation, expires_at = first[0], first[1]
+    generation, expires_at, overdue = first
     fast = rt.claims.acquire(delivery_id, generation)
     if not fast.first:
-        return _quiet(delivery_id, "duplicate")
+        if not overdue:
+            return _quiet(delivery_id, "duplicate")
+        # The key is held, yet Postgres shows the row claimable and past its publish grace
+        # (or lease): a key left by a success whose commit was lost (failover, restore) or by
+        # a worker that died. Never let it hide the row: the durable claim decides.
+        rt.claims.note_stale(fast, delivery_id)
     leaf = _leaf_for(rt, expires_at)
+    started = time.monotonic()
     try:
         with _autocommit(raw):
             claimed = _on_leaf(
@@ -258,7 +275,7 @@ def _deliver(
                     delivery_id,
                     generation=generation,
                     expires_at=expires_at,
-                    now=rt.clock.now(),
+                    now=pinned(rt.clock),
                     lease=timedelta(seconds=rt.settings.processing_ttl),
                     max_redeliveries=rt.settings.max_redeliveries,
                     worker=rt.worker,
@@ -283,7 +300,14 @@ def _deliver(
             redeliveries=found.redeliveries,
         )
         return "dead"
-    return _run(rt, session, raw, found, row, fast, publish_retry, leaf)
+    return _run(rt, session, raw, found, row, fast, publish_retry, leaf, started)
+
+
+def _now(rt: Runtime, found: Claim, started: float) -> datetime:
+    """Now on the database's clock: the claim's instant (read by the claim statement) plus
+    the time elapsed since on this host's monotonic clock, which no wall-clock skew or step
+    can move; or the pinned instant of a test."""
+    return pinned(rt.clock) or found.at + timedelta(seconds=time.monotonic() - started)
 
 
 # Leaf partitions found missing in this process (an unusual layout): use the parents.
@@ -324,6 +348,7 @@ def _run(
     fast: FastClaim,
     publish_retry: PublishRetry,
     leaf: str | None,
+    started: float,
 ) -> str:
     loaded: Loaded | None = None
     try:
@@ -344,7 +369,7 @@ def _run(
         )
         handler(loaded.event, ctx)
         session.flush()
-        done_at = rt.clock.now()
+        done_at = _now(rt, found, started)
         if session.in_transaction():
             # The handler used ctx.session: its writes and the success commit together.
             transitions.succeed(session, found, now=done_at)
@@ -360,7 +385,14 @@ def _run(
         session.rollback()
         policy = loaded.policy if loaded else RetryPolicy.for_route(rt.settings)
         return _fail(
-            rt, session, found, fast=fast, exc=exc, policy=policy, publish_retry=publish_retry
+            rt,
+            session,
+            found,
+            fast=fast,
+            exc=exc,
+            policy=policy,
+            publish_retry=publish_retry,
+            now=_now(rt, found, started),
         )
     assert loaded is not None
     if loaded.dedup_ttl is not None:
@@ -395,11 +427,11 @@ def _fail(
     exc: Exception,
     policy: RetryPolicy,
     publish_retry: PublishRetry,
+    now: datetime,
 ) -> str:
-    now: datetime = rt.clock.now()
     decision = decide(
         policy,
-        attempt=found.attempt,
+        attempt=found.attempts_in_run,
         started_at=found.first_attempt_at or found.created_at,
         now=now,
         permanent=isinstance(exc, PermanentError),

@@ -14,7 +14,6 @@ worker's engine, so they run on any worker that consumes the maintenance queue.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
 
 from celery import shared_task
 from sqlalchemy import text
@@ -25,28 +24,30 @@ from tasks import get_runtime
 from tasks.config import MAINTENANCE_TASK, SWEEP_TASK
 from tasks.deliver import deliver
 from tasks.runtime import Runtime
+from webhooks.clock import pinned
 from webhooks.logs import get_logger
 from webhooks.metrics import OLDEST_PENDING, SWEPT
 
 log = get_logger(__name__)
 
+# Age of the oldest unfinished delivery, on the database's clock.
 _OLDEST_UNFINISHED = text(
     """
-    SELECT min(created_at) FROM deliveries
-    WHERE status IN ('pending', 'retrying', 'processing')
+    SELECT extract(epoch FROM coalesce(CAST(:now AS timestamptz), now()) - min(created_at))
+    FROM deliveries WHERE status IN ('pending', 'retrying', 'processing')
     """
 )
 
 
 def sweep_once(rt: Runtime, publish: Callable[[int], None]) -> list[int]:
     """One sweep: returns the delivery ids published."""
-    now = rt.clock.now()
+    now = pinned(rt.clock)
     with session_scope(rt.sessions) as session:
         ids = transitions.due_for_publish(
             session, now=now, grace=rt.settings.publish_grace, limit=rt.settings.sweep_batch
         )
-        oldest: datetime | None = session.execute(_OLDEST_UNFINISHED).scalar_one_or_none()
-    OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, (now - oldest).total_seconds()))
+        oldest = session.execute(_OLDEST_UNFINISHED, {"now": now}).scalar_one_or_none()
+    OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, float(oldest)))
     published = []
     for delivery_id in ids:
         try:
@@ -76,7 +77,7 @@ def maintenance() -> str:
     """Retention (:func:`models.retention.run_maintenance`): partitions laid out ahead,
     expired ones dropped (or a batched delete), payloads past their retention cleared."""
     rt = get_runtime()
-    report = retention.run_maintenance(rt.engine, rt.settings, rt.clock.now())
+    report = retention.run_maintenance(rt.engine, rt.settings, pinned(rt.clock))
     log.info(
         "maintenance.done",
         mode=report.mode,

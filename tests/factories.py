@@ -111,6 +111,7 @@ def accept_event(
         event_type=event_type,
         occurred_at=occurred_at,
         expires_at=expires_at(occurred_at, now, ttl),
+        ttl=ttl,
         received_at=now,
         digest=hashlib.sha256(raw).digest(),
         content_type="application/json",

@@ -57,6 +57,7 @@ def receipt_for(
         event_type=arrival.event_type,
         occurred_at=None,
         expires_at=expires_at(None, now, timedelta(days=4)),
+        ttl=timedelta(days=4),
         received_at=now,
         digest=hashlib.sha256(arrival.body).digest(),
         content_type="application/json",
@@ -143,6 +144,115 @@ def test_a_batch_decides_each_arrival_as_the_one_at_a_time_function_does(
     assert results["batch"][0] == expected_shape
     # The live receipt, evt_a, evt_d and the new one: 2 + 2 + 1 + 1 deliveries; two conflicts.
     assert results["batch"][1] == {"receipts": 4, "deliveries": 6, "conflicts": 2}
+
+
+@pytest.mark.parametrize(
+    "offset", [-timedelta(microseconds=1), timedelta(0), timedelta(microseconds=1)]
+)
+def test_batch_and_one_at_a_time_agree_at_the_expiry_boundary(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine, offset: timedelta
+) -> None:
+    """An earlier receipt of the event expires at X; the arrivals come at X - 1 us, X and
+    X + 1 us. Before X they are duplicates (and a conflict) of it; from X on the first
+    inserts anew and the rest are duplicates (and a conflict) of that one, in both paths."""
+    expiry = datetime.now(UTC).replace(microsecond=500_000) + timedelta(hours=1)
+    instant = expiry + offset
+    event, other = f"evt_{uuid.uuid4().hex}", f"evt_{uuid.uuid4().hex}"
+    arrivals = [
+        Arrival(event, b'{"v":1}'),
+        Arrival(event, b'{"v":1}'),
+        Arrival(event, b'{"v":2}'),
+        Arrival(other, b'{"o":1}'),
+    ]
+    results = {}
+    for path in ("one_at_a_time", "batch"):
+        source, revoked = source_with_revoked_secret(sessions, settings)
+        earlier = instant - timedelta(days=1)
+        first = NewReceipt(
+            source_id=source.id,
+            secret_id=source.secret_id,
+            event_id=event,
+            event_type="invoice.paid",
+            occurred_at=None,
+            expires_at=expiry,
+            received_at=earlier,
+            digest=hashlib.sha256(b'{"v":1}').digest(),
+            content_type="application/json",
+            payload=b'{"v":1}',
+            ttl=expiry - earlier,
+        )
+        receipts = [receipt_for(source, revoked, a, instant) for a in arrivals]
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+            assert accept_sync(conn, first, settings.publish_grace).status == "accepted"
+            if path == "batch":
+                cur = conn.execute(
+                    ACCEPT_MANY_SQL, accept_many_params(receipts, settings.publish_grace)
+                )
+                outcomes = decide_many(receipts, cur.fetchall())
+            else:
+                outcomes = [accept_sync(conn, r, settings.publish_grace) for r in receipts]
+        results[path] = (shape(outcomes), rows_of(engine, source.id))
+    assert results["batch"] == results["one_at_a_time"]
+    live = offset < timedelta(0)
+    expected = [
+        ("duplicate", 0) if live else ("accepted", 2),
+        ("duplicate", 0),
+        ("conflict", 0),
+        ("accepted", 2),
+    ]
+    assert results["batch"][0] == expected
+    assert results["batch"][1] == {
+        "receipts": 2 if live else 3,
+        "deliveries": 4 if live else 6,
+        "conflicts": 1,
+    }
+
+
+def test_a_batch_is_decided_at_one_instant() -> None:
+    now = datetime.now(UTC)
+    receipts = [
+        NewReceipt(1, "s", f"e{n}", "t", None, now, at, b"d", None, b"p", timedelta(1))
+        for n, at in enumerate((now, now + timedelta(microseconds=1)))
+    ]
+    with pytest.raises(ValueError, match="one instant"):
+        accept_many_params(receipts, timedelta(seconds=30))
+
+
+def test_a_receipt_is_never_written_into_a_day_already_past(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """A receiver whose clock lags the database's computes an expiry that has already passed
+    by the database's clock (its event time + TTL): the accept anchors it on its own instant
+    instead, so the receipt lands in a live day and is deduplicated for a whole TTL."""
+    source, revoked = source_with_revoked_secret(sessions, settings)
+    ttl = timedelta(days=2)
+    lagging_now = datetime.now(UTC) - timedelta(days=3)  # the receiver's idea of now
+    occurred = lagging_now - timedelta(hours=1)
+    stale = NewReceipt(
+        source_id=source.id,
+        secret_id=source.secret_id,
+        event_id=f"evt_{uuid.uuid4().hex}",
+        event_type="invoice.paid",
+        occurred_at=occurred,
+        expires_at=occurred + ttl,  # yesterday, by the database's clock
+        received_at=None,  # production: the database stamps it
+        digest=b"d",
+        content_type="application/json",
+        payload=b"{}",
+        ttl=ttl,
+    )
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        outcome = accept_sync(conn, stale, settings.publish_grace)
+        assert outcome.status == "accepted"
+        expires, received, db_now = conn.execute(
+            "SELECT expires_at, received_at, now() FROM receipts WHERE id = %s",
+            (outcome.receipt_id,),
+        ).fetchone()  # type: ignore[misc]
+        assert received <= db_now
+        assert expires == received + ttl  # anchored on the database's instant
+        assert expires > db_now + ttl - timedelta(minutes=1)
+        again = accept_sync(conn, stale, settings.publish_grace)
+    assert again.status == "duplicate"
 
 
 def test_a_batch_of_one_event_many_times_writes_one_receipt(
@@ -233,7 +343,9 @@ def test_one_bad_arrival_fails_alone_and_its_neighbours_commit(
 def test_batch_parameters_line_up_with_positions(size: int) -> None:
     now = datetime.now(UTC)
     receipts = [
-        NewReceipt(1, "s", f"e{n}", "t", None, now, now, bytes([n]), None, bytes([n]) * 3)
+        NewReceipt(
+            1, "s", f"e{n}", "t", None, now, now, bytes([n]), None, bytes([n]) * 3, timedelta(1)
+        )
         for n in range(size)
     ]
     params = accept_many_params(receipts, timedelta(seconds=30))

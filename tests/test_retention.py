@@ -592,6 +592,7 @@ def race_accepts(
             event_type="issues.opened",
             occurred_at=None,
             expires_at=expires_at(None, now, ttl),
+            ttl=ttl,
             received_at=now,
             digest=hashlib.sha256(raw).digest(),
             content_type="application/json",

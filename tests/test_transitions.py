@@ -87,7 +87,7 @@ def test_crash_loop_goes_dead(sessions: sessionmaker[Session], settings: Setting
     assert tuple(row) == ("dead", "crashed")
 
 
-def test_replay_only_from_dead_and_restarts_the_age_clock(
+def test_replay_only_from_dead_restarts_the_age_clock_and_continues_the_fence(
     sessions: sessionmaker[Session], settings: Settings
 ) -> None:
     delivery_id = new_delivery(sessions, settings)
@@ -104,9 +104,41 @@ def test_replay_only_from_dead_and_restarts_the_age_clock(
         assert not transitions.replay(s, delivery_id, now=later, publish_grace=timedelta(0))  # once
     again = claim(sessions, delivery_id, later)
     assert again is not None
-    assert again.attempt == 1
+    assert again.attempt == found.attempt + 1  # the fencing token only grows
+    assert again.attempts_in_run == 1  # the policy counts from the replay
     assert again.generation == found.generation  # same downstream key
     assert again.first_attempt_at == later  # max age counts from the replay
+    assert again.at == later  # decided at the pinned instant
+    with sessions() as s:
+        dead_at = s.execute(
+            text("SELECT dead_at FROM deliveries WHERE id = :d"), {"d": delivery_id}
+        ).scalar_one()
+    assert dead_at is None  # a replayed delivery is no longer a dead letter
+    assert attempts(sessions, delivery_id) == [(1, "dead"), (2, None)]
+
+
+def test_a_worker_frozen_before_a_replay_cannot_commit_after_it(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    delivery_id = new_delivery(sessions, settings)
+    frozen = claim(sessions, delivery_id, T0)  # attempt 1, then the worker freezes
+    assert frozen is not None
+    later = T0 + LEASE + timedelta(seconds=1)
+    taken = claim(sessions, delivery_id, later)  # lease expired: attempt 2
+    assert taken is not None
+    with sessions() as s, s.begin():
+        transitions.kill(s, taken, now=later, reason="permanent", error_class="E", error="x")
+    with sessions() as s, s.begin():
+        assert transitions.replay(s, delivery_id, now=later, publish_grace=timedelta(0))
+    running = claim(sessions, delivery_id, later)  # after the replay: attempt 3, not 1
+    assert running is not None
+    assert (running.attempt, running.attempts_in_run) == (3, 1)
+    with sessions() as s, s.begin(), pytest.raises(transitions.IllegalTransition):
+        transitions.succeed(s, frozen, now=later)  # the frozen worker wakes up
+    assert attempts(sessions, delivery_id) == [(1, "crashed"), (2, "dead"), (3, None)]
+    with sessions() as s, s.begin():
+        transitions.succeed(s, running, now=later)  # the live attempt still finishes
+    assert attempts(sessions, delivery_id) == [(1, "crashed"), (2, "dead"), (3, "succeeded")]
 
 
 def test_rerun_only_from_succeeded_and_bumps_the_generation(
@@ -124,6 +156,7 @@ def test_rerun_only_from_succeeded_and_bumps_the_generation(
     again = claim(sessions, delivery_id, T0)
     assert again is not None
     assert again.generation == found.generation + 1
+    assert (again.attempt, again.attempts_in_run) == (2, 1)
 
 
 def test_claim_in_its_partition(sessions: sessionmaker[Session], settings: Settings) -> None:

@@ -1,4 +1,14 @@
-"""Injected time. Logic never calls ``datetime.now()``; it is handed a Clock."""
+"""Injected time. Logic never calls ``datetime.now()``; it is handed a Clock.
+
+Two kinds of time. A host's clock (:class:`SystemClock`) serves what is local to that host:
+signature freshness against a sender's timestamp, the anchor of an event's expiry, log
+fields. Every comparison that decides ownership (leases, due times, expiry, which partitions
+are past) is made on one clock, the database's: the guarded statements read ``now()`` /
+``clock_timestamp()`` themselves, because hosts disagree and the database is one. Those
+statements take ``now: datetime | None``; :func:`pinned` gives None (the database decides)
+unless a test pinned time with a :class:`FrozenClock`, which then stands for the database's
+clock too.
+"""
 
 from __future__ import annotations
 
@@ -31,3 +41,9 @@ class FrozenClock:
 
     def advance(self, delta: timedelta) -> None:
         self._now += delta
+
+
+def pinned(clock: Clock) -> datetime | None:
+    """The instant an ownership decision is taken at: None (the database's own clock, read
+    inside the statement) unless the clock is a :class:`FrozenClock` a test pinned."""
+    return clock.now() if isinstance(clock, FrozenClock) else None

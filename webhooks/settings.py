@@ -91,6 +91,8 @@ class Settings(BaseSettings):
     partition_ahead_days: int = Field(default=7, ge=1, le=366)
     delete_batch_size: int = Field(default=10_000, ge=1, le=10_000)
     payload_retention: timedelta = timedelta(days=7)
+    # Dead letters are kept this long after they went dead, whatever their receipt's TTL.
+    dead_letter_retention: timedelta = timedelta(days=30)
 
     # Observability.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
