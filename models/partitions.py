@@ -133,5 +133,5 @@ def bootstrap(engine: Engine, settings: Settings, now: datetime | None = None) -
     """Lay out partitions after a migration."""
     from models import retention  # noqa: PLC0415  (retention imports this module)
 
-    # An entry point (``webhooks db upgrade``): the wall clock is the right default here.
-    retention.ensure_partitions(engine, settings, now or datetime.now(UTC))
+    # None: the database's clock decides which days are already past.
+    retention.ensure_partitions(engine, settings, now)

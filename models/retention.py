@@ -1,7 +1,7 @@
 """Expiry maintenance, run by beat (each run idempotent, safe to overlap or miss).
 
 - ``partition`` mode: create daily partitions ahead (:func:`ensure_partitions`) and drop the
-  ones wholly past (:func:`drop_expired_partitions`): a catalog operation, no row scan.
+  ones wholly past (:func:`expire_partitions`): a catalog operation, no row scan.
 - ``delete`` mode: :func:`delete_expired` deletes expired rows in batches of at most
   ``delete_batch_size`` (<= 10,000) rows per statement, each batch its own short transaction.
 - both: :func:`drop_payloads` drops bodies past their retention; conflicts (not partitioned)
@@ -9,6 +9,21 @@
 
 A receipt is expired from ``now >= expires_at`` (the receiver deduplicates while
 ``now < expires_at``), so every "expired" test below is ``expires_at <= now``.
+
+Holds: expiry ends deduplication, never work. A delivery that is pending, retrying or
+processing, or dead within ``dead_letter_retention`` of its ``dead_at``, *holds* its receipt:
+before rows are removed, each held receipt, all its deliveries and all their attempts are
+moved forward (``expires_at`` set to ``now + HOLD_STEP``, or to the end of the dead letters'
+retention when that comes sooner and nothing is unfinished). A held receipt therefore keeps
+deduplicating its event; it is looked at again at the next expiry of its new day. The scan
+for holds reads the partial indexes ``ix_deliveries_due`` (unfinished) and
+``ix_deliveries_dead``, so a day whose work all succeeded is still dropped without a scan.
+
+Time: every expiry decision is taken on the database's clock. ``now`` is None in production
+(read with ``clock_timestamp()`` inside the deciding transaction, after the layout lock, so a
+creator and a dropper serialised by that lock agree on which days are past); a test passes
+an instant (:func:`webhooks.clock.pinned`).
+
 Only counts are logged, never ids or bodies.
 """
 
@@ -21,17 +36,65 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 
 from models import partitions
-from models.schema import PROVIDERS
+from models.schema import PROVIDERS, UNFINISHED_STATES
 from webhooks.logs import get_logger
 from webhooks.settings import Settings
 from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlConfigError, TtlOverrides, dedup_terms
 
 log = get_logger("retention")
 
-# Deleted children first: a delivery never outlives the receipt it points at.
-EXPIRING_TABLES = ("attempts", "deliveries", "receipts", "conflicts")
-# Partitions are dropped in the order the receiver and the workers lock the parents.
+# How far a held receipt moves at a time: held rows are looked at again once a day, and a
+# held event stays deduplicated for at most this long after its work finished.
+HOLD_STEP = timedelta(days=1)
+
+# Deliveries first, then the attempts and receipts none of them needs any more: each later
+# step refuses rows whose delivery is still there (held, or re-held by a racing replay).
+EXPIRING_TABLES = ("deliveries", "attempts", "receipts", "conflicts")
+# Partitions are locked and dropped in the order the receiver and the workers lock the parents.
 _DROP_ORDER = {"receipts": 0, "deliveries": 1, "attempts": 2}
+_MOVE_ORDER = tuple(_DROP_ORDER)
+
+_UNFINISHED = ", ".join(f"'{s}'" for s in UNFINISHED_STATES)
+# A delivery that holds its receipt at :now. A dead letter without dead_at (none should exist:
+# the migration backfilled it and every transition to dead sets it) is kept, not guessed at.
+_HOLDING = (
+    f"(status IN ({_UNFINISHED}) OR (status = 'dead' AND (dead_at IS NULL"
+    " OR dead_at > CAST(:now AS timestamptz) - :retention)))"
+)
+# What the batched delete may remove: finished for good.
+_REMOVABLE = (
+    "(status IN ('succeeded', 'discarded') OR (status = 'dead' AND dead_at IS NOT NULL"
+    " AND dead_at <= CAST(:now AS timestamptz) - :retention))"
+)
+
+_BEFORE_EVERYTHING = datetime.fromisoformat("0001-01-01T00:00:00+00:00")
+_US = timedelta(microseconds=1)
+
+
+@dataclass
+class Holds:
+    """What the hold step did in one run."""
+
+    receipts: int = 0  # held receipts moved forward
+    moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_MOVE_ORDER, 0))
+    # Partition mode: days not dropped because a delivery in them has a live lease.
+    # Delete mode: receipts not moved (nor deleted) for the same reason.
+    postponed: list[str] = field(default_factory=list)
+    leased: int = 0  # deliveries with a live lease that caused those postponements
+    dead_letters_expired: int = 0  # dead letters whose retention was over, removed
+
+    def add_moved(self, moved: dict[str, int]) -> None:
+        for table, n in moved.items():
+            self.moved[table] += n
+
+
+@dataclass
+class Expiry:
+    """One partition-mode expiry pass."""
+
+    now: datetime
+    dropped: list[str] = field(default_factory=list)
+    holds: Holds = field(default_factory=Holds)
 
 
 @dataclass
@@ -44,15 +107,51 @@ class MaintenanceReport:
     rows_deleted: dict[str, int] = field(default_factory=dict)
     delete_statements: dict[str, int] = field(default_factory=dict)
     payloads_dropped: int = 0
+    held_receipts: int = 0  # receipts (with their deliveries, attempts) moved forward
+    rows_moved: dict[str, int] = field(default_factory=dict)
+    postponed: list[str] = field(default_factory=list)  # days (or receipts) left for later
+    dead_letters_expired: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def add_holds(self, holds: Holds) -> None:
+        self.held_receipts = holds.receipts
+        self.rows_moved = dict(holds.moved)
+        self.postponed = list(holds.postponed)
+        self.dead_letters_expired = holds.dead_letters_expired
 
 
 @dataclass
 class DeleteCounts:
     rows: dict[str, int] = field(default_factory=dict)
     statements: dict[str, int] = field(default_factory=dict)
+    holds: Holds = field(default_factory=Holds)
+
+
+def _decision_time(conn: Connection, now: datetime | None) -> datetime:
+    """The instant this transaction decides at: the database's clock unless a test pinned
+    one. Read after the layout lock, never before: a creator that waited for a dropper then
+    sees the dropper's days as past too."""
+    if now is not None:
+        return now
+    found: datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+    return found
+
+
+def database_now(engine: Engine) -> datetime:
+    """The database's clock now (for reports; decisions read it in their own transaction)."""
+    with engine.connect() as conn:
+        return _decision_time(conn, None)
+
+
+def _count_discarded(n: int, via: str) -> None:
+    if n:
+        # Imported here: a worker must choose prometheus' multi-process mode before the
+        # metrics module is first imported, and this module is imported early.
+        from webhooks.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415
+
+        DEAD_LETTERS_DISCARDED.labels(via=via).inc(n)
 
 
 # ----------------------------------------------------------------------------------------
@@ -81,13 +180,13 @@ def longest_ttl(engine: Engine, settings: Settings) -> timedelta:
     return longest
 
 
-def ensure_partitions(engine: Engine, settings: Settings, now: datetime) -> list[str]:
+def ensure_partitions(engine: Engine, settings: Settings, now: datetime | None) -> list[str]:
     """Lay out the partitions receipts written from ``now`` on can need; returns those created.
 
     Days run from yesterday through ``now + longest TTL + MAX_EVENT_TIME_LEAD +
-    partition_ahead_days``, skipping any day wholly past (upper bound <= now):
-    :func:`drop_expired_partitions` would only drop it again. A receiver whose clock lags
-    ours and still needs such a day gets "no partition" and calls this with its own ``now``.
+    partition_ahead_days``, skipping any day wholly past (upper bound <= now): the expiry
+    would only drop it again. ``now`` None: the database's clock, read under the layout
+    lock, so a host whose clock lags can never lay out a day maintenance has passed.
     In ``delete`` mode it makes sure the DEFAULT partitions exist instead.
     """
     if settings.retention_mode == "delete":
@@ -95,17 +194,19 @@ def ensure_partitions(engine: Engine, settings: Settings, now: datetime) -> list
             partitions.lock_layout(conn)
             partitions.create_default(conn)
         return []
-    horizon = now + longest_ttl(engine, settings) + MAX_EVENT_TIME_LEAD
-    last = (horizon + timedelta(days=settings.partition_ahead_days)).date()
+    longest = longest_ttl(engine, settings)
     created: list[str] = []
     with engine.begin() as conn:
         partitions.lock_layout(conn)
+        at = _decision_time(conn, now)
+        horizon = at + longest + MAX_EVENT_TIME_LEAD
+        last = (horizon + timedelta(days=settings.partition_ahead_days)).date()
         existing = {p.name for p in partitions.list_partitions(conn)}
-        day = (now - timedelta(days=1)).date()
+        day = (at - timedelta(days=1)).date()
         while day <= last:
             _, upper = partitions.day_bounds(day)
             names = [partitions.partition_name(t, day) for t in _DROP_ORDER]
-            if upper > now and not existing.issuperset(names):
+            if upper > at and not existing.issuperset(names):
                 partitions.create_day(conn, day)
                 created += [n for n in names if n not in existing]
             day += timedelta(days=1)
@@ -114,31 +215,185 @@ def ensure_partitions(engine: Engine, settings: Settings, now: datetime) -> list
     return created
 
 
-def drop_expired_partitions(engine: Engine, settings: Settings, now: datetime) -> list[str]:
+# Per receipt whose expired deliveries include one that holds it: its deliveries locked (a
+# concurrent claim, replay or finish either committed first, and is seen, or waits for us),
+# whether one of them runs under a live lease, and how long to hold it. The candidates come
+# from the two partial indexes (unfinished; dead), never from a scan of the expired rows.
+_HELD_SQL = f"""
+    WITH holding AS (
+        SELECT receipt_id, expires_at FROM {{deliveries}}
+        WHERE expires_at <= CAST(:now AS timestamptz) AND status IN ({_UNFINISHED})
+        UNION
+        SELECT receipt_id, expires_at FROM {{deliveries}}
+        WHERE expires_at <= CAST(:now AS timestamptz) AND status = 'dead'
+          AND (dead_at IS NULL OR dead_at > CAST(:now AS timestamptz) - :retention)
+    ), locked AS MATERIALIZED (
+        SELECT d.receipt_id, d.expires_at, d.status, d.dead_at, d.lease_until
+        FROM {{deliveries}} d JOIN holding h
+          ON d.receipt_id = h.receipt_id AND d.expires_at = h.expires_at
+        ORDER BY d.id
+        FOR UPDATE OF d
+    )
+    SELECT receipt_id, expires_at,
+           count(*) FILTER (WHERE status = 'processing'
+                              AND lease_until > CAST(:now AS timestamptz)) AS leased,
+           CASE WHEN bool_or(status IN ({_UNFINISHED}))
+                THEN CAST(:now AS timestamptz) + :step
+                ELSE least(max(dead_at) FILTER (WHERE status = 'dead') + :retention,
+                           CAST(:now AS timestamptz) + :step)
+           END AS hold_until
+    FROM locked
+    GROUP BY receipt_id, expires_at
+    HAVING bool_or({_HOLDING})
+    ORDER BY receipt_id
+"""  # noqa: S608 (literals of this module; the leaf name is quoted where it is filled in)
+
+# The moves, on the parents (a cross-partition row move in partition mode, in place in the
+# DEFAULT partition in delete mode). Each names the old expires_at and the range it lies in,
+# so only the expired partition is read; no status is touched (a worker's finishing
+# statement names expires_at, which is why a live lease postpones the move).
+_MOVE_RECEIPTS = """
+    UPDATE receipts AS r SET expires_at = h.hold_until
+    FROM unnest(CAST(:ids AS bigint[]), CAST(:olds AS timestamptz[]),
+                CAST(:news AS timestamptz[])) AS h(id, old, hold_until)
+    WHERE r.id = h.id AND r.expires_at = h.old AND r.expires_at BETWEEN :lo AND :last
+"""
+_MOVE_DELIVERIES = """
+    UPDATE deliveries AS d SET expires_at = h.hold_until
+    FROM unnest(CAST(:ids AS bigint[]), CAST(:olds AS timestamptz[]),
+                CAST(:news AS timestamptz[])) AS h(id, old, hold_until)
+    WHERE d.receipt_id = h.id AND d.expires_at = h.old AND d.expires_at BETWEEN :lo AND :last
+    RETURNING d.id, h.old, h.hold_until
+"""
+_MOVE_ATTEMPTS = """
+    UPDATE attempts AS a SET expires_at = h.hold_until
+    FROM unnest(CAST(:ids AS bigint[]), CAST(:olds AS timestamptz[]),
+                CAST(:news AS timestamptz[])) AS h(id, old, hold_until)
+    WHERE a.delivery_id = h.id AND a.expires_at = h.old AND a.expires_at BETWEEN :lo AND :last
+"""
+
+
+@dataclass(frozen=True)
+class _Held:
+    receipt_id: int
+    expires_at: datetime
+    leased: int
+    hold_until: datetime
+
+
+def _held(conn: Connection, deliveries: str, now: datetime, settings: Settings) -> list[_Held]:
+    rows = conn.execute(
+        text(_HELD_SQL.format(deliveries=partitions.quote(conn, deliveries))),
+        {"now": now, "retention": settings.dead_letter_retention, "step": HOLD_STEP},
+    ).all()
+    return [_Held(int(r[0]), r[1], int(r[2]), r[3]) for r in rows]
+
+
+def _move(conn: Connection, held: list[_Held], lo: datetime, last: datetime) -> dict[str, int]:
+    """Move held receipts, all their deliveries and all their attempts to ``hold_until``."""
+    moved = dict.fromkeys(_MOVE_ORDER, 0)
+    if not held:
+        return moved
+    bounds = {"lo": lo, "last": last}
+    receipts = {
+        "ids": [h.receipt_id for h in held],
+        "olds": [h.expires_at for h in held],
+        "news": [h.hold_until for h in held],
+    }
+    moved["receipts"] = conn.execute(text(_MOVE_RECEIPTS), {**receipts, **bounds}).rowcount
+    rows = conn.execute(text(_MOVE_DELIVERIES), {**receipts, **bounds}).all()
+    moved["deliveries"] = len(rows)
+    if rows:
+        deliveries = {
+            "ids": [int(r[0]) for r in rows],
+            "olds": [r[1] for r in rows],
+            "news": [r[2] for r in rows],
+        }
+        moved["attempts"] = conn.execute(text(_MOVE_ATTEMPTS), {**deliveries, **bounds}).rowcount
+    return moved
+
+
+def expire_partitions(engine: Engine, settings: Settings, now: datetime | None) -> Expiry:
     """Drop every partition of receipts, deliveries and attempts whose upper bound is <= now,
-    all in one transaction; returns the names dropped.
+    after moving the rows it holds out of it, all in one transaction.
 
     Safe by construction: Postgres enforces ``expires_at < upper`` for every row of a range
     partition, so ``upper <= now`` means every row in it has ``expires_at < now``: expired.
     A partition holding a receipt with ``expires_at > now`` has ``upper > expires_at > now``
     and is never chosen. The bounds come from the catalog, not from the partition's name;
     DEFAULT partitions have no bound and are never dropped.
+
+    Per past day: its three leaves are locked ACCESS EXCLUSIVE (nobody writes to them until
+    the drop commits), the held receipts found and moved forward; a day with a delivery
+    under a live lease is left for a later run (a lease lasts minutes: a running worker's
+    finishing statement names the row's expires_at, so the row must not move under it).
     """
     if settings.retention_mode == "delete":
-        return []
+        return Expiry(now=now or database_now(engine))
+    holds = Holds()
+    dropped: list[partitions.Partition] = []
     with engine.begin() as conn:
         partitions.lock_layout(conn)
-        past = [
-            p
-            for p in partitions.list_partitions(conn)
-            if p.upper is not None and p.upper <= now and p.table in _DROP_ORDER
-        ]
-        past.sort(key=lambda p: (_DROP_ORDER[p.table], p.upper or now))
-        for partition in past:
-            partitions.drop(conn, partition)
-    if past:
-        log.info("partitions_dropped", count=len(past))
-    return [p.name for p in past]
+        at = _decision_time(conn, now)
+        layout = partitions.list_partitions(conn)
+        days: dict[tuple[datetime, datetime], list[partitions.Partition]] = {}
+        for p in layout:
+            if p.lower is None or p.upper is None or p.table not in _DROP_ORDER:
+                continue  # DEFAULT partitions have no bound: never dropped
+            if p.upper <= at:
+                days.setdefault((p.lower, p.upper), []).append(p)
+        existing = {p.name for p in layout}
+        for (lower, upper), leaves in sorted(days.items()):
+            leaves.sort(key=lambda p: _DROP_ORDER[p.table])
+            names = ", ".join(partitions.quote(conn, p.name) for p in leaves)
+            conn.execute(text(f"LOCK TABLE {names} IN ACCESS EXCLUSIVE MODE"))
+            by_table = {p.table: p for p in leaves}
+            if "deliveries" in by_table:
+                leaf = by_table["deliveries"].name
+                held = _held(conn, leaf, at, settings)
+                leased = sum(h.leased for h in held)
+                if leased:
+                    holds.postponed.append(lower.date().isoformat())
+                    holds.leased += leased
+                    log.info("partition_drop_postponed", day=lower.date().isoformat(), count=leased)
+                    continue
+                for day in sorted({h.hold_until.date() for h in held}):
+                    # Tomorrow is laid out by maintenance already; a missing day is made here.
+                    if partitions.partition_name("receipts", day) not in existing:
+                        existing.update(partitions.create_day(conn, day))
+                holds.receipts += len(held)
+                holds.add_moved(_move(conn, held, lower, upper - _US))
+                # Every dead letter still here is past its retention (the others moved).
+                holds.dead_letters_expired += int(
+                    conn.execute(
+                        text(
+                            f"SELECT count(*) FROM {partitions.quote(conn, leaf)}"  # noqa: S608
+                            " WHERE status = 'dead'"
+                        )
+                    ).scalar_one()
+                )
+            for partition in leaves:
+                partitions.drop(conn, partition)
+                dropped.append(partition)
+    _log_holds(holds)
+    if dropped:
+        log.info("partitions_dropped", count=len(dropped))
+    return Expiry(now=at, dropped=[p.name for p in dropped], holds=holds)
+
+
+def drop_expired_partitions(engine: Engine, settings: Settings, now: datetime | None) -> list[str]:
+    """:func:`expire_partitions`, returning only the names of the partitions dropped."""
+    return expire_partitions(engine, settings, now).dropped
+
+
+def _log_holds(holds: Holds) -> None:
+    if holds.receipts:
+        log.info(
+            "rows_held", held=holds.receipts, **{f"{t}_moved": n for t, n in holds.moved.items()}
+        )
+    if holds.dead_letters_expired:
+        log.info("dead_letters_expired", count=holds.dead_letters_expired)
+        _count_discarded(holds.dead_letters_expired, "retention")
 
 
 # ----------------------------------------------------------------------------------------
@@ -146,16 +401,63 @@ def drop_expired_partitions(engine: Engine, settings: Settings, now: datetime) -
 # ----------------------------------------------------------------------------------------
 
 
-def _delete_statement(conn: Connection, leaf: str) -> Any:
+def hold_in_place(
+    engine: Engine, settings: Settings, now: datetime | None
+) -> tuple[datetime, Holds]:
+    """Delete mode's hold step: move held expired receipts (with their deliveries and
+    attempts) forward in the DEFAULT partitions, in one transaction; a receipt with a
+    delivery under a live lease is left for a later run. Returns the decision instant."""
+    holds = Holds()
+    with engine.begin() as conn:
+        partitions.lock_layout(conn)
+        at = _decision_time(conn, now)
+        deliveries = [p.name for p in partitions.list_partitions(conn) if p.table == "deliveries"]
+        for leaf in deliveries:
+            held = _held(conn, leaf, at, settings)
+            leased = [h for h in held if h.leased]
+            for h in leased:
+                holds.postponed.append(f"receipt {h.receipt_id}")
+                holds.leased += h.leased
+            ready = [h for h in held if not h.leased]
+            holds.receipts += len(ready)
+            holds.add_moved(_move(conn, ready, _BEFORE_EVERYTHING, at))
+    if holds.leased:
+        log.info("receipt_hold_postponed", receipts=len(holds.postponed), count=holds.leased)
+    return at, holds
+
+
+# The predicate of each table's batch: expired, and no longer needed. Deliveries go when
+# finished for good; attempts and receipts when no delivery of theirs is left (so a delivery
+# a replay revived between two steps keeps its attempts and its receipt).
+_DELETABLE = {
+    "deliveries": _REMOVABLE,
+    "attempts": (
+        "NOT EXISTS (SELECT 1 FROM deliveries d"
+        " WHERE d.id = {leaf}.delivery_id AND d.expires_at = {leaf}.expires_at)"
+    ),
+    "receipts": (
+        "NOT EXISTS (SELECT 1 FROM deliveries d"
+        " WHERE d.receipt_id = {leaf}.id AND d.expires_at = {leaf}.expires_at)"
+    ),
+    "conflicts": "true",
+}
+
+
+def _delete_statement(conn: Connection, table: str, leaf: str) -> Any:
     """One batch on one leaf table, found oldest first (expires_at is indexed there) and
     deleted by ctid: a TID lookup per row, never a scan of the table. A ctid is unique only
     within one table, so this runs per partition, never on a partitioned parent; the outer
-    predicate repeats the expiry test so a row can never be deleted unexpired."""
+    predicate repeats the whole test (a row changed since the inner select is re-checked),
+    so a row can never be deleted unexpired or held. Deliveries return whether each was a
+    dead letter, to count those whose retention ended."""
     name = partitions.quote(conn, leaf)
+    keep = _DELETABLE[table].format(leaf=name)
+    returning = " RETURNING status = 'dead'" if table == "deliveries" else ""
     return text(
         f"DELETE FROM {name} WHERE ctid = ANY(ARRAY("  # noqa: S608 (catalog names, quoted)
-        f" SELECT ctid FROM {name} WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit"
-        f")) AND expires_at <= :now"
+        f" SELECT ctid FROM {name} WHERE expires_at <= :now AND {keep}"
+        f" ORDER BY expires_at LIMIT :limit"
+        f")) AND expires_at <= :now AND {keep}{returning}"
     )
 
 
@@ -165,36 +467,58 @@ def _leaves(conn: Connection, table: str) -> list[str]:
     return [table]
 
 
-def _delete_batched(engine: Engine, table: str, now: datetime, batch: int) -> tuple[int, int]:
+def _delete_batched(
+    engine: Engine, settings: Settings, table: str, now: datetime, batch: int
+) -> tuple[int, int, int]:
     """Delete expired rows of one table, ``batch`` at most per statement, each statement in
     its own transaction, partition by partition; a partition is done at its first short
-    batch. Returns (rows, statements)."""
+    batch. Returns (rows, statements, dead letters among the rows)."""
     with engine.connect() as conn:
-        statements_by_leaf = [_delete_statement(conn, leaf) for leaf in _leaves(conn, table)]
-    rows = statements = 0
+        statements_by_leaf = [_delete_statement(conn, table, leaf) for leaf in _leaves(conn, table)]
+    params = {"now": now, "limit": batch, "retention": settings.dead_letter_retention}
+    rows = statements = dead = 0
     for statement in statements_by_leaf:
         while True:
             with engine.begin() as conn:
-                deleted = conn.execute(statement, {"now": now, "limit": batch}).rowcount
+                result = conn.execute(statement, params)
+                if table == "deliveries":
+                    flags = result.scalars().all()
+                    deleted = len(flags)
+                    dead += sum(1 for f in flags if f)
+                else:
+                    deleted = result.rowcount
             statements += 1
             rows += deleted
             if deleted < batch:
                 break
-    return rows, statements
+    return rows, statements, dead
 
 
 def delete_expired(
-    engine: Engine, settings: Settings, now: datetime, tables: tuple[str, ...] = EXPIRING_TABLES
+    engine: Engine,
+    settings: Settings,
+    now: datetime | None,
+    tables: tuple[str, ...] = EXPIRING_TABLES,
 ) -> DeleteCounts:
-    """The batched-delete expiry (``delete`` mode; conflicts in both modes)."""
+    """The batched-delete expiry (``delete`` mode; conflicts in both modes). When it expires
+    deliveries, the hold step runs first, and the batches refuse held rows themselves too
+    (a replay can race between the two)."""
     batch = min(settings.delete_batch_size, 10_000)
     counts = DeleteCounts()
+    if "deliveries" in tables:
+        at, counts.holds = hold_in_place(engine, settings, now)
+    elif now is None:
+        at = database_now(engine)
+    else:
+        at = now
     for table in tables:
-        rows, statements = _delete_batched(engine, table, now, batch)
+        rows, statements, dead = _delete_batched(engine, settings, table, at, batch)
         counts.rows[table] = rows
         counts.statements[table] = statements
+        counts.holds.dead_letters_expired += dead
     if any(counts.rows.values()):
         log.info("rows_deleted", **{t: n for t, n in counts.rows.items() if n})
+    _log_holds(counts.holds)
     return counts
 
 
@@ -210,9 +534,12 @@ def delete_expired(
 # from its arrival. Dead, pending, retrying and processing deliveries keep the body.
 _DROP_PAYLOADS = text(
     """
-    WITH candidate AS MATERIALIZED (
+    WITH clock AS MATERIALIZED (
+        SELECT coalesce(CAST(:now AS timestamptz), now()) AS now,
+               coalesce(CAST(:now AS timestamptz), now()) - :retention AS cutoff
+    ), candidate AS MATERIALIZED (
         SELECT id, expires_at, received_at FROM receipts
-        WHERE payload IS NOT NULL AND received_at <= :cutoff
+        WHERE payload IS NOT NULL AND received_at <= (SELECT cutoff FROM clock)
           AND (received_at, id) > (:after_received, :after_id)
         ORDER BY received_at, id
         LIMIT :limit
@@ -227,9 +554,9 @@ _DROP_PAYLOADS = text(
     ), done AS (
         SELECT c.id, c.expires_at FROM candidate c LEFT JOIN summary s ON s.receipt_id = c.id
         WHERE coalesce(s.all_succeeded, true)
-          AND coalesce(s.last_succeeded, c.received_at) <= :cutoff
+          AND coalesce(s.last_succeeded, c.received_at) <= (SELECT cutoff FROM clock)
     ), dropped AS (
-        UPDATE receipts r SET payload = NULL, payload_dropped_at = :now
+        UPDATE receipts r SET payload = NULL, payload_dropped_at = (SELECT now FROM clock)
         FROM done
         WHERE r.id = done.id AND r.expires_at = done.expires_at AND r.payload IS NOT NULL
         RETURNING r.id
@@ -241,15 +568,13 @@ _DROP_PAYLOADS = text(
     """
 )
 
-_BEFORE_EVERYTHING = datetime.fromisoformat("0001-01-01T00:00:00+00:00")
 
-
-def drop_payloads(engine: Engine, settings: Settings, now: datetime) -> int:
+def drop_payloads(engine: Engine, settings: Settings, now: datetime | None) -> int:
     """Drop the bodies whose retention is over (see :data:`_DROP_PAYLOADS`); set
     ``payload_dropped_at``. Walks the candidates in keyset order, ``delete_batch_size`` per
     statement, so bodies that must stay (dead letters, work in flight) never stall the walk.
-    Returns how many bodies were dropped."""
-    cutoff = now - settings.payload_retention
+    ``now`` None: each statement decides on the database's clock. Returns how many bodies
+    were dropped."""
     batch = min(settings.delete_batch_size, 10_000)
     after_received, after_id = _BEFORE_EVERYTHING, 0
     total = 0
@@ -258,7 +583,7 @@ def drop_payloads(engine: Engine, settings: Settings, now: datetime) -> int:
             dropped, seen, last_received, last_id = conn.execute(
                 _DROP_PAYLOADS,
                 {
-                    "cutoff": cutoff,
+                    "retention": settings.payload_retention,
                     "now": now,
                     "limit": batch,
                     "after_received": after_received,
@@ -279,12 +604,16 @@ def drop_payloads(engine: Engine, settings: Settings, now: datetime) -> int:
 # ----------------------------------------------------------------------------------------
 
 
-def run_maintenance(engine: Engine, settings: Settings, now: datetime) -> MaintenanceReport:
-    """One maintenance pass for ``settings.retention_mode`` (called by beat and the CLI)."""
-    report = MaintenanceReport(mode=settings.retention_mode, now=now)
+def run_maintenance(engine: Engine, settings: Settings, now: datetime | None) -> MaintenanceReport:
+    """One maintenance pass for ``settings.retention_mode`` (called by beat and the CLI).
+    ``now`` None (production): every step decides on the database's clock."""
+    # The report's instant (each step reads its own, under its own locks).
+    report = MaintenanceReport(mode=settings.retention_mode, now=now or database_now(engine))
     if settings.retention_mode == "partition":
         report.partitions_created = ensure_partitions(engine, settings, now)
-        report.partitions_dropped = drop_expired_partitions(engine, settings, now)
+        expiry = expire_partitions(engine, settings, now)
+        report.partitions_dropped = expiry.dropped
+        report.add_holds(expiry.holds)
         with engine.connect() as conn:
             uppers = [p.upper for p in partitions.list_partitions(conn) if p.upper is not None]
         if uppers:
@@ -294,6 +623,7 @@ def run_maintenance(engine: Engine, settings: Settings, now: datetime) -> Mainte
     else:
         ensure_partitions(engine, settings, now)
         counts = delete_expired(engine, settings, now)
+        report.add_holds(counts.holds)
     report.rows_deleted = counts.rows
     report.delete_statements = counts.statements
     report.payloads_dropped = drop_payloads(engine, settings, now)
@@ -303,6 +633,9 @@ def run_maintenance(engine: Engine, settings: Settings, now: datetime) -> Mainte
         partitions_created=len(report.partitions_created),
         partitions_dropped=len(report.partitions_dropped),
         rows_deleted=sum(report.rows_deleted.values()),
+        held_receipts=report.held_receipts,
+        postponed=len(report.postponed),
+        dead_letters_expired=report.dead_letters_expired,
         payloads_dropped=report.payloads_dropped,
     )
     return report

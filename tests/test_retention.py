@@ -33,6 +33,7 @@ from ingest.store import NewReceipt, accept_sync
 from models import partitions, transitions
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.retention import (
+    HOLD_STEP,
     delete_expired,
     drop_expired_partitions,
     drop_payloads,
@@ -242,6 +243,7 @@ def test_ensure_partitions_creates_ahead_through_the_longest_source_ttl(
 def test_drop_expired_partitions_drops_wholly_past_days_only(
     engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
 ) -> None:
+    """The day boundary, with finished work only: whatever is not expired stays."""
     source = new_source(sessions, settings, made)
     ttl = source_ttl(sessions, settings, source.id)
     received = D + timedelta(hours=12)
@@ -258,8 +260,10 @@ def test_drop_expired_partitions_drops_wholly_past_days_only(
             accept_at(settings, source, event_id, received, ttl=ttl, occurred_at=target - ttl)
             == "accepted"
         )
+        (delivery,) = delivery_ids(engine, source, event_id)
+        # Finished work, with an attempt row in its day's partition.
+        succeed(sessions, delivery, received + SEC, received + 2 * SEC)
     (doomed,) = delivery_ids(engine, source, "last-instant-of-day-1")
-    claim(sessions, doomed, received + SEC)  # an attempt row in the doomed day's partition
     assert {r.event_id: r.expires_at for r in receipts_of(engine, source)} == targets
 
     now = D + timedelta(days=2)
@@ -275,20 +279,179 @@ def test_drop_expired_partitions_drops_wholly_past_days_only(
     # receiver deduplicates only while now < expires_at) waits for its day to pass.
     assert remaining == {"exactly-now", "just-after-now", "midday-2", "day-3"}
     assert count(engine, "deliveries", source) == 4
-    with engine.connect() as conn:
-        assert (
-            conn.execute(
-                text("SELECT count(*) FROM attempts WHERE delivery_id = :d"), {"d": doomed}
-            ).scalar_one()
-            == 0
+    assert attempts_of(engine, [doomed]) == {}
+
+
+# Every state a delivery of an expired receipt can be in, and whether expiry may remove it.
+# ``dead_old`` died before the (shortened) dead-letter retention; ``dead_recent`` within it.
+HELD_KINDS = ("pending", "retrying", "processing", "dead_recent", "split")
+GONE_KINDS = ("succeeded", "dead_old", "discarded", "no_route")
+
+
+def _work_in_every_state(
+    sessions: sessionmaker[Session], settings: Settings, source: MadeSource, received: datetime,
+    now: datetime,
+) -> dict[str, list[int]]:  # fmt: skip
+    """Events received at ``received`` (expired by ``now``), one per kind; returns each
+    kind's delivery ids. ``split`` has a succeeded and a pending delivery."""
+    ttl = timedelta(days=1)
+    first = received + SEC
+    ids: dict[str, list[int]] = {}
+    for kind in HELD_KINDS + GONE_KINDS:
+        event_type = "other.thing" if kind == "no_route" else f"order.{kind}"
+        _, outcome = accept_event(
+            settings, source, event_id=kind, event_type=event_type, now=received, ttl=ttl
         )
+        assert outcome.status == "accepted"
+        ids[kind] = list(outcome.delivery_ids)
+    assert ids["no_route"] == []
+    assert len(ids["split"]) == 2
+    succeed(sessions, ids["succeeded"][0], first, first)
+    succeed(sessions, ids["split"][0], first, first)
+    kill(sessions, ids["dead_old"][0], first)
+    kill(sessions, ids["discarded"][0], first)
+    found = claim(sessions, ids["retrying"][0], first)
+    with sessions() as session, session.begin():
+        transitions.retry_later(
+            session, found, now=first, next_attempt_at=now + timedelta(hours=1),
+            error_class="E", error="e",
+        )  # fmt: skip
+    claim(sessions, ids["processing"][0], first)  # its lease ran out long ago: still unfinished
+    kill(sessions, ids["dead_recent"][0], now - timedelta(minutes=30))
+    with sessions() as session, session.begin():
+        assert transitions.discard(session, ids["discarded"], now=first) == ids["discarded"]
+    return ids
+
+
+def _states(engine: Engine, ids: list[int]) -> dict[int, tuple[str, datetime]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT id, status, expires_at FROM deliveries WHERE id = ANY(:ids)"),
+            {"ids": ids},
+        ).all()
+    return {int(r[0]): (r[1], r[2]) for r in rows}
+
+
+def attempts_of(engine: Engine, ids: list[int]) -> dict[int, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT delivery_id, count(*) FROM attempts WHERE delivery_id = ANY(:ids)"
+                " GROUP BY delivery_id"
+            ),
+            {"ids": ids},
+        ).all()
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
+def _check_expiry_kept_held_work(
+    engine: Engine, source: MadeSource, ids: dict[str, list[int]], now: datetime,
+    attempts_before: dict[int, int],
+) -> None:  # fmt: skip
+    """The assertions shared by both modes: held work, its receipt (with its payload) and
+    its attempts all remain, moved forward; finished work is gone."""
+    receipts = {r.event_id: r for r in receipts_of(engine, source)}
+    assert set(receipts) == set(HELD_KINDS), "held work lost, or finished work kept"
+    held_ids = [i for kind in HELD_KINDS for i in ids[kind]]
+    gone_ids = [i for kind in GONE_KINDS for i in ids[kind]]
+    states = _states(engine, held_ids)
+    assert sorted(states) == sorted(held_ids)
+    assert _states(engine, gone_ids) == {}
+    assert attempts_of(engine, gone_ids) == {}
+    assert attempts_of(engine, held_ids) == {
+        i: n for i, n in attempts_before.items() if i in held_ids
+    }
+    expected_status = {
+        "pending": ["pending"],
+        "retrying": ["retrying"],
+        "processing": ["processing"],
+        "dead_recent": ["dead"],
+        "split": ["succeeded", "pending"],
+    }
+    for kind in HELD_KINDS:
+        receipt = receipts[kind]
+        assert receipt.payload is not None, kind
+        assert receipt.expires_at > now, kind  # still deduplicating
+        assert [states[i][0] for i in ids[kind]] == expected_status[kind], kind
+        assert {states[i][1] for i in ids[kind]} == {receipt.expires_at}, kind
+        if kind == "dead_recent":  # held to the end of its retention (1 h), sooner than a day
+            assert receipt.expires_at == now - timedelta(minutes=30) + timedelta(hours=1)
+        else:
+            assert receipt.expires_at == now + HOLD_STEP
+
+
+def test_expiry_never_removes_unfinished_or_dead_work_partition_mode(
+    engine: Engine, sessions: sessionmaker[Session], made: list[MadeSource]
+) -> None:
+    """Partition mode: the expired day is dropped, but nothing unfinished, no dead letter
+    within its retention, nor their receipts and attempts go with it."""
+    settings = make_settings(dead_letter_retention=timedelta(hours=1))
+    source = new_source(sessions, settings, made, routes=HOLD_ROUTES)
+    received = D + timedelta(days=4, hours=6)  # expires on day 5; dropped at day 7
+    now = D + timedelta(days=7, hours=1)
+    ensure_partitions(engine, settings, received)
+    ids = _work_in_every_state(sessions, settings, source, received, now)
+    everything = [i for v in ids.values() for i in v]
+    attempts_before = attempts_of(engine, everything)
+    assert len(attempts_before) == 7  # every delivery claimed at least once has its attempt
+
+    report = run_maintenance(engine, settings, now)
+
+    assert set(day_names((received + timedelta(days=1)).date())) <= set(report.partitions_dropped)
+    _check_expiry_kept_held_work(engine, source, ids, now, attempts_before)
+    assert report.held_receipts == len(HELD_KINDS)
+    assert report.rows_moved == {"receipts": 5, "deliveries": 6, "attempts": 4}
+    assert report.dead_letters_expired == 1  # dead_old; the discarded one is no dead letter
+    assert report.postponed == []
+
+
+def test_expiry_never_removes_unfinished_or_dead_work_delete_mode(
+    delete_mode: tuple[Settings, Engine, sessionmaker[Session]],
+) -> None:
+    """Delete mode: the same promise from the hold step and the batches' own predicates."""
+    base, engine, sessions = delete_mode
+    settings = make_settings(
+        database_url=base.database_url,
+        retention_mode="delete",
+        delete_batch_size=3,
+        dead_letter_retention=timedelta(hours=1),
+    )
+    source = make_source(sessions, settings, routes=HOLD_ROUTES)
+    try:
+        received = D + timedelta(days=200)
+        now = received + timedelta(days=3)
+        ids = _work_in_every_state(sessions, settings, source, received, now)
+        everything = [i for v in ids.values() for i in v]
+        attempts_before = attempts_of(engine, everything)
+
+        report = run_maintenance(engine, settings, now)
+
+        _check_expiry_kept_held_work(engine, source, ids, now, attempts_before)
+        assert report.held_receipts == len(HELD_KINDS)
+        assert report.rows_moved == {"receipts": 5, "deliveries": 6, "attempts": 4}
+        assert report.dead_letters_expired == 1
+        assert report.rows_deleted["deliveries"] == 3  # succeeded, dead_old, discarded
+        # A second pass finds nothing more to remove, and holds nothing (none is expired).
+        again = run_maintenance(engine, settings, now)
+        assert again.held_receipts == 0
+        assert sum(again.rows_deleted.values()) == 0
+        _check_expiry_kept_held_work(engine, source, ids, now, attempts_before)
+    finally:
+        _forget(sessions, [source])  # the delete-mode database is shared by this module
+
+
+HOLD_ROUTES = [
+    {"handler": "log", "events": "order.*"},
+    {"handler": "log", "events": "order.split"},
+]
 
 
 def test_partition_drop_never_removes_an_unexpired_receipt(
     engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
 ) -> None:
     rng = random.Random(2024)
-    source = new_source(sessions, settings, made, "github")
+    # No route: receipts alone, so nothing holds them and the boundary is all that decides.
+    source = new_source(sessions, settings, made, "github", routes=[])
     ttl = source_ttl(sessions, settings, source.id)
     start = D + timedelta(days=20)
     ensure_partitions(engine, settings, start - ttl)
@@ -345,6 +508,9 @@ def test_dedup_boundary_one_second_before_and_after_expiry_maintenance(
         == "duplicate"
     )
     assert len(receipts_of(engine, source, "evt_a")) == 1
+    # Its work is done (unfinished work would hold the receipt: test_retention_holds.py).
+    (delivery,) = delivery_ids(engine, source, "evt_a")
+    succeed(sessions, delivery, occurred + 6 * SEC, occurred + 7 * SEC)
 
     report = run_maintenance(engine, settings, expiry + SEC)
     assert set(day_names(expiry.date())) <= set(report.partitions_dropped)
@@ -679,7 +845,8 @@ def test_batched_delete_never_exceeds_the_batch_size(
             == "accepted"
         )
         (delivery,) = delivery_ids(engine, source, event_id)
-        claim(sessions, delivery, occurred + SEC)  # one attempt row each
+        # One attempt row each; finished (unfinished work is held, not deleted).
+        succeed(sessions, delivery, occurred + SEC, occurred + SEC)
         if n < 4:  # the same id with another body: a conflict row, expiring with the receipt
             body = {"id": event_id, "n": 2}
             assert (
@@ -757,6 +924,9 @@ def test_delete_mode_dedup_boundary_and_acceptance_after_maintenance(
         accept_at(settings, source, "evt_c", expiry - SEC, ttl=ttl, occurred_at=occurred)
         == "duplicate"
     )
+    # Its work is done (unfinished work would hold the receipt: test_retention_holds.py).
+    (delivery,) = delivery_ids(engine, source, "evt_c")
+    succeed(sessions, delivery, occurred + 2 * SEC, occurred + 3 * SEC)
     run_maintenance(engine, settings, expiry - US)
     assert len(receipts_of(engine, source, "evt_c")) == 1  # not yet expired: kept
     run_maintenance(engine, settings, expiry)

@@ -52,3 +52,10 @@ RECEIPT_TO_SUCCESS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600, 86400),
 )
 SWEPT = Counter("webhooks_swept_total", "Deliveries re-published by the sweeper")
+
+# Retention and operators.
+DEAD_LETTERS_DISCARDED = Counter(
+    "webhooks_dead_letters_discarded_total",
+    "Dead letters removed: their retention ended (retention) or an operator discarded them",
+    ["via"],
+)

@@ -1,4 +1,5 @@
-"""Operators' commands: ``events list|show``, ``dead list``, ``replay``, ``replays list``, ``demo``.
+"""Operators' commands: ``events list|show``, ``dead list|discard``, ``replay``, ``replays list``,
+``demo``.
 
 Every listing takes ``--json``. Nothing printed here carries a secret or a payload: events
 show their payload's size and whether retention dropped it, never its content.
@@ -206,6 +207,103 @@ def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
     console.print(
         f"{total} dead. Replay: webhooks replay ID ... --reason TEXT, "
         "or webhooks replay --source S [--type T] --reason TEXT"
+    )
+
+
+@dead_app.command("discard")
+@handle_errors
+def dead_discard(
+    ids: Annotated[
+        list[int] | None,
+        typer.Argument(help="Dead delivery ids (see `dead list`).", show_default=False),
+    ] = None,
+    *,
+    source: SourceOpt = None,
+    event_type: TypeOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    reason: Annotated[
+        str | None, typer.Option("--reason", help="Why (required; recorded in the audit).")
+    ] = None,
+    operator: Annotated[
+        str | None,
+        typer.Option("--operator", "--as", help="Who is discarding (default: your login name)."),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the preview only.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Discard dead letters by id or by filter: preview, confirm, audit.
+
+    A discarded delivery is never replayed and retention no longer keeps it (dead letters
+    are otherwise kept for WEBHOOKS_DEAD_LETTER_RETENTION). Audited in audit_log.
+    """
+    from models import discards  # noqa: PLC0415
+    from webhooks.clock import pinned  # noqa: PLC0415
+
+    e = env()
+    has_filter = any(v is not None for v in (source, event_type, since, until))
+    if ids and has_filter:
+        raise CliError("give delivery ids or filter options, not both")
+    if not ids and not has_filter:
+        raise CliError("give delivery ids, or a filter such as --source S (see `dead list`)")
+    if not dry_run and not (reason or "").strip():
+        raise CliError("--reason is required: it is recorded in the audit trail")
+    if as_json and not (yes or dry_run):
+        raise CliError("--json needs --yes or --dry-run (there is no prompt in JSON mode)")
+    given: dict[str, Any]
+    if ids:
+        given = {"ids": sorted(set(ids))}
+        flt = None
+    else:
+        given = {"source": source, "type": event_type, "since": since, "until": until}
+        given = {k: v for k, v in given.items() if v is not None}
+        flt = ReplayFilter(source, event_type, "dead", _time(e, since), _time(e, until))
+    request = discards.DiscardRequest(
+        operator=operator or _login(),
+        reason=reason or "(dry run)",
+        via="cli",
+        filter_as_given=given,
+        ids=tuple(sorted(set(ids or []))),
+        flt=flt,
+    )
+    with e.session() as session:
+        plan = discards.plan_discard(session, request)
+    preview = {"count": plan.count, "sample": [_plain(c) for c in plan.sample]}
+    if as_json and (dry_run or plan.count == 0):
+        print_json({"preview": preview, "dry_run": dry_run, "result": None})
+        return
+    if not as_json:
+        if plan.count == 0:
+            console.print("nothing to discard: no dead letter matches")
+            return
+        table = Table("delivery", "source", "event id", "type", "handler", "dead reason")
+        for c in plan.sample:
+            table.add_row(
+                str(c.delivery_id), c.source, c.event_id, c.event_type, c.handler,
+                c.dead_reason or "",
+            )  # fmt: skip
+        console.print(table)
+        more = f" (showing {len(plan.sample)})" if plan.count > len(plan.sample) else ""
+        console.print(f"would discard {plan.count} dead letters{more}", highlight=False)
+        if dry_run:
+            console.print("dry run: nothing changed")
+            return
+    if not yes:
+        typer.confirm(
+            f"Discard {plan.count} dead letters? They can no longer be replayed", abort=True
+        )
+    # Log lines go to stderr, warnings only; the audit row is the record.
+    configure_logging("WARNING", json=e.settings.log_json)
+    with e.session() as session:
+        result = discards.execute_discard(session, plan, now=pinned(e.clock))
+    discards.record_discarded(result, "cli")
+    if as_json:
+        print_json({"preview": preview, "dry_run": False, "result": _plain(result)})
+        return
+    console.print(
+        f"discarded {result.discarded} of {result.planned} planned (audit {result.audit_id})",
+        highlight=False,
     )
 
 

@@ -96,15 +96,20 @@ def ttl_explain(
 @maintenance_app.command("run")
 @handle_errors
 def maintenance_run(as_json: JsonOpt = False) -> None:
-    """Run one maintenance pass now: partitions or batched delete, then payload retention."""
+    """Run one maintenance pass now: partitions or batched delete, then payload retention.
+
+    Unfinished deliveries and dead letters within their retention are held (moved forward
+    with their receipt and attempts), never removed; the database's clock decides."""
     from models.retention import run_maintenance  # noqa: PLC0415
+    from webhooks.clock import pinned  # noqa: PLC0415
     from webhooks.logs import configure_logging  # noqa: PLC0415
 
     e = env()
     configure_logging(e.settings.log_level, json=e.settings.log_json)  # stderr: stdout is data
     try:
         with _database(e):
-            report = run_maintenance(e.engine, e.settings, e.clock.now())
+            # None unless a test pinned the clock: the database's clock decides expiry.
+            report = run_maintenance(e.engine, e.settings, pinned(e.clock))
     finally:
         e.engine.dispose()
     if as_json:
@@ -123,6 +128,21 @@ def maintenance_run(as_json: JsonOpt = False) -> None:
         console.print(
             f"{table}: {rows} expired rows deleted in {statements} statements", highlight=False
         )
+    moved = ", ".join(f"{n} {t}" for t, n in report.rows_moved.items())
+    console.print(
+        f"held receipts moved forward {report.held_receipts}" + (f" ({moved})" if moved else ""),
+        highlight=False,
+    )
+    if report.postponed:
+        what = "days" if report.mode == "partition" else "receipts"
+        console.print(
+            f"postponed {len(report.postponed)} {what}: a delivery in them is being processed",
+            highlight=False,
+        )
+    console.print(
+        f"dead letters past their retention removed {report.dead_letters_expired}",
+        highlight=False,
+    )
     console.print(f"payloads dropped {report.payloads_dropped}", highlight=False)
 
 
