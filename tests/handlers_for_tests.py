@@ -7,10 +7,12 @@ when the delivery is marked succeeded. The table is created by the tests, not by
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
 from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import task_postrun
 from sqlalchemy import text
 
 from tasks.context import Event, HandlerContext
@@ -109,3 +111,23 @@ def hang(event: Event, ctx: HandlerContext) -> None:
             time.sleep(0.1)
         except SoftTimeLimitExceeded:
             continue
+
+
+# Set in a worker's environment: its pool process kills itself (SIGKILL) right after a
+# delivery's success is committed, before the task returns and so before the broker ack
+# (acks_late), once per delivery (a marker file remembers).
+KILL_AFTER_COMMIT_DIR = "WEBHOOKS_TEST_KILL_AFTER_COMMIT_DIR"
+
+
+@task_postrun.connect(weak=False)
+def _kill_after_commit(
+    args: tuple[object, ...] | None = None, retval: object = None, **_: object
+) -> None:
+    directory = os.environ.get(KILL_AFTER_COMMIT_DIR)
+    if not directory or retval != "succeeded" or not args:
+        return
+    marker = Path(directory) / f"{args[0]}.killed"
+    if marker.exists():
+        return
+    marker.write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGKILL)

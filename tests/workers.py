@@ -180,6 +180,7 @@ def running_worker(
     *,
     concurrency: int = 1,
     queues: str = f"{DELIVERIES_QUEUE},{MAINTENANCE_QUEUE}",
+    extra_env: Mapping[str, str] | None = None,
     **overrides: Any,
 ) -> Iterator[Worker]:
     cmd = [
@@ -187,7 +188,9 @@ def running_worker(
         "-Q", queues, "-P", "prefork", "-c", str(concurrency),
         "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-l", "INFO",
     ]  # fmt: skip
-    worker = Worker(f"worker-{name}", cmd, worker_env(**overrides), tmp_path)
+    worker = Worker(
+        f"worker-{name}", cmd, {**worker_env(**overrides), **(extra_env or {})}, tmp_path
+    )
     try:
         worker.wait_ready()
         yield worker
