@@ -189,6 +189,8 @@ class Receiver:
                 meta.event_id,
             )
 
+        if source.ttl_raised:
+            metrics.TTL_RAISED.labels(label).inc()
         # After the commit: hand the ids to the publisher thread; its failures are counted
         # there and the sweeper covers them, so the answer does not wait for the broker.
         self.publisher.submit(label, outcome.delivery_ids)
@@ -264,6 +266,17 @@ class Receiver:
         return _json(200 if ready else 503, {"status": "ready" if ready else "not ready", **checks})
 
 
+def _report_raised_ttls(settings: Settings) -> None:
+    from models.catalog import report_raised_ttls  # noqa: PLC0415
+    from models.db import make_engine  # noqa: PLC0415
+
+    engine = make_engine(settings, pool_size=1)
+    try:
+        report_raised_ttls(engine, settings, process="receiver")
+    finally:
+        engine.dispose()
+
+
 def _age(loaded_at: float) -> float:
     return time.monotonic() - loaded_at
 
@@ -294,6 +307,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await asyncio.get_running_loop().run_in_executor(None, _report_raised_ttls, settings)
         await store.open()
         try:
             yield

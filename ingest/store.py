@@ -40,7 +40,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from webhooks import metrics
 from webhooks.crypto import SecretBox
 from webhooks.settings import Settings
-from webhooks.ttl import TtlOverrides, derive_ttl
+from webhooks.ttl import TtlOverrides, effective_ttl
 
 SOURCE_SQL = """
 SELECT s.id, s.provider, s.config, s.tolerance_s, s.max_body_bytes,
@@ -97,6 +97,7 @@ class SourceRecord:
     tolerance: timedelta | None
     max_body_bytes: int | None
     ttl: timedelta
+    ttl_raised: bool  # the source's TTL did not cover its retry window: ttl is the safe floor
     secrets: tuple[tuple[str, str], ...]  # (secret id, plaintext), newest first
     loaded_at: float
 
@@ -283,7 +284,7 @@ class Store:
 
     def _record(self, public_id: str, row: TupleRow) -> SourceRecord:
         (sid, provider, config, tolerance_s, max_body, rw, ql, cs, rg, name, ids, cts) = row
-        ttl = derive_ttl(
+        ttl = effective_ttl(
             provider, TtlOverrides.from_seconds(rw, ql, cs, rg), self.settings, source_name=name
         )
         return SourceRecord(
@@ -295,6 +296,7 @@ class Store:
             tolerance=None if tolerance_s is None else timedelta(seconds=tolerance_s),
             max_body_bytes=max_body,
             ttl=ttl.total,
+            ttl_raised=ttl.raised,
             secrets=tuple((i, self.box.decrypt(bytes(c))) for i, c in zip(ids, cts, strict=True)),
             loaded_at=time.monotonic(),
         )

@@ -6,13 +6,18 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Engine, select, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from models.schema import PROVIDERS, Route, Source, SourceSecret
 from webhooks.crypto import SecretBox, generate_secret, public_id
+from webhooks.logs import get_logger
+from webhooks.metrics import SOURCES_TTL_RAISED
 from webhooks.settings import Settings
-from webhooks.ttl import TtlOverrides, derive_ttl
+from webhooks.ttl import EffectiveTtl, TtlOverrides, derive_ttl, effective_ttl
+
+log = get_logger("catalog")
 
 
 class CatalogError(ValueError):
@@ -110,6 +115,39 @@ def source_ttl_overrides(source: Source) -> TtlOverrides:
     return TtlOverrides.from_seconds(
         source.retry_window_s, source.queue_lag_s, source.clock_skew_s, source.replay_grace_s
     )
+
+
+def source_effective_ttl(source: Source, settings: Settings) -> EffectiveTtl:
+    return effective_ttl(
+        source.provider, source_ttl_overrides(source), settings, source_name=source.name
+    )
+
+
+def report_raised_ttls(engine: Engine, settings: Settings, *, process: str) -> int:
+    """Run at the start of every process (receiver, worker, beat): one warning per source
+    whose dedup TTL no longer covers its provider's retry window (its receipts are written
+    with the raised, minimum safe TTL instead), and the gauge
+    ``webhooks_sources_ttl_raised``. Returns how many. An unreachable database is logged and
+    skipped: the process starts anyway, and reports again at its next start."""
+    try:
+        with Session(engine) as session:
+            rows = list(session.scalars(select(Source).order_by(Source.id)))
+            found = [(s, source_effective_ttl(s, settings)) for s in rows]
+    except OperationalError as exc:
+        log.warning("sources.ttl_check_skipped", process=process, error_class=type(exc).__name__)
+        return 0
+    raised = [(s, ttl) for s, ttl in found if ttl.raised]
+    for source, ttl in raised:
+        log.warning(
+            "source.ttl_raised",
+            process=process,
+            source=source.public_id,
+            provider=source.provider,
+            detail=ttl.warning(),
+            fix=f"webhooks ttl explain {source.public_id}, then webhooks sources update",
+        )
+    SOURCES_TTL_RAISED.set(len(raised))
+    return len(raised)
 
 
 def update_source_ttl(

@@ -51,6 +51,8 @@ def get_app() -> Celery:
             importlib.import_module(module)
         worker_init.connect(_configure_logging, weak=False)
         beat_init.connect(_configure_logging, weak=False)
+        worker_init.connect(_report_raised_ttls, weak=False)
+        beat_init.connect(_report_raised_ttls, weak=False)
         worker_process_init.connect(_after_fork, weak=False)
         worker_process_shutdown.connect(_close_runtime, weak=False)
         app.set_current()
@@ -71,6 +73,19 @@ def get_runtime() -> Runtime:
 def _configure_logging(**_: Any) -> None:
     settings = get_settings()
     configure_logging(settings.log_level, json=settings.log_json)
+
+
+def _report_raised_ttls(sender: Any = None, **_: Any) -> None:
+    from models.catalog import report_raised_ttls  # noqa: PLC0415
+    from models.db import make_engine  # noqa: PLC0415
+
+    settings = get_settings()
+    engine = make_engine(settings, pool_size=1)
+    try:
+        process = "beat" if type(sender).__name__ == "Service" else "worker"
+        report_raised_ttls(engine, settings, process=process)
+    finally:
+        engine.dispose()
 
 
 def _after_fork(**_: Any) -> None:

@@ -63,10 +63,13 @@ again). Steps 2 and 4 name the delivery's leaf partitions directly (a generic pl
 partitioned parents locks every partition), falling back to the parents when that leaf does
 not exist. Three statements and two Redis commands per delivery.
 
-*Budgets.* The lease is the processing TTL (4 x hard time limit): a live task is killed by the
-hard limit long before its lease can run out, even with some clock skew between hosts, and
-the fencing token protects the commit if it ever does. The soft limit raises inside the
-handler and is handled as a retryable failure; the hard limit kills the process (a crash).
+*Budgets and clocks.* The lease is the processing TTL (4 x hard time limit): a live task is
+killed by the hard limit long before its lease can run out. Leases and due times are judged
+on the database's clock (``now()`` in the guarded statements, :mod:`webhooks.clock`), never
+this host's: a worker whose clock runs minutes ahead cannot see a live lease as expired, and
+the fencing token protects the commit if a lease ever does run out. The soft limit raises
+inside the handler and is handled as a retryable failure; the hard limit kills the process
+(a crash).
 
 Logs carry ids, outcomes and error classes, never payloads or secrets.
 """
@@ -101,7 +104,7 @@ from webhooks.clock import pinned
 from webhooks.crypto import SecretDecryptError
 from webhooks.logs import get_logger
 from webhooks.metrics import DEAD_LETTERS, DELIVERIES, RECEIPT_TO_SUCCESS, RETRIES
-from webhooks.ttl import TtlConfigError, TtlOverrides, derive_ttl
+from webhooks.ttl import TtlConfigError, TtlOverrides, effective_ttl
 
 log = get_logger(__name__)
 
@@ -165,7 +168,9 @@ def _dedup_ttl(rt: Runtime, row: Any) -> timedelta | None:
         row.retry_window_s, row.queue_lag_s, row.clock_skew_s, row.replay_grace_s
     )
     try:
-        return derive_ttl(row.provider, overrides, rt.settings, source_name=row.name).total
+        # Raised to the safe floor when the terms no longer cover the retry window, as the
+        # receiver does (reported at the start of every process).
+        return effective_ttl(row.provider, overrides, rt.settings, source_name=row.name).total
     except (TtlConfigError, KeyError):
         # Misconfigured source: keep only the processing TTL; Postgres still dedups.
         log.warning("delivery.dedup_ttl_invalid", source=row.public_id)

@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.conftest import BIN, free_port, test_env, wait_for_port
 from tests.leakcheck import log_file
@@ -20,11 +21,14 @@ class Receiver:
     url: str
     port: int
     proc: subprocess.Popen[bytes]
+    log_path: Path
 
 
-def spawn(name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+def spawn(
+    name: str, cmd: list[str], env: dict[str, str], path: Path | None = None
+) -> subprocess.Popen[bytes]:
     """Start a process whose stdout and stderr go to the suite's log directory."""
-    out = log_file(f"{name}-{next(_counter)}").open("ab")
+    out = (path or log_file(f"{name}-{next(_counter)}")).open("ab")
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -41,13 +45,15 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
 @contextmanager
 def receiver(*, workers: int = 1, **env_overrides: str) -> Iterator[Receiver]:
     port = free_port()
+    path = log_file(f"receiver-{next(_counter)}")
     proc = spawn(
         "receiver",
         [str(BIN / "webhooks"), "serve", "--port", str(port), "--workers", str(workers)],
         test_env(**env_overrides),
+        path,
     )
     try:
         wait_for_port(port, proc)
-        yield Receiver(f"http://127.0.0.1:{port}", port, proc)
+        yield Receiver(f"http://127.0.0.1:{port}", port, proc, path)
     finally:
         stop(proc)

@@ -224,7 +224,7 @@ def test_a_receipt_is_never_written_into_a_day_already_past(
     """A receiver whose clock lags the database's computes an expiry that has already passed
     by the database's clock (its event time + TTL): the accept anchors it on its own instant
     instead, so the receipt lands in a live day and is deduplicated for a whole TTL."""
-    source, revoked = source_with_revoked_secret(sessions, settings)
+    source, _ = source_with_revoked_secret(sessions, settings)
     ttl = timedelta(days=2)
     lagging_now = datetime.now(UTC) - timedelta(days=3)  # the receiver's idea of now
     occurred = lagging_now - timedelta(hours=1)

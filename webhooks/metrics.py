@@ -30,6 +30,18 @@ ACCEPT_BATCH = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000),
 )
 
+TTL_RAISED = Counter(
+    "webhooks_ttl_raised_total",
+    "Receipts accepted with the dedup TTL raised to the minimum safe value "
+    "(the source's TTL no longer covers its provider's retry window)",
+    ["source"],
+)
+SOURCES_TTL_RAISED = Gauge(
+    "webhooks_sources_ttl_raised",
+    "Sources whose dedup TTL is below their retry window (raised), found at process start",
+    multiprocess_mode="mostrecent",
+)
+
 # Workers.
 DELIVERIES = Counter("webhooks_deliveries_total", "Delivery attempts by outcome", ["outcome"])
 RETRIES = Counter("webhooks_retries_total", "Retries scheduled")

@@ -145,6 +145,17 @@ class Settings(BaseSettings):
         return "postgresql://" + self.database_url.removeprefix("postgresql+psycopg://")
 
     def check_budgets(self) -> None:
+        """The time budgets, in order, and how the clock-skew allowance relates to them.
+
+        Leases (``processing_ttl``) and due times are judged on one clock, the database's
+        (:mod:`webhooks.clock`), and the fast claim's TTL on Redis's: no host's skew can
+        shorten a live lease, so ``processing_ttl`` carries no margin for
+        ``clock_skew_allowance`` and may be shorter than it. The allowance covers only what
+        host clocks still anchor: a sender's event time and a receiver's arrival time, i.e.
+        the dedup TTL. What a lease must outlive is a live handler, which the hard time limit
+        (this host's monotonic timer, immune to wall-clock steps) ends first:
+        ``hard_time_limit < processing_ttl``, checked below with the rest of the chain.
+        """
         chain = [
             ("WEBHOOKS_HANDLER_IO_TIMEOUT", self.handler_io_timeout),
             ("WEBHOOKS_SOFT_TIME_LIMIT", self.soft_time_limit),

@@ -164,6 +164,39 @@ def derive_ttl(
     return ttl
 
 
+@dataclass(frozen=True)
+class EffectiveTtl:
+    """The TTL receipts are written with, and whether it had to be raised."""
+
+    terms: DedupTtl
+    total: timedelta
+    raised: bool
+
+    def warning(self) -> str | None:
+        if not self.raised:
+            return None
+        return (
+            f"dedup TTL {format_duration(self.terms.total)} is not above the retry window "
+            f"{format_duration(self.terms.retry_window)}: raised to {format_duration(self.total)}"
+        )
+
+
+def effective_ttl(
+    provider: str, overrides: TtlOverrides, settings: Settings, *, source_name: str = "?"
+) -> EffectiveTtl:
+    """The TTL the receiver and the workers use. A source whose terms no longer cover its
+    retry window (a setting or the provider's documented window changed after the source
+    was created, which :func:`derive_ttl` would have refused) is never answered with an
+    error, which would lose its events: its receipts get the minimum safe TTL, the retry
+    window in force plus the clock-skew allowance (at least a second), and ``raised`` says
+    so for the report, the metric and ``webhooks sources list``."""
+    terms = dedup_terms(provider, overrides, settings, source_name=source_name)
+    if terms.covers_retries:
+        return EffectiveTtl(terms, terms.total, raised=False)
+    margin = max(settings.clock_skew_allowance, timedelta(seconds=1))
+    return EffectiveTtl(terms, terms.retry_window + margin, raised=True)
+
+
 def expires_at(occurred_at: datetime | None, received_at: datetime, ttl: timedelta) -> datetime:
     """Deterministic expiry of an event's receipt: ``anchor + ttl``.
 

@@ -12,8 +12,8 @@ from models import catalog
 from models.schema import PROVIDERS, Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
 from webhooks.crypto import SecretBox
-from webhooks.durations import parse_duration
-from webhooks.ttl import TtlOverrides, derive_ttl
+from webhooks.durations import format_duration, parse_duration
+from webhooks.ttl import TtlOverrides
 
 sources_app = typer.Typer(help="Webhook sources (one URL per source).", no_args_is_help=True)
 secrets_app = typer.Typer(help="A source's signing secrets (rotation).", no_args_is_help=True)
@@ -50,9 +50,7 @@ def _box(e: Env) -> SecretBox:
 
 
 def _source_view(e: Env, source: Source) -> dict[str, Any]:
-    ttl = derive_ttl(
-        source.provider, catalog.source_ttl_overrides(source), e.settings, source_name=source.name
-    )
+    ttl = catalog.source_effective_ttl(source, e.settings)
     return {
         "id": source.public_id,
         "name": source.name,
@@ -62,7 +60,10 @@ def _source_view(e: Env, source: Source) -> dict[str, Any]:
         "config": source.config,
         "tolerance_s": source.tolerance_s,
         "max_body_bytes": source.max_body_bytes,
-        "dedup_ttl": ttl.describe(),
+        "dedup_ttl": ttl.terms.describe()
+        if not ttl.raised
+        else f"{format_duration(ttl.total)} (raised)",
+        "warning": ttl.warning(),
         "created_at": source.created_at,
     }
 
@@ -173,10 +174,16 @@ def sources_list(as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(views)
         return
-    table = Table("id", "name", "account", "provider", "url path", "dedup ttl")
+    table = Table("id", "name", "account", "provider", "url path", "dedup ttl", "warning")
     for v in views:
         table.add_row(
-            v["id"], v["name"], v["account"], v["provider"], v["url_path"], v["dedup_ttl"]
+            v["id"],
+            v["name"],
+            v["account"],
+            v["provider"],
+            v["url_path"],
+            v["dedup_ttl"],
+            v["warning"] or "",
         )
     console.print(table)
 
