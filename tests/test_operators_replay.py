@@ -189,7 +189,9 @@ def test_replay_of_a_dead_delivery_keeps_the_key_generation_and_is_audited(
     assert published.ids == dead
     with engine.connect() as conn:
         row = conn.execute(text("SELECT * FROM deliveries WHERE id = :i"), {"i": dead[0]}).one()
-    assert (row.status, row.generation, row.attempts, row.dead_reason) == ("pending", 0, 0, None)
+    assert (row.status, row.generation, row.dead_reason, row.dead_at) == ("pending", 0, None, None)
+    # The attempt number (the fencing token) goes on; the policy counts from the replay.
+    assert (row.attempts, row.attempt_base) == (1, 1)
     [audit] = replay_rows(engine, id=result.replay_id)
     assert (audit.operator, audit.reason, audit.via, audit.status) == (
         "alice",
