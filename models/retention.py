@@ -13,9 +13,10 @@ A receipt is expired from ``now >= expires_at`` (the receiver deduplicates while
 Holds: expiry ends deduplication, never work. A delivery that is pending, retrying or
 processing, or dead within ``dead_letter_retention`` of its ``dead_at``, *holds* its receipt:
 before rows are removed, each held receipt, all its deliveries and all their attempts are
-moved forward (``expires_at`` set to ``now + HOLD_STEP``, or to the end of the dead letters'
-retention when that comes sooner and nothing is unfinished). A held receipt therefore keeps
-deduplicating its event; it is looked at again at the next expiry of its new day. The scan
+moved forward (``expires_at`` set to :func:`hold_end`, the last instant of the UTC day
+``HOLD_STEP`` ahead, or to the end of the dead letters' retention when that comes sooner and
+nothing is unfinished). A held receipt therefore keeps deduplicating its event; it is looked
+at again when its new day is past (the first run after midnight UTC). The scan
 for holds reads the partial indexes ``ix_deliveries_due`` (unfinished) and
 ``ix_deliveries_dead``, so a day whose work all succeeded is still dropped without a scan.
 
@@ -30,7 +31,7 @@ Only counts are logged, never ids or bodies.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, text
@@ -44,7 +45,8 @@ from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlConfigError, TtlOverrides, dedu
 log = get_logger("retention")
 
 # How far a held receipt moves at a time: held rows are looked at again once a day, and a
-# held event stays deduplicated for at most this long after its work finished.
+# held event stays deduplicated for about this long (up to the end of that UTC day) after
+# its work finished.
 HOLD_STEP = timedelta(days=1)
 
 # Deliveries first, then the attempts and receipts none of them needs any more: each later
@@ -127,6 +129,15 @@ class DeleteCounts:
     rows: dict[str, int] = field(default_factory=dict)
     statements: dict[str, int] = field(default_factory=dict)
     holds: Holds = field(default_factory=Holds)
+
+
+def hold_end(now: datetime) -> datetime:
+    """Where a receipt held at ``now`` moves: the last instant of the UTC day ``HOLD_STEP``
+    ahead. Not ``now + HOLD_STEP`` itself: a partition is dropped (and its held rows moved
+    again) only once its whole day is past, so a receipt expiring mid-day would stop
+    deduplicating for the rest of that day while still held."""
+    _, upper = partitions.day_bounds((now + HOLD_STEP).astimezone(UTC).date())
+    return upper - _US
 
 
 def _decision_time(conn: Connection, now: datetime | None) -> datetime:
@@ -238,9 +249,9 @@ _HELD_SQL = f"""
            count(*) FILTER (WHERE status = 'processing'
                               AND lease_until > CAST(:now AS timestamptz)) AS leased,
            CASE WHEN bool_or(status IN ({_UNFINISHED}))
-                THEN CAST(:now AS timestamptz) + :step
+                THEN CAST(:hold_end AS timestamptz)
                 ELSE least(max(dead_at) FILTER (WHERE status = 'dead') + :retention,
-                           CAST(:now AS timestamptz) + :step)
+                           CAST(:hold_end AS timestamptz))
            END AS hold_until
     FROM locked
     GROUP BY receipt_id, expires_at
@@ -284,7 +295,7 @@ class _Held:
 def _held(conn: Connection, deliveries: str, now: datetime, settings: Settings) -> list[_Held]:
     rows = conn.execute(
         text(_HELD_SQL.format(deliveries=partitions.quote(conn, deliveries))),
-        {"now": now, "retention": settings.dead_letter_retention, "step": HOLD_STEP},
+        {"now": now, "retention": settings.dead_letter_retention, "hold_end": hold_end(now)},
     ).all()
     return [_Held(int(r[0]), r[1], int(r[2]), r[3]) for r in rows]
 

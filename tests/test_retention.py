@@ -33,11 +33,11 @@ from ingest.store import NewReceipt, accept_sync
 from models import partitions, transitions
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.retention import (
-    HOLD_STEP,
     delete_expired,
     drop_expired_partitions,
     drop_payloads,
     ensure_partitions,
+    hold_end,
     longest_ttl,
     run_maintenance,
 )
@@ -289,9 +289,12 @@ GONE_KINDS = ("succeeded", "dead_old", "discarded", "no_route")
 
 
 def _work_in_every_state(
-    sessions: sessionmaker[Session], settings: Settings, source: MadeSource, received: datetime,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    source: MadeSource,
+    received: datetime,
     now: datetime,
-) -> dict[str, list[int]]:  # fmt: skip
+) -> dict[str, list[int]]:
     """Events received at ``received`` (expired by ``now``), one per kind; returns each
     kind's delivery ids. ``split`` has a succeeded and a pending delivery."""
     ttl = timedelta(days=1)
@@ -313,9 +316,13 @@ def _work_in_every_state(
     found = claim(sessions, ids["retrying"][0], first)
     with sessions() as session, session.begin():
         transitions.retry_later(
-            session, found, now=first, next_attempt_at=now + timedelta(hours=1),
-            error_class="E", error="e",
-        )  # fmt: skip
+            session,
+            found,
+            now=first,
+            next_attempt_at=now + timedelta(hours=1),
+            error_class="E",
+            error="e",
+        )
     claim(sessions, ids["processing"][0], first)  # its lease ran out long ago: still unfinished
     kill(sessions, ids["dead_recent"][0], now - timedelta(minutes=30))
     with sessions() as session, session.begin():
@@ -345,9 +352,12 @@ def attempts_of(engine: Engine, ids: list[int]) -> dict[int, int]:
 
 
 def _check_expiry_kept_held_work(
-    engine: Engine, source: MadeSource, ids: dict[str, list[int]], now: datetime,
+    engine: Engine,
+    source: MadeSource,
+    ids: dict[str, list[int]],
+    now: datetime,
     attempts_before: dict[int, int],
-) -> None:  # fmt: skip
+) -> None:
     """The assertions shared by both modes: held work, its receipt (with its payload) and
     its attempts all remain, moved forward; finished work is gone."""
     receipts = {r.event_id: r for r in receipts_of(engine, source)}
@@ -377,7 +387,7 @@ def _check_expiry_kept_held_work(
         if kind == "dead_recent":  # held to the end of its retention (1 h), sooner than a day
             assert receipt.expires_at == now - timedelta(minutes=30) + timedelta(hours=1)
         else:
-            assert receipt.expires_at == now + HOLD_STEP
+            assert receipt.expires_at == hold_end(now)
 
 
 def test_expiry_never_removes_unfinished_or_dead_work_partition_mode(

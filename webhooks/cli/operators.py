@@ -293,8 +293,9 @@ def dead_discard(
         typer.confirm(
             f"Discard {plan.count} dead letters? They can no longer be replayed", abort=True
         )
-    # Log lines go to stderr, warnings only; the audit row is the record.
-    configure_logging("WARNING", json=e.settings.log_json)
+    # Log lines (counts only) go to stderr, so stdout stays the result; the audit row is the
+    # record.
+    configure_logging(e.settings.log_level, json=e.settings.log_json)
     with e.session() as session:
         result = discards.execute_discard(session, plan, now=pinned(e.clock))
     discards.record_discarded(result, "cli")

@@ -1,0 +1,714 @@
+"""Retention holds (issue 9): expiry never removes unfinished work or dead letters.
+
+In-process tests inject the clock (an explicit ``now``, standing for the database's) and
+work in March-April 2025, days no other test writes to. The black-box test runs
+``webhooks maintenance run`` as a subprocess under libfaketime with its process clock ten
+days ahead; expiry is decided on the database's clock, so only finished work may go.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import libfaketime  # type: ignore[import-untyped]
+import psycopg
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import partitions, queries, retention, transitions
+from models.db import make_engine, make_sessionmaker, upgrade
+from models.partitions import leaf_suffix
+from models.retention import ensure_partitions, hold_end, run_maintenance
+from models.transitions import Claim
+from tests.conftest import ADMIN_DSN, BIN, TEST_DB, make_settings
+from tests.conftest import test_env as subprocess_env
+from tests.factories import MadeSource, accept_event, make_source
+from tests.leakcheck import remember
+from webhooks.settings import Settings
+
+T0 = datetime(2025, 3, 1, 9, tzinfo=UTC)
+DAY = timedelta(days=1)
+SEC = timedelta(seconds=1)
+LEASE = timedelta(minutes=5)
+TTL = timedelta(days=4)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def made(sessions: sessionmaker[Session]) -> Iterator[list[MadeSource]]:
+    created: list[MadeSource] = []
+    yield created
+    forget(sessions, created)
+
+
+def forget(sessions: sessionmaker[Session], sources: list[MadeSource]) -> None:
+    ids = [s.id for s in sources]
+    if not ids:
+        return
+    with sessions() as session, session.begin():
+        session.execute(
+            text(
+                "DELETE FROM attempts WHERE delivery_id IN "
+                "(SELECT id FROM deliveries WHERE source_id = ANY(:ids))"
+            ),
+            {"ids": ids},
+        )
+        for table in ("deliveries", "receipts", "conflicts"):
+            session.execute(text(f"DELETE FROM {table} WHERE source_id = ANY(:ids)"), {"ids": ids})
+        session.execute(
+            text("DELETE FROM audit_log WHERE target->>'source' = ANY(:p)"),
+            {"p": [s.public_id for s in sources]},
+        )
+        session.execute(text("DELETE FROM sources WHERE id = ANY(:ids)"), {"ids": ids})
+
+
+def new_source(
+    sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource], **kw: Any
+) -> MadeSource:
+    source = make_source(sessions, settings, **kw)
+    made.append(source)
+    remember(source.secret)
+    return source
+
+
+def accept(
+    settings: Settings, source: MadeSource, event_id: str, now: datetime | None, **kw: Any
+) -> tuple[str, tuple[int, ...]]:
+    body = {"id": event_id, "type": "test.event", "data": {"n": 1}}
+    _, outcome = accept_event(
+        settings, source, event_id=event_id, body=body, now=now, ttl=TTL, **kw
+    )
+    return outcome.status, outcome.delivery_ids
+
+
+def claim(sessions: sessionmaker[Session], delivery_id: int, now: datetime) -> Claim:
+    with sessions() as session, session.begin():
+        found = transitions.claim(
+            session, delivery_id, now=now, lease=LEASE, max_redeliveries=3, worker="test"
+        )
+    assert found is not None
+    return found
+
+
+def succeed(sessions: sessionmaker[Session], delivery_id: int, at: datetime) -> None:
+    found = claim(sessions, delivery_id, at)
+    with sessions() as session, session.begin():
+        transitions.succeed(session, found, now=at)
+
+
+def kill(sessions: sessionmaker[Session], delivery_id: int, at: datetime) -> None:
+    found = claim(sessions, delivery_id, at)
+    with sessions() as session, session.begin():
+        transitions.kill(session, found, now=at, reason="permanent", error_class="E", error="e")
+
+
+def retry_later(
+    sessions: sessionmaker[Session], delivery_id: int, at: datetime, due: datetime
+) -> None:
+    found = claim(sessions, delivery_id, at)
+    with sessions() as session, session.begin():
+        transitions.retry_later(
+            session, found, now=at, next_attempt_at=due, error_class="E", error="e"
+        )
+
+
+@dataclass(frozen=True)
+class Row:
+    event_id: str
+    expires_at: datetime
+    has_payload: bool
+    statuses: tuple[str, ...]
+    attempts: int
+
+
+def rows_of(engine: Engine, source: MadeSource) -> dict[str, Row]:
+    """Each receipt of the source with its deliveries' states and attempt count."""
+    with engine.connect() as conn:
+        found = conn.execute(
+            text(
+                """
+                SELECT r.event_id, r.expires_at, r.payload IS NOT NULL,
+                       coalesce(array_agg(d.status ORDER BY d.route_id)
+                                FILTER (WHERE d.id IS NOT NULL), '{}'),
+                       (SELECT count(*) FROM attempts a JOIN deliveries d2
+                          ON a.delivery_id = d2.id AND a.expires_at = d2.expires_at
+                        WHERE d2.receipt_id = r.id AND d2.expires_at = r.expires_at)
+                FROM receipts r
+                LEFT JOIN deliveries d ON d.receipt_id = r.id AND d.expires_at = r.expires_at
+                WHERE r.source_id = :s
+                GROUP BY r.id, r.event_id, r.expires_at, r.payload
+                """
+            ),
+            {"s": source.id},
+        ).all()
+    return {r[0]: Row(r[0], r[1], bool(r[2]), tuple(r[3]), int(r[4])) for r in found}
+
+
+def count_deliveries(engine: Engine, source: MadeSource) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM deliveries WHERE source_id = :s"), {"s": source.id}
+            ).scalar_one()
+        )
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+class Recorder:
+    """Stands in for the retention module's logger: keeps (event, fields) pairs."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.lines.append((event, fields))
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [fields for event, fields in self.lines if event == name]
+
+
+def database_now(engine: Engine) -> datetime:
+    with engine.connect() as conn:
+        now: datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+    return now
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "webhooks"), *args],
+        env=env or subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def json_logs(stderr: str) -> list[dict[str, Any]]:
+    lines = []
+    for line in stderr.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue
+    return lines
+
+
+# ------------------------------------------------------------------------------------------
+# Unfinished work is held, stays deduplicated and is delivered
+# ------------------------------------------------------------------------------------------
+
+
+def test_retrying_delivery_is_held_deduplicated_and_delivered_ten_days_later(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
+) -> None:
+    """Accepted on day 0 with a 4-day TTL, still retrying on day 10 (the downstream was down):
+    daily maintenance holds it, a re-sent copy is a duplicate after the original expiry, and
+    on day 10 the worker's own claim finds it with its payload and delivers it. A succeeded
+    sibling event received with it is expired on schedule."""
+    source = new_source(sessions, settings, made)
+    ensure_partitions(engine, settings, T0)
+    status, (retried,) = accept(settings, source, "evt_retry", T0)
+    assert status == "accepted"
+    status, (done,) = accept(settings, source, "evt_done", T0)
+    assert status == "accepted"
+    succeed(sessions, done, T0 + SEC)
+    due = T0 + 10 * DAY
+    retry_later(sessions, retried, T0 + SEC, due)
+    original_expiry = T0 + TTL
+
+    held_days = []
+    for day in range(1, 11):
+        now = T0 + day * DAY
+        report = run_maintenance(engine, settings, now)
+        rows = rows_of(engine, source)
+        row = rows["evt_retry"]
+        if now < original_expiry or report.held_receipts or day > 5:
+            # Deduplicated every day: within its TTL, and from the first hold on.
+            assert row.expires_at > now, day
+        else:
+            # Its original expiry; held once that day is past (the next day's first run).
+            assert row.expires_at == original_expiry == now, day
+        assert (row.has_payload, row.statuses, row.attempts) == (True, ("retrying",), 1), day
+        if report.held_receipts:
+            held_days.append(day)
+            assert row.expires_at == hold_end(now)
+        # The succeeded event goes once its day is past, and only then.
+        assert ("evt_done" in rows) == (day <= 4), day
+        if day == 6:  # two days past the original expiry: a re-sent copy is a duplicate
+            assert accept(settings, source, "evt_retry", now + timedelta(hours=1))[0] == (
+                "duplicate"
+            )
+    assert held_days[:1] == [5]  # the first run after the original expiry's day
+
+    # Day 10, the retry is due: the worker's claim (probe, then the leaf statement) finds the
+    # delivery and its event's payload where the holds moved them.
+    now = due + timedelta(minutes=1)
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as raw:
+        probe = raw.execute(
+            "SELECT generation, expires_at FROM deliveries WHERE id = %s", (retried,)
+        ).fetchone()
+        assert probe is not None
+        generation, expires_at = probe
+        claimed = transitions.claim_with_event(
+            raw,
+            retried,
+            generation=generation,
+            expires_at=expires_at,
+            now=now,
+            lease=LEASE,
+            max_redeliveries=3,
+            worker="test",
+            leaf=leaf_suffix(expires_at, "partition"),
+        )
+    assert claimed is not None
+    found, event = claimed
+    assert event.receipt_found
+    assert event.payload is not None
+    assert json.loads(bytes(event.payload))["id"] == "evt_retry"
+    with sessions() as session, session.begin():
+        transitions.succeed(session, found, now=now + SEC)
+
+    # Finished: expired at the end of its last hold, like any finished event.
+    run_maintenance(engine, settings, now + 3 * DAY)
+    assert rows_of(engine, source) == {}
+    assert count_deliveries(engine, source) == 0
+
+
+def test_pending_delivery_and_its_succeeded_sibling_are_held_together(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
+) -> None:
+    source = new_source(
+        sessions,
+        settings,
+        made,
+        routes=[{"handler": "log"}, {"handler": "log"}],
+    )
+    ensure_partitions(engine, settings, T0)
+    status, (first, second) = accept(settings, source, "evt_split", T0)
+    assert status == "accepted"
+    succeed(sessions, first, T0 + SEC)
+    now = T0 + TTL + DAY
+    report = run_maintenance(engine, settings, now)
+    row = rows_of(engine, source)["evt_split"]
+    assert row.statuses == ("succeeded", "pending")
+    assert row.attempts == 1
+    assert row.has_payload
+    assert row.expires_at == hold_end(now)
+    assert report.rows_moved == {"receipts": 1, "deliveries": 2, "attempts": 1}
+    # The pending one is still claimable by id (the sweeper's path).
+    claim(sessions, second, now + SEC)
+
+
+# ------------------------------------------------------------------------------------------
+# Dead letters: kept for their retention, then expired, logged and counted
+# ------------------------------------------------------------------------------------------
+
+
+def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
+    engine: Engine,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    made: list[MadeSource],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert settings.dead_letter_retention == timedelta(days=30)  # the default
+    source = new_source(sessions, settings, made)
+    ensure_partitions(engine, settings, T0)
+    (dead,) = accept(settings, source, "evt_dead", T0)[1]
+    (replayed,) = accept(settings, source, "evt_replayed", T0)[1]
+    died = T0 + timedelta(hours=1)  # day 1
+    kill(sessions, dead, died)
+    kill(sessions, replayed, died)
+    recorder = Recorder()
+    monkeypatch.setattr(retention, "log", recorder)
+    before = sample("webhooks_dead_letters_discarded_total", via="retention")
+
+    for day in range(1, 11):
+        run_maintenance(engine, settings, T0 + day * DAY)
+    # Day 10: both listed as dead letters, with their receipts and payloads.
+    with sessions() as session:
+        groups = queries.dead_letters(session, source=source.public_id)
+    assert sum(g.count for g in groups) == 2
+    assert {i for g in groups for i in g.sample_ids} == {dead, replayed}
+    assert all(r.has_payload for r in rows_of(engine, source).values())
+    # One is replayed on day 10 and keeps its downstream key (generation 0).
+    day10 = T0 + 10 * DAY
+    with sessions() as session, session.begin():
+        assert transitions.replay(session, replayed, now=day10, publish_grace=SEC)
+    again = claim(sessions, replayed, day10 + SEC)
+    assert again.generation == 0
+    with sessions() as session, session.begin():
+        transitions.succeed(session, again, now=day10 + 2 * SEC)
+
+    for day in range(11, 31):
+        run_maintenance(engine, settings, T0 + day * DAY)
+        assert "evt_dead" in rows_of(engine, source), day  # within its retention
+    assert recorder.events("dead_letters_expired") == []
+    assert sample("webhooks_dead_letters_discarded_total", via="retention") == before
+    # Its retention ends on day 31 at 10:00; its (moved) day is past on day 32.
+    assert rows_of(engine, source)["evt_dead"].expires_at == died + timedelta(days=30)
+    report = run_maintenance(engine, settings, T0 + 31 * DAY)
+    assert report.dead_letters_expired == 1
+    assert rows_of(engine, source) == {}
+    assert count_deliveries(engine, source) == 0
+    with sessions() as session:
+        assert queries.dead_letters(session, source=source.public_id) == []
+    # Logged with its count only, and counted.
+    (line,) = recorder.events("dead_letters_expired")
+    assert line == {"count": 1}
+    assert sample("webhooks_dead_letters_discarded_total", via="retention") == before + 1
+
+
+# ------------------------------------------------------------------------------------------
+# A live lease postpones the day; finished work goes on schedule
+# ------------------------------------------------------------------------------------------
+
+
+def test_live_lease_postpones_the_drop_and_the_worker_still_finishes(
+    engine: Engine,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    made: list[MadeSource],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source = new_source(sessions, settings, made)
+    ensure_partitions(engine, settings, T0)
+    (delivery,) = accept(settings, source, "evt_leased", T0)[1]
+    expiry_day = (T0 + TTL).date()
+    now = partitions.day_bounds(expiry_day)[1] + timedelta(minutes=10)  # its day is past
+    running = claim(sessions, delivery, now - timedelta(minutes=1))  # lease until now + 4 min
+    recorder = Recorder()
+    monkeypatch.setattr(retention, "log", recorder)
+
+    report = run_maintenance(engine, settings, now)
+
+    assert report.postponed == [expiry_day.isoformat()]
+    assert not set(report.partitions_dropped) & {
+        partitions.partition_name(t, expiry_day) for t in ("receipts", "deliveries", "attempts")
+    }
+    assert recorder.events("partition_drop_postponed") == [
+        {"day": expiry_day.isoformat(), "count": 1}
+    ]
+    row = rows_of(engine, source)["evt_leased"]
+    assert row.expires_at == T0 + TTL  # not moved under the running worker
+    # The worker's finishing statement (it names expires_at) still matches its row.
+    with sessions() as session, session.begin():
+        transitions.succeed(session, running, now=now + timedelta(minutes=2))
+    # Finished: the next run drops the day, and the receipt with it.
+    report = run_maintenance(engine, settings, now + timedelta(minutes=10))
+    assert report.postponed == []
+    assert partitions.partition_name("deliveries", expiry_day) in report.partitions_dropped
+    assert rows_of(engine, source) == {}
+
+
+DELETE_DB = f"{TEST_DB}_holds_delete"
+
+
+@pytest.fixture(scope="module")
+def delete_mode() -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
+    url = f"postgresql://postgres@127.0.0.1:5432/{DELETE_DB}"
+    settings = make_settings(database_url=url, retention_mode="delete", delete_batch_size=2)
+    drop_database(DELETE_DB)
+    upgrade(settings)
+    engine = make_engine(settings, pool_size=2)
+    try:
+        yield settings, engine, make_sessionmaker(engine)
+    finally:
+        engine.dispose()
+        drop_database(DELETE_DB)
+
+
+def drop_database(name: str) -> None:
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
+        )
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def test_delete_mode_live_lease_is_neither_moved_nor_deleted(
+    delete_mode: tuple[Settings, Engine, sessionmaker[Session]],
+) -> None:
+    """The hold step leaves a leased receipt where it is; the batches' own predicates then
+    refuse its delivery, attempts and receipt although they are expired."""
+    settings, engine, sessions = delete_mode
+    source = make_source(sessions, settings)
+    (leased,) = accept(settings, source, "evt_leased", T0)[1]
+    (done,) = accept(settings, source, "evt_done", T0)[1]
+    succeed(sessions, done, T0 + SEC)
+    now = T0 + TTL + timedelta(hours=1)
+    running = claim(sessions, leased, now - timedelta(minutes=1))
+
+    report = run_maintenance(engine, settings, now)
+
+    assert report.postponed == [f"receipt {rows_receipt_id(engine, 'evt_leased', source)}"]
+    assert report.held_receipts == 0
+    assert report.rows_deleted == {"deliveries": 1, "attempts": 1, "receipts": 1, "conflicts": 0}
+    row = rows_of(engine, source)["evt_leased"]
+    assert (row.expires_at, row.statuses, row.attempts) == (T0 + TTL, ("processing",), 1)
+    assert "evt_done" not in rows_of(engine, source)
+    # The worker finishes (its statement names expires_at: the row did not move); then the
+    # event is finished work and goes.
+    with sessions() as session, session.begin():
+        transitions.succeed(session, running, now=now + SEC)
+    report = run_maintenance(engine, settings, now + timedelta(minutes=10))
+    assert report.rows_deleted["deliveries"] == 1
+    assert rows_of(engine, source) == {}
+
+
+def rows_receipt_id(engine: Engine, event_id: str, source: MadeSource) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT id FROM receipts WHERE source_id = :s AND event_id = :e"),
+                {"s": source.id, "e": event_id},
+            ).scalar_one()
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Operator discard (CLI, audited)
+# ------------------------------------------------------------------------------------------
+
+
+def test_dead_discard_cli_previews_then_discards_with_an_audit_row(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
+) -> None:
+    source = new_source(sessions, settings, made)
+    other = new_source(sessions, settings, made)
+    ensure_partitions(engine, settings, None)
+    dead = [accept(settings, source, f"evt_d{n}", None)[1][0] for n in range(3)]
+    (pending,) = accept(settings, source, "evt_pending", None)[1]
+    (elsewhere,) = accept(settings, other, "evt_other", None)[1]
+    now = database_now(engine)
+    for delivery in [*dead, elsewhere]:
+        kill(sessions, delivery, now)
+
+    preview = run_cli("dead", "discard", "--source", source.public_id, "--dry-run", "--json")
+    assert preview.returncode == 0, preview.stderr
+    assert json.loads(preview.stdout)["preview"]["count"] == 3
+    # A pending delivery is not a dead letter: refused by id, nothing changed.
+    refused = run_cli("dead", "discard", str(pending), "--reason", "x", "--yes")
+    assert refused.returncode == 1
+    assert "not a dead letter" in refused.stderr
+    no_reason = run_cli("dead", "discard", "--source", source.public_id, "--yes")
+    assert no_reason.returncode == 1
+    assert "--reason is required" in no_reason.stderr
+    assert _statuses(engine, [*dead, pending, elsewhere]) == (["dead"] * 3 + ["pending", "dead"])
+
+    done = run_cli(
+        "dead",
+        "discard",
+        "--source",
+        source.public_id,
+        "--operator",
+        "alice",
+        "--reason",
+        "customer deleted the integration",
+        "--yes",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)["result"]
+    assert (result["planned"], result["discarded"]) == (3, 3)
+    assert _statuses(engine, [*dead, pending, elsewhere]) == (
+        ["discarded"] * 3 + ["pending", "dead"]
+    )
+    with engine.connect() as conn:
+        audit = conn.execute(
+            text(
+                "SELECT id, operator, action, target, reason, count, via, at FROM audit_log"
+                " WHERE target->>'source' = :p"
+            ),
+            {"p": source.public_id},
+        ).one()
+    assert audit.id == result["audit_id"]
+    assert (audit.operator, audit.action, audit.reason, audit[5], audit.via) == (
+        "alice",
+        "discard",
+        "customer deleted the integration",
+        3,
+        "cli",
+    )
+    assert audit.target == {"source": source.public_id}
+    assert abs(audit.at - now) < timedelta(minutes=5)
+    # Logged with counts, no delivery id, no event id.
+    (line,) = [x for x in json_logs(done.stderr) if x.get("event") == "dead_letters_discarded"]
+    assert (line["count"], line["via"]) == (3, "cli")
+    assert not any(f"evt_d{n}" in done.stderr for n in range(3))
+    # Nothing left to discard: a second run changes nothing and says so.
+    again = run_cli("dead", "discard", "--source", source.public_id, "--reason", "again", "--yes")
+    assert again.returncode == 0
+    assert "nothing to discard" in again.stdout
+
+
+def _statuses(engine: Engine, ids: list[int]) -> list[str]:
+    with engine.connect() as conn:
+        found: dict[int, str] = dict(
+            conn.execute(
+                text("SELECT id, status FROM deliveries WHERE id = ANY(:ids)"), {"ids": ids}
+            ).all()
+        )
+    return [found[i] for i in ids]
+
+
+def test_operator_discard_is_counted(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
+) -> None:
+    from models import discards  # noqa: PLC0415
+
+    source = new_source(sessions, settings, made)
+    ensure_partitions(engine, settings, None)
+    (delivery,) = accept(settings, source, "evt_counted", None)[1]
+    kill(sessions, delivery, database_now(engine))
+    before = sample("webhooks_dead_letters_discarded_total", via="operator")
+    request = discards.DiscardRequest(
+        operator="bob",
+        reason="test",
+        via="cli",
+        filter_as_given={"source": source.public_id},
+        ids=(delivery,),
+    )
+    with sessions() as session, session.begin():
+        plan = discards.plan_discard(session, request)
+        result = discards.execute_discard(session, plan, now=None)
+    discards.record_discarded(result, "cli")
+    assert result.discarded == 1
+    assert sample("webhooks_dead_letters_discarded_total", via="operator") == before + 1
+
+
+# ------------------------------------------------------------------------------------------
+# The database's clock
+# ------------------------------------------------------------------------------------------
+
+
+def test_ensure_partitions_on_the_database_clock_never_creates_a_past_day(
+    engine: Engine, settings: Settings
+) -> None:
+    """A process whose clock lags three days (libfaketime) lays out partitions with
+    ``now=None``: the database's clock decides, so no day it creates is already past."""
+    run_maintenance(engine, settings, None)  # past days dropped: one re-created would show
+    env = lagging_env("-3d")
+    assert _process_clock(env) < database_now(engine) - timedelta(days=2)
+    script = (
+        "from models.db import make_engine; from models.retention import ensure_partitions;"
+        "from webhooks.settings import load_settings; s = load_settings();"
+        "print(len(ensure_partitions(make_engine(s, pool_size=1), s, None)))"
+    )
+    done = subprocess.run(
+        [str(BIN / "python"), "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    now = database_now(engine)
+    with engine.connect() as conn:
+        layout = partitions.list_partitions(conn)
+    past = [p.name for p in layout if p.upper is not None and p.upper <= now]
+    assert past == []
+    yesterday = (now - DAY).date()
+    assert partitions.partition_name("receipts", yesterday) not in {p.name for p in layout}
+
+
+def lagging_env(offset: str) -> dict[str, str]:
+    """The test environment with the process clock moved by ``offset`` (libfaketime)."""
+    env = subprocess_env()
+    env.update(libfaketime.get_reload_information()[1])
+    env["FAKETIME"] = offset
+    return env
+
+
+def _process_clock(env: dict[str, str]) -> datetime:
+    done = subprocess.run(
+        [str(BIN / "python"), "-c", "import datetime; print(datetime.datetime.now(datetime.UTC))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return datetime.fromisoformat(done.stdout.strip())
+
+
+# ------------------------------------------------------------------------------------------
+# Black box: `webhooks maintenance run` with its process clock ten days ahead
+# ------------------------------------------------------------------------------------------
+
+
+def test_maintenance_run_ten_days_ahead_removes_only_finished_work(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
+) -> None:
+    source = new_source(sessions, settings, made)
+    db_now = database_now(engine)
+    old = db_now - timedelta(days=12)  # expired 8 days ago, by the database's clock
+    ancient = db_now - timedelta(days=40)  # died 39 days ago: past the 30-day retention
+    ensure_partitions(engine, settings, ancient)
+    ensure_partitions(engine, settings, old)
+    ids = {}
+    for name, at in [
+        ("old_succeeded", old),
+        ("old_retrying", old),
+        ("old_pending", old),
+        ("old_dead", old),
+        ("ancient_dead", ancient),
+    ]:
+        status, (ids[name],) = accept(settings, source, name, at)
+        assert status == "accepted"
+    succeed(sessions, ids["old_succeeded"], old + SEC)
+    retry_later(sessions, ids["old_retrying"], old + SEC, db_now + timedelta(hours=1))
+    kill(sessions, ids["old_dead"], old + timedelta(minutes=1))
+    kill(sessions, ids["ancient_dead"], ancient + timedelta(minutes=1))
+    for name in ("current_succeeded", "current_pending"):  # accepted now, expiring in 4 days
+        status, (ids[name],) = accept(settings, source, name, None)
+        assert status == "accepted"
+    succeed(sessions, ids["current_succeeded"], database_now(engine))
+    before = rows_of(engine, source)
+    assert all(before[n].expires_at <= db_now for n in before if not n.startswith("current"))
+
+    env = lagging_env("+10d")
+    assert _process_clock(env) > database_now(engine) + timedelta(days=9)
+    done = run_cli("maintenance", "run", "--json", env=env)
+
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    after = rows_of(engine, source)
+    assert set(after) == {
+        "old_retrying",
+        "old_pending",
+        "old_dead",
+        "current_succeeded",
+        "current_pending",
+    }
+    end = database_now(engine)
+    for name in ("old_retrying", "old_pending", "old_dead"):
+        row = after[name]
+        assert db_now < row.expires_at <= end + 2 * DAY, name  # moved forward, held
+        assert row.has_payload, name
+        assert (row.statuses, row.attempts) == (before[name].statuses, before[name].attempts)
+    for name in ("current_succeeded", "current_pending"):
+        assert after[name] == before[name], name  # untouched: the +10 days were ignored
+    assert report["held_receipts"] >= 3
+    assert report["dead_letters_expired"] >= 1
+    assert datetime.fromisoformat(report["now"]) < db_now + DAY  # the database's instant
+    expired = [x for x in json_logs(done.stderr) if x.get("event") == "dead_letters_expired"]
+    assert expired
+    assert all(set(x) <= {"event", "count", "level", "timestamp"} for x in expired)
+    assert "ancient_dead" not in done.stderr
