@@ -36,6 +36,7 @@ from starlette.routing import Mount, Route
 from ingest.providers import AuthError, Challenge, MalformedEvent, authenticate, extract
 from ingest.publisher import Publisher
 from ingest.store import NewReceipt, SourceRecord, Store
+from tasks.config import Dispatch
 from webhooks import metrics
 from webhooks.clock import Clock, SystemClock, pinned
 from webhooks.crypto import SecretBox
@@ -193,7 +194,9 @@ class Receiver:
             metrics.TTL_RAISED.labels(label).inc()
         # After the commit: hand the ids to the publisher thread; its failures are counted
         # there and the sweeper covers them, so the answer does not wait for the broker.
-        self.publisher.submit(label, outcome.delivery_ids)
+        self.publisher.submit(
+            label, [Dispatch(i, meta.event_id, source.public_id) for i in outcome.delivery_ids]
+        )
         metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
         return self._answer(
             label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from kombu.utils import json as kombu_json
 
-from tasks.config import DELIVER_TASK, DELIVERIES_QUEUE, create_app
+from tasks.config import DELIVER_TASK, DELIVERIES_QUEUE, Dispatch, create_app
 from webhooks import metrics
 from webhooks.logs import get_logger
 from webhooks.settings import Settings
@@ -29,7 +29,7 @@ from webhooks.settings import Settings
 log = get_logger("ingest.publisher")
 
 MAX_BATCH = 500
-_STOP = ("", -1)
+_STOP = ("", Dispatch(-1))
 
 
 class Publisher:
@@ -49,19 +49,19 @@ class Publisher:
             broker_transport_options=transport,
         )
         self.timeout = settings.publish_timeout
-        self._queue: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, Dispatch]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._producer: Any = None
         self._client: redis.Redis | None = None
         self._redis_broker = settings.broker_url.startswith(("redis://", "rediss://"))
         self._lock = threading.Lock()
 
-    def submit(self, label: str, delivery_ids: Sequence[int]) -> None:
-        """Queue committed delivery ids for publishing; never blocks on the broker."""
+    def submit(self, label: str, dispatches: Sequence[Dispatch]) -> None:
+        """Queue committed deliveries for publishing; never blocks on the broker."""
         if self._thread is None:
             self._start()
-        for delivery_id in delivery_ids:
-            self._queue.put((label, delivery_id))
+        for dispatch in dispatches:
+            self._queue.put((label, dispatch))
 
     def _start(self) -> None:
         with self._lock:
@@ -84,28 +84,33 @@ class Publisher:
             if stopping:
                 return
 
-    def _publish_batch(self, batch: list[tuple[str, int]]) -> None:
+    def _publish_batch(self, batch: list[tuple[str, Dispatch]]) -> None:
         try:
-            self.publish_sync([delivery_id for _, delivery_id in batch])
+            self.publish_sync([dispatch for _, dispatch in batch])
         except Exception as exc:  # noqa: BLE001  (durable already; the sweeper publishes)
             self._drop_producer()
             for label, _ in batch:
                 metrics.PUBLISH_FAILURES.labels(label).inc()
             log.warning("publish_failed", deliveries=len(batch), error=exc.__class__.__name__)
 
-    def publish_sync(self, delivery_ids: Sequence[int]) -> None:
+    def publish_sync(self, dispatches: Sequence[Dispatch]) -> None:
         """Publish now; raises on failure. One thread per Publisher calls this: the background
         thread behind :meth:`submit`, or a caller that never uses submit (replays)."""
         if self._redis_broker:
-            self._lpush(delivery_ids)
+            self._lpush(dispatches)
             return
         producer = self._get_producer()
-        for delivery_id in delivery_ids:
+        for dispatch in dispatches:
+            options: dict[str, Any] = dispatch.reprs()
             self.app.send_task(
-                DELIVER_TASK, args=[delivery_id], queue=DELIVERIES_QUEUE, producer=producer
+                DELIVER_TASK,
+                args=(dispatch.delivery_id,),
+                queue=DELIVERIES_QUEUE,
+                producer=producer,
+                **options,
             )
 
-    def _lpush(self, delivery_ids: Sequence[int]) -> None:
+    def _lpush(self, dispatches: Sequence[Dispatch]) -> None:
         """The Redis broker path: Celery builds each message (``as_task_v2``), kombu's channel
         turns it into the transport's wire form, and the whole batch is one LPUSH.
 
@@ -117,14 +122,15 @@ class Publisher:
         channel = self._get_producer().channel
         amqp = self.app.amqp
         wire = []
-        for delivery_id in delivery_ids:
+        for dispatch in dispatches:
             task_id = str(uuid.uuid4())
+            reprs = dispatch.reprs()
             headers, properties, body, _ = amqp.as_task_v2(
                 task_id,
                 DELIVER_TASK,
-                args=(delivery_id,),
-                argsrepr=f"[{delivery_id}]",
-                kwargsrepr="{}",
+                args=(dispatch.delivery_id,),
+                argsrepr=reprs["argsrepr"],
+                kwargsrepr=reprs["kwargsrepr"],
             )
             message = channel.prepare_message(
                 json.dumps(body),

@@ -41,7 +41,8 @@ MAX_PLAN = 100_000  # candidates in one replay; narrow the filter beyond that
 SAMPLE_SIZE = 10
 
 Via = Literal["cli", "api"]
-Publish = Callable[[int], bool]
+# Publishes one delivery: (delivery id, event id, source public id) -> published?
+Publish = Callable[[int, str, str], bool]
 
 
 class ReplayError(ValueError):
@@ -284,7 +285,7 @@ def execute(
                 skip = _replay_one(session, c, replay_id, now=pinned(clock), settings=settings)
             if skip is None:
                 result.replayed += 1
-                if not publish(c.delivery_id):
+                if not publish(c.delivery_id, c.event_id, c.source):
                     result.publish_failed += 1
             else:
                 result.skipped += 1
@@ -326,9 +327,11 @@ class CeleryPublisher:
 
         self._publisher = Publisher(settings)
 
-    def __call__(self, delivery_id: int) -> bool:
+    def __call__(self, delivery_id: int, event_id: str, source: str) -> bool:
+        from tasks.config import Dispatch  # noqa: PLC0415
+
         try:
-            self._publisher.publish_sync([delivery_id])
+            self._publisher.publish_sync([Dispatch(delivery_id, event_id, source)])
         except Exception as exc:  # noqa: BLE001  (any broker failure: the sweeper recovers)
             log.warning(
                 "replay.publish_failed", delivery_id=delivery_id, error=exc.__class__.__name__

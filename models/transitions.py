@@ -494,7 +494,7 @@ def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) 
 
 def due_for_publish(
     session: Session, *, now: datetime | None, grace: timedelta, limit: int
-) -> list[int]:
+) -> list[tuple[int, str | None, str | None]]:
     """The sweeper's pick, claimed with SKIP LOCKED so two sweepers never take the same rows:
 
     - pending deliveries whose publish grace passed (never published, or the message was lost);
@@ -504,7 +504,8 @@ def due_for_publish(
       claim counts the redelivery.
 
     Each picked row's next_attempt_at moves ``grace`` ahead, so a backlog is re-published at
-    most once per grace period. The caller publishes after committing.
+    most once per grace period. The caller publishes after committing. Returns (delivery id,
+    event id, source public id) for each, so the message shows what it carries.
     """
     rows = session.execute(
         _sql(
@@ -519,14 +520,20 @@ def due_for_publish(
                 LIMIT :limit
                 FOR UPDATE SKIP LOCKED
             )
-            UPDATE deliveries d SET
-                status = CASE WHEN d.status = 'retrying' THEN 'pending' ELSE d.status END,
-                next_attempt_at = :now + :grace,
-                updated_at = :now
-            FROM due WHERE d.id = due.id AND d.expires_at = due.expires_at
-            RETURNING d.id
+            ), picked AS (
+                UPDATE deliveries d SET
+                    status = CASE WHEN d.status = 'retrying' THEN 'pending' ELSE d.status END,
+                    next_attempt_at = :now + :grace,
+                    updated_at = :now
+                FROM due WHERE d.id = due.id AND d.expires_at = due.expires_at
+                RETURNING d.id, d.receipt_id, d.expires_at, d.source_id
+            )
+            SELECT p.id, r.event_id, s.public_id FROM picked p
+            LEFT JOIN receipts r ON r.id = p.receipt_id AND r.expires_at = p.expires_at
+            LEFT JOIN sources s ON s.id = p.source_id
+            ORDER BY p.id
             """
         ),
         {"now": now, "grace": grace, "limit": limit},
     ).all()
-    return [r[0] for r in rows]
+    return [(int(r[0]), r[1], r[2]) for r in rows]

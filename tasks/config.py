@@ -8,7 +8,7 @@ visibility_timeout - hard_limit; longer delays are scheduled by the sweeper.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from celery import Celery
 from kombu import Exchange, Queue
@@ -20,6 +20,23 @@ SWEEP_TASK = "webhooks.sweep"
 MAINTENANCE_TASK = "webhooks.maintenance"
 DELIVERIES_QUEUE = "deliveries"
 MAINTENANCE_QUEUE = "maintenance"
+
+
+class Dispatch(NamedTuple):
+    """One delivery to publish, with what Flower shows of it (ids only, never a payload)."""
+
+    delivery_id: int
+    event_id: str | None = None
+    source: str | None = None
+
+    def reprs(self) -> dict[str, str]:
+        """``argsrepr`` / ``kwargsrepr`` of its task message, the same from every publisher
+        (receiver, retry, sweeper, replay): the delivery id as the one argument, and the
+        event id and source beside it, so a row in Flower is found by any of the three."""
+        return {
+            "argsrepr": f"({self.delivery_id},)",
+            "kwargsrepr": repr({"event_id": self.event_id, "source": self.source}),
+        }
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

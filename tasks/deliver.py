@@ -87,6 +87,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from celery import Task, shared_task
+from celery.exceptions import Retry
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
@@ -95,7 +96,7 @@ from models.partitions import leaf_suffix
 from models.transitions import Claim, ClaimedEvent, IllegalTransition
 from tasks import get_runtime
 from tasks.claims import FastClaim
-from tasks.config import DELIVER_TASK
+from tasks.config import DELIVER_TASK, Dispatch
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo, idempotency_key
 from tasks.errors import HandlerError, PermanentError, RetryableError
 from tasks.policy import DEAD_CRASHED, RetryPolicy, decide
@@ -109,7 +110,7 @@ from webhooks.ttl import TtlConfigError, TtlOverrides, effective_ttl
 log = get_logger(__name__)
 
 # Publishes the delivery again after ``countdown`` seconds.
-PublishRetry = Callable[[int, float], None]
+PublishRetry = Callable[[Dispatch, float], None]
 
 # The key generation (it names the fast claim), the partition key (the claim then touches
 # one partition), and whether Postgres shows the row claimable now and past its publish grace
@@ -139,6 +140,22 @@ def _autocommit(raw: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any
     finally:
         if not raw.closed:
             raw.autocommit = False
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one run of the task did, for the task's Celery state (what Flower shows) and
+    the tests: the outcome (succeeded, retry, dead, duplicate, skipped, missing, lost), and
+    for a claimed delivery its attempt, event, source and the reason of a retry or death
+    (payload-free, as stored)."""
+
+    outcome: str
+    delivery_id: int
+    attempt: int | None = None
+    event_id: str | None = None
+    source: str | None = None
+    detail: str | None = None
+    countdown: float | None = None  # retry: the next copy's countdown; None: the sweeper's
 
 
 @dataclass(frozen=True)
@@ -227,6 +244,11 @@ def deliver_one(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) -
     """Run one delivery. Returns the outcome: succeeded, retry, dead, duplicate (fast tier),
     skipped (durable tier: done, dead, not due or owned), missing, or lost (our lease was
     taken over)."""
+    return run_delivery(rt, delivery_id, publish_retry=publish_retry).outcome
+
+
+def run_delivery(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) -> Report:
+    """:func:`deliver_one` with the whole :class:`Report`."""
     # One pooled connection for the task's statements. No ping per checkout (a round trip
     # per task): a connection that died while pooled fails the first read, which changes
     # nothing, and the task starts again once on a fresh connection.
@@ -249,7 +271,7 @@ def _deliver(
     delivery_id: int,
     publish_retry: PublishRetry,
     fresh: bool,
-) -> str:
+) -> Report:
     try:
         with _autocommit(raw):
             first = raw.execute(_PROBE, {"id": delivery_id, "now": pinned(rt.clock)}).fetchone()
@@ -304,7 +326,14 @@ def _deliver(
             reason=DEAD_CRASHED,
             redeliveries=found.redeliveries,
         )
-        return "dead"
+        return Report(
+            "dead",
+            delivery_id,
+            found.attempt,
+            row.event_id,
+            row.public_id,
+            f"{DEAD_CRASHED}: its worker died {found.redeliveries} times holding the lease",
+        )
     return _run(rt, session, raw, found, row, fast, publish_retry, leaf, started)
 
 
@@ -338,10 +367,10 @@ def _on_leaf(leaf: str | None, statement: Callable[[str | None], T]) -> T:
         return statement(None)
 
 
-def _quiet(delivery_id: int, outcome: str) -> str:
+def _quiet(delivery_id: int, outcome: str) -> Report:
     DELIVERIES.labels(outcome=outcome).inc()
     log.info("delivery.not_claimed", delivery_id=delivery_id, outcome=outcome)
-    return outcome
+    return Report(outcome, delivery_id)
 
 
 def _run(
@@ -354,7 +383,7 @@ def _run(
     publish_retry: PublishRetry,
     leaf: str | None,
     started: float,
-) -> str:
+) -> Report:
     loaded: Loaded | None = None
     try:
         loaded = load(rt, found, row)
@@ -385,7 +414,7 @@ def _run(
                 _on_leaf(leaf, lambda on: transitions.succeed(raw, found, now=done_at, leaf=on))
     except IllegalTransition:
         session.rollback()
-        return _lost(rt, found, fast)
+        return _lost(rt, found, fast, row)
     except Exception as exc:  # noqa: BLE001 (any handler error is a failed attempt)
         session.rollback()
         policy = loaded.policy if loaded else RetryPolicy.for_route(rt.settings)
@@ -398,6 +427,7 @@ def _run(
             policy=policy,
             publish_retry=publish_retry,
             now=_now(rt, found, started),
+            row=row,
         )
     assert loaded is not None
     if loaded.dedup_ttl is not None:
@@ -412,15 +442,22 @@ def _run(
         attempt=found.attempt,
         degraded=fast.degraded,
     )
-    return "succeeded"
+    return Report("succeeded", found.id, found.attempt, row.event_id, row.public_id)
 
 
-def _lost(rt: Runtime, found: Claim, fast: FastClaim) -> str:
+def _lost(rt: Runtime, found: Claim, fast: FastClaim, row: ClaimedEvent) -> Report:
     """Our lease ran out and another attempt took over: our writes were rolled back."""
     rt.claims.release(fast)
     DELIVERIES.labels(outcome="lost").inc()
     log.warning("delivery.lease_lost", delivery_id=found.id, attempt=found.attempt)
-    return "lost"
+    return Report(
+        "lost",
+        found.id,
+        found.attempt,
+        row.event_id,
+        row.public_id,
+        "its lease ran out and another attempt took the delivery over",
+    )
 
 
 def _fail(
@@ -433,7 +470,8 @@ def _fail(
     policy: RetryPolicy,
     publish_retry: PublishRetry,
     now: datetime,
-) -> str:
+    row: ClaimedEvent,
+) -> Report:
     decision = decide(
         policy,
         attempt=found.attempts_in_run,
@@ -466,7 +504,7 @@ def _fail(
                     error=error,
                 )
     except IllegalTransition:
-        return _lost(rt, found, fast)
+        return _lost(rt, found, fast, row)
     # The state is committed: now the next copy may come.
     rt.claims.release(fast)
     fields = {
@@ -479,13 +517,20 @@ def _fail(
         DEAD_LETTERS.labels(reason=decision.reason).inc()
         DELIVERIES.labels(outcome="dead").inc()
         log.warning("delivery.dead", reason=decision.reason, **fields)
-        return "dead"
+        return Report(
+            "dead",
+            found.id,
+            found.attempt,
+            row.event_id,
+            row.public_id,
+            f"{decision.reason}: {error}",
+        )
     RETRIES.inc()
     DELIVERIES.labels(outcome="retry").inc()
     via = "sweeper"
     if decision.countdown is not None:
         try:
-            publish_retry(found.id, decision.countdown)
+            publish_retry(Dispatch(found.id, row.event_id, row.public_id), decision.countdown)
             via = "countdown"
         except Exception as publish_exc:  # noqa: BLE001 (the sweeper publishes it later)
             log.warning(
@@ -494,17 +539,66 @@ def _fail(
                 error_class=type(publish_exc).__name__,
             )
     log.info("delivery.retry", delay_s=decision.delay.total_seconds(), via=via, **fields)
-    return "retry"
+    return Report(
+        "retry",
+        found.id,
+        found.attempt,
+        row.event_id,
+        row.public_id,
+        error,
+        decision.countdown if via == "countdown" else None,
+    )
 
 
-@shared_task(bind=True, name=DELIVER_TASK, ignore_result=True)
+class DeadLetter(Exception):
+    """Raised by the task once the dead state is committed, so that Celery (and Flower)
+    shows the attempt as FAILURE with the reason. Declared in the task's ``throws``: an
+    expected outcome, logged without a traceback; the message is acknowledged all the same
+    (a failed task is acked), so nothing redelivers it."""
+
+
+class AttemptFailed(Exception):
+    """The error of an attempt that will be retried: the exception of its RETRY state."""
+
+
+def celery_state(report: Report) -> str:
+    """Turn a run's report into the task's Celery state: RETRY (with the error) for an
+    attempt that will be retried, FAILURE (with the reason) for a dead letter, SUCCESS
+    otherwise, with a result that says what happened, so a duplicate or skipped copy is
+    never mistaken for a real success."""
+    where = f"delivery {report.delivery_id} attempt {report.attempt}"
+    if report.outcome == "retry":
+        then = (
+            f"next copy in {report.countdown:.1f}s"
+            if report.countdown is not None
+            else "the sweeper publishes the next copy when it is due"
+        )
+        raise Retry(
+            f"{where} failed, will retry: {report.detail}; {then}",
+            exc=AttemptFailed(f"{where}: {report.detail}"),
+        )
+    if report.outcome == "dead":
+        raise DeadLetter(f"{where}: dead letter ({report.detail})")
+    if report.outcome == "succeeded":
+        return "succeeded"
+    if report.outcome == "lost":
+        return f"lost: {report.detail}"
+    return {
+        "duplicate": "duplicate: another copy holds or completed this delivery",
+        "skipped": "skipped: done, dead, not due yet or owned by a live lease",
+        "missing": "missing: no such delivery",
+    }.get(report.outcome, report.outcome)
+
+
+@shared_task(bind=True, name=DELIVER_TASK, ignore_result=True, throws=(DeadLetter,))
 def deliver(self: Task[Any, Any], delivery_id: int) -> str:
-    """Celery entry point; the work is :func:`deliver_one`."""
+    """Celery entry point; the work is :func:`run_delivery`."""
     if isinstance(delivery_id, bool) or not isinstance(delivery_id, int):
         log.error("delivery.bad_message", error_class=type(delivery_id).__name__)
-        return "rejected"
+        return "rejected: not a delivery id"
 
-    def publish_retry(target: int, countdown: float) -> None:
-        self.apply_async(args=(target,), countdown=countdown)
+    def publish_retry(dispatch: Dispatch, countdown: float) -> None:
+        options: dict[str, Any] = {"countdown": countdown, **dispatch.reprs()}
+        self.apply_async(args=(dispatch.delivery_id,), **options)
 
-    return deliver_one(get_runtime(), delivery_id, publish_retry=publish_retry)
+    return celery_state(run_delivery(get_runtime(), delivery_id, publish_retry=publish_retry))

@@ -14,6 +14,7 @@ worker's engine, so they run on any worker that consumes the maintenance queue.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from celery import shared_task
 from sqlalchemy import text
@@ -21,7 +22,7 @@ from sqlalchemy import text
 from models import retention, transitions
 from models.db import session_scope
 from tasks import get_runtime
-from tasks.config import MAINTENANCE_TASK, SWEEP_TASK
+from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
 from tasks.deliver import deliver
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
@@ -39,19 +40,19 @@ _OLDEST_UNFINISHED = text(
 )
 
 
-def sweep_once(rt: Runtime, publish: Callable[[int], None]) -> list[int]:
+def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
     """One sweep: returns the delivery ids published."""
     now = pinned(rt.clock)
     with session_scope(rt.sessions) as session:
-        ids = transitions.due_for_publish(
+        picked = transitions.due_for_publish(
             session, now=now, grace=rt.settings.publish_grace, limit=rt.settings.sweep_batch
         )
         oldest = session.execute(_OLDEST_UNFINISHED, {"now": now}).scalar_one_or_none()
     OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, float(oldest)))
     published = []
-    for delivery_id in ids:
+    for delivery_id, event_id, source in picked:
         try:
-            publish(delivery_id)
+            publish(Dispatch(delivery_id, event_id, source))
         except Exception as exc:  # noqa: BLE001 (next sweep retries it after the grace)
             log.warning(
                 "sweep.publish_failed", delivery_id=delivery_id, error_class=type(exc).__name__
@@ -59,15 +60,16 @@ def sweep_once(rt: Runtime, publish: Callable[[int], None]) -> list[int]:
             continue
         published.append(delivery_id)
     SWEPT.inc(len(published))
-    if ids:
-        log.info("sweep.published", count=len(published), picked=len(ids))
+    if picked:
+        log.info("sweep.published", count=len(published), picked=len(picked))
     return published
 
 
 @shared_task(name=SWEEP_TASK, ignore_result=True)
 def sweep() -> int:
-    def publish(delivery_id: int) -> None:
-        deliver.apply_async(args=(delivery_id,))
+    def publish(dispatch: Dispatch) -> None:
+        options: dict[str, Any] = dispatch.reprs()
+        deliver.apply_async(args=(dispatch.delivery_id,), **options)
 
     return len(sweep_once(get_runtime(), publish))
 

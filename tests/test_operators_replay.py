@@ -68,7 +68,7 @@ class Recorder:
         self.ids: list[int] = []
         self.fail = fail
 
-    def __call__(self, delivery_id: int) -> bool:
+    def __call__(self, delivery_id: int, event_id: str, source: str) -> bool:
         self.ids.append(delivery_id)
         return not self.fail
 

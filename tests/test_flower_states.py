@@ -1,0 +1,195 @@
+"""Flower tells the truth (issue 10): a real worker's task events say RETRY for an attempt that
+will be retried, FAILURE for a dead letter, SUCCESS for a real success, and a result that
+marks a duplicate copy; a real Flower shows the same through its HTTP API, with the delivery
+id, event id and source on every row, never a payload."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from ingest.publisher import Publisher
+from tasks.config import DELIVER_TASK, Dispatch, create_app
+from tests.conftest import BIN, free_port, wait_for_port
+from tests.factories import accept_event, make_source
+from tests.handlers_for_tests import EFFECTS_DDL
+from tests.leakcheck import remember
+from tests.workers import (
+    Process,
+    flush_redis,
+    running_worker,
+    wait_for,
+    wait_status,
+    worker_env,
+    worker_settings,
+)
+
+pytestmark = pytest.mark.slow
+
+FLOWER_AUTH = ("ops", "flower-" + "s" * 20)
+
+
+@pytest.fixture(autouse=True)
+def _clean(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(EFFECTS_DDL))
+    flush_redis()
+
+
+class EventLog:
+    """Celery's own event receiver, on the broker the worker publishes its events to."""
+
+    def __init__(self) -> None:
+        self.app = create_app(worker_settings())
+        self.events: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._ready = threading.Event()
+
+    def _run(self) -> None:
+        with self.app.connection() as conn:
+            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
+            self._ready.set()
+            while not self._stop.is_set():
+                try:
+                    for _ in receiver.consume(limit=None, timeout=0.5, wakeup=False):
+                        if self._stop.is_set():
+                            break
+                except TimeoutError:
+                    continue
+
+    @contextmanager
+    def listening(self) -> Iterator[EventLog]:
+        self._thread.start()
+        assert self._ready.wait(10)
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join(10)
+            self.app.close()
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("type") == kind]
+
+
+@contextmanager
+def running_flower(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    env = worker_env()
+    # Credentials from the environment, never the command line (visible in ps).
+    env["FLOWER_BASIC_AUTH"] = ":".join(FLOWER_AUTH)
+    remember(FLOWER_AUTH[1])
+    flower = Process(
+        "flower",
+        [str(BIN / "celery"), "-A", "tasks", "flower", f"--port={port}", "--address=127.0.0.1"],
+        env,
+        tmp_path,
+    )
+    try:
+        wait_for_port(port, flower.proc, timeout=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        flower.stop()
+
+
+def test_task_states_tell_retry_failure_success_and_duplicate(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    settings = worker_settings()
+    flaky = make_source(
+        sessions, settings, routes=[{"handler": "flaky_n", "options": {"failures": "1"}}]
+    )
+    doomed = make_source(sessions, settings, routes=[{"handler": "permanent"}])
+    steady = make_source(sessions, settings, routes=[{"handler": "effect"}])
+    retried = accept_event(settings, flaky)
+    dead = accept_event(settings, doomed)
+    ok = accept_event(settings, steady)
+    ids = {
+        "retried": retried[1].delivery_ids[0],
+        "dead": dead[1].delivery_ids[0],
+        "ok": ok[1].delivery_ids[0],
+    }
+    made = {"retried": (retried[0], flaky), "dead": (dead[0], doomed), "ok": (ok[0], steady)}
+    dispatches = {
+        key: Dispatch(ids[key], event_id, source.public_id)
+        for key, (event_id, source) in made.items()
+    }
+    publisher = Publisher(settings)  # the receiver's own publishing path
+    events = EventLog()
+    with (
+        events.listening(),
+        running_flower(tmp_path) as flower,
+        running_worker("flower-truth", tmp_path),
+    ):
+        publisher.publish_sync(list(dispatches.values()))
+        wait_status(engine, ids["retried"], "succeeded")
+        wait_status(engine, ids["dead"], "dead")
+        wait_status(engine, ids["ok"], "succeeded")
+        publisher.publish_sync([dispatches["ok"]])  # a duplicate copy of a finished delivery
+
+        def settled() -> bool:
+            return len(events.of("task-succeeded")) >= 3 and len(events.of("task-failed")) >= 1
+
+        wait_for(settled, timeout=30, what="the task events")
+
+        def flower_tasks() -> dict[str, Any]:
+            answer = httpx.get(f"{flower}/api/tasks", auth=FLOWER_AUTH, timeout=10)
+            answer.raise_for_status()
+            tasks: dict[str, Any] = answer.json()
+            states = sorted(t["state"] for t in tasks.values() if t["name"] == DELIVER_TASK)
+            return tasks if states == ["FAILURE", "RETRY", "SUCCESS", "SUCCESS", "SUCCESS"] else {}
+
+        shown = wait_for(flower_tasks, timeout=30, what="Flower to show every task")
+        unauthenticated = httpx.get(f"{flower}/api/tasks", timeout=10)
+    publisher.close()
+
+    received = {e["uuid"]: e for e in events.of("task-received")}
+
+    def delivery_of(event: dict[str, Any]) -> int:
+        return int(received[event["uuid"]]["args"].strip("(),"))
+
+    # RETRY: the attempt that failed and will be retried, with its error.
+    [retry] = events.of("task-retried")
+    assert delivery_of(retry) == ids["retried"]
+    assert "AttemptFailed" in retry["exception"]
+    assert f"delivery {ids['retried']} attempt 1" in retry["exception"]
+    assert "planned" in retry["exception"]
+    # FAILURE: the dead letter, with its reason, after the dead state was committed.
+    [failure] = events.of("task-failed")
+    assert delivery_of(failure) == ids["dead"]
+    assert "DeadLetter" in failure["exception"]
+    assert "permanent" in failure["exception"]
+    # SUCCESS: the real successes, and a duplicate copy that says so in its result.
+    results = {delivery_of(e): [] for e in events.of("task-succeeded")}
+    for e in events.of("task-succeeded"):
+        results[delivery_of(e)].append(e["result"])
+    assert results[ids["retried"]] == ["'succeeded'"]
+    assert sorted(results[ids["ok"]]) == [
+        "'duplicate: another copy holds or completed this delivery'",
+        "'succeeded'",
+    ]
+
+    # Flower: the same states, every row findable by delivery id, event id and source.
+    assert unauthenticated.status_code == 401
+    rows = [t for t in shown.values() if t["name"] == DELIVER_TASK]
+    by_delivery: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_delivery.setdefault(int(row["args"].strip("(),")), []).append(row)
+    assert sorted(r["state"] for r in by_delivery[ids["retried"]]) == ["RETRY", "SUCCESS"]
+    assert [r["state"] for r in by_delivery[ids["dead"]]] == ["FAILURE"]
+    assert "permanent" in by_delivery[ids["dead"]][0]["exception"]
+    for key, (event_id, source) in made.items():
+        for row in by_delivery[ids[key]]:
+            assert row["args"] == f"({ids[key]},)"
+            assert event_id in row["kwargs"]
+            assert source.public_id in row["kwargs"]
+            assert '"data"' not in row["kwargs"]  # ids only, never the payload
