@@ -237,7 +237,10 @@ _HELD_SQL = f"""
         UNION
         SELECT receipt_id, expires_at FROM {{deliveries}}
         WHERE expires_at <= CAST(:now AS timestamptz) AND status = 'dead'
-          AND (dead_at IS NULL OR dead_at > CAST(:now AS timestamptz) - :retention)
+          AND dead_at > CAST(:now AS timestamptz) - :retention
+        UNION
+        SELECT receipt_id, expires_at FROM {{deliveries}}
+        WHERE expires_at <= CAST(:now AS timestamptz) AND status = 'dead' AND dead_at IS NULL
     ), locked AS MATERIALIZED (
         SELECT d.receipt_id, d.expires_at, d.status, d.dead_at, d.lease_until
         FROM {{deliveries}} d JOIN holding h
