@@ -519,7 +519,6 @@ def due_for_publish(
                 ORDER BY next_attempt_at
                 LIMIT :limit
                 FOR UPDATE SKIP LOCKED
-            )
             ), picked AS (
                 UPDATE deliveries d SET
                     status = CASE WHEN d.status = 'retrying' THEN 'pending' ELSE d.status END,
