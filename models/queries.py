@@ -115,7 +115,7 @@ class DeliveryView:
     dead_reason: str | None
     last_error_class: str | None
     last_error: str | None
-    next_attempt_at: datetime
+    next_attempt_at: datetime | None  # None once finished
     created_at: datetime
     updated_at: datetime
     succeeded_at: datetime | None

@@ -193,8 +193,8 @@ class Delivery(Base):
     generation: Mapped[int] = mapped_column(Integer, server_default="0")
     lease_until: Mapped[datetime | None] = mapped_column()
     # pending: when the sweeper may re-publish; retrying: when the retry is due;
-    # processing: equal to lease_until.
-    next_attempt_at: Mapped[datetime] = mapped_column()
+    # processing: equal to lease_until; NULL once finished (succeeded, dead, discarded).
+    next_attempt_at: Mapped[datetime | None] = mapped_column()
     last_error_class: Mapped[str | None] = mapped_column(Text)
     last_error: Mapped[str | None] = mapped_column(Text)
     dead_reason: Mapped[str | None] = mapped_column(Text)

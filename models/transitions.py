@@ -88,7 +88,7 @@ class Claim:
     generation: int
     created_at: datetime
     first_attempt_at: datetime
-    lease_until: datetime
+    lease_until: datetime | None  # None: the crash-loop verdict (dead) holds no lease
     status: str  # "processing", or "dead" when this claim found one crash too many
     attempt_base: int  # ``attempt`` when last replayed or re-run (the policy counts from it)
     at: datetime  # the instant the claim was decided at (the database's clock)
@@ -123,8 +123,12 @@ _CLAIM_SQL = """
             attempts = attempts + CASE
                 WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
                 THEN 0 ELSE 1 END,
-            lease_until = :now + :lease,
-            next_attempt_at = :now + :lease,
+            lease_until = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN NULL ELSE :now + :lease END,
+            next_attempt_at = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN NULL ELSE :now + :lease END,
             first_attempt_at = coalesce(first_attempt_at, :now),
             updated_at = :now
         WHERE id = :id {expires_match} {generation_match}
@@ -373,7 +377,7 @@ def succeed(session: Target, found: Claim, *, now: datetime, leaf: str | None = 
         session,
         found,
         "succeed",
-        "status = 'succeeded', succeeded_at = :now, next_attempt_at = :now, "
+        "status = 'succeeded', succeeded_at = :now, next_attempt_at = NULL, "
         "last_error = NULL, last_error_class = NULL",
         now=now,
         outcome="succeeded",
@@ -419,7 +423,7 @@ def kill(
         session,
         found,
         "dead",
-        "status = 'dead', dead_reason = :reason, dead_at = :now, next_attempt_at = :now, "
+        "status = 'dead', dead_reason = :reason, dead_at = :now, next_attempt_at = NULL, "
         "last_error_class = coalesce(:error_class, last_error_class), "
         "last_error = coalesce(:error, last_error)",
         now=now,
@@ -482,7 +486,7 @@ def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) 
     rows = session.execute(
         _sql(
             """
-            UPDATE deliveries SET status = 'discarded', updated_at = :now
+            UPDATE deliveries SET status = 'discarded', next_attempt_at = NULL, updated_at = :now
             WHERE id = ANY(:ids) AND status = 'dead'
             RETURNING id
             """

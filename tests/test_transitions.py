@@ -235,3 +235,31 @@ def test_the_workers_claim_requires_its_generation_and_returns_the_event(
             results.append((found.status, found.attempt, event.handler, event.event_type))
     assert results[0] == results[1]  # on the leaf partitions as on the parents
     assert attempts(sessions, ids[0]) == attempts(sessions, ids[1]) == [(1, None)]
+
+
+def test_a_finished_delivery_has_no_next_attempt(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    done, dead = new_delivery(sessions, settings), new_delivery(sessions, settings)
+    for delivery_id, finish in ((done, "succeed"), (dead, "kill")):
+        found = claim(sessions, delivery_id, T0)
+        assert found is not None
+        with sessions() as s, s.begin():
+            if finish == "succeed":
+                transitions.succeed(s, found, now=T0)
+            else:
+                transitions.kill(s, found, now=T0, reason="permanent", error_class="E", error="x")
+    with sessions() as s:
+        rows = s.execute(
+            text(
+                "SELECT status, next_attempt_at, lease_until FROM deliveries WHERE id IN (:a, :b)"
+            ),
+            {"a": done, "b": dead},
+        ).all()
+    assert sorted(tuple(r) for r in rows) == [("dead", None, None), ("succeeded", None, None)]
+    with sessions() as s, s.begin():
+        assert transitions.replay(s, dead, now=T0, publish_grace=timedelta(seconds=30))
+        due = s.execute(
+            text("SELECT next_attempt_at FROM deliveries WHERE id = :d"), {"d": dead}
+        ).scalar_one()
+    assert due == T0 + timedelta(seconds=30)  # a replay schedules it again
