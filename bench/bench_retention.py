@@ -1,4 +1,4 @@
-"""Retention benchmark: bytes per receipt, and expiry by partition drop versus batched delete.
+"""Retention benchmark: bytes per row, and expiry by partition drop versus batched delete.
 
     .venv/bin/python bench/bench_retention.py [--rows 1000000] [--out bench/results_retention.txt]
 
@@ -6,15 +6,18 @@ Works in its own scratch database (``webhooks_bench_retention``, created from th
 dropped at the end). Rows are generated server-side with ``INSERT ... SELECT generate_series``
 and shaped like real receipts: 10 sources, 28-character event ids (``evt_`` + 24 hex chars,
 Stripe's length), a SHA-256 digest, timestamps, a content type; expires_at spread evenly over
-ten days (ten daily partitions).
+ten days (ten daily partitions). Each receipt has one delivery row.
 
 1. bytes per receipt, table plus indexes (``pg_total_relation_size`` summed over the
    partitions, after VACUUM so the free-space and visibility maps are counted), without a
-   payload and with a 1 KB payload;
-2. time to expire the same one million compact receipts by the two mechanisms, measured with
-   the production functions: :func:`models.retention.drop_expired_partitions` (partition
-   mode) and :func:`models.retention.delete_expired` (delete mode: the DEFAULT partition
-   with its expires_at index, 10,000 rows per statement). The ratio is delete / drop.
+   payload and with a 1 KB payload; bytes per delivery row;
+2. time to expire the same one million compact receipts (and their deliveries) by the two
+   mechanisms, measured with the production functions, hold step included:
+   :func:`models.retention.expire_partitions` (partition mode) and
+   :func:`models.retention.delete_expired` (delete mode: the DEFAULT partitions with their
+   expires_at index, 10,000 rows per statement). The ratio is delete / drop. Twice: with
+   every delivery succeeded, and with 1% of them held (0.5% retrying, 0.5% dead within the
+   dead-letter retention), which both mechanisms must keep, moving them forward.
 """
 
 from __future__ import annotations
@@ -23,15 +26,21 @@ import argparse
 import os
 import platform
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
 from sqlalchemy import Engine, text
 
-from models import partitions
+from models import partitions, retention
 from models.db import make_engine, upgrade
-from models.retention import delete_expired, drop_expired_partitions, ensure_partitions
+from models.retention import (
+    delete_expired,
+    drop_expired_partitions,
+    ensure_partitions,
+    expire_partitions,
+)
 from webhooks.settings import Settings
 
 DB = "webhooks_bench_retention"
@@ -58,9 +67,27 @@ FROM generate_series(1, :rows) AS i,
      LATERAL (SELECT :start + (i - 1) * (:spread / :rows) AS expires_at) AS ts
 """
 
+# One delivery per receipt: succeeded, except (held) 1 in 200 retrying and 1 in 200 dead a
+# day before the expiry run (within the 30-day dead-letter retention).
+DELIVERIES = """
+INSERT INTO deliveries (expires_at, receipt_id, source_id, route_id, status, attempts,
+                        next_attempt_at, created_at, updated_at, succeeded_at, dead_at,
+                        dead_reason)
+SELECT r.expires_at, r.id, r.source_id, r.source_id,
+       CASE WHEN :held AND r.id % 200 = 0 THEN 'retrying'
+            WHEN :held AND r.id % 200 = 1 THEN 'dead'
+            ELSE 'succeeded' END,
+       1, r.received_at + interval '1 minute', r.received_at, r.received_at + interval '1 second',
+       CASE WHEN :held AND r.id % 200 IN (0, 1) THEN NULL
+            ELSE r.received_at + interval '1 second' END,
+       CASE WHEN :held AND r.id % 200 = 1 THEN :dead_at END,
+       CASE WHEN :held AND r.id % 200 = 1 THEN 'permanent' END
+FROM receipts r
+"""
+
 SIZE = """
 SELECT coalesce(sum(pg_total_relation_size(relid)), 0), count(*)
-FROM pg_partition_tree('receipts') WHERE isleaf
+FROM pg_partition_tree(CAST(:table AS regclass)) WHERE isleaf
 """
 
 
@@ -97,20 +124,135 @@ def insert(engine: Engine, rows: int, *, with_payload: bool) -> float:
     return time.perf_counter() - started
 
 
+def insert_deliveries(engine: Engine, *, held: bool, dead_at: datetime) -> float:
+    started = time.perf_counter()
+    with engine.begin() as conn:
+        conn.execute(text(DELIVERIES), {"held": held, "dead_at": dead_at})
+    return time.perf_counter() - started
+
+
 def vacuum(engine: Engine) -> None:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE receipts"))
+        conn.execute(text("VACUUM ANALYZE deliveries"))
 
 
-def size(engine: Engine) -> tuple[int, int]:
+def size(engine: Engine, table: str = "receipts") -> tuple[int, int]:
     with engine.connect() as conn:
-        total, leaves = conn.execute(text(SIZE)).one()
+        total, leaves = conn.execute(text(SIZE), {"table": table}).one()
     return int(total), int(leaves)
 
 
-def count(engine: Engine) -> int:
+def count(engine: Engine, table: str = "receipts") -> int:
     with engine.connect() as conn:
-        return int(conn.execute(text("SELECT count(*) FROM receipts")).scalar_one())
+        return int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
+
+
+def held_count(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM deliveries WHERE status IN ('retrying', 'dead')")
+            ).scalar_one()
+        )
+
+
+def truncate(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE receipts, deliveries, attempts"))
+
+
+def held_scan_plan(engine: Engine, now: datetime) -> str:
+    """How the hold step finds a day's held deliveries (EXPLAIN of the production statement on
+    one leaf): the partial indexes, not a scan of the day."""
+    with engine.connect() as conn:
+        # A day in the middle of the spread: a full one.
+        day = (T0 + timedelta(days=SPREAD_DAYS // 2)).date()
+        leaf = partitions.partition_name("deliveries", day)
+        sql = retention._HELD_SQL.format(deliveries=leaf)  # noqa: SLF001 (the statement itself)
+        plan = conn.execute(
+            text(f"EXPLAIN (FORMAT JSON) {sql}"),
+            {"now": now, "retention": timedelta(days=30), "hold_end": now + timedelta(days=1)},
+        ).scalar_one()
+    scans: list[str] = []
+
+    def walk(node: dict[str, object]) -> None:
+        kind = str(node.get("Node Type"))
+        if "Scan" in kind and kind not in ("CTE Scan", "Subquery Scan"):
+            index = node.get("Index Name")
+            scans.append(
+                f"{kind} on {index}" if index else f"{kind} on {node.get('Relation Name')}"
+            )
+        for child in node.get("Plans", []):  # type: ignore[attr-defined]
+            walk(child)
+
+    walk(plan[0]["Plan"])
+    return "; ".join(sorted(set(scans)))
+
+
+def expire_case(
+    engine: Engine, part: Settings, delete: Settings, rows: int, after: datetime, *, held: bool,
+    say: Callable[[str], None],
+) -> tuple[float, float]:  # fmt: skip
+    """Fill both layouts with the same receipts and deliveries and expire them; returns
+    (partition drop seconds, batched delete seconds)."""
+    dead_at = after - timedelta(days=1)
+    label = "1% held" if held else "all succeeded"
+
+    truncate(engine)
+    with engine.begin() as conn:  # partition mode only: no DEFAULT partition
+        for table in ("attempts", "deliveries", "receipts"):
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}_default"))
+    ensure_partitions(engine, part, T0)
+    insert(engine, rows, with_payload=False)
+    insert_deliveries(engine, held=held, dead_at=dead_at)
+    vacuum(engine)
+    expected_held = held_count(engine)
+    if not held:
+        say(f"   hold scan of a day (EXPLAIN): {held_scan_plan(engine, after)}")
+    started = time.perf_counter()
+    expiry = expire_partitions(engine, part, after)
+    drop_seconds = time.perf_counter() - started
+    left = count(engine), count(engine, "deliveries")
+    assert left == (expected_held, expected_held), f"partition drop kept {left}"
+    assert expiry.holds.receipts == expected_held
+
+    truncate(engine)
+    with engine.begin() as conn:
+        for p in partitions.list_partitions(conn):
+            partitions.drop(conn, p)
+        partitions.create_default(conn)
+    insert(engine, rows, with_payload=False)
+    insert_deliveries(engine, held=held, dead_at=dead_at)
+    vacuum(engine)
+    started = time.perf_counter()
+    counts = delete_expired(engine, delete, after)
+    delete_seconds = time.perf_counter() - started
+    left = count(engine), count(engine, "deliveries")
+    assert left == (expected_held, expected_held), f"batched delete kept {left}"
+    assert counts.holds.receipts == expected_held
+    started = time.perf_counter()
+    vacuum(engine)  # the dead tuples a delete leaves; a dropped partition leaves none
+    vacuum_seconds = time.perf_counter() - started
+    with engine.begin() as conn:
+        for p in partitions.list_partitions(conn):
+            partitions.drop(conn, p)
+
+    say(f"   {label}: {rows:,} receipts + {rows:,} deliveries, {expected_held:,} of them held")
+    say(
+        f"     partition drop : {drop_seconds:8.3f} s  ({len(expiry.dropped)} partitions dropped,"
+        f" {expiry.holds.receipts:,} held receipts moved with"
+        f" {expiry.holds.moved['deliveries']:,} deliveries; one transaction)"
+    )
+    stmts = sum(counts.statements.values())
+    say(
+        f"     batched delete : {delete_seconds:8.3f} s  ({counts.rows['receipts']:,} receipts and"
+        f" {counts.rows['deliveries']:,} deliveries in {stmts} statements of <= 10,000;"
+        f" {counts.holds.receipts:,} held moved)"
+    )
+    say(f"     ratio delete / drop: {delete_seconds / drop_seconds:,.1f}x")
+    say(f"     the VACUUM the delete leaves behind: {vacuum_seconds:.3f} s more")
+    return drop_seconds, delete_seconds
 
 
 def main() -> None:
@@ -142,23 +284,20 @@ def main() -> None:
         drop_expired_partitions(engine, part, T0 - timedelta(days=2))
         ensure_partitions(engine, part, T0)
 
-        say("1. bytes per receipt (table + indexes, all partitions)")
+        say("1. bytes per row (table + indexes, all partitions)")
         seconds = insert(engine, rows, with_payload=False)
+        insert_deliveries(engine, held=False, dead_at=T0)
         vacuum(engine)
         compact, leaves = size(engine)
+        delivery_bytes, _ = size(engine, "deliveries")
         say(
             f"   inserted {count(engine):,} compact receipts in {seconds:.1f} s ({leaves} partitions)"
         )
         say(
             f"   without payload: {compact / rows:8.1f} bytes/receipt  ({compact / 2**20:,.1f} MiB)"
         )
-
-        started = time.perf_counter()
-        dropped = drop_expired_partitions(engine, part, after)
-        drop_seconds = time.perf_counter() - started
-        assert count(engine) == 0, "partition drop left rows behind"
-
-        ensure_partitions(engine, part, T0)
+        say(f"   one delivery row: {delivery_bytes / rows:7.1f} bytes/delivery (succeeded)")
+        truncate(engine)
         seconds = insert(engine, rows, with_payload=True)
         vacuum(engine)
         with_payload, _ = size(engine)
@@ -172,33 +311,18 @@ def main() -> None:
         started = time.perf_counter()
         drop_expired_partitions(engine, part, after)
         drop_payload_seconds = time.perf_counter() - started
+        say(f"   (partition drop of the 1 KB-payload set: {drop_payload_seconds:.3f} s)")
         say("")
 
-        # Delete mode: the same compact receipts in the DEFAULT partition.
         delete = settings("delete")
-        with engine.begin() as conn:
-            partitions.create_default(conn)
-        seconds = insert(engine, rows, with_payload=False)
-        vacuum(engine)
-        say(f"2. expiring {rows:,} compact receipts")
-        say(f"   (delete-mode layout filled in {seconds:.1f} s)")
-        started = time.perf_counter()
-        counts = delete_expired(engine, delete, after, tables=("receipts",))
-        delete_seconds = time.perf_counter() - started
-        assert count(engine) == 0, "batched delete left rows behind"
+        say(f"2. expiring {rows:,} compact receipts, hold step included")
+        ratios = []
+        for held in (False, True):
+            drop_s, delete_s = expire_case(engine, part, delete, rows, after, held=held, say=say)
+            ratios.append(delete_s / drop_s)
         say(
-            f"   partition drop  : {drop_seconds:8.3f} s  ({len(dropped)} partitions of receipts,"
-            " deliveries, attempts; one transaction)"
+            f"   ratio delete / drop: {ratios[0]:,.1f}x all succeeded, {ratios[1]:,.1f}x with 1% held"
         )
-        say(
-            f"   batched delete  : {delete_seconds:8.3f} s  ({counts.rows['receipts']:,} rows in "
-            f"{counts.statements['receipts']} statements of <= 10,000)"
-        )
-        say(f"   ratio delete / drop: {delete_seconds / drop_seconds:,.0f}x")
-        started = time.perf_counter()
-        vacuum(engine)  # the dead tuples a delete leaves; a dropped partition leaves none
-        say(f"   the VACUUM the delete leaves behind: {time.perf_counter() - started:.3f} s more")
-        say(f"   (partition drop of the 1 KB-payload set: {drop_payload_seconds:.3f} s)")
         say("")
         say("capacity: bytes = events_per_day x retention_days x bytes_per_receipt")
         for per_day in (100_000, 1_000_000):
