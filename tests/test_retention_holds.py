@@ -502,6 +502,47 @@ def test_dead_discard_cli_previews_then_discards_with_an_audit_row(
     preview = run_cli("dead", "discard", "--source", source.public_id, "--dry-run", "--json")
     assert preview.returncode == 0, preview.stderr
     assert json.loads(preview.stdout)["preview"]["count"] == 3
+    narrowed = run_cli(
+        "dead",
+        "discard",
+        "--source",
+        source.public_id,
+        "--type",
+        "test.*",
+        "--since",
+        "1h",
+        "--until",
+        "2000-01-01",
+        "--dry-run",
+        "--json",
+    )
+    assert narrowed.returncode == 1  # --since after --until: refused, nothing read
+    narrowed = run_cli(
+        "dead",
+        "discard",
+        "--source",
+        source.public_id,
+        "--type",
+        "test.*",
+        "--since",
+        "1h",
+        "--dry-run",
+        "--json",
+    )
+    assert json.loads(narrowed.stdout)["preview"]["count"] == 3
+    narrowed = run_cli(
+        "dead",
+        "discard",
+        "--source",
+        source.public_id,
+        "--type",
+        "other.*",
+        "--since",
+        "1h",
+        "--dry-run",
+    )
+    assert narrowed.returncode == 0, narrowed.stderr
+    assert "nothing to discard" in narrowed.stdout
     # A pending delivery is not a dead letter: refused by id, nothing changed.
     refused = run_cli("dead", "discard", str(pending), "--reason", "x", "--yes")
     assert refused.returncode == 1
