@@ -87,7 +87,7 @@ class RouteInfo:
 class HandlerContext:
     idempotency_key: str
     delivery_id: int
-    attempt: int  # 1 on the first try of this generation (a replay starts again at 1)
+    attempt: int  # this attempt's number, as operators see it; it goes on across replays
     generation: int
     meta: EventMeta
     route: RouteInfo

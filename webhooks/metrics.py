@@ -2,11 +2,21 @@
 
 Workers (and a multi-process receiver) run in prometheus-client's multiprocess mode: the entry
 point sets PROMETHEUS_MULTIPROC_DIR from WEBHOOKS_METRICS_DIR before this module is imported.
+
+Every process imports every definition here, and an unlabelled metric exists (at zero) as soon
+as it is defined, so each process would list the others' series too. Each exposition point
+(the receiver's ``/metrics``, the workers' metrics server) therefore drops the families that
+belong to the other kind of process (:func:`exposed`). A family in neither list below is shown
+by both: a new metric is never silently hidden.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.registry import CollectorRegistry
 
 # Receiver.
 REQUESTS = Counter(
@@ -64,6 +74,10 @@ RECEIPT_TO_SUCCESS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600, 86400),
 )
 SWEPT = Counter("webhooks_swept_total", "Deliveries re-published by the sweeper")
+RETRY_AFTER_IGNORED = Counter(
+    "webhooks_retry_after_ignored_total",
+    "Retry-After headers from downstreams that were neither seconds nor an HTTP date",
+)
 
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
@@ -71,3 +85,53 @@ DEAD_LETTERS_DISCARDED = Counter(
     "Dead letters removed: their retention ended (retention) or an operator discarded them",
     ["via"],
 )
+
+# Which process exposes which families (by family name: a counter's without ``_total``).
+Process = Literal["receiver", "worker"]
+RECEIVER_ONLY: tuple[Any, ...] = (
+    REQUESTS,
+    DUPLICATES,
+    CONFLICTS,
+    PUBLISH_FAILURES,
+    ACCEPT_LATENCY,
+    ACCEPT_BATCH,
+    TTL_RAISED,
+)
+WORKER_ONLY: tuple[Any, ...] = (
+    DELIVERIES,
+    RETRIES,
+    DEAD_LETTERS,
+    CLAIMS,
+    DEGRADED,
+    OLDEST_PENDING,
+    RECEIPT_TO_SUCCESS,
+    SWEPT,
+)
+
+
+def family_names(metrics: Iterable[Any]) -> frozenset[str]:
+    return frozenset(family.name for metric in metrics for family in metric.describe())
+
+
+def hidden_from(process: Process) -> frozenset[str]:
+    """The families ``process`` does not expose: the other kind's own."""
+    return family_names(WORKER_ONLY if process == "receiver" else RECEIVER_ONLY)
+
+
+class _Without:
+    """``source``'s families except the hidden ones (exposition time only)."""
+
+    def __init__(self, source: Any, hidden: frozenset[str]) -> None:
+        self._source = source
+        self._hidden = hidden
+
+    def collect(self) -> Iterator[Any]:
+        return (f for f in self._source.collect() if f.name not in self._hidden)
+
+
+def exposed(process: Process, source: Any) -> Any:
+    """A registry to hand to ``generate_latest``: ``source`` without the other process's
+    families."""
+    registry = CollectorRegistry(auto_describe=False)  # nothing to describe at registration
+    registry.register(_Without(source, hidden_from(process)))
+    return registry

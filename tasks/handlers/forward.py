@@ -10,13 +10,22 @@ the downstream verifies us with any Standard Webhooks library. Connect and read 
 timeouts and connection errors retry, honouring ``Retry-After`` within the policy's cap;
 redirects and other 4xx are permanent. Errors name the status, never the URL (it may carry
 a token) nor the body.
+
+The response is streamed and at most :data:`MAX_RESPONSE_BYTES` of it read (nothing of it is
+needed: a downstream answering with a huge body cannot grow the worker's memory). A
+``Retry-After`` that is neither delta-seconds nor an HTTP date is ignored and counted.
+``http://`` targets are refused (the event would travel in clear) unless the host is
+loopback or the route sets ``--option allow_http=true``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from datetime import datetime
 from email.utils import parsedate_to_datetime
+from urllib.parse import urlsplit
 
 import httpx
 from standardwebhooks.webhooks import Webhook
@@ -24,8 +33,14 @@ from standardwebhooks.webhooks import Webhook
 from tasks.context import Event, HandlerContext
 from tasks.errors import PermanentError, RetryableError
 from tasks.handlers.registry import register
+from webhooks.metrics import RETRY_AFTER_IGNORED
 
 USER_AGENT = "webhook-pipeline/0.1"
+# What is read of a downstream's answer at most; the rest is never read.
+MAX_RESPONSE_BYTES = 64 * 1024
+# The longest Retry-After honoured as given (the retry policy caps it further).
+_MAX_RETRY_AFTER_S = 7 * 86400.0
+_DELTA_SECONDS = re.compile(r"[0-9]{1,12}")  # ASCII digits only: "²".isdigit() is True
 
 _client: httpx.Client | None = None
 
@@ -47,19 +62,50 @@ def _http() -> httpx.Client:
 
 
 def parse_retry_after(value: str | None, now: datetime) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date)."""
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date); None for
+    no header, and for anything else, which is counted
+    (``webhooks_retry_after_ignored_total``): the retry policy's own backoff applies."""
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    if _DELTA_SECONDS.fullmatch(value):
+        return min(float(value), _MAX_RETRY_AFTER_S)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError, OverflowError):
+        when = None
+    if when is None or when.tzinfo is None:
+        RETRY_AFTER_IGNORED.inc()
         return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, (when - now).total_seconds())
+    return min(max(0.0, (when - now).total_seconds()), _MAX_RETRY_AFTER_S)
+
+
+def check_url(url: object, options: dict[str, object] | None = None) -> str:
+    """The route's target, if it may be used: http(s) with a host; plain http only to a
+    loopback host or with ``allow_http=true``. Raises PermanentError (misconfigured)."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise PermanentError("forward route has no http(s) url option", reason="misconfigured")
+    host = urlsplit(url).hostname
+    if not host:
+        raise PermanentError("forward route's url has no host", reason="misconfigured")
+    if url.startswith("http://") and not _loopback(host):
+        allowed = str((options or {}).get("allow_http", "")).lower() in ("true", "1", "yes")
+        if not allowed:
+            raise PermanentError(
+                "forward route's url is plain http to a host that is not loopback: use https,"
+                " or set --option allow_http=true",
+                reason="insecure_url",
+            )
+    return url
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def signed_headers(event: Event, ctx: HandlerContext, secret: str, now: datetime) -> dict[str, str]:
@@ -80,19 +126,29 @@ def signed_headers(event: Event, ctx: HandlerContext, secret: str, now: datetime
     }
 
 
+def _read_at_most(response: httpx.Response, limit: int) -> int:
+    """Read up to ``limit`` bytes of the body and stop (leaving the stream closes the
+    connection instead of draining it). Returns the bytes read."""
+    seen = 0
+    for chunk in response.iter_raw(chunk_size=16 * 1024):
+        seen += len(chunk)
+        if seen >= limit:
+            break
+    return seen
+
+
 @register("forward")
 def forward(event: Event, ctx: HandlerContext) -> None:
-    url = ctx.route.options.get("url")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise PermanentError("forward route has no http(s) url option", reason="misconfigured")
+    url = check_url(ctx.route.options.get("url"), dict(ctx.route.options))
     if not ctx.route.signing_secret:
         raise PermanentError("forward route has no signing secret", reason="misconfigured")
     now = ctx.clock.now()
     headers = signed_headers(event, ctx, ctx.route.signing_secret, now)
     try:
-        response = _http().post(
-            url, content=event.body, headers=headers, timeout=httpx.Timeout(ctx.io_timeout)
-        )
+        with _http().stream(
+            "POST", url, content=event.body, headers=headers, timeout=httpx.Timeout(ctx.io_timeout)
+        ) as response:
+            _read_at_most(response, MAX_RESPONSE_BYTES)
     except httpx.TimeoutException as exc:
         raise RetryableError(
             f"downstream timed out ({type(exc).__name__})", reason="timeout"
