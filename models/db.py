@@ -31,6 +31,8 @@ def make_engine(
         pool_size=pool_size or settings.db_pool_size,
         max_overflow=5,
         pool_pre_ping=pre_ping,
+        # Error messages never carry bound parameters (bodies, secrets, event data).
+        hide_parameters=True,
         connect_args={"connect_timeout": max(1, int(settings.db_connect_timeout))},
     )
 

@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+import sqlalchemy.exc
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Engine, text
@@ -204,3 +205,14 @@ def test_engine_factory_reaches_the_test_database(settings: Settings) -> None:
     finally:
         eng.dispose()
     upgrade(settings)  # idempotent on an up-to-date database
+
+
+def test_database_errors_never_carry_bound_parameters(engine: Engine) -> None:
+    """SQLAlchemy's error messages name the statement, never the values bound to it. (Postgres
+    itself may quote a value in its own message, a cast that failed say: which is why the
+    pipeline logs error classes, never error messages, of database errors.)"""
+    secret = "whsec_" + "n" * 32
+    with pytest.raises(sqlalchemy.exc.DBAPIError) as raised, engine.connect() as conn:
+        conn.execute(text("SELECT CAST(:value AS text), 1 / 0"), {"value": secret})
+    assert secret not in str(raised.value)
+    assert "hidden due to hide_parameters" in str(raised.value)
