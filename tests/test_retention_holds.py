@@ -499,6 +499,9 @@ def test_dead_discard_cli_previews_then_discards_with_an_audit_row(
     for delivery in [*dead, elsewhere]:
         kill(sessions, delivery, now)
 
+    listed = run_cli("dead", "list", "--source", source.public_id, "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert sum(g["count"] for g in json.loads(listed.stdout)) == 3
     preview = run_cli("dead", "discard", "--source", source.public_id, "--dry-run", "--json")
     assert preview.returncode == 0, preview.stderr
     assert json.loads(preview.stdout)["preview"]["count"] == 3
