@@ -127,6 +127,8 @@ class Receiver:
             )
         if source is None:
             return self._answer(label, "unknown_source", 404, {"error": "unknown source"})
+        if not source.active:  # nothing is written; what it accepted before still runs
+            return self._answer(label, "disabled", 410, {"error": "source disabled"})
 
         now = self.clock.now()
         headers = request.headers

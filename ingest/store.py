@@ -44,7 +44,7 @@ from webhooks.ttl import TtlOverrides, effective_ttl
 
 SOURCE_SQL = """
 SELECT s.id, s.provider, s.config, s.tolerance_s, s.max_body_bytes,
-       s.retry_window_s, s.queue_lag_s, s.clock_skew_s, s.replay_grace_s, s.name,
+       s.retry_window_s, s.queue_lag_s, s.clock_skew_s, s.replay_grace_s, s.name, s.active,
        coalesce(array_agg(ss.id ORDER BY ss.created_at DESC)
                 FILTER (WHERE ss.id IS NOT NULL), '{}'),
        coalesce(array_agg(ss.ciphertext ORDER BY ss.created_at DESC)
@@ -100,6 +100,8 @@ class SourceRecord:
     ttl_raised: bool  # the source's TTL did not cover its retry window: ttl is the safe floor
     secrets: tuple[tuple[str, str], ...]  # (secret id, plaintext), newest first
     loaded_at: float
+    # False: `webhooks sources disable` (410 Gone); seen within settings.source_cache_ttl.
+    active: bool = True
 
 
 @dataclass(frozen=True)
@@ -283,7 +285,7 @@ class Store:
         return None if cached is None else cached.loaded_at
 
     def _record(self, public_id: str, row: TupleRow) -> SourceRecord:
-        (sid, provider, config, tolerance_s, max_body, rw, ql, cs, rg, name, ids, cts) = row
+        (sid, provider, config, tolerance_s, max_body, rw, ql, cs, rg, name, active, ids, cts) = row
         ttl = effective_ttl(
             provider, TtlOverrides.from_seconds(rw, ql, cs, rg), self.settings, source_name=name
         )
@@ -299,6 +301,7 @@ class Store:
             ttl_raised=ttl.raised,
             secrets=tuple((i, self.box.decrypt(bytes(c))) for i, c in zip(ids, cts, strict=True)),
             loaded_at=time.monotonic(),
+            active=bool(active),
         )
 
     async def accept(self, receipt: NewReceipt) -> Outcome:

@@ -82,6 +82,8 @@ class Source(Base):
     queue_lag_s: Mapped[int | None] = mapped_column(BigInteger)
     clock_skew_s: Mapped[int | None] = mapped_column(BigInteger)
     replay_grace_s: Mapped[int | None] = mapped_column(BigInteger)
+    # A disabled source answers 410 Gone and writes nothing; what it accepted still runs.
+    active: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
