@@ -6,11 +6,19 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from models.schema import PROVIDERS, Route, Source, SourceSecret
+from models.schema import (
+    PROVIDERS,
+    UNFINISHED_STATES,
+    AuditEntry,
+    Delivery,
+    Route,
+    Source,
+    SourceSecret,
+)
 from webhooks.crypto import SecretBox, generate_secret, public_id
 from webhooks.logs import get_logger
 from webhooks.metrics import SOURCES_TTL_RAISED
@@ -268,3 +276,197 @@ def list_routes(session: Session, source: Source) -> list[Route]:
     return list(
         session.scalars(select(Route).where(Route.source_id == source.id).order_by(Route.id))
     )
+
+
+def get_route(session: Session, route_id: int) -> Route:
+    route = session.get(Route, route_id)
+    if route is None:
+        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
+    return route
+
+
+def active_routes(session: Session) -> list[tuple[Route, str]]:
+    """Every active route of an active source, with the source's public id."""
+    rows = session.execute(
+        select(Route, Source.public_id)
+        .join(Source, Source.id == Route.source_id)
+        .where(Route.active, Source.active)
+        .order_by(Route.id)
+    ).all()
+    return [(route, public) for route, public in rows]
+
+
+# Lifecycle: disable, enable, remove; each one guarded statement and one audit_log row in the
+# caller's transaction, so the change and its record commit together.
+
+
+@dataclass(frozen=True)
+class Change:
+    """Who makes an operator change, why, and through what (recorded in ``audit_log``)."""
+
+    operator: str
+    reason: str
+    via: str = "cli"
+
+    def check(self) -> None:
+        if not self.reason.strip():
+            raise CatalogError("--reason is required: it is recorded in the audit trail")
+        if not self.operator.strip():
+            raise CatalogError("an operator name is required (--operator)")
+
+
+@dataclass(frozen=True)
+class Changed:
+    """What a lifecycle change did: its audit row, its target, and the deliveries of the
+    target that were not finished at that moment."""
+
+    audit_id: int
+    target: dict[str, Any]
+    unfinished: int
+
+
+def record_audit(
+    session: Session,
+    change: Change,
+    action: str,
+    target: dict[str, Any],
+    *,
+    count: int,
+    now: datetime | None,
+) -> int:
+    """One ``audit_log`` row; ``now`` None: the database's clock."""
+    entry = AuditEntry(
+        at=now if now is not None else func.now(),
+        operator=change.operator.strip(),
+        action=action,
+        target=target,
+        reason=change.reason.strip(),
+        count=count,
+        via=change.via,
+    )
+    session.add(entry)
+    session.flush()
+    return int(entry.id)
+
+
+def _unfinished(session: Session, *where: Any) -> int:
+    return int(
+        session.scalar(select(func.count()).where(Delivery.status.in_(UNFINISHED_STATES), *where))
+        or 0
+    )
+
+
+def _route_target(route: Route, source: str) -> dict[str, Any]:
+    return {
+        "route": route.id,
+        "source": source,
+        "handler": route.handler,
+        "events": route.events_glob,
+    }
+
+
+def set_route_active(
+    session: Session, route_id: int, active: bool, change: Change, *, now: datetime | None
+) -> Changed:
+    """Disable (new events no longer get a delivery for it) or enable a route. Refuses a
+    route that is already so. Deliveries it already has keep their state; a worker turns
+    those it picks up while the route is disabled into dead letters (``route_inactive``),
+    which a replay runs once the route is enabled again."""
+    change.check()
+    route = get_route(session, route_id)
+    moved = session.execute(
+        update(Route)
+        .where(Route.id == route_id, Route.active.is_not(active))
+        .values(active=active)
+        .returning(Route.id)
+    ).first()
+    if moved is None:
+        state = "enabled" if active else "disabled"
+        raise CatalogError(f"route {route_id} is already {state}")
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = _route_target(route, source)
+    unfinished = _unfinished(session, Delivery.route_id == route_id)
+    action = "route.enable" if active else "route.disable"
+    audit_id = record_audit(session, change, action, target, count=1, now=now)
+    return Changed(audit_id, target, unfinished)
+
+
+def remove_route(
+    session: Session, route_id: int, change: Change, *, now: datetime | None
+) -> Changed:
+    """Delete a route, refused while any of its deliveries is unfinished or dead (a dead
+    letter must stay replayable): disable it instead, or let them finish and discard the dead
+    ones. Finished deliveries keep their history and show the route as removed."""
+    change.check()
+    route = session.scalars(select(Route).where(Route.id == route_id).with_for_update()).first()
+    if route is None:
+        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
+    unfinished = _unfinished(session, Delivery.route_id == route_id)
+    dead = int(
+        session.scalar(
+            select(func.count()).where(Delivery.route_id == route_id, Delivery.status == "dead")
+        )
+        or 0
+    )
+    if unfinished or dead:
+        parts = [f"{n} {what}" for n, what in ((unfinished, "unfinished"), (dead, "dead")) if n]
+        raise CatalogError(
+            f"route {route_id} still has {' and '.join(parts)} deliveries: disable it instead "
+            f"(webhooks routes disable {route_id}), or remove it once they have finished and its "
+            "dead letters are replayed or discarded (webhooks dead discard)"
+        )
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = _route_target(route, source)
+    session.delete(route)
+    session.flush()
+    audit_id = record_audit(session, change, "route.remove", target, count=1, now=now)
+    return Changed(audit_id, target, 0)
+
+
+def set_source_active(
+    session: Session, source: Source, active: bool, change: Change, *, now: datetime | None
+) -> Changed:
+    """Disable a source (its URL answers 410 Gone and writes nothing) or enable it again.
+    Deliveries it already accepted are not touched: they run as before."""
+    change.check()
+    moved = session.execute(
+        update(Source)
+        .where(Source.id == source.id, Source.active.is_not(active))
+        .values(active=active)
+        .returning(Source.id)
+    ).first()
+    if moved is None:
+        state = "enabled" if active else "disabled"
+        raise CatalogError(f"source {source.public_id} is already {state}")
+    target = {"source": source.public_id, "name": source.name, "provider": source.provider}
+    unfinished = _unfinished(session, Delivery.source_id == source.id)
+    action = "source.enable" if active else "source.disable"
+    audit_id = record_audit(session, change, action, target, count=1, now=now)
+    return Changed(audit_id, target, unfinished)
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """An ``audit_log`` row as operators read it."""
+
+    id: int
+    at: datetime
+    operator: str
+    action: str
+    target: dict[str, Any]
+    reason: str
+    count: int
+    via: str
+
+
+def list_audit(
+    session: Session, *, limit: int = 20, action: str | None = None
+) -> list[AuditRecord]:
+    """Most recent first; ``action`` is a prefix (``route``, ``source.disable``)."""
+    query = select(AuditEntry).order_by(AuditEntry.at.desc(), AuditEntry.id.desc()).limit(limit)
+    if action is not None:
+        query = query.where(AuditEntry.action.startswith(action, autoescape=True))
+    return [
+        AuditRecord(e.id, e.at, e.operator, e.action, e.target, e.reason, e.count, e.via)
+        for e in session.scalars(query)
+    ]

@@ -52,6 +52,7 @@ def get_app() -> Celery:
         worker_init.connect(_configure_logging, weak=False)
         beat_init.connect(_configure_logging, weak=False)
         worker_init.connect(_report_raised_ttls, weak=False)
+        worker_init.connect(_report_unknown_handlers, weak=False)
         beat_init.connect(_report_raised_ttls, weak=False)
         worker_process_init.connect(_after_fork, weak=False)
         worker_process_shutdown.connect(_close_runtime, weak=False)
@@ -86,6 +87,42 @@ def _report_raised_ttls(sender: Any = None, **_: Any) -> None:
         report_raised_ttls(engine, settings, process=process)
     finally:
         engine.dispose()
+
+
+def _report_unknown_handlers(**_: Any) -> None:
+    """Once at the worker's start: each active route whose handler this worker does not know
+    (a deployment that lacks a handler module), before its events start going dead with
+    ``unknown_handler``. An unreachable database is logged and skipped, as for the TTLs."""
+    from sqlalchemy.exc import OperationalError  # noqa: PLC0415
+    from sqlalchemy.orm import Session  # noqa: PLC0415
+
+    from models.catalog import active_routes  # noqa: PLC0415
+    from models.db import make_engine  # noqa: PLC0415
+    from tasks.handlers.registry import load_registry  # noqa: PLC0415
+    from webhooks.logs import get_logger  # noqa: PLC0415
+
+    log = get_logger("worker")
+    settings = get_settings()
+    known = set(load_registry(settings.handler_modules).names())
+    engine = make_engine(settings, pool_size=1)
+    try:
+        with Session(engine) as session:
+            routes = [(r.id, r.handler, source) for r, source in active_routes(session)]
+    except OperationalError as exc:
+        log.warning("routes.handler_check_skipped", error_class=type(exc).__name__)
+        return
+    finally:
+        engine.dispose()
+    for route_id, handler, source in routes:
+        if handler not in known:
+            log.error(
+                "route.unknown_handler",
+                route_id=route_id,
+                source=source,
+                handler=handler,
+                registered=sorted(known),
+                fix=f"deploy the handler, or webhooks routes disable {route_id}",
+            )
 
 
 def _after_fork(**_: Any) -> None:

@@ -12,8 +12,11 @@ A handler is a callable ``(event, ctx) -> None``; it raises ``RetryableError`` o
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from tasks.context import Event, HandlerContext
@@ -54,9 +57,25 @@ def register(name: str) -> Callable[[Handler], Handler]:
     return decorate
 
 
+class UnregisteredHandlerError(ValueError):
+    """A route would name a handler that no module registers: refused when the route is made
+    or enabled, rather than every event of its source going dead with ``unknown_handler``."""
+
+
+@dataclass(frozen=True)
+class HandlerInfo:
+    """A registered handler as operators see it (``webhooks handlers list``)."""
+
+    name: str
+    origin: str  # built-in | WEBHOOKS_HANDLER_MODULES | entry point
+    module: str
+    summary: str  # the first line of its docstring
+
+
 class HandlerRegistry:
-    def __init__(self, handlers: dict[str, Handler]) -> None:
+    def __init__(self, handlers: dict[str, Handler], origins: dict[str, str] | None = None) -> None:
         self._handlers = dict(handlers)
+        self._origins = dict(origins or {})
 
     def get(self, name: str) -> Handler:
         try:
@@ -66,6 +85,35 @@ class HandlerRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._handlers)
+
+    def require(self, name: str) -> None:
+        """Refuse a name no handler is registered under, naming the registered ones (and the
+        likely one, for ``Forward`` or ``fowrard``)."""
+        if name in self._handlers:
+            return
+        close = difflib.get_close_matches(name.lower(), self.names(), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UnregisteredHandlerError(
+            f"unknown handler {name!r}: {hint}registered: {', '.join(self.names())}"
+        )
+
+    def describe(self) -> list[HandlerInfo]:
+        infos = []
+        for name in self.names():
+            handler = self._handlers[name]
+            module = getattr(handler, "__module__", "") or ""
+            # Its docstring, else its module's (forward and stripe_subscription say it there).
+            text = handler.__doc__ or getattr(sys.modules.get(module), "__doc__", None) or ""
+            doc = text.strip().splitlines()
+            infos.append(
+                HandlerInfo(
+                    name,
+                    self._origins.get(name, "entry point"),
+                    module,
+                    doc[0] if doc else "",
+                )
+            )
+        return infos
 
 
 def load_registry(modules: Iterable[str] = ()) -> HandlerRegistry:
@@ -79,10 +127,15 @@ def load_registry(modules: Iterable[str] = ()) -> HandlerRegistry:
                 f"cannot import handler module {module!r}: {exc}"
             ) from None
     table = dict(_registered)
+    origins = {}
+    for name, handler in table.items():
+        builtin = getattr(handler, "__module__", None) in BUILTIN_MODULES
+        origins[name] = "built-in" if builtin else "WEBHOOKS_HANDLER_MODULES"
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         handler = ep.load()
         if not callable(handler):
             raise HandlerRegistrationError(f"entry point {ep.name!r} is not callable")
         _add(table, ep.name, handler)
+        origins.setdefault(ep.name, f"entry point ({ep.dist.name if ep.dist else ep.value})")
     log.debug("handlers.loaded", handlers=sorted(table))
-    return HandlerRegistry(table)
+    return HandlerRegistry(table, origins)

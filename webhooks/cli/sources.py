@@ -1,4 +1,5 @@
-"""``webhooks sources|secrets|routes``: configure where webhooks come from and where they go."""
+"""``webhooks sources|secrets|routes|handlers``: configure where webhooks come from and where
+they go, and take sources and routes out of service (and back) with an audit row."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ from datetime import timedelta
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from models import catalog
 from models.schema import PROVIDERS, Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
+from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say
 from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration, parse_duration
 from webhooks.ttl import TtlOverrides
@@ -18,6 +21,7 @@ from webhooks.ttl import TtlOverrides
 sources_app = typer.Typer(help="Webhook sources (one URL per source).", no_args_is_help=True)
 secrets_app = typer.Typer(help="A source's signing secrets (rotation).", no_args_is_help=True)
 routes_app = typer.Typer(help="Handlers bound to a source.", no_args_is_help=True)
+handlers_app = typer.Typer(help="The handlers this installation registers.", no_args_is_help=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 DurationOpt = Annotated[str | None, typer.Option(help="Duration such as 3d, 12h, 10m.")]
@@ -64,6 +68,7 @@ def _source_view(e: Env, source: Source) -> dict[str, Any]:
         if not ttl.raised
         else f"{format_duration(ttl.total)} (raised)",
         "warning": ttl.warning(),
+        "active": source.active,
         "created_at": source.created_at,
     }
 
@@ -174,17 +179,12 @@ def sources_list(as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(views)
         return
-    table = Table("id", "name", "account", "provider", "url path", "dedup ttl", "warning")
+    table = Table("id", "name", "account", "provider", "url path", "dedup ttl", "active", "warning")
     for v in views:
-        table.add_row(
-            v["id"],
-            v["name"],
-            v["account"],
-            v["provider"],
-            v["url_path"],
-            v["dedup_ttl"],
-            v["warning"] or "",
-        )
+        row(
+            table, v["id"], v["name"], v["account"], v["provider"], v["url_path"],
+            v["dedup_ttl"], "yes" if v["active"] else "no (410 Gone)", v["warning"] or "",
+        )  # fmt: skip
     console.print(table)
 
 
@@ -208,14 +208,19 @@ def sources_show(source: str, as_json: JsonOpt = False) -> None:
         "provider",
         "url_path",
         "dedup_ttl",
+        "active",
         "config",
         "created_at",
     ):
-        console.print(f"{key + ':':<12} {view[key]}", highlight=False)
-    console.print(f"secrets:     {len(view['secrets'])}; routes: {len(view['routes'])}")
+        say(f"{key + ':':<12} {escape(str(view[key]))}")
+    say(f"secrets:     {len(view['secrets'])}; routes: {len(view['routes'])}")
     for r in view["routes"]:
-        console.print(
-            f"  route {r['id']}: {r['handler']} events={r['events']} options={r['options']}"
+        state = "" if r["active"] else " (disabled)"
+        say(
+            escape(
+                f"  route {r['id']}: {r['handler']} events={r['events']} "
+                f"options={r['options']}{state}"
+            )
         )
 
 
@@ -263,7 +268,7 @@ def secrets_list(source: str, as_json: JsonOpt = False) -> None:
         return
     table = Table("id", "created", "revoked")
     for v in views:
-        table.add_row(v["id"], str(v["created_at"]), str(v["revoked_at"] or ""))
+        row(table, v["id"], v["created_at"], v["revoked_at"] or "")
     console.print(table)
 
 
@@ -292,8 +297,11 @@ def routes_add(
     max_age: DurationOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Bind a handler to a source, optionally for matching event types only."""
+    """Bind a handler to a source, optionally for matching event types only.
+
+    The handler must be registered here (webhooks handlers list)."""
     e = env()
+    _registry(e).require(handler)
     with e.session() as session:
         route, signing = catalog.add_route(
             session,
@@ -311,7 +319,7 @@ def routes_add(
     if as_json:
         print_json(view)
         return
-    console.print(f"route {view['id']}: {handler} for {events}")
+    say(escape(f"route {view['id']}: {handler} for {events}"))
     if signing is not None:
         console.print(f"signing secret (give it to the downstream): {signing}", highlight=False)
 
@@ -331,11 +339,176 @@ def routes_list(source: str, as_json: JsonOpt = False) -> None:
         return
     table = Table("id", "handler", "events", "options", "active")
     for v in views:
-        table.add_row(str(v["id"]), v["handler"], v["events"], str(v["options"]), str(v["active"]))
+        row(table, v["id"], v["handler"], v["events"], v["options"], v["active"])
     console.print(table)
+
+
+def _registry(e: Env) -> Any:
+    from tasks.handlers.registry import load_registry  # noqa: PLC0415
+
+    return load_registry(e.settings.handler_modules)
+
+
+def _change(operator: str | None, reason: str | None) -> catalog.Change:
+    return catalog.Change(operator=operator or login(), reason=reason or "", via="cli")
+
+
+def _say_route(verb: str, changed: catalog.Changed, extra: str = "") -> None:
+    t = changed.target
+    say(
+        escape(
+            f"route {t['route']} ({t['handler']} for {t['events']} on {t['source']}) {verb} "
+            f"(audit {changed.audit_id}){extra}"
+        )
+    )
+
+
+RouteIdArg = Annotated[int, typer.Argument(metavar="ROUTE_ID", help="See `routes list SOURCE`.")]
+
+
+@routes_app.command("disable")
+@handle_errors
+def routes_disable(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Stop routing new events to this route (audited). Its deliveries that are not finished
+    go dead with route_inactive when a worker picks them up; replay them after
+    `routes enable`."""
+    e = env()
+    with e.session() as session:
+        changed = catalog.set_route_active(
+            session, route_id, False, _change(operator, reason), now=None
+        )
+    extra = ""
+    if changed.unfinished:
+        extra = (
+            f"; {changed.unfinished} of its deliveries are not finished: they go dead with "
+            f"route_inactive (replay them after webhooks routes enable {route_id})"
+        )
+    _say_route("disabled: new events no longer get a delivery for it", changed, extra)
+
+
+@routes_app.command("enable")
+@handle_errors
+def routes_enable(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Route new events to this route again (audited); its handler must be registered."""
+    e = env()
+    registry = _registry(e)
+    with e.session() as session:
+        registry.require(catalog.get_route(session, route_id).handler)
+        changed = catalog.set_route_active(
+            session, route_id, True, _change(operator, reason), now=None
+        )
+    _say_route("enabled", changed)
+
+
+@routes_app.command("remove")
+@handle_errors
+def routes_remove(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Delete a route (audited). Refused while it has deliveries that are not finished or
+    dead (disable it instead); finished ones keep their history."""
+    e = env()
+    with e.session() as session:
+        changed = catalog.remove_route(session, route_id, _change(operator, reason), now=None)
+    _say_route("removed", changed)
+
+
+def _say_source(verb: str, changed: catalog.Changed) -> None:
+    t = changed.target
+    say(escape(f"source {t['source']} ({t['name']}) {verb} (audit {changed.audit_id})"))
+
+
+@sources_app.command("disable")
+@handle_errors
+def sources_disable(
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help="Source id or name.")],
+    reason: ReasonOpt = None,
+    operator: OperatorOpt = None,
+) -> None:
+    """Refuse new webhooks for this source: its URL answers 410 Gone and writes nothing
+    (audited). What it already accepted still runs."""
+    e = env()
+    with e.session() as session:
+        row_ = catalog.get_source(session, source)
+        changed = catalog.set_source_active(
+            session, row_, False, _change(operator, reason), now=None
+        )
+    ttl = format_duration(e.settings.source_cache_ttl)
+    _say_source(
+        f"disabled: /webhooks/{changed.target['source']} answers 410 Gone (each receiver "
+        f"within {ttl}, its source cache); {changed.unfinished} unfinished deliveries still run",
+        changed,
+    )
+
+
+@sources_app.command("enable")
+@handle_errors
+def sources_enable(
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help="Source id or name.")],
+    reason: ReasonOpt = None,
+    operator: OperatorOpt = None,
+) -> None:
+    """Accept webhooks for this source again (audited)."""
+    e = env()
+    with e.session() as session:
+        row_ = catalog.get_source(session, source)
+        changed = catalog.set_source_active(
+            session, row_, True, _change(operator, reason), now=None
+        )
+    ttl = format_duration(e.settings.source_cache_ttl)
+    _say_source(f"enabled (each receiver accepts again within {ttl})", changed)
+
+
+@handlers_app.command("list")
+@handle_errors
+def handlers_list(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Handlers a route can name: the built-ins, the webhooks.handlers entry points and the
+    modules in WEBHOOKS_HANDLER_MODULES, with the active routes using each."""
+    e = env()
+    infos = _registry(e).describe()
+    with e.session() as session:
+        routes = catalog.active_routes(session)
+    used: dict[str, list[int]] = {}
+    for route, _source in routes:
+        used.setdefault(route.handler, []).append(route.id)
+    views = [
+        {
+            "name": i.name,
+            "origin": i.origin,
+            "module": i.module,
+            "summary": i.summary,
+            "active_routes": used.get(i.name, []),
+        }
+        for i in infos
+    ]
+    known = {i.name for i in infos}
+    unknown = {h: ids for h, ids in used.items() if h not in known}
+    if as_json:
+        print_json({"handlers": views, "unknown_in_routes": unknown})
+        return
+    table = Table("name", "from", "active routes", "what it does")
+    for v in views:
+        routes_text = " ".join(str(i) for i in v["active_routes"]) or "-"
+        row(table, v["name"], v["origin"], routes_text, v["summary"])
+    console.print(table)
+    for handler, ids in sorted(unknown.items()):
+        say(
+            escape(
+                f"active route {' '.join(str(i) for i in ids)} names {handler!r}, which is not "
+                "registered here: its events go dead with unknown_handler (deploy the handler, "
+                "or webhooks routes disable ROUTE_ID)"
+            )
+        )
 
 
 def register(app: typer.Typer) -> None:
     app.add_typer(sources_app, name="sources")
     app.add_typer(secrets_app, name="secrets")
     app.add_typer(routes_app, name="routes")
+    app.add_typer(handlers_app, name="handlers")
