@@ -4,26 +4,37 @@ Bearer token from ``WEBHOOKS_ADMIN_TOKEN``, compared in constant time. Without a
 is off: :func:`create_admin_app` returns an app with no routes and no schema, so every
 ``/admin`` path is a 404 and nothing reveals that the API exists.
 
-Replays have the CLI's semantics and limits (:mod:`models.replays`): a required reason and
-operator, a capped rate, the same refusals and the same audit row (``via: api``). ``POST
+Replays have the CLI's semantics and limits (:mod:`models.replays`): a required reason, a
+capped rate, the same refusals and the same audit row (``via: api``); the operator defaults
+to ``admin-token``, the name of the one token there is (until named tokens exist). ``POST
 /replays`` plans synchronously, writes the audit row and answers 202 with its id; the replay
 then runs in a background thread of this process at the requested rate, and ``GET
 /replays/{id}`` shows its progress from the audit row, which the run updates in the same
 transaction as each delivery it moves. If the process stops mid-run the row stays
 ``running``; the deliveries it did not reach are still dead, so a new replay with the same
 filter finishes the job.
+
+The interactive docs (``/admin/docs``) work offline: Swagger UI's files come from the
+``swagger-ui-bundle`` package, served here. The docs, their files and ``/admin/openapi.json``
+need the token like every other path; since a browser cannot send a bearer header when it
+opens a page, the token is also accepted as the password of HTTP Basic (any user name), and
+those paths ask for it with a Basic challenge.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
@@ -36,6 +47,7 @@ from models.db import make_engine, make_sessionmaker
 from models.queries import (
     Candidate,
     DeadGroup,
+    DeliveryDetail,
     EventDetail,
     EventFilter,
     EventSummary,
@@ -49,11 +61,16 @@ from webhooks.settings import Settings, load_settings
 log = get_logger("admin")
 
 MAX_RUNNING_REPLAYS = 2  # per process; more answer 429
+# The operator recorded for an API replay that names none: the token's name (one token).
+DEFAULT_OPERATOR = "admin-token"  # noqa: S105  (a name, not a secret)
+# Swagger UI's files served to /admin/docs (from the swagger-ui-bundle package).
+DOCS_ASSETS = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png")
 
 DESCRIPTION = """
 Operators' API of the webhook pipeline: received events with their deliveries and attempts,
-dead letters, and audited replays. Authenticate with `Authorization: Bearer <WEBHOOKS_ADMIN_TOKEN>`.
-Responses never contain a secret or a payload.
+dead letters, and audited replays. Authenticate with `Authorization: Bearer <WEBHOOKS_ADMIN_TOKEN>`
+(these docs: the token as the password of HTTP Basic, any user name). Times are ISO 8601 UTC
+(`...Z`). Responses never contain a secret or a payload.
 """
 
 
@@ -62,7 +79,11 @@ class ReplayIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    operator: str = Field(min_length=1, description="Who replays (recorded in the audit).")
+    operator: str | None = Field(
+        default=None,
+        min_length=1,
+        description=f"Who replays (recorded in the audit). Default: `{DEFAULT_OPERATOR}`.",
+    )
     reason: str = Field(min_length=1, description="Why (required; recorded in the audit).")
     ids: list[int] | None = Field(
         default=None, min_length=1, description="Delivery ids. Excludes the filter fields."
@@ -175,16 +196,40 @@ class _State:
 _bearer = HTTPBearer(auto_error=False, description="WEBHOOKS_ADMIN_TOKEN")
 
 
+def _basic_password(request: Request) -> bytes | None:
+    """The password of an ``Authorization: Basic`` header (the user name is ignored)."""
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    _user, sep, password = decoded.partition(b":")
+    return password if sep else None
+
+
+def _check(request: Request, creds: HTTPAuthorizationCredentials | None, challenge: str) -> None:
+    state: _State = request.app.state.admin
+    given = creds.credentials.encode() if creds is not None else _basic_password(request)
+    # compare_digest on every request, even without a header, so timing tells nothing.
+    if not hmac.compare_digest(given or b"", state.token) or given is None:
+        raise HTTPException(
+            401, "missing or wrong bearer token", headers={"WWW-Authenticate": challenge}
+        )
+
+
 def _require_token(
     request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
-    state: _State = request.app.state.admin
-    given = creds.credentials.encode() if creds is not None else b""
-    # compare_digest on every request, even without a header, so timing tells nothing.
-    if not hmac.compare_digest(given, state.token) or creds is None:
-        raise HTTPException(
-            401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-        )
+    _check(request, creds, "Bearer")
+
+
+def _require_token_browser(
+    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """The docs' paths: a browser that opens them is asked for the token (Basic)."""
+    _check(request, creds, 'Basic realm="webhooks admin API (password: the admin token)"')
 
 
 def _session(request: Request) -> Iterator[Session]:
@@ -204,6 +249,45 @@ def _off() -> FastAPI:
     return FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
 
+def _docs_assets() -> Path | None:
+    try:
+        import swagger_ui_bundle  # type: ignore[import-untyped]  # noqa: PLC0415
+    except ImportError:
+        return None
+    return Path(swagger_ui_bundle.swagger_ui_path)
+
+
+def _add_docs(app: FastAPI) -> None:
+    """The schema and Swagger UI from local files, behind the token (no CDN, no public page).
+    Without the swagger-ui-bundle package only the schema is served."""
+    docs = [Depends(_require_token_browser)]
+    assets = _docs_assets()
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=docs)
+    def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    if assets is None:
+        return
+
+    @app.get("/docs", include_in_schema=False, dependencies=docs)
+    def swagger(request: Request) -> HTMLResponse:
+        root = str(request.scope.get("root_path", "")).rstrip("/")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}/openapi.json",
+            title=f"{app.title}: docs",
+            swagger_js_url=f"{root}/docs/assets/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}/docs/assets/swagger-ui.css",
+            swagger_favicon_url=f"{root}/docs/assets/favicon-32x32.png",
+        )
+
+    @app.get("/docs/assets/{name}", include_in_schema=False, dependencies=docs)
+    def swagger_asset(name: str) -> FileResponse:
+        if name not in DOCS_ASSETS:
+            raise HTTPException(404, "not found")
+        return FileResponse(assets / name)
+
+
 def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastAPI:
     """The admin API, or (no WEBHOOKS_ADMIN_TOKEN) an app that answers 404 to everything."""
     if settings.admin_token is None or not settings.admin_token.get_secret_value():
@@ -213,9 +297,13 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
         title="webhooks admin API",
         description=DESCRIPTION,
         version="1",
-        dependencies=[Depends(_require_token)],
         responses={401: {"description": "Missing or wrong bearer token."}},
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
+    _add_docs(app)
+    router = APIRouter(dependencies=[Depends(_require_token)])
 
     @app.exception_handler(queries.NotFoundError)
     def _not_found(request: Request, exc: queries.NotFoundError) -> JSONResponse:
@@ -241,7 +329,7 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
     def _time(text: str | None) -> Any:
         return None if text is None else queries.parse_time(text, now=state.clock.now())
 
-    @app.get("/events", tags=["events"], summary="List events, newest first")
+    @router.get("/events", tags=["events"], summary="List events, newest first")
     def list_events(
         session: Db,
         source: Annotated[str | None, Query(description="Source id or name.")] = None,
@@ -262,18 +350,40 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
             session, EventFilter(source, type, status, _time(since), _time(until), limit)
         )
 
-    @app.get(
+    @router.get(
         "/events/{event}",
         tags=["events"],
         summary="Show one event",
         responses={404: {"model": ErrorOut}},
     )
-    def show_event(event: str, session: Db) -> EventDetail:
-        """The receipt (by receipt number or event id), its deliveries and every attempt with
-        its error. The payload's size is shown, never its content."""
-        return queries.get_event(session, event)
+    def show_event(
+        event: str,
+        session: Db,
+        source: Annotated[
+            str | None, Query(description="The source, when several have this event id.")
+        ] = None,
+    ) -> EventDetail:
+        """The receipt, its deliveries and every attempt with its error. `event` is
+        `receipt:N`, `delivery:N` (that delivery's event), `event:ID` or a provider event id;
+        a bare number that is a delivery id is refused (422, `ambiguous_id`): look it up with
+        `GET /deliveries/{id}`. The payload's size is shown, never its content."""
+        return queries.get_event(session, event, source=source)
 
-    @app.get("/dead", tags=["dead letters"], summary="Dead letters, grouped")
+    @router.get(
+        "/deliveries/{delivery}",
+        tags=["deliveries"],
+        summary="Show one delivery",
+        responses={404: {"model": ErrorOut}},
+    )
+    def show_delivery(delivery: str, session: Db) -> DeliveryDetail:
+        """A delivery by the id Flower, the logs and `GET /dead` show (`11` or `delivery:11`):
+        its event, route and handler, status, attempts in time order with the replays that
+        split them, dead reason and downstream idempotency key."""
+        from tasks.context import idempotency_key  # noqa: PLC0415
+
+        return queries.get_delivery(session, delivery, key_of=idempotency_key)
+
+    @router.get("/dead", tags=["dead letters"], summary="Dead letters, grouped")
     def dead(
         session: Db,
         source: Annotated[str | None, Query(description="Source id or name.")] = None,
@@ -281,7 +391,7 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
         """Dead deliveries grouped by source, route and reason, with counts and recent ids."""
         return queries.dead_letters(session, source=source)
 
-    @app.post(
+    @router.post(
         "/replays",
         tags=["replays"],
         summary="Preview or start a replay",
@@ -315,7 +425,7 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
                     "give delivery ids or a filter (source, type, since, until)", "bad_target"
                 )
         request = replays.ReplayRequest(
-            operator=body.operator,
+            operator=body.operator or DEFAULT_OPERATOR,
             reason=body.reason,
             via="api",
             filter_as_given=given,
@@ -341,14 +451,14 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
         state.run_in_background(plan, replay_id)
         return ReplayCreatedOut(preview=preview, replay=record)
 
-    @app.get("/replays", tags=["replays"], summary="The replay audit trail")
+    @router.get("/replays", tags=["replays"], summary="The replay audit trail")
     def list_replays(
         session: Db, limit: Annotated[int, Query(ge=1, le=500)] = 20
     ) -> list[ReplayRecord]:
         """Who replayed what, when and why; most recent first."""
         return replays.list_replays(session, limit=limit)
 
-    @app.get(
+    @router.get(
         "/replays/{replay_id}",
         tags=["replays"],
         summary="A replay's progress",
@@ -359,6 +469,7 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
         is `running`, then `done`, `failed` or `interrupted`."""
         return replays.get_replay(session, replay_id)
 
+    app.include_router(router)
     app.state.admin = state
     return app
 

@@ -7,20 +7,40 @@ never selected for display: an event shows its size and whether retention droppe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import fnmatch
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, select
+from sqlalchemy import and_, exists, func, or_, select
 from sqlalchemy.orm import Session
 
 from models.catalog import get_source, glob_to_like
-from models.schema import DELIVERY_STATES, Attempt, Delivery, Receipt, Route, Source
+from models.schema import (
+    DELIVERY_STATES,
+    Attempt,
+    Delivery,
+    Receipt,
+    Replay,
+    Route,
+    Source,
+)
 from webhooks.durations import DurationError, parse_duration
 
 REPLAYABLE_STATES = ("dead", "succeeded")
 MAX_LIST_LIMIT = 1000
+# The handler shown for a delivery whose route was removed (``webhooks routes remove``).
+REMOVED_ROUTE = "(route removed)"
+# Operators' unambiguous id forms: ``receipt:12``, ``delivery:11``, ``event:evt_1``.
+RECEIPT_PREFIX = "receipt:"
+DELIVERY_PREFIX = "delivery:"
+EVENT_PREFIX = "event:"
+
+
+def receipt_ref(receipt_id: int) -> str:
+    """How a receipt id is printed: a bare number could also be a delivery id."""
+    return f"{RECEIPT_PREFIX}{receipt_id}"
 
 
 class QueryError(ValueError):
@@ -90,7 +110,8 @@ class EventSummary:
 
 @dataclass(frozen=True)
 class AttemptView:
-    """One try of a delivery: who ran it, when, and how it ended."""
+    """One try of a delivery: who ran it, when, and how it ended. ``number`` is the attempt's
+    fencing token: it only grows, across replays and re-runs too."""
 
     number: int
     generation: int
@@ -103,14 +124,31 @@ class AttemptView:
 
 
 @dataclass(frozen=True)
+class ReplayMark:
+    """A replay (or re-run) that moved a delivery: the attempts from ``first_attempt`` on
+    belong to it (None: none has started since). The audit fields are None when no audit row
+    accounts for it (a replay older than the ``replays`` rows kept)."""
+
+    replay_id: int | None
+    operator: str | None
+    reason: str | None
+    via: str | None
+    started_at: datetime | None
+    rerun: bool
+    first_attempt: int | None
+
+
+@dataclass(frozen=True)
 class DeliveryView:
-    """One (event, route) unit of work with its attempts."""
+    """One (event, route) unit of work with its attempts (in time order) and the replays that
+    split them into runs."""
 
     id: int
     route_id: int
-    handler: str
+    handler: str  # REMOVED_ROUTE once the route is gone
     status: str
-    attempts: int
+    attempts: int  # the latest attempt's number (the fencing token; goes on across replays)
+    attempts_since_replay: int  # what the retry policy counts: attempts - attempt_base
     generation: int
     dead_reason: str | None
     last_error_class: str | None
@@ -120,6 +158,7 @@ class DeliveryView:
     updated_at: datetime
     succeeded_at: datetime | None
     attempt_log: list[AttemptView] = field(default_factory=list)
+    replays: list[ReplayMark] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -262,9 +301,8 @@ def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     ]
 
 
-def get_event(session: Session, ref: str | int) -> EventDetail:
-    """By receipt id (a number) or by the provider's event id when only one source has it."""
-    query = (
+def _receipt_query() -> Any:
+    return (
         select(
             Receipt.id,
             Receipt.expires_at,
@@ -278,49 +316,106 @@ def get_event(session: Session, ref: str | int) -> EventDetail:
             Receipt.content_type,
             func.octet_length(Receipt.payload).label("payload_bytes"),
             Receipt.payload_dropped_at,
+            Receipt.source_id,
         )
         .join(Source, Source.id == Receipt.source_id)
         .order_by(Receipt.received_at.desc())
-        .limit(2)
     )
+
+
+def _exists(session: Session, column: Any, value: Any) -> bool:
+    return session.scalars(select(column).where(column == value).limit(1)).first() is not None
+
+
+def _by_event_id(session: Session, event_id: str, source: str | None) -> list[Any]:
+    """The newest receipt of this provider event id per source (older ones expired)."""
+    query = _receipt_query().where(Receipt.event_id == event_id)
+    if source is not None:
+        query = query.where(Receipt.source_id == get_source(session, source).id)
+    newest: dict[int, Any] = {}
+    for row in session.execute(query.limit(50)).all():
+        newest.setdefault(row.source_id, row)
+    return list(newest.values())
+
+
+def _find_receipt(session: Session, ref: str | int, source: str | None) -> Any:
+    """The receipt an operator means; refuses a bare number that could mean something else.
+
+    ``receipt:12`` is a receipt id, ``delivery:11`` the event of that delivery, ``event:X`` a
+    provider event id; a bare number is a receipt id only when it is no delivery id (and no
+    provider event id), since Flower, the logs and ``dead list`` show delivery ids."""
     key = str(ref).strip()
-    if key.isdigit():
-        rows = session.execute(query.where(Receipt.id == int(key))).all()
+    receipt_id: int | None = None
+    event_id: str | None = None
+    if key.startswith(RECEIPT_PREFIX) and key[len(RECEIPT_PREFIX) :].isdigit():
+        receipt_id = int(key[len(RECEIPT_PREFIX) :])
+    elif key.startswith(DELIVERY_PREFIX) and key[len(DELIVERY_PREFIX) :].isdigit():
+        delivery_id = int(key[len(DELIVERY_PREFIX) :])
+        receipt_id = session.scalars(
+            select(Delivery.receipt_id).where(Delivery.id == delivery_id).limit(1)
+        ).first()
+        if receipt_id is None:
+            raise NotFoundError(f"no such delivery: {delivery_id}")
+    elif key.startswith(EVENT_PREFIX):
+        event_id = key[len(EVENT_PREFIX) :]
+    elif key.isdigit():
+        number = int(key)
+        is_receipt = _exists(session, Receipt.id, number)
+        is_delivery = _exists(session, Delivery.id, number)
+        is_event = _exists(session, Receipt.event_id, key)
+        if is_delivery:
+            raise QueryError(
+                _delivery_number_message(number, is_receipt or is_event), "ambiguous_id"
+            )
+        if is_receipt and is_event:
+            raise QueryError(
+                f"{number} is both receipt {number} and a provider event id: use "
+                f"{RECEIPT_PREFIX}{number} or {EVENT_PREFIX}{number}",
+                "ambiguous_id",
+            )
+        if is_receipt:
+            receipt_id = number
+        else:
+            event_id = key
     else:
-        rows = session.execute(query.where(Receipt.event_id == key)).all()
+        event_id = key
+    if receipt_id is not None:
+        if source is not None:
+            raise QueryError("--source goes with a provider event id, not a receipt id")
+        rows = session.execute(_receipt_query().where(Receipt.id == receipt_id).limit(1)).all()
+    else:
+        assert event_id is not None
+        rows = _by_event_id(session, event_id, source)
         if len(rows) > 1:
-            raise QueryError(f"event id {key!r} exists in several sources; use the receipt number")
+            names = ", ".join(sorted(r.public_id for r in rows))
+            raise QueryError(
+                f"event id {event_id!r} exists in several sources ({names}); add --source, "
+                f"or use the receipt id ({', '.join(receipt_ref(r.id) for r in rows)})",
+                "ambiguous_id",
+            )
     if not rows:
         raise NotFoundError(f"no such event: {key!r}")
-    r = rows[0]
-    deliveries = session.execute(
-        select(Delivery, Route.handler)
-        .join(Route, Route.id == Delivery.route_id)
-        .where(Delivery.receipt_id == r.id, Delivery.expires_at == r.expires_at)
-        .order_by(Delivery.id)
-    ).all()
-    attempts: dict[int, list[AttemptView]] = {d.id: [] for d, _ in deliveries}
-    if deliveries:
-        for a in session.scalars(
-            select(Attempt)
-            .where(
-                Attempt.delivery_id.in_(list(attempts)),
-                Attempt.expires_at == r.expires_at,
-            )
-            .order_by(Attempt.delivery_id, Attempt.generation, Attempt.number, Attempt.id)
-        ):
-            attempts[a.delivery_id].append(
-                AttemptView(
-                    a.number,
-                    a.generation,
-                    a.worker,
-                    a.started_at,
-                    a.ended_at,
-                    a.outcome,
-                    a.error_class,
-                    a.error_message,
-                )
-            )
+    return rows[0]
+
+
+def _delivery_number_message(number: int, also_event: bool) -> str:
+    what = f"both delivery {number} and receipt {number}" if also_event else "a delivery id"
+    if also_event:
+        return (
+            f"{number} is {what}: use `webhooks deliveries show {number}` for the delivery, or "
+            f"`webhooks events show {RECEIPT_PREFIX}{number}` for the receipt"
+        )
+    return (
+        f"{number} is {what}, not a receipt: use `webhooks deliveries show {number}` "
+        f"(or `webhooks events show {DELIVERY_PREFIX}{number}` for its event)"
+    )
+
+
+def get_event(session: Session, ref: str | int, *, source: str | None = None) -> EventDetail:
+    """One receipt with its deliveries, by ``receipt:N``, ``delivery:N``, ``event:X``, a
+    provider event id (``source`` narrows it), or a bare receipt number that is no delivery
+    id (:func:`_find_receipt` refuses an ambiguous one)."""
+    r = _find_receipt(session, ref, source)
     return EventDetail(
         id=r.id,
         source=r.public_id,
@@ -334,26 +429,242 @@ def get_event(session: Session, ref: str | int) -> EventDetail:
         content_type=r.content_type,
         payload_bytes=r.payload_bytes,
         payload_dropped_at=r.payload_dropped_at,
-        deliveries=[
-            DeliveryView(
-                id=d.id,
-                route_id=d.route_id,
-                handler=handler,
-                status=d.status,
-                attempts=d.attempts,
-                generation=d.generation,
-                dead_reason=d.dead_reason,
-                last_error_class=d.last_error_class,
-                last_error=d.last_error,
-                next_attempt_at=d.next_attempt_at,
-                created_at=d.created_at,
-                updated_at=d.updated_at,
-                succeeded_at=d.succeeded_at,
-                attempt_log=attempts[d.id],
-            )
-            for d, handler in deliveries
-        ],
+        deliveries=_delivery_views(session, r),
     )
+
+
+@dataclass(frozen=True)
+class DeliveryDetail:
+    """One delivery as the operator looks it up by the id Flower, the logs and ``dead list``
+    show: its event, its route and handler, its state and its attempt history."""
+
+    id: int
+    receipt: str  # receipt:12, for `webhooks events show`
+    receipt_id: int
+    source: str
+    source_name: str
+    provider: str
+    event_id: str
+    event_type: str
+    received_at: datetime
+    route_events: str | None  # None once the route is removed
+    route_active: bool | None
+    idempotency_key: str | None  # the downstream key of the current generation
+    delivery: DeliveryView
+
+
+# (source id, event id, route id, generation) -> the downstream idempotency key.
+KeyOf = Callable[[int, str, int, int], str]
+
+
+def parse_delivery_ref(ref: str | int) -> int:
+    key = str(ref).strip().removeprefix(DELIVERY_PREFIX)
+    if not key.isdigit():
+        raise QueryError(
+            f"not a delivery id: {str(ref)!r} (a number, as `dead list` and Flower show it)"
+        )
+    return int(key)
+
+
+def get_delivery(
+    session: Session, ref: str | int, *, key_of: KeyOf | None = None
+) -> DeliveryDetail:
+    """By delivery id (``11`` or ``delivery:11``)."""
+    delivery_id = parse_delivery_ref(ref)
+    found = session.execute(
+        select(Delivery.receipt_id, Delivery.expires_at).where(Delivery.id == delivery_id).limit(1)
+    ).first()
+    if found is None:
+        hint = ""
+        if _exists(session, Receipt.id, delivery_id):
+            ref = receipt_ref(delivery_id)
+            hint = f" ({ref} is an event: webhooks events show {ref})"
+        raise NotFoundError(f"no such delivery: {delivery_id}{hint}")
+    r = session.execute(
+        _receipt_query()
+        .where(Receipt.id == found.receipt_id, Receipt.expires_at == found.expires_at)
+        .limit(1)
+    ).one()
+    [view] = _delivery_views(session, r, only=delivery_id)
+    route = session.get(Route, view.route_id)
+    key = (
+        key_of(r.source_id, r.event_id, view.route_id, view.generation)
+        if key_of is not None
+        else None
+    )
+    return DeliveryDetail(
+        id=view.id,
+        receipt=receipt_ref(r.id),
+        receipt_id=r.id,
+        source=r.public_id,
+        source_name=r.name,
+        provider=r.provider,
+        event_id=r.event_id,
+        event_type=r.event_type,
+        received_at=r.received_at,
+        route_events=None if route is None else route.events_glob,
+        route_active=None if route is None else route.active,
+        idempotency_key=key,
+        delivery=view,
+    )
+
+
+def _delivery_views(session: Session, r: Any, *, only: int | None = None) -> list[DeliveryView]:
+    conds = [Delivery.receipt_id == r.id, Delivery.expires_at == r.expires_at]
+    if only is not None:
+        conds.append(Delivery.id == only)
+    deliveries = session.execute(
+        select(Delivery, func.coalesce(Route.handler, REMOVED_ROUTE))
+        .outerjoin(Route, Route.id == Delivery.route_id)
+        .where(*conds)
+        .order_by(Delivery.id)
+    ).all()
+    if not deliveries:
+        return []
+    attempts: dict[int, list[AttemptView]] = {d.id: [] for d, _ in deliveries}
+    for a in session.scalars(
+        select(Attempt)
+        .where(Attempt.delivery_id.in_(list(attempts)), Attempt.expires_at == r.expires_at)
+        # Time order; the number breaks ties (it only grows, across replays too).
+        .order_by(Attempt.delivery_id, Attempt.started_at, Attempt.number, Attempt.id)
+    ):
+        attempts[a.delivery_id].append(
+            AttemptView(
+                a.number,
+                a.generation,
+                a.worker,
+                a.started_at,
+                a.ended_at,
+                a.outcome,
+                a.error_class,
+                a.error_message,
+            )
+        )
+    first_created = min(d.created_at for d, _ in deliveries)
+    audit = _replays_since(session, first_created, list(attempts))
+    return [
+        DeliveryView(
+            id=d.id,
+            route_id=d.route_id,
+            handler=handler,
+            status=d.status,
+            attempts=d.attempts,
+            attempts_since_replay=d.attempts - d.attempt_base,
+            generation=d.generation,
+            dead_reason=d.dead_reason,
+            last_error_class=d.last_error_class,
+            last_error=d.last_error,
+            next_attempt_at=d.next_attempt_at,
+            created_at=d.created_at,
+            updated_at=d.updated_at,
+            succeeded_at=d.succeeded_at,
+            attempt_log=attempts[d.id],
+            replays=replay_marks(
+                attempts[d.id],
+                [a for a in audit if a.could_have_moved(d.id, r.public_id, r.name, r.event_type)],
+                attempt_base=d.attempt_base,
+            ),
+        )
+        for d, handler in deliveries
+    ]
+
+
+@dataclass(frozen=True)
+class ReplayAudit:
+    """A ``replays`` row, as far as attributing it to a delivery needs."""
+
+    id: int
+    operator: str
+    reason: str
+    via: str
+    started_at: datetime
+    rerun: bool
+    filter: dict[str, Any]
+
+    def names(self, delivery_id: int) -> bool:
+        return delivery_id in (self.filter.get("ids") or [])
+
+    def could_have_moved(
+        self, delivery_id: int, source: str, source_name: str, event_type: str
+    ) -> bool:
+        """Named by id, or a filter replay whose filter (as given) matches the event."""
+        if "ids" in self.filter:
+            return self.names(delivery_id)
+        given_source = self.filter.get("source")
+        if given_source is not None and given_source not in (source, source_name):
+            return False
+        pattern = self.filter.get("type")
+        return pattern is None or fnmatch.fnmatchcase(event_type, str(pattern))
+
+
+def _replays_since(session: Session, since: datetime, ids: list[int]) -> list[ReplayAudit]:
+    rows = session.scalars(
+        select(Replay)
+        .where(
+            Replay.started_at >= since,
+            or_(
+                ~Replay.filter.has_key("ids"),
+                *(Replay.filter["ids"].contains([i]) for i in ids),
+            ),
+        )
+        .order_by(Replay.started_at, Replay.id)
+    )
+    return [
+        ReplayAudit(r.id, r.operator, r.reason, r.via, r.started_at, r.rerun_succeeded, r.filter)
+        for r in rows
+    ]
+
+
+def replay_marks(
+    attempts: Sequence[AttemptView], audit: Sequence[ReplayAudit], *, attempt_base: int
+) -> list[ReplayMark]:
+    """Where replays split a delivery's attempts (in time order) into runs, and which audit
+    row each was (pure).
+
+    A new run starts at an attempt that follows a finished one (its predecessor ended
+    ``dead`` or ``succeeded``), carries a new key generation (a re-run), or is the first
+    after ``attempt_base`` (the latest replay; this also finds a replay of a delivery that
+    went dead by crashing, whose last attempt says ``crashed``); a replay that names the
+    delivery between two of its attempts marks one too. A replay whose attempt has not
+    started yet is a mark at the end. Each mark takes the earliest replay that could have
+    moved the delivery after the run before it had started (one naming it by id first):
+    later ones could only have found it no longer dead.
+    """
+    starts: list[int] = []  # indexes of attempts that open a run
+    for i in range(1, len(attempts)):
+        prev, cur = attempts[i - 1], attempts[i]
+        if (
+            prev.outcome in ("dead", "succeeded")
+            or cur.generation > prev.generation
+            or (attempt_base > 0 and cur.number == attempt_base + 1)
+            or any(
+                prev.started_at < a.started_at <= cur.started_at and "ids" in a.filter
+                for a in audit
+            )
+        ):
+            starts.append(i)
+    pending_replay = attempt_base > 0 and not any(a.number > attempt_base for a in attempts)
+    if pending_replay and attempts:
+        starts.append(len(attempts))
+    marks: list[ReplayMark] = []
+    for k, i in enumerate(starts):
+        after = attempts[i - 1].started_at
+        # The run it opens ends where the next run's last attempt before it starts.
+        until = attempts[starts[k + 1] - 1].started_at if k + 1 < len(starts) else None
+        window = [
+            a for a in audit if a.started_at > after and (until is None or a.started_at <= until)
+        ]
+        window.sort(key=lambda a: ("ids" not in a.filter, a.started_at, a.id))
+        first = attempts[i].number if i < len(attempts) else None
+        rerun = i < len(attempts) and attempts[i].generation > attempts[i - 1].generation
+        if window:
+            a = window[0]
+            marks.append(
+                ReplayMark(a.id, a.operator, a.reason, a.via, a.started_at, a.rerun or rerun, first)
+            )
+        else:
+            marks.append(ReplayMark(None, None, None, None, None, rerun, first))
+    return marks
 
 
 def dead_letters(
@@ -365,12 +676,13 @@ def dead_letters(
     if source_id is not None:
         conds.append(Delivery.source_id == source_id)
     ids = func.array_agg(func.distinct(Delivery.id))
+    handler = func.coalesce(Route.handler, REMOVED_ROUTE)
     rows = session.execute(
         select(
             Source.public_id,
             Source.name,
             Delivery.route_id,
-            Route.handler,
+            handler,
             Delivery.dead_reason,
             func.count(),
             func.min(Delivery.updated_at),
@@ -379,11 +691,9 @@ def dead_letters(
             ids,
         )
         .join(Source, Source.id == Delivery.source_id)
-        .join(Route, Route.id == Delivery.route_id)
+        .outerjoin(Route, Route.id == Delivery.route_id)
         .where(*conds)
-        .group_by(
-            Source.public_id, Source.name, Delivery.route_id, Route.handler, Delivery.dead_reason
-        )
+        .group_by(Source.public_id, Source.name, Delivery.route_id, handler, Delivery.dead_reason)
         .order_by(func.count().desc(), Source.public_id, Delivery.route_id)
     ).all()
     return [
@@ -411,7 +721,7 @@ def _candidate_query() -> Any:
             Source.public_id,
             Receipt.event_id,
             Receipt.event_type,
-            Route.handler,
+            func.coalesce(Route.handler, REMOVED_ROUTE),
             Delivery.status,
             Delivery.generation,
             Delivery.dead_reason,
@@ -420,7 +730,7 @@ def _candidate_query() -> Any:
         )
         .join(Receipt, _delivery_of_receipt())
         .join(Source, Source.id == Delivery.source_id)
-        .join(Route, Route.id == Delivery.route_id)
+        .outerjoin(Route, Route.id == Delivery.route_id)
         .order_by(Delivery.id)
     )
 
@@ -487,13 +797,13 @@ def deliveries_of(session: Session, source: str, event_ids: Sequence[str]) -> li
             Receipt.event_id,
             Receipt.event_type,
             Delivery.id,
-            Route.handler,
+            func.coalesce(Route.handler, REMOVED_ROUTE),
             Delivery.status,
             Delivery.attempts,
             Delivery.generation,
         )
         .join(Delivery, _delivery_of_receipt())
-        .join(Route, Route.id == Delivery.route_id)
+        .outerjoin(Route, Route.id == Delivery.route_id)
         .where(Receipt.source_id == source_id, Receipt.event_id.in_(list(event_ids)))
         .order_by(Receipt.received_at, Delivery.id)
     ).all()

@@ -1,14 +1,13 @@
-"""Operators' commands: ``events list|show``, ``dead list|discard``, ``replay``, ``replays list``,
-``demo``.
+"""Operators' commands: ``dead list|discard``, ``replay``, ``replays list``, ``audit list``,
+``demo`` (``events`` and ``deliveries`` live in :mod:`webhooks.cli.events`).
 
 Every listing takes ``--json``. Nothing printed here carries a secret or a payload: events
-show their payload's size and whether retention dropped it, never its content.
+show their payload's size and whether retention dropped it, never its content. Event data is
+printed literally (:mod:`webhooks.cli.render`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import getpass
 import json
 import secrets
 import time
@@ -20,149 +19,36 @@ from typing import Annotated, Any
 import httpx
 import typer
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 from sqlalchemy import select
 
 from models import catalog, queries, replays
-from models.queries import EventFilter, ReplayFilter
+from models.queries import ReplayFilter
 from models.schema import Source
+from webhooks.cli import events
 from webhooks.cli.common import CliError, Env, console, env, err_console, handle_errors, print_json
+from webhooks.cli.events import SinceOpt, TypeOpt, UntilOpt
+from webhooks.cli.render import (
+    JsonOpt,
+    SourceOpt,
+    login,
+    parse_when,
+    plain,
+    row,
+    say,
+    when,
+)
 from webhooks.crypto import SecretBox
 from webhooks.logs import configure_logging
 
-events_app = typer.Typer(
-    help="Received events, their deliveries and attempts.", no_args_is_help=True
-)
 dead_app = typer.Typer(help="Dead letters: deliveries that gave up.", no_args_is_help=True)
 replays_app = typer.Typer(help="The replay audit trail.", no_args_is_help=True)
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-SourceOpt = Annotated[str | None, typer.Option("--source", help="Source id or name.")]
-TypeOpt = Annotated[str | None, typer.Option("--type", help="Event type, globs allowed: invoice.*")]
-SinceOpt = Annotated[
-    str | None,
-    typer.Option("--since", help="Received at or after: ISO time, or 2h for 2 hours ago."),
-]
-UntilOpt = Annotated[
-    str | None,
-    typer.Option("--until", help="Received before: ISO time, or 30m for 30 minutes ago."),
-]
-
-
-def _login() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # a container user without a passwd entry or $USER
-        return "unknown"
-
-
-def _when(value: datetime | None) -> str:
-    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _time(e: Env, text: str | None) -> datetime | None:
-    return None if text is None else queries.parse_time(text, now=e.clock.now())
-
-
-def _plain(obj: Any) -> Any:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj  # type: ignore[arg-type]
-
-
-# events --------------------------------------------------------------------------------------
-
-
-@events_app.command("list")
-@handle_errors
-def events_list(
-    *,
-    source: SourceOpt = None,
-    event_type: TypeOpt = None,
-    status: Annotated[
-        str | None, typer.Option("--status", help="Events with a delivery in this state.")
-    ] = None,
-    since: SinceOpt = None,
-    until: UntilOpt = None,
-    limit: Annotated[int, typer.Option("--limit", help="At most this many, newest first.")] = 50,
-    as_json: JsonOpt = False,
-) -> None:
-    """List received events, newest first, with their deliveries' states."""
-    e = env()
-    flt = EventFilter(source, event_type, status, _time(e, since), _time(e, until), limit)
-    with e.session() as session:
-        rows = queries.list_events(session, flt)
-    if as_json:
-        print_json([_plain(r) for r in rows])
-        return
-    table = Table("id", "received", "source", "type", "event id", "deliveries", title="events")
-    for r in rows:
-        states = ", ".join(f"{k} {v}" for k, v in sorted(r.deliveries.items())) or "none"
-        if r.payload_dropped:
-            states += " (payload dropped)"
-        table.add_row(
-            str(r.id), _when(r.received_at), r.source_name, r.event_type, r.event_id, states
-        )
-    console.print(table)
-    if not rows:
-        console.print("no events match")
-
-
-@events_app.command("show")
-@handle_errors
-def events_show(
-    event: Annotated[str, typer.Argument(help="Receipt id (from `events list`) or event id.")],
-    as_json: JsonOpt = False,
-) -> None:
-    """One event: the receipt, its deliveries and every attempt with its error."""
-    e = env()
-    with e.session() as session:
-        detail = queries.get_event(session, event)
-    if as_json:
-        print_json(_plain(detail))
-        return
-    payload = (
-        f"dropped {_when(detail.payload_dropped_at)}"
-        if detail.payload_dropped_at
-        else f"{detail.payload_bytes} bytes ({detail.content_type or 'unknown type'})"
-    )
-    for label, value in (
-        ("receipt", detail.id),
-        ("source", f"{detail.source_name} ({detail.source}, {detail.provider})"),
-        ("event id", detail.event_id),
-        ("type", detail.event_type),
-        ("occurred", _when(detail.occurred_at) or "-"),
-        ("received", _when(detail.received_at)),
-        ("expires", _when(detail.expires_at)),
-        ("payload", payload),
-    ):
-        console.print(f"{label + ':':<10} {value}", highlight=False)
-    if not detail.deliveries:
-        console.print("no deliveries (no route matched)")
-    for d in detail.deliveries:
-        line = f"\ndelivery {d.id}: route {d.route_id} ({d.handler}) [bold]{d.status}[/bold]"
-        line += f", {d.attempts} attempt(s), key generation {d.generation}"
-        if d.dead_reason:
-            line += f", dead: {d.dead_reason}"
-        console.print(line)
-        if d.last_error_class:
-            console.print(
-                f"  last error: {d.last_error_class}: {d.last_error or ''}", highlight=False
-            )
-        if d.attempt_log:
-            table = Table("#", "gen", "worker", "started", "ended", "outcome", "error")
-            for a in d.attempt_log:
-                error = f"{a.error_class}: {a.error or ''}" if a.error_class else ""
-                table.add_row(
-                    str(a.number),
-                    str(a.generation),
-                    a.worker or "",
-                    _when(a.started_at),
-                    _when(a.ended_at),
-                    a.outcome or "running",
-                    error,
-                )
-            console.print(table)
-
+audit_app = typer.Typer(
+    help="The audit trail of operator changes: discards, routes, sources.", no_args_is_help=True
+)
 
 # dead letters --------------------------------------------------------------------------------
 
@@ -175,7 +61,7 @@ def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
     with e.session() as session:
         groups = queries.dead_letters(session, source=source)
     if as_json:
-        print_json([_plain(g) for g in groups])
+        print_json([plain(g) for g in groups])
         return
     if not groups:
         console.print("no dead letters")
@@ -188,25 +74,26 @@ def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
         "oldest",
         "newest",
         "errors",
-        "latest ids",
+        "latest delivery ids",
         title="dead letters",
     )
     for g in groups:
-        table.add_row(
+        row(
+            table,
             f"{g.source_name} ({g.source})",
             f"{g.route_id} {g.handler}",
             g.reason or "-",
             str(g.count),
-            _when(g.oldest),
-            _when(g.newest),
+            when(g.oldest),
+            when(g.newest),
             ", ".join(g.error_classes),
             " ".join(str(i) for i in g.sample_ids),
         )
     console.print(table)
     total = sum(g.count for g in groups)
-    console.print(
-        f"{total} dead. Replay: webhooks replay ID ... --reason TEXT, "
-        "or webhooks replay --source S [--type T] --reason TEXT"
+    say(
+        f"{total} dead. Look one up: webhooks deliveries show ID. Replay: webhooks replay ID ... "
+        "--reason TEXT, or webhooks replay --source S [--type T] --reason TEXT"
     )
 
 
@@ -258,9 +145,9 @@ def dead_discard(
     else:
         given = {"source": source, "type": event_type, "since": since, "until": until}
         given = {k: v for k, v in given.items() if v is not None}
-        flt = ReplayFilter(source, event_type, "dead", _time(e, since), _time(e, until))
+        flt = ReplayFilter(source, event_type, "dead", parse_when(e, since), parse_when(e, until))
     request = discards.DiscardRequest(
-        operator=operator or _login(),
+        operator=operator or login(),
         reason=reason or "(dry run)",
         via="cli",
         filter_as_given=given,
@@ -269,7 +156,7 @@ def dead_discard(
     )
     with e.session() as session:
         plan = discards.plan_discard(session, request)
-    preview = {"count": plan.count, "sample": [_plain(c) for c in plan.sample]}
+    preview = {"count": plan.count, "sample": [plain(c) for c in plan.sample]}
     if as_json and (dry_run or plan.count == 0):
         print_json({"preview": preview, "dry_run": dry_run, "result": None})
         return
@@ -279,8 +166,8 @@ def dead_discard(
             return
         table = Table("delivery", "source", "event id", "type", "handler", "dead reason")
         for c in plan.sample:
-            table.add_row(
-                str(c.delivery_id), c.source, c.event_id, c.event_type, c.handler,
+            row(
+                table, c.delivery_id, c.source, c.event_id, c.event_type, c.handler,
                 c.dead_reason or "",
             )  # fmt: skip
         console.print(table)
@@ -300,7 +187,7 @@ def dead_discard(
         result = discards.execute_discard(session, plan, now=pinned(e.clock))
     discards.record_discarded(result, "cli")
     if as_json:
-        print_json({"preview": preview, "dry_run": False, "result": _plain(result)})
+        print_json({"preview": preview, "dry_run": False, "result": plain(result)})
         return
     console.print(
         f"discarded {result.discarded} of {result.planned} planned (audit {result.audit_id})",
@@ -318,7 +205,7 @@ def _preview_view(plan: replays.Plan) -> dict[str, Any]:
         "without_payload": plan.without_payload,
         "rate": plan.request.rate,
         "rerun_succeeded": plan.request.rerun_succeeded,
-        "sample": [_plain(c) for c in plan.sample],
+        "sample": [plain(c) for c in plan.sample],
     }
 
 
@@ -329,7 +216,8 @@ def _show_preview(plan: replays.Plan) -> None:
         return
     table = Table("delivery", "source", "event id", "type", "handler", "status", "dead reason")
     for c in plan.sample:
-        table.add_row(
+        row(
+            table,
             str(c.delivery_id),
             c.source,
             c.event_id,
@@ -360,7 +248,7 @@ def _result_view(result: replays.ReplayResult) -> dict[str, Any]:
         "replayed": result.replayed,
         "skipped": result.skipped,
         "publish_failed": result.publish_failed,
-        "skips": [_plain(s) for s in result.skips],
+        "skips": [plain(s) for s in result.skips],
     }
 
 
@@ -370,7 +258,7 @@ def _show_result(result: replays.ReplayResult) -> None:
         f"{result.skipped} skipped of {result.planned} planned"
     )
     for skip in result.skips[:20]:
-        console.print(f"  skipped delivery {skip.delivery_id}: {skip.reason}", highlight=False)
+        say(f"  skipped delivery {skip.delivery_id}: {escape(skip.reason)}")
     if len(result.skips) > 20:
         reasons = Counter(s.reason.split(":")[0] for s in result.skips)
         console.print(f"  ... {len(result.skips) - 20} more; by reason: {dict(reasons)}")
@@ -444,9 +332,9 @@ def replay(
             "until": until,
         }
         given = {k: v for k, v in given.items() if v is not None}
-        flt = ReplayFilter(source, event_type, status, _time(e, since), _time(e, until))
+        flt = ReplayFilter(source, event_type, status, parse_when(e, since), parse_when(e, until))
     request = replays.ReplayRequest(
-        operator=operator or _login(),
+        operator=operator or login(),
         reason=reason or "(dry run)",
         via="cli",
         filter_as_given=given,
@@ -538,7 +426,7 @@ def replays_list(
     with e.session() as session:
         rows = replays.list_replays(session, limit=limit)
     if as_json:
-        print_json([_plain(r) for r in rows])
+        print_json([plain(r) for r in rows])
         return
     table = Table(
         "id",
@@ -558,10 +446,11 @@ def replays_list(
         flt = ", ".join(f"{k}={v}" for k, v in r.filter.items())
         if r.rerun_succeeded:
             flt += " (rerun succeeded)"
-        table.add_row(
+        row(
+            table,
             str(r.id),
-            _when(r.started_at),
-            _when(r.ended_at),
+            when(r.started_at),
+            when(r.ended_at),
             r.operator,
             r.via,
             r.reason,
@@ -572,6 +461,33 @@ def replays_list(
             r.status,
         )
     console.print(table)
+
+
+@audit_app.command("list")
+@handle_errors
+def audit_list(
+    limit: Annotated[int, typer.Option("--limit", help="Most recent first.")] = 20,
+    action: Annotated[
+        str | None,
+        typer.Option("--action", help="Only these: discard, route, source, route.disable, ..."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Who discarded dead letters, disabled, enabled or removed routes and sources, when and
+    why (replays have their own trail: webhooks replays list)."""
+    e = env()
+    with e.session() as session:
+        entries = catalog.list_audit(session, limit=limit, action=action)
+    if as_json:
+        print_json([plain(a) for a in entries])
+        return
+    table = Table("id", "at", "operator", "via", "action", "target", "count", "reason")
+    for a in entries:
+        target = ", ".join(f"{k}={v}" for k, v in a.target.items())
+        row(table, a.id, when(a.at), a.operator, a.via, a.action, target, a.count, a.reason)
+    console.print(table)
+    if not entries:
+        console.print("no audited changes")
 
 
 # demo ----------------------------------------------------------------------------------------
@@ -642,9 +558,9 @@ def _states_table(states: list[queries.DeliveryState], title: str) -> Table:
     colours = {"succeeded": "green", "dead": "red", "retrying": "yellow"}
     for st in states:
         colour = colours.get(st.status, "cyan")
-        table.add_row(
-            st.event_id, st.event_type, str(st.delivery_id), st.handler,
-            f"[{colour}]{st.status}[/{colour}]", str(st.attempts), str(st.generation),
+        row(
+            table, st.event_id, st.event_type, st.delivery_id, st.handler,
+            Text(st.status, style=colour), st.attempts, st.generation,
         )  # fmt: skip
     return table
 
@@ -732,7 +648,7 @@ def demo(
 
     console.rule("3. an operator replays the dead letter (audited, same downstream key)")
     request = replays.ReplayRequest(
-        operator=_login(),
+        operator=login(),
         reason="webhooks demo: the flaky handler fails until its delivery is replayed",
         via="cli",
         filter_as_given={"ids": dead},
@@ -772,8 +688,9 @@ def demo(
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(events_app, name="events")
+    events.register(app)
     app.add_typer(dead_app, name="dead")
     app.command("replay")(replay)
     app.add_typer(replays_app, name="replays")
+    app.add_typer(audit_app, name="audit")
     app.command("demo")(demo)

@@ -1,0 +1,194 @@
+"""``webhooks events list|show`` and ``webhooks deliveries show``: look up any id an operator
+sees.
+
+Receipts and deliveries are numbered by two sequences, so one number can be both. Flower, the
+logs and ``dead list`` show delivery ids (``deliveries show 11``); ``events list`` prints
+receipts as ``receipt:12`` and ``events show`` takes that, ``delivery:11``, ``event:ID`` or a
+provider event id (``--source`` when several sources have it), and refuses a bare number that
+is a delivery id rather than show another event.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from models import queries
+from models.queries import EventFilter, receipt_ref
+from webhooks.cli.common import console, env, handle_errors, print_json
+from webhooks.cli.render import (
+    JsonOpt,
+    SourceOpt,
+    parse_when,
+    plain,
+    print_delivery,
+    row,
+    say,
+    when,
+)
+
+events_app = typer.Typer(
+    help="Received events, their deliveries and attempts.", no_args_is_help=True
+)
+deliveries_app = typer.Typer(
+    help="One delivery (an event on one route): the id Flower, the logs and `dead list` show.",
+    no_args_is_help=True,
+)
+
+TypeOpt = Annotated[str | None, typer.Option("--type", help="Event type, globs allowed: invoice.*")]
+SinceOpt = Annotated[
+    str | None,
+    typer.Option("--since", help="Received at or after: ISO time, or 2h for 2 hours ago."),
+]
+UntilOpt = Annotated[
+    str | None,
+    typer.Option("--until", help="Received before: ISO time, or 30m for 30 minutes ago."),
+]
+
+
+@events_app.command("list")
+@handle_errors
+def events_list(
+    *,
+    source: SourceOpt = None,
+    event_type: TypeOpt = None,
+    status: Annotated[
+        str | None, typer.Option("--status", help="Events with a delivery in this state.")
+    ] = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many, newest first.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List received events, newest first, with their deliveries' states."""
+    e = env()
+    flt = EventFilter(source, event_type, status, parse_when(e, since), parse_when(e, until), limit)
+    with e.session() as session:
+        rows = queries.list_events(session, flt)
+    if as_json:
+        print_json([plain(r) for r in rows])
+        return
+    table = Table("receipt", "received", "source", "type", "event id", "deliveries", title="events")
+    for r in rows:
+        states = ", ".join(f"{k} {v}" for k, v in sorted(r.deliveries.items())) or "none"
+        if r.payload_dropped:
+            states += " (payload dropped)"
+        row(
+            table,
+            receipt_ref(r.id),
+            when(r.received_at),
+            r.source_name,
+            r.event_type,
+            r.event_id,
+            states,
+        )
+    console.print(table)
+    if not rows:
+        console.print("no events match")
+    else:
+        say("show one: webhooks events show receipt:N (or its event id)")
+
+
+@events_app.command("show")
+@handle_errors
+def events_show(
+    event: Annotated[
+        str,
+        typer.Argument(
+            metavar="EVENT",
+            help=(
+                "receipt:N (from `events list`), a provider event id, event:ID, or delivery:N "
+                "for a delivery's event. A bare number that is a delivery id is refused: use "
+                "`webhooks deliveries show N`."
+            ),
+        ),
+    ],
+    source: Annotated[
+        str | None,
+        typer.Option("--source", help="The source, when several have this event id."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One event: the receipt, its deliveries and every attempt with its error."""
+    e = env()
+    with e.session() as session:
+        detail = queries.get_event(session, event, source=source)
+    if as_json:
+        print_json(plain(detail))
+        return
+    payload = (
+        f"dropped {when(detail.payload_dropped_at)}"
+        if detail.payload_dropped_at
+        else f"{detail.payload_bytes} bytes ({detail.content_type or 'unknown type'})"
+    )
+    for label, value in (
+        ("receipt", receipt_ref(detail.id)),
+        ("source", f"{detail.source_name} ({detail.source}, {detail.provider})"),
+        ("event id", detail.event_id),
+        ("type", detail.event_type),
+        ("occurred", when(detail.occurred_at) or "-"),
+        ("received", when(detail.received_at)),
+        ("expires", when(detail.expires_at)),
+        ("payload", payload),
+    ):
+        say(f"{label + ':':<10} {escape(str(value))}")
+    if not detail.deliveries:
+        console.print("no deliveries (no route matched)")
+    for d in detail.deliveries:
+        console.print()
+        print_delivery(d)
+
+
+@deliveries_app.command("show")
+@handle_errors
+def deliveries_show(
+    delivery: Annotated[
+        str,
+        typer.Argument(
+            metavar="ID",
+            help="Delivery id, as `dead list`, Flower's task arguments and the logs show it.",
+        ),
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """One delivery: its event, route and handler, status, attempts (replays marked), dead
+    reason and downstream idempotency key."""
+    from tasks.context import idempotency_key  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        detail = queries.get_delivery(session, delivery, key_of=idempotency_key)
+    if as_json:
+        print_json(plain(detail))
+        return
+    d = detail.delivery
+    if detail.route_active is None:
+        route = f"{d.route_id} (removed)"
+    else:
+        state = "" if detail.route_active else ", disabled"
+        route = f"{d.route_id}: {d.handler} for {detail.route_events}{state}"
+    for label, value in (
+        ("delivery", d.id),
+        ("event", f"{detail.event_id} ({detail.event_type})"),
+        ("receipt", f"{detail.receipt} (webhooks events show {detail.receipt})"),
+        ("source", f"{detail.source_name} ({detail.source}, {detail.provider})"),
+        ("received", when(detail.received_at)),
+        ("route", route),
+        ("key", f"{detail.idempotency_key} (generation {d.generation})"),
+    ):
+        say(f"{label + ':':<10} {escape(str(value))}")
+    console.print()
+    print_delivery(d)
+    if d.status == "dead":
+        say(
+            f"\nreplay it: webhooks replay {d.id} --reason TEXT; "
+            f"discard it: webhooks dead discard {d.id} --reason TEXT"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(events_app, name="events")
+    app.add_typer(deliveries_app, name="deliveries")

@@ -1,0 +1,122 @@
+"""Shared rendering of the operators' commands: options, times, JSON views, tables of event data,
+and one delivery with its attempt history.
+
+Event data (event types, ids, error text, handler names, reasons) comes from outside: it is
+put in tables as :class:`rich.text.Text` cells and into lines with :func:`rich.markup.escape`,
+so ``[link=...]`` or ``[bold]`` in it is printed as written, never interpreted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+from datetime import datetime
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from models import queries
+from webhooks.cli.common import Env, console
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+SourceOpt = Annotated[str | None, typer.Option("--source", help="Source id or name.")]
+ReasonOpt = Annotated[
+    str | None, typer.Option("--reason", help="Why (required; recorded in the audit).")
+]
+OperatorOpt = Annotated[
+    str | None,
+    typer.Option("--operator", "--as", help="Who is making the change (default: your login name)."),
+]
+
+
+def login() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container user without a passwd entry or $USER
+        return "unknown"
+
+
+def when(value: datetime | None) -> str:
+    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def parse_when(e: Env, text: str | None) -> datetime | None:
+    return None if text is None else queries.parse_time(text, now=e.clock.now())
+
+
+def plain(obj: Any) -> Any:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj  # type: ignore[arg-type]
+
+
+def cell(value: object) -> Text:
+    """A table cell printed literally (rich markup in event data is not interpreted)."""
+    return Text("" if value is None else str(value))
+
+
+def row(table: Table, *values: object) -> None:
+    table.add_row(*(v if isinstance(v, Text) else cell(v) for v in values))
+
+
+def say(line: str) -> None:
+    """A line whose values were escaped by the caller (:func:`escape`); no highlighting."""
+    console.print(line, highlight=False, soft_wrap=True)
+
+
+def _replay_line(mark: queries.ReplayMark) -> str:
+    kind = "re-run (new key generation)" if mark.rerun else "replay"
+    if mark.replay_id is None:
+        return f"  ── {kind} (no audit row found) ──"
+    return escape(
+        f"  ── {kind} {mark.replay_id} at {when(mark.started_at)} by {mark.operator} "
+        f"via {mark.via}: {mark.reason} ──"
+    )
+
+
+def _attempt_table() -> Table:
+    return Table("#", "gen", "worker", "started", "ended", "outcome", "error")
+
+
+def print_delivery(d: queries.DeliveryView) -> None:
+    """The delivery's line, then its attempts in time order, each replay a separator line
+    with its audit row (who, when, why) between the runs."""
+    shown = len(d.attempt_log)
+    line = f"delivery {d.id}: route {d.route_id} ({escape(d.handler)}) [bold]{d.status}[/bold]"
+    line += f", {shown} attempt{'' if shown == 1 else 's'}"
+    if d.replays:
+        line += f" ({d.attempts_since_replay} since the last replay)"
+    line += f", key generation {d.generation}"
+    if d.dead_reason:
+        line += f", dead: {escape(d.dead_reason)}"
+    if d.next_attempt_at is not None:
+        line += f", next attempt {when(d.next_attempt_at)}"
+    say(line)
+    if d.last_error_class:
+        say(f"  last error: {escape(d.last_error_class)}: {escape(d.last_error or '')}")
+    marks = {m.first_attempt: m for m in d.replays if m.first_attempt is not None}
+    table = _attempt_table()
+    for a in d.attempt_log:
+        mark = marks.get(a.number)
+        if mark is not None:
+            if table.row_count:
+                console.print(table)
+            say(_replay_line(mark))
+            table = _attempt_table()
+        error = f"{a.error_class}: {a.error or ''}" if a.error_class else ""
+        row(
+            table,
+            a.number,
+            a.generation,
+            a.worker or "",
+            when(a.started_at),
+            when(a.ended_at),
+            a.outcome or "running",
+            error,
+        )
+    if table.row_count:
+        console.print(table)
+    for mark in d.replays:
+        if mark.first_attempt is None:
+            say(_replay_line(mark) + " (no attempt yet)")
