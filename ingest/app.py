@@ -297,11 +297,13 @@ async def metrics_endpoint(request: Request) -> Response:
     )
 
     # Multiprocess mode is fixed when prometheus_client is first imported: ask it, not the env.
+    source: Any = REGISTRY
     if values.ValueClass is not values.MutexValue:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-    return PlainTextResponse(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        source = CollectorRegistry()
+        multiprocess.MultiProcessCollector(source)  # type: ignore[no-untyped-call]
+    # The receiver's own families only: the workers' are defined here too, at zero.
+    body = generate_latest(metrics.exposed("receiver", source))
+    return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:

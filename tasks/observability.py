@@ -116,11 +116,15 @@ def _serve_metrics(**_: Any) -> None:
     settings, directory = _Worker.settings, _Worker.directory
     if settings is None or directory is None or settings.worker_metrics_port is None:
         return
-    from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
+    from prometheus_client import start_http_server  # noqa: PLC0415
     from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
 
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
+    # Imported now, not at the top: prepare() must run before webhooks.metrics is imported.
+    from webhooks.metrics import exposed  # noqa: PLC0415
+
+    summed = MultiProcessCollector(None, path=str(directory))  # type: ignore[no-untyped-call]
+    # The workers' own families only: the receiver's are defined in every process, at zero.
+    registry = exposed("worker", summed)
     try:
         start_http_server(settings.worker_metrics_port, addr=settings.host, registry=registry)
     except OSError as exc:

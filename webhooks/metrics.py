@@ -106,6 +106,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     OLDEST_PENDING,
     RECEIPT_TO_SUCCESS,
     SWEPT,
+    RETRY_AFTER_IGNORED,
 )
 
 

@@ -13,8 +13,18 @@ from datetime import timedelta
 from functools import cached_property
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from webhooks.durations import DurationError, parse_duration
 
 
 class SettingsError(Exception):
@@ -96,7 +106,9 @@ class Settings(BaseSettings):
 
     # Observability.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_json: bool = True
+    # JSON log lines, or human-readable ones (coloured on a terminal). None (unset): JSON
+    # unless stderr is a terminal; true or false when set explicitly.
+    log_json: bool | None = None
     metrics_dir: str | None = None
     flower_port: int = Field(default=5555, ge=1, le=65535)
     worker_metrics_port: int | None = Field(default=None, ge=1, le=65535)
@@ -113,6 +125,23 @@ class Settings(BaseSettings):
             value = "postgresql+psycopg://" + value.removeprefix("postgresql://")
         if not value.startswith("postgresql+psycopg://"):
             raise ValueError("must be a postgresql:// URL")
+        return value
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _parse_durations(cls, value: object, info: ValidationInfo) -> object:
+        """Every ``timedelta`` setting takes what the CLI takes (:mod:`webhooks.durations`):
+        ``30s``, ``1h30m``, plain seconds, ISO 8601."""
+        if info.field_name is None or cls.model_fields[info.field_name].annotation is not timedelta:
+            return value
+        if isinstance(value, str):
+            try:
+                return parse_duration(value)
+            except DurationError as exc:
+                # A custom error type: the message is shown as is, after the variable's name.
+                raise PydanticCustomError("duration", str(exc)) from None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return timedelta(seconds=value)
         return value
 
     @field_validator("redis_url", "broker_url")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
+import typer.core
 
 from webhooks.cli import db, operators, pipeline, retention, sources
+from webhooks.cli.common import OPTIONS
 
 app = typer.Typer(
     name="webhooks",
@@ -14,8 +19,52 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
+@app.callback()
+def _options(
+    env_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--env-file",
+            metavar="PATH",
+            help=(
+                "Settings file (WEBHOOKS_* lines). Default: WEBHOOKS_ENV_FILE, else the .env of "
+                "the project this command is installed from, else ./.env. The environment wins."
+            ),
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Webhook pipeline: receiver, workers, operators' tools."""
+    OPTIONS.env_file = env_file
+
+
 for module in (db, sources, pipeline, operators, retention):
     module.register(app)
+
+
+def _plain_placeholders() -> None:
+    """Help as click writes it: ``SOURCE`` (``[SOURCE]`` when optional) in the usage line and no
+    type column for a flag. Typer 0.29 writes ``{source}`` and ``--json <bool>``, which read as
+    template placeholders to fill in. tests/test_cli_runtime.py checks every command's help."""
+    argument: Any = typer.core.TyperArgument
+    option: Any = typer.core.TyperOption
+    shown_type = option.display_type_rich
+
+    def usage_name(self: Any) -> str:
+        name = str(self.metavar or self.name.upper())
+        name = name if self.required else f"[{name}]"
+        return name + ("..." if self.nargs != 1 else "")
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        return None if self.is_flag else shown_type(self, ctx)
+
+    if hasattr(argument, "_usage_display_name"):
+        argument._usage_display_name = usage_name
+    option.display_type_rich = display_type_rich
+
+
+_plain_placeholders()
 
 
 def main() -> None:

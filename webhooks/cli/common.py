@@ -1,17 +1,23 @@
-"""Shared CLI plumbing: one Settings per invocation, clean errors, JSON output."""
+"""Shared CLI plumbing: where the configuration comes from, one Settings per invocation, clean
+errors, JSON output."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, time
 from functools import cached_property, wraps
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -26,14 +32,91 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+ENV_FILE_VAR = "WEBHOOKS_ENV_FILE"
+
+
 class CliError(Exception):
     """A user-facing error: printed without a traceback, exit code 1."""
+
+
+@dataclass
+class Options:
+    """The top-level command's options (``webhooks --env-file PATH ...``)."""
+
+    env_file: Path | None = None
+
+
+OPTIONS = Options()
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """The env file the settings were read from (besides the environment), and where the
+    search looked."""
+
+    path: Path | None
+    how: str
+    looked: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.path is not None:
+            return f"settings read from the environment and {self.path} ({self.how})"
+        return (
+            "settings read from the environment only: no "
+            + ", no ".join(self.looked)
+            + f"; pass --env-file PATH or set {ENV_FILE_VAR}"
+        )
+
+
+def project_root() -> Path | None:
+    """The source tree this package runs from (an editable install, ``make install``), if any."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+def find_env_file(
+    explicit: Path | None, environ: Mapping[str, str], cwd: Path, root: Path | None
+) -> ConfigSource:
+    """``--env-file``, else ``WEBHOOKS_ENV_FILE``, else the project's ``.env``, else the current
+    directory's: the first that is given or exists. A file named explicitly must exist."""
+    for given, how in ((explicit, "--env-file"), (environ.get(ENV_FILE_VAR), ENV_FILE_VAR)):
+        if given:
+            path = Path(given).expanduser()
+            path = path if path.is_absolute() else cwd / path
+            if not path.is_file():
+                raise CliError(f"{how} {given}: no such file")
+            return ConfigSource(path.resolve(), how)
+    candidates = [(root / ".env", "project root")] if root is not None else []
+    candidates.append((cwd / ".env", "current directory"))
+    looked = []
+    for path, how in candidates:
+        if path.is_file():
+            return ConfigSource(path.resolve(), how)
+        looked.append(f"{path} ({how})")
+    return ConfigSource(None, "", tuple(dict.fromkeys(looked)))
+
+
+def export_env_file(path: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The file's ``WEBHOOKS_*`` values that the environment does not set (the environment wins,
+    as in pydantic-settings); the caller puts them in ``os.environ`` so that processes started
+    from here (``webhooks serve``'s app factory, ``webhooks run``'s children) read the same."""
+    from dotenv import dotenv_values  # noqa: PLC0415  (pydantic-settings' own parser)
+
+    present = {key.upper() for key in (os.environ if environ is None else environ)}
+    return {
+        key: value
+        for key, value in dotenv_values(path).items()
+        if value is not None and key.upper().startswith("WEBHOOKS_") and key.upper() not in present
+    }
 
 
 @dataclass
 class Env:
     settings: Settings
     clock: Clock = field(default_factory=SystemClock)
+    config: ConfigSource = field(default_factory=lambda: ConfigSource(None, ""))
+    # The settings taken from config.path (the environment set the others).
+    from_file: frozenset[str] = frozenset()
 
     @cached_property
     def engine(self) -> Engine:
@@ -54,13 +137,37 @@ class Env:
 
 
 def env() -> Env:
+    """Settings from the environment and the env file :func:`find_env_file` picks."""
+    source = find_env_file(OPTIONS.env_file, os.environ, Path.cwd(), project_root())
+    exported: dict[str, str] = {}
+    if source.path is not None:
+        exported = export_env_file(source.path)
+        os.environ.update(exported)
+        os.environ[ENV_FILE_VAR] = str(source.path)
     try:
-        settings = load_settings()
+        # The file is already in the environment; not reading ./.env keeps one source of truth.
+        settings = load_settings(_env_file=None)
     except SettingsError as exc:
-        raise CliError(str(exc)) from None
+        message = str(exc).replace("Field required", "required, not set")
+        raise CliError(f"{message}; {source.describe()}") from None
     # Commands print their results on stdout (--json must stay parseable): logs go to stderr.
     configure_logging("WARNING", json=settings.log_json)
-    return Env(settings)
+    return Env(settings, config=source, from_file=frozenset(k.upper() for k in exported))
+
+
+def say_error(message: str) -> None:
+    """``error: ...`` on stderr, on one line whatever the terminal's width."""
+    err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def cli_command() -> str:
+    """How to type this CLI: ``webhooks`` when that is on PATH and is this installation, else
+    the full path of this installation's script (``make install`` does not change PATH)."""
+    script = Path(sys.executable).parent / "webhooks"
+    on_path = shutil.which("webhooks")
+    if on_path is not None and Path(on_path).resolve() == script.resolve():
+        return "webhooks"
+    return str(script) if script.exists() else "webhooks"
 
 
 def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
@@ -73,11 +180,22 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
         try:
             return func(*args, **kwargs)
         except (CliError, SettingsError, DatabaseUnavailable, ValueError) as exc:
-            err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+            say_error(str(exc))
             raise typer.Exit(1) from None
 
     return wrapper
 
 
+def json_default(value: object) -> str:
+    """Times as the API writes them: ISO 8601, UTC as ``Z`` (``2026-11-30T20:14:19.519799Z``)."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            return value.isoformat()
+        return value.astimezone(UTC).isoformat().removesuffix("+00:00") + "Z"
+    if isinstance(value, date | time):
+        return value.isoformat()
+    return str(value)
+
+
 def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, default=str, indent=2) + "\n")
+    sys.stdout.write(json.dumps(data, default=json_default, indent=2) + "\n")

@@ -1,20 +1,44 @@
-"""``webhooks serve`` (the receiver alone) and ``webhooks run`` (the whole pipeline)."""
+"""``webhooks serve`` (the receiver alone) and ``webhooks run`` (the whole pipeline).
+
+``webhooks run`` (what ``make run`` runs) manages its children like a small service manager:
+
+- it checks that every port it will use is free before it starts anything;
+- each child runs in a session of its own, so a terminal's signals reach ``webhooks run``
+  alone: Ctrl-C, SIGTERM and SIGHUP (the terminal closed) all stop every child the same way,
+  and a child also gets SIGTERM if ``webhooks run`` itself dies (Linux' parent-death signal);
+- it says ``pipeline running`` only once every child answers: the receiver's ``/healthz``,
+  Flower's ``/healthcheck``, and the worker's metrics server, which the worker starts from
+  Celery's ``worker_ready`` signal (:mod:`tasks.observability`);
+- a child that exits stops the pipeline, with one line naming it and its exit status;
+  ``pipeline stopped`` is always the last line.
+
+On a terminal the children's output comes through ``webhooks run``, each line prefixed with the
+child's name, and their logs are human-readable; elsewhere the children write straight to the
+same stdout and stderr, and their logs are JSON lines (``WEBHOOKS_LOG_JSON`` overrides both).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated
 
 import typer
 
-from webhooks.cli.common import CliError, console, env, handle_errors
+from webhooks.cli.common import CliError, Env, cli_command, console, env, handle_errors, say_error
+from webhooks.logs import wants_colour, wants_json
 
 
 @handle_errors
@@ -53,105 +77,409 @@ def _bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
+# Ports ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Port:
+    child: str
+    variable: str
+    host: str
+    number: int
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.number}" if ":" in self.host else f"{self.host}:{self.number}"
+
+
+def port_problem(ports: list[Port]) -> str | None:
+    """Why the pipeline cannot have these ports (one line), or None when all are free."""
+    seen: dict[int, Port] = {}
+    for port in ports:
+        if port.number in seen:
+            other = seen[port.number]
+            return (
+                f"{other.variable} and {port.variable} are both {port.number}: "
+                f"the {other.child} and the {port.child} need a port each"
+            )
+        seen[port.number] = port
+    for port in ports:
+        error = _bind_error(port.host, port.number)
+        if error is not None:
+            holder = _listener(port.number)
+            held = f" (listening: {holder})" if holder else ""
+            return (
+                f"port {port.number} for the {port.child} ({port.variable}) is taken: "
+                f"cannot listen on {port.address}{held}: {error}; stop what holds it "
+                f"or set {port.variable}; nothing was started"
+            )
+    return None
+
+
+def _bind_error(host: str, number: int) -> str | None:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, number, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        return f"cannot resolve {host}: {exc.strerror}"
+    with socket.socket(family, kind, proto) as sock:
+        # As the children will bind: SO_REUSEADDR, so a closed socket's TIME_WAIT is no conflict.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def _listener(number: int) -> str | None:
+    """The address a listening TCP socket on ``number`` is bound to (Linux' /proc/net)."""
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            ip_hex, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == number:  # 0A: LISTEN
+                raw = bytes.fromhex(ip_hex)
+                # /proc writes each 32-bit word in host order (little-endian here).
+                ip = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+                family = socket.AF_INET if width == 4 else socket.AF_INET6
+                text = socket.inet_ntop(family, ip)
+                return f"[{text}]:{number}" if width == 16 else f"{text}:{number}"
+    return None
+
+
+def _probe_host(host: str) -> str:
+    """Where to reach a server bound to ``host`` from this machine."""
+    if host in ("", "0.0.0.0"):  # noqa: S104  (not a bind: the wildcard's loopback)
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+# Children ---------------------------------------------------------------------------------
+
+_COLOURS = {"receiver": "36", "worker": "35", "beat": "34", "flower": "33"}
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A pre-exec hook giving the child SIGTERM when ``webhooks run`` dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def hook() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the hook ran
+            os._exit(1)
+
+    return hook
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str | None  # answers once the child is ready; None: alive is ready (beat)
+
+    def status(self) -> str:
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exit status {code}"
+
+
+class Output:
+    """Where ``webhooks run`` and, on a terminal, its children write. Writes never fail: after
+    the terminal closed (SIGHUP) there is nobody to read them, and stopping must go on."""
+
+    def __init__(self, *, relay: bool) -> None:
+        self.relay = relay
+        self.colour = relay and wants_colour(sys.stderr)
+        self._lock = threading.Lock()
+
+    def say(self, text: str, style: str | None = None) -> None:
+        with contextlib.suppress(OSError), self._lock:
+            console.print(text, style=style, highlight=False, markup=False, soft_wrap=True)
+
+    def error(self, text: str) -> None:
+        with contextlib.suppress(OSError), self._lock:
+            say_error(text)
+
+    def pump(self, name: str, stream: IO[bytes]) -> None:
+        """Copy a child's output, line by line, prefixed with its name; drain it to the end."""
+        prefix = f"{name:>8} | ".encode()
+        if self.colour:
+            prefix = f"\x1b[{_COLOURS.get(name, '2')}m{name:>8}\x1b[0m\x1b[2m |\x1b[0m ".encode()
+        writable = True
+        for line in iter(stream.readline, b""):
+            if not writable:
+                continue  # keep reading: a child blocked on a full pipe would never stop
+            try:
+                with self._lock:
+                    sys.stderr.buffer.write(prefix + line)
+                    sys.stderr.buffer.flush()
+            except OSError:
+                writable = False
+        stream.close()
+
+
+class Stop:
+    """Set by SIGINT, SIGTERM or SIGHUP; the main loop waits on it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: str | None = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.signal = self.signal or signal.Signals(signum).name
+        self.event.set()
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, self)
+
+
+# The command ------------------------------------------------------------------------------
+
+
 @handle_errors
 def run(
     workers: Annotated[int, typer.Option(help="Worker processes (Celery concurrency).")] = 2,
     no_flower: Annotated[bool, typer.Option("--no-flower", help="Do not start Flower.")] = False,
+    ready_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds to wait for every part to answer before giving up."),
+    ] = 60.0,
 ) -> None:
-    """Migrate, then run receiver, worker, beat and Flower in the foreground; Ctrl-C stops all."""
-    from models.db import upgrade  # noqa: PLC0415
+    """Migrate, then run receiver, worker, beat and Flower in the foreground.
 
-    settings = env().settings
-    upgrade(settings)
-    state = Path(tempfile.mkdtemp(prefix="webhooks-run-"))
-    metrics_dir = settings.metrics_dir or str(state / "metrics")
-    Path(metrics_dir).mkdir(parents=True, exist_ok=True)
-    child_env = {**os.environ, "WEBHOOKS_METRICS_DIR": metrics_dir}
+    Checks its ports first, says "pipeline running" once every part answers, and stops every
+    part on Ctrl-C, SIGTERM or SIGHUP (the terminal closed), or when one of them exits.
+    """
+    stop = Stop()
+    stop.install()
+    e = env()
+    settings = e.settings
     worker_metrics_port = settings.worker_metrics_port or 9100
-    child_env.setdefault("WEBHOOKS_WORKER_METRICS_PORT", str(worker_metrics_port))
-    commands: dict[str, list[str]] = {
-        "receiver": [_bin("webhooks"), "serve"],
-        "worker": [
-            _bin("celery"),
-            "-A",
-            "tasks",
-            "worker",
-            "-Q",
-            "deliveries,maintenance",
-            "-c",
-            str(workers),
-            "-n",
-            "worker@%h",
-            "--loglevel",
-            "WARNING",
-        ],
-        "beat": [
-            _bin("celery"),
-            "-A",
-            "tasks",
-            "beat",
-            "-s",
-            str(state / "beat-schedule"),
-            "--loglevel",
-            "WARNING",
-        ],
-    }
+    ports = [
+        Port("receiver", "WEBHOOKS_PORT", settings.host, settings.port),
+        Port("worker metrics", "WEBHOOKS_WORKER_METRICS_PORT", settings.host, worker_metrics_port),
+    ]
     if not no_flower:
         if settings.flower_password is None:
             raise CliError(
                 "set WEBHOOKS_FLOWER_PASSWORD (Flower runs with basic auth), or pass --no-flower"
             )
-        auth = f"{settings.flower_user}:{settings.flower_password.get_secret_value()}"
-        commands["flower"] = [
-            _bin("celery"),
-            "-A",
-            "tasks",
-            "flower",
-            f"--port={settings.flower_port}",
-            "--address=127.0.0.1",
-            f"--basic-auth={auth}",
-            "--persistent=False",
-        ]
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    stopping = False
+        ports.append(Port("Flower", "WEBHOOKS_FLOWER_PORT", "127.0.0.1", settings.flower_port))
+    problem = port_problem(ports)
+    if problem is not None:
+        raise CliError(problem)
 
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
+    from models.db import upgrade  # noqa: PLC0415
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    upgrade(settings)
+    out = Output(relay=sys.stderr.isatty())
+    if stop.event.is_set():
+        out.say("pipeline stopped")
+        return
+    children, failure = _start(e, out, stop, workers, worker_metrics_port, no_flower)
     try:
-        for name, cmd in commands.items():
-            procs[name] = subprocess.Popen(cmd, env=child_env, start_new_session=True)  # noqa: S603
-        console.print(f"receiver  http://{settings.host}:{settings.port}/webhooks/<source_id>")
-        if "flower" in procs:
-            console.print(
-                f"flower    http://127.0.0.1:{settings.flower_port}  (user {settings.flower_user})"
-            )
-        console.print(
-            f"metrics   http://{settings.host}:{settings.port}/metrics (receiver), "
-            f"http://127.0.0.1:{worker_metrics_port}/metrics (workers)"
-        )
-        console.print("pipeline running; Ctrl-C stops it")
-        while not stopping:
-            for name, proc in procs.items():
-                if proc.poll() is not None:
-                    raise CliError(
-                        f"{name} exited with status {proc.returncode}; stopping the pipeline"
-                    )
-            time.sleep(0.5)
+        if failure is None:
+            auth = None
+            if settings.flower_password is not None:
+                auth = (settings.flower_user, settings.flower_password.get_secret_value())
+            failure = _wait_ready(children, out, stop, ready_timeout, auth)
+        if failure is None and not stop.event.is_set():
+            _banner(e, out, worker_metrics_port, no_flower)
+            failure = _supervise(children, stop)
+        if failure is not None:
+            out.error(failure)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        console.print("pipeline stopped")
+        _stop_all(children, stop)
+        out.say("pipeline stopped")
+    if failure is not None:
+        raise typer.Exit(1)
+
+
+def _start(
+    e: Env, out: Output, stop: Stop, workers: int, metrics_port: int, no_flower: bool
+) -> tuple[list[Child], str | None]:
+    settings = e.settings
+    state = Path(tempfile.mkdtemp(prefix="webhooks-run-"))
+    metrics_dir = settings.metrics_dir or str(state / "metrics")
+    Path(metrics_dir).mkdir(parents=True, exist_ok=True)
+    child_env = {
+        **os.environ,
+        "WEBHOOKS_METRICS_DIR": metrics_dir,
+        "WEBHOOKS_WORKER_METRICS_PORT": str(metrics_port),
+        "PYTHONUNBUFFERED": "1",  # lines through the pipe as they are written
+    }
+    if out.relay:
+        # The children's stderr is a pipe to us: decide for them as for a terminal.
+        child_env["WEBHOOKS_LOG_JSON"] = "true" if wants_json(settings.log_json) else "false"
+        if out.colour:
+            child_env.setdefault("FORCE_COLOR", "1")
+    host = _probe_host(settings.host)
+    celery = [_bin("celery"), "-A", "tasks"]
+    specs: list[tuple[str, list[str], str | None]] = [
+        ("receiver", [_bin("webhooks"), "serve"], f"http://{host}:{settings.port}/healthz"),
+        (
+            "worker",
+            [
+                *celery, "worker", "-Q", "deliveries,maintenance", "-c", str(workers),
+                "-n", "worker@%h", "--loglevel", "WARNING",
+            ],
+            f"http://{host}:{metrics_port}/metrics",
+        ),
+        (
+            "beat",
+            [*celery, "beat", "-s", str(state / "beat-schedule"), "--loglevel", "WARNING"],
+            None,
+        ),
+    ]  # fmt: skip
+    if not no_flower:
+        password = settings.flower_password.get_secret_value() if settings.flower_password else ""
+        specs.append(
+            (
+                "flower",
+                [
+                    *celery, "flower", f"--port={settings.flower_port}", "--address=127.0.0.1",
+                    f"--basic-auth={settings.flower_user}:{password}", "--persistent=False",
+                ],
+                f"http://127.0.0.1:{settings.flower_port}/healthcheck",
+            )
+        )  # fmt: skip
+    hook = _die_with_parent(os.getpid())
+    children: list[Child] = []
+    for name, cmd, url in specs:
+        if stop.event.is_set():
+            break
+        try:
+            proc = subprocess.Popen(  # noqa: S603
+                cmd,
+                env=child_env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if out.relay else None,
+                stderr=subprocess.STDOUT if out.relay else None,
+                start_new_session=True,
+                # No other thread runs yet (the pumps start below): safe before exec.
+                preexec_fn=hook,  # noqa: PLW1509
+            )
+        except OSError as exc:
+            return children, f"{name} could not start: {cmd[0]}: {exc.strerror}"
+        children.append(Child(name, proc, url))
+    for child in children:
+        if child.proc.stdout is not None:
+            threading.Thread(
+                target=out.pump, args=(child.name, child.proc.stdout), daemon=True
+            ).start()
+    return children, None
+
+
+def _exited(children: list[Child]) -> str | None:
+    for child in children:
+        if child.proc.poll() is not None:
+            return f"{child.name} exited ({child.status()}); stopping the pipeline"
+    return None
+
+
+def _wait_ready(
+    children: list[Child],
+    out: Output,
+    stop: Stop,
+    timeout: float,
+    flower_auth: tuple[str, str] | None,
+) -> str | None:
+    import httpx  # noqa: PLC0415
+
+    pending = {c.name: c.url for c in children if c.url is not None}
+    started = time.monotonic()
+    with httpx.Client(timeout=2) as client:
+        while pending and not stop.event.is_set():
+            if (gone := _exited(children)) is not None:
+                return gone
+            for name, url in list(pending.items()):
+                with contextlib.suppress(httpx.HTTPError):
+                    auth = flower_auth if name == "flower" else None
+                    if client.get(url, auth=auth).status_code == 200:
+                        del pending[name]
+                        out.say(f"{name} ready ({time.monotonic() - started:.1f}s)", "dim")
+            if pending and time.monotonic() - started > timeout:
+                waiting = ", ".join(f"{name} ({url})" for name, url in pending.items())
+                return f"no answer within {timeout:g}s from {waiting}; stopping the pipeline"
+            stop.event.wait(0.1)
+    return _exited(children)
+
+
+def _supervise(children: list[Child], stop: Stop) -> str | None:
+    """Until a signal or a child's exit."""
+    while not stop.event.wait(0.2):
+        if (gone := _exited(children)) is not None:
+            return gone
+    return None
+
+
+def _stop_all(children: list[Child], stop: Stop, grace: float = 15.0) -> None:
+    """SIGTERM to every child's process group; SIGKILL what is left after ``grace`` seconds,
+    or at once on a second signal."""
+    stop.event.clear()
+    for child in children:
+        if child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        while child.proc.poll() is None and time.monotonic() < deadline:
+            if stop.event.wait(0.05):  # asked again: do not wait
+                break
+        if child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+        child.proc.wait()
+        # A child's own children (Celery's pool) left behind by a killed parent.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.proc.pid, signal.SIGKILL)
+
+
+def _banner(e: Env, out: Output, metrics_port: int, no_flower: bool) -> None:
+    settings = e.settings
+    host = _probe_host(settings.host)
+    receiver = f"http://{host}:{settings.port}"
+    lines = [f"  receiver  {receiver}/webhooks/<source_id>  (health /healthz, metrics /metrics)"]
+    if settings.admin_token is not None:
+        lines.append(f"  admin API {receiver}/admin  token: {_where(e, 'WEBHOOKS_ADMIN_TOKEN')}")
+    else:
+        lines.append("  admin API off (set WEBHOOKS_ADMIN_TOKEN to enable it)")
+    if not no_flower:
+        lines.append(
+            f"  Flower    http://127.0.0.1:{settings.flower_port}  user {settings.flower_user}, "
+            f"password: {_where(e, 'WEBHOOKS_FLOWER_PASSWORD')}"
+        )
+    lines.append(f"  metrics   http://{host}:{metrics_port}/metrics (workers)")
+    settings_from = str(e.config.path) if e.config.path else "the environment"
+    lines.append(
+        f"  CLI       {cli_command()} demo  (from any directory; settings: {settings_from})"
+    )
+    out.say("pipeline running", "bold green")
+    for line in lines:
+        out.say(line)
+    out.say("Ctrl-C (or SIGTERM, or closing the terminal) stops it", "dim")
+
+
+def _where(e: Env, variable: str) -> str:
+    """Where a secret is set, never its value."""
+    if variable in e.from_file and e.config.path is not None:
+        return f"{variable} in {e.config.path}"
+    return f"{variable} in the environment"
 
 
 def register(app: typer.Typer) -> None:
