@@ -152,9 +152,10 @@ def test_a_batch_decides_each_arrival_as_the_one_at_a_time_function_does(
 def test_batch_and_one_at_a_time_agree_at_the_expiry_boundary(
     sessions: sessionmaker[Session], settings: Settings, engine: Engine, offset: timedelta
 ) -> None:
-    """An earlier receipt of the event expires at X; the arrivals come at X - 1 us, X and
-    X + 1 us. Before X they are duplicates (and a conflict) of it; from X on the first
-    inserts anew and the rest are duplicates (and a conflict) of that one, in both paths."""
+    """An earlier receipt of the event, its work done, expires at X; the arrivals come at
+    X - 1 us, X and X + 1 us. Before X they are duplicates (and a conflict) of it; from X on
+    the first inserts anew and the rest are duplicates (and a conflict) of that one, in both
+    paths."""
     expiry = datetime.now(UTC).replace(microsecond=500_000) + timedelta(hours=1)
     instant = expiry + offset
     event, other = f"evt_{uuid.uuid4().hex}", f"evt_{uuid.uuid4().hex}"
@@ -184,6 +185,11 @@ def test_batch_and_one_at_a_time_agree_at_the_expiry_boundary(
         receipts = [receipt_for(source, revoked, a, instant) for a in arrivals]
         with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
             assert accept_sync(conn, first, settings.publish_grace).status == "accepted"
+            conn.execute(
+                "UPDATE deliveries SET status = 'succeeded', next_attempt_at = NULL"
+                " WHERE source_id = %s",
+                (source.id,),
+            )
             if path == "batch":
                 cur = conn.execute(
                     ACCEPT_MANY_SQL, accept_many_params(receipts, settings.publish_grace)
@@ -206,6 +212,44 @@ def test_batch_and_one_at_a_time_agree_at_the_expiry_boundary(
         "deliveries": 4 if live else 6,
         "conflicts": 1,
     }
+
+
+@pytest.mark.parametrize("status", ["pending", "retrying", "dead", "succeeded", "discarded"])
+def test_an_expired_receipt_whose_work_is_not_done_still_deduplicates(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine, status: str
+) -> None:
+    """Past its expires_at, before maintenance has moved it forward (held), a receipt whose
+    delivery is unfinished or dead still deduplicates its event, in both paths; finished
+    work (succeeded, discarded) does not."""
+    instant = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=1)
+    expiry = instant - timedelta(seconds=1)
+    event = f"evt_{uuid.uuid4().hex}"
+    results = {}
+    for path in ("one_at_a_time", "batch"):
+        source, revoked = source_with_revoked_secret(sessions, settings)
+        earlier = expiry - timedelta(days=1)
+        first = receipt_for(source, revoked, Arrival(event, b'{"v":1}'), earlier)
+        first = NewReceipt(**{**first.__dict__, "expires_at": expiry, "ttl": expiry - earlier})
+        receipts = [
+            receipt_for(source, revoked, a, instant) for a in [Arrival(event, b'{"v":1}')] * 2
+        ]
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+            assert accept_sync(conn, first, settings.publish_grace).status == "accepted"
+            conn.execute(
+                "UPDATE deliveries SET status = %s WHERE source_id = %s", (status, source.id)
+            )
+            if path == "batch":
+                cur = conn.execute(
+                    ACCEPT_MANY_SQL, accept_many_params(receipts, settings.publish_grace)
+                )
+                outcomes = decide_many(receipts, cur.fetchall())
+            else:
+                outcomes = [accept_sync(conn, r, settings.publish_grace) for r in receipts]
+        results[path] = (shape(outcomes), rows_of(engine, source.id)["receipts"])
+    assert results["batch"] == results["one_at_a_time"]
+    held = status in ("pending", "retrying", "dead")
+    expected = [("duplicate", 0), ("duplicate", 0)] if held else [("accepted", 2), ("duplicate", 0)]
+    assert results["batch"] == (expected, 1 if held else 2)
 
 
 def test_a_batch_is_decided_at_one_instant() -> None:

@@ -13,6 +13,9 @@
   instant (a receiver whose clock lags would otherwise write into a day maintenance has
   passed): such an anchor falls back to ``now + ttl``. A batch is decided at one instant,
   the transaction's, for all its elements, as one-at-a-time calls at that instant would be.
+- A receipt whose work is not done (a delivery pending, retrying, processing or dead) still
+  deduplicates its event after its ``expires_at``, until maintenance moves it forward (its
+  hold): expiry ends deduplication only for finished work.
 
 Revision ID: 0005
 Revises: 0004
@@ -61,7 +64,11 @@ BEGIN
         WHERE s.id = p_secret_id AND s.source_id = p_source_id AND s.revoked_at IS NULL
     ), existing AS (
         SELECT r.body_digest FROM receipts r
-        WHERE r.source_id = p_source_id AND r.event_id = p_event_id AND r.expires_at > v_now
+        WHERE r.source_id = p_source_id AND r.event_id = p_event_id
+          AND (r.expires_at > v_now OR EXISTS (
+                SELECT 1 FROM deliveries d
+                WHERE d.receipt_id = r.id AND d.expires_at = r.expires_at
+                  AND d.status IN ('pending', 'retrying', 'processing', 'dead')))
         ORDER BY r.expires_at DESC LIMIT 1
     ), receipt AS (
         INSERT INTO receipts (source_id, event_id, expires_at, event_type, occurred_at,
@@ -134,7 +141,10 @@ BEGIN
         CROSS JOIN LATERAL (
             SELECT r.body_digest FROM receipts r
             WHERE r.source_id = i.source_id AND r.event_id = i.event_id
-              AND r.expires_at > v_now
+              AND (r.expires_at > v_now OR EXISTS (
+                    SELECT 1 FROM deliveries d
+                    WHERE d.receipt_id = r.id AND d.expires_at = r.expires_at
+                      AND d.status IN ('pending', 'retrying', 'processing', 'dead')))
             ORDER BY r.expires_at DESC LIMIT 1
         ) AS x
     ), candidate AS MATERIALIZED (
