@@ -1,26 +1,80 @@
-"""Encryption at rest for source and route secrets (Fernet keyed from WEBHOOKS_SECRET_KEY)."""
+"""Encryption at rest for source and route secrets, keyed from ``WEBHOOKS_SECRET_KEY``.
+
+``WEBHOOKS_SECRET_KEY`` is one key or a comma-separated list, newest first (MultiFernet
+semantics): new secrets are encrypted under the newest, every listed key decrypts. Rotation:
+deploy ``NEW,OLD`` everywhere, run ``webhooks secrets rekey`` (re-encrypts every stored secret
+under NEW; resumable and idempotent), then deploy ``NEW`` alone.
+
+Each key is stretched with scrypt (N=2^15, r=8, p=1): a key may be a passphrase a person
+chose, and scrypt makes guessing one from a stolen ciphertext expensive; for a random key it
+costs only the derivation, once per process. Ciphertexts written before keys were stretched
+(a SHA-256 of the key) still decrypt, and ``rekey`` moves them to the stretched key.
+"""
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import secrets as _secrets
 
-from cryptography.fernet import Fernet, InvalidToken
+from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+
+# A fixed, purpose-bound salt: the key itself is the secret; the salt keeps these derived keys
+# apart from any other use of the same key material.
+_SCRYPT_SALT = b"webhook-pipeline/secret-box/scrypt-v1"
+_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**15, 8, 1
+MIN_KEY_LENGTH = 32
 
 
 class SecretDecryptError(Exception):
     """A stored secret could not be decrypted: WEBHOOKS_SECRET_KEY changed or data is corrupt."""
 
 
+def split_keys(secret_key: str) -> list[str]:
+    """The keys of ``WEBHOOKS_SECRET_KEY``, newest first; raises ValueError if one is short."""
+    keys = [k.strip() for k in secret_key.split(",")]
+    if not keys or any(not k for k in keys):
+        raise ValueError("an empty key in the list")
+    short = [i for i, k in enumerate(keys, start=1) if len(k) < MIN_KEY_LENGTH]
+    if short:
+        raise ValueError(
+            f"key {short[0]} of {len(keys)} is shorter than "
+            f"{MIN_KEY_LENGTH} characters"
+        )
+    return keys
+
+
+@functools.lru_cache(maxsize=16)  # derived once per key and process: scrypt is slow on purpose
+def _stretched(key: str) -> Fernet:
+    derived = hashlib.scrypt(
+        key.encode(),
+        salt=_SCRYPT_SALT,
+        n=_SCRYPT_N,
+        r=_SCRYPT_R,
+        p=_SCRYPT_P,
+        maxmem=64 * 1024 * 1024,
+        dklen=32,
+    )
+    return Fernet(base64.urlsafe_b64encode(derived))
+
+
+def _legacy(key: str) -> Fernet:
+    digest = hashlib.sha256(b"webhooks-secret-box:" + key.encode()).digest()
+    return Fernet(base64.urlsafe_b64encode(digest))
+
+
 class SecretBox:
     def __init__(self, secret_key: str) -> None:
-        digest = hashlib.sha256(b"webhooks-secret-box:" + secret_key.encode()).digest()
-        self._fernet = Fernet(base64.urlsafe_b64encode(digest))
+        keys = split_keys(secret_key)
+        self._current = _stretched(keys[0])
+        fernets = [self._current, *(_stretched(k) for k in keys[1:])]
+        fernets += [_legacy(k) for k in keys]
+        self._fernet = MultiFernet(fernets)
         self._cache: dict[bytes, str] = {}
 
     def encrypt(self, plaintext: str) -> bytes:
-        return self._fernet.encrypt(plaintext.encode())
+        return self._current.encrypt(plaintext.encode())
 
     def decrypt(self, ciphertext: bytes) -> str:
         hit = self._cache.get(ciphertext)
@@ -34,6 +88,19 @@ class SecretBox:
             self._cache.clear()
         self._cache[ciphertext] = value
         return value
+
+    def is_current(self, ciphertext: bytes) -> bool:
+        """Encrypted under the newest key already (nothing for ``rekey`` to do)."""
+        try:
+            self._current.decrypt(ciphertext)
+        except InvalidToken:
+            return False
+        return True
+
+    def rekeyed(self, ciphertext: bytes) -> bytes:
+        """The same secret encrypted under the newest key; SecretDecryptError if no listed
+        key decrypts it."""
+        return self.encrypt(self.decrypt(ciphertext))
 
 
 def generate_secret(provider: str) -> str:

@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     redis_socket_timeout: float = Field(default=0.5, gt=0)
 
     # Secrets.
+    # One key, or several newest first (rotation: webhooks/crypto.py), each >= 32 characters.
     secret_key: SecretStr = Field(min_length=32)
     admin_token: SecretStr | None = None
     flower_user: str = "admin"
@@ -115,6 +116,14 @@ class Settings(BaseSettings):
 
     # Extra modules imported by workers so their handlers register (besides entry points).
     handler_modules: list[str] = Field(default_factory=list)
+
+    @field_validator("secret_key")
+    @classmethod
+    def _check_secret_keys(cls, value: SecretStr) -> SecretStr:
+        from webhooks.crypto import split_keys  # noqa: PLC0415
+
+        split_keys(value.get_secret_value())  # raises naming the short key's position
+        return value
 
     @field_validator("database_url")
     @classmethod
