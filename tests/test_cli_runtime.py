@@ -264,6 +264,8 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
     tmp_path: Path,
 ) -> None:
     env, fifo = _gate(tmp_path)
+    # As after `make run`: the project's virtualenv is not on PATH.
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(BIN))
     with pipeline(env, tmp_path) as run:
         receiver = f"http://127.0.0.1:{run.port('PORT')}"
         worker_metrics = run.port("WORKER_METRICS_PORT")
@@ -288,7 +290,7 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
             banner
         )
         assert FLOWER_PASSWORD not in run.out.text
-        assert str(BIN / "webhooks") in banner  # the CLI as it can be typed from anywhere
+        assert f"{BIN / 'webhooks'} demo" in banner  # the CLI as it can be typed from anywhere
 
         # Each process lists its own metric families only.
         receiver_families = families(run.port("PORT"))
@@ -305,6 +307,24 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         assert run.proc.wait(60) == 0
         run.out.wait_closed()
         assert run.out.lines()[-1] == "pipeline stopped"
+        wait_for(lambda: not [p for p in pids if alive(p)], timeout=30, what="every child to exit")
+
+
+@pytest.mark.slow
+def test_a_child_that_never_answers_stops_the_pipeline(tmp_path: Path) -> None:
+    env, _ = _gate(tmp_path)  # the receiver is held for good
+    with pipeline(env, tmp_path, "--no-flower", "--ready-timeout", "20") as run:
+        wait_for(lambda: len(children(run.proc.pid)) == 3, timeout=60, what="three children")
+        pids = descendants(run.proc.pid)
+        assert run.proc.wait(90) == 1
+        run.out.wait_closed()
+        lines = run.out.lines()
+        assert lines[-1] == "pipeline stopped"
+        receiver = f"http://127.0.0.1:{run.port('PORT')}/healthz"
+        # (and from the worker, on a machine so busy that it took longer than 20 s)
+        assert lines[-2].startswith(f"error: no answer within 20s from receiver ({receiver})")
+        assert lines[-2].endswith(", so the pipeline was stopped")
+        assert "pipeline running" not in run.out.text
         wait_for(lambda: not [p for p in pids if alive(p)], timeout=30, what="every child to exit")
 
 
@@ -381,7 +401,7 @@ def test_a_child_that_dies_stops_the_pipeline_with_its_name_and_status(tmp_path:
         run.out.wait_closed()
         lines = run.out.lines()
         assert lines[-1] == "pipeline stopped"
-        assert lines[-2] == "error: beat exited (killed by SIGKILL); stopping the pipeline"
+        assert lines[-2] == "error: beat exited (killed by SIGKILL), so the pipeline was stopped"
         assert "Traceback" not in run.out.text
         wait_for(lambda: not [p for p in pids if alive(p)], timeout=30, what="every child to exit")
 

@@ -29,7 +29,16 @@ from models import catalog, queries, replays
 from models.queries import ReplayFilter
 from models.schema import Source
 from webhooks.cli import events
-from webhooks.cli.common import CliError, Env, console, env, err_console, handle_errors, print_json
+from webhooks.cli.common import (
+    CliError,
+    Env,
+    cli_command,
+    console,
+    env,
+    err_console,
+    handle_errors,
+    print_json,
+)
 from webhooks.cli.events import SinceOpt, TypeOpt, UntilOpt
 from webhooks.cli.render import (
     JsonOpt,
@@ -679,9 +688,10 @@ def demo(
         ("took", f"{time.monotonic() - started:.1f}s"),
     ):
         console.print(f"  {label + ':':<14} {value}", highlight=False)
+    cmd = cli_command()  # `webhooks` is on PATH only in an activated virtualenv
     console.print(
-        f"\nnext: webhooks events list --source {source} | webhooks events show {ids[-1]} | "
-        f"webhooks dead list | webhooks replays list\n"
+        f"\nnext: {cmd} events list --source {source} | {cmd} events show {ids[-1]} | "
+        f"{cmd} dead list | {cmd} replays list\n"
         f"Flower: http://127.0.0.1:{e.settings.flower_port} (workers, tasks, retries)",
         highlight=False,
     )

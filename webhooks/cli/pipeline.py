@@ -301,10 +301,11 @@ def run(
         if failure is None and not stop.event.is_set():
             _banner(e, out, worker_metrics_port, no_flower)
             failure = _supervise(children, stop)
-        if failure is not None:
-            out.error(failure)
     finally:
         _stop_all(children, stop)
+        # After the children's own shutdown lines: the reason sits just above the last line.
+        if failure is not None:
+            out.error(failure)
         out.say("pipeline stopped")
     if failure is not None:
         raise typer.Exit(1)
@@ -388,7 +389,7 @@ def _start(
 def _exited(children: list[Child]) -> str | None:
     for child in children:
         if child.proc.poll() is not None:
-            return f"{child.name} exited ({child.status()}); stopping the pipeline"
+            return f"{child.name} exited ({child.status()}), so the pipeline was stopped"
     return None
 
 
@@ -415,7 +416,7 @@ def _wait_ready(
                         out.say(f"{name} ready ({time.monotonic() - started:.1f}s)", "dim")
             if pending and time.monotonic() - started > timeout:
                 waiting = ", ".join(f"{name} ({url})" for name, url in pending.items())
-                return f"no answer within {timeout:g}s from {waiting}; stopping the pipeline"
+                return f"no answer within {timeout:g}s from {waiting}, so the pipeline was stopped"
             stop.event.wait(0.1)
     return _exited(children)
 
