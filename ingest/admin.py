@@ -211,7 +211,9 @@ def _basic_password(request: Request) -> bytes | None:
 
 def _check(request: Request, creds: HTTPAuthorizationCredentials | None, challenge: str) -> None:
     state: _State = request.app.state.admin
-    given = creds.credentials.encode() if creds is not None else _basic_password(request)
+    given = creds.credentials.encode() if creds is not None else None
+    if given is None and challenge != "Bearer":  # the docs' paths: Basic too
+        given = _basic_password(request)
     # compare_digest on every request, even without a header, so timing tells nothing.
     if not hmac.compare_digest(given or b"", state.token) or given is None:
         raise HTTPException(
