@@ -39,8 +39,7 @@ def split_keys(secret_key: str) -> list[str]:
     short = [i for i, k in enumerate(keys, start=1) if len(k) < MIN_KEY_LENGTH]
     if short:
         raise ValueError(
-            f"key {short[0]} of {len(keys)} is shorter than "
-            f"{MIN_KEY_LENGTH} characters"
+            f"key {short[0]} of {len(keys)} is shorter than {MIN_KEY_LENGTH} characters"
         )
     return keys
 
