@@ -36,6 +36,7 @@ from webhooks import metrics
 from webhooks.cli import app
 from webhooks.cli.common import ConfigSource, find_env_file, print_json
 from webhooks.durations import DurationError, parse_duration
+from webhooks.logs import wants_json
 from webhooks.settings import Settings, SettingsError, load_settings
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -301,6 +302,9 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         assert "webhooks_retries" in worker_families  # worker-only, unlabelled: listed at 0
         assert "webhooks_sources_ttl_raised" in receiver_families & worker_families
 
+        # Not a terminal, WEBHOOKS_LOG_JSON unset: the children log JSON lines.
+        run.out.wait_for('"event":"worker_metrics.serving"')
+
         pids = descendants(run.proc.pid)
         assert len(pids) >= 5  # receiver, worker + pool, beat, Flower
         run.proc.send_signal(signal.SIGTERM)
@@ -404,6 +408,22 @@ def test_a_child_that_dies_stops_the_pipeline_with_its_name_and_status(tmp_path:
         assert lines[-2] == "error: beat exited (killed by SIGKILL), so the pipeline was stopped"
         assert "Traceback" not in run.out.text
         wait_for(lambda: not [p for p in pids if alive(p)], timeout=30, what="every child to exit")
+
+
+def test_logs_are_json_unless_on_a_terminal_or_as_set() -> None:
+    master, slave = os.openpty()
+    read_end, write_end = os.pipe()
+    with (
+        os.fdopen(slave, "w") as terminal,
+        os.fdopen(write_end, "w") as pipe,
+        os.fdopen(master),
+        os.fdopen(read_end),
+    ):
+        assert wants_json(None, pipe) is True
+        assert wants_json(None, terminal) is False
+        assert wants_json(True, terminal) is True  # WEBHOOKS_LOG_JSON=true on a terminal
+        assert wants_json(False, pipe) is False
+    assert Settings.model_fields["log_json"].default is None
 
 
 # Configuration from anywhere --------------------------------------------------------------
