@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 import typer.core
+import typer.rich_utils
 
 from webhooks.cli import db, operators, pipeline, retention, sources
 from webhooks.cli.common import OPTIONS
@@ -43,13 +44,22 @@ for module in (db, sources, pipeline, operators, retention):
     module.register(app)
 
 
-def _plain_placeholders() -> None:
-    """Help as click writes it: ``SOURCE`` (``[SOURCE]`` when optional) in the usage line and no
-    type column for a flag. Typer 0.29 writes ``{source}`` and ``--json <bool>``, which read as
-    template placeholders to fill in. tests/test_cli_runtime.py checks every command's help."""
+def _plain_help() -> None:
+    """Help as click writes it: ``SOURCE`` (``[SOURCE]`` when optional) in the usage line, no
+    type column for a flag, and a docstring's paragraphs reflowed to the terminal's width.
+    Typer 0.29 writes ``{source}`` and ``--json <bool>``, which read as template placeholders
+    to fill in, and keeps the source's line breaks after the first paragraph, so an 80-column
+    terminal shows ragged half-lines. tests/test_cli_runtime.py checks every command's help."""
     argument: Any = typer.core.TyperArgument
     option: Any = typer.core.TyperOption
     shown_type = option.display_type_rich
+
+    def reflow(paragraphs: list[str], markup_mode: Any) -> str:
+        # "\b" first on a paragraph keeps its line breaks, as in click.
+        return "\n\n".join(
+            p.removeprefix("\b\n") if p.startswith("\b") else p.replace("\n", " ")
+            for p in paragraphs
+        )
 
     def usage_name(self: Any) -> str:
         name = str(self.metavar or self.name.upper())
@@ -62,9 +72,11 @@ def _plain_placeholders() -> None:
     if hasattr(argument, "_usage_display_name"):
         argument._usage_display_name = usage_name
     option.display_type_rich = display_type_rich
+    if hasattr(typer.rich_utils, "_fix_linebreaks"):
+        typer.rich_utils._fix_linebreaks = reflow
 
 
-_plain_placeholders()
+_plain_help()
 
 
 def main() -> None:
