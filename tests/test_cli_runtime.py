@@ -632,6 +632,9 @@ def test_help_has_no_placeholders() -> None:
         assert result.exit_code == 0, (path, result.output)
         for placeholder in ("<bool>", "{"):
             assert placeholder not in result.output, (path, placeholder, result.output)
+    # A docstring's later paragraphs reflow to the width (no line break from the source).
+    wide = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).output
+    assert "once every part answers, and stops every part on Ctrl-C" in wide
     # The installed script renders the same way.
     script = subprocess.run(
         [str(BIN / "webhooks"), "routes", "add", "--help"],
