@@ -438,7 +438,8 @@ def test_cli_events_and_dead_letters_show_what_failed_and_never_a_secret(
     )
     assert event_id in {e["event_id"] for e in json.loads(only_dead.stdout)}
 
-    shown = cli("events", "show", str(event["id"]), "--json", env=ops_env())
+    # A bare number may also be a delivery id: the receipt is named as `events list` prints it.
+    shown = cli("events", "show", f"receipt:{event['id']}", "--json", env=ops_env())
     assert shown.returncode == 0, shown.stderr
     detail = json.loads(shown.stdout)
     by_id = {d["id"]: d for d in detail["deliveries"]}
