@@ -286,11 +286,12 @@ def get_route(session: Session, route_id: int) -> Route:
 
 
 def active_routes(session: Session) -> list[tuple[Route, str]]:
-    """Every active route of an active source, with the source's public id."""
+    """Every active route, with its source's public id (a disabled source's routes too: the
+    deliveries it accepted still run through them)."""
     rows = session.execute(
         select(Route, Source.public_id)
         .join(Source, Source.id == Route.source_id)
-        .where(Route.active, Source.active)
+        .where(Route.active)
         .order_by(Route.id)
     ).all()
     return [(route, public) for route, public in rows]
