@@ -14,6 +14,7 @@ from models import catalog
 from models.schema import PROVIDERS, Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
 from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say
+from webhooks.clock import pinned
 from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration, parse_duration
 from webhooks.ttl import TtlOverrides
@@ -46,7 +47,8 @@ def _lay_out_partitions(e: Env) -> None:
     event that needs them."""
     from models.retention import ensure_partitions
 
-    ensure_partitions(e.engine, e.settings, e.clock.now())
+    # Which days are past is the database's call (None), never this host's clock.
+    ensure_partitions(e.engine, e.settings, pinned(e.clock))
 
 
 def _box(e: Env) -> SecretBox:
@@ -282,6 +284,39 @@ def secrets_revoke(source: str, secret_id: str) -> None:
             session, catalog.get_source(session, source), secret_id, now=e.clock.now()
         )
     console.print(f"revoked {secret_id}")
+
+
+@secrets_app.command("rekey")
+@handle_errors
+def secrets_rekey(as_json: JsonOpt = False) -> None:
+    """Re-encrypt every stored secret under the newest WEBHOOKS_SECRET_KEY.
+
+    Rotation: set WEBHOOKS_SECRET_KEY=NEW,OLD on every process, run this, then set NEW
+    alone. Resumable (each batch commits) and idempotent (a second run changes nothing).
+    """
+    from models.keys import rekey  # noqa: PLC0415
+
+    e = env()
+    report = rekey(e.sessions, _box(e))
+    view = {
+        "rekeyed": report.total_rekeyed,
+        "checked": report.checked,
+        "undecryptable": report.undecryptable,
+    }
+    if as_json:
+        print_json(view)
+    else:
+        console.print(
+            f"re-encrypted {report.total_rekeyed} of {sum(report.checked.values())} stored"
+            " secrets under the newest key",
+            highlight=False,
+        )
+    missing = sum(report.undecryptable.values())
+    if missing:
+        raise CliError(
+            f"{missing} stored secrets could not be decrypted with any listed key: add the key"
+            " they were written with to WEBHOOKS_SECRET_KEY (after the newest) and run again"
+        )
 
 
 @routes_app.command("add")

@@ -1,0 +1,187 @@
+"""Rotating WEBHOOKS_SECRET_KEY (issue 11): a list of keys, newest first, every one of them
+decrypting; ``webhooks secrets rekey`` re-encrypting every stored secret under the newest,
+resumably and idempotently; receivers keep verifying throughout the rotation."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from cryptography.fernet import Fernet
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import keys
+from tests.conftest import BASE_ENV, BIN, make_settings, test_env
+from tests.factories import make_source
+from tests.leakcheck import remember
+from tests.processes import receiver
+from tests.signing import sign
+from webhooks.crypto import SecretBox, SecretDecryptError
+from webhooks.settings import SettingsError, load_settings
+
+OLD = BASE_ENV["WEBHOOKS_SECRET_KEY"]
+NEW = "rotated-secret-key-" + "r" * 32
+ROUTE_SECRET = "whsec_" + base64.b64encode(b"route-signing-secret-for-rotation").decode()
+
+
+def test_every_listed_key_decrypts_and_the_newest_encrypts() -> None:
+    old, both, new = SecretBox(OLD), SecretBox(f"{NEW},{OLD}"), SecretBox(NEW)
+    under_old = old.encrypt("s1")
+    assert both.decrypt(under_old) == "s1"
+    with pytest.raises(SecretDecryptError):
+        new.decrypt(under_old)
+    under_new = both.encrypt("s2")
+    assert new.decrypt(under_new) == "s2"
+    assert both.is_current(under_new)
+    assert not both.is_current(under_old)
+    assert new.decrypt(both.rekeyed(under_old)) == "s1"
+    # Written before keys were stretched (SHA-256 of the key): still readable, not current.
+    legacy = Fernet(
+        base64.urlsafe_b64encode(hashlib.sha256(b"webhooks-secret-box:" + OLD.encode()).digest())
+    ).encrypt(b"s0")
+    assert old.decrypt(legacy) == "s0"
+    assert not old.is_current(legacy)
+
+
+def test_a_short_or_empty_key_in_the_list_is_refused() -> None:
+    for bad, says in ((f"{NEW},short", "key 2 of 2"), (f"{NEW},,{OLD}", "empty key")):
+        with pytest.raises(SettingsError, match=says):
+            load_settings(secret_key=bad)
+
+
+def _stored(engine: Engine, source_id: int, route_id: int) -> tuple[bytes, bytes]:
+    with engine.connect() as conn:
+        secret = conn.execute(
+            text("SELECT ciphertext FROM source_secrets WHERE source_id = :s"), {"s": source_id}
+        ).scalar_one()
+        route = conn.execute(
+            text("SELECT signing_ciphertext FROM routes WHERE id = :r"), {"r": route_id}
+        ).scalar_one()
+    return bytes(secret), bytes(route)
+
+
+@pytest.fixture
+def back_to_the_old_key(sessions: sessionmaker[Session]) -> Iterator[None]:
+    """The suite's database is shared: whatever a test moved to NEW goes back to OLD."""
+    yield
+    keys.rekey(sessions, SecretBox(f"{OLD},{NEW}"))
+
+
+def _not_current(engine: Engine, box: SecretBox) -> int:
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text(
+                "SELECT ciphertext FROM source_secrets UNION ALL"
+                " SELECT signing_ciphertext FROM routes WHERE signing_ciphertext IS NOT NULL"
+            )
+        ).scalars()
+        return sum(not box.is_current(bytes(c)) for c in stored)
+
+
+class Interrupting(SecretBox):
+    """Stops the run (as a Ctrl-C or a crash would) after ``after`` re-encryptions."""
+
+    def __init__(self, key: str, after: int) -> None:
+        super().__init__(key)
+        self.left = after
+
+    def rekeyed(self, ciphertext: bytes) -> bytes:
+        if self.left == 0:
+            raise KeyboardInterrupt
+        self.left -= 1
+        return super().rekeyed(ciphertext)
+
+
+@pytest.mark.usefixtures("back_to_the_old_key")
+def test_rekey_is_resumable_and_idempotent(sessions: sessionmaker[Session], engine: Engine) -> None:
+    settings = make_settings()
+    made = [make_source(sessions, settings) for _ in range(3)]
+    box = SecretBox(f"{NEW},{OLD}")
+    todo = _not_current(engine, box)
+    assert todo >= len(made)
+    with pytest.raises(KeyboardInterrupt):  # stopped after two, each batch committed
+        keys.rekey(sessions, Interrupting(f"{NEW},{OLD}", after=2), batch=1)
+    assert _not_current(engine, box) == todo - 2
+    first = keys.rekey(sessions, box, batch=2)  # picks up where the other run stopped
+    assert first.total_rekeyed == todo - 2
+    again = keys.rekey(sessions, box, batch=2)
+    assert again.total_rekeyed == 0
+    assert sum(again.undecryptable.values()) == 0
+    newest_only = SecretBox(NEW)
+    assert _not_current(engine, newest_only) == 0
+    for source in made:
+        secret, _ = _stored_secret(engine, source.id)
+        assert newest_only.decrypt(secret) == source.secret
+
+
+def _stored_secret(engine: Engine, source_id: int) -> tuple[bytes, Any]:
+    with engine.connect() as conn:
+        row = conn.execute(
+            text("SELECT ciphertext, id FROM source_secrets WHERE source_id = :s"),
+            {"s": source_id},
+        ).one()
+    return bytes(row[0]), row[1]
+
+
+@pytest.mark.usefixtures("back_to_the_old_key")
+def test_rotation_with_receivers_running_never_stops_verification(
+    sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """Receivers on OLD, then on NEW,OLD while ``webhooks secrets rekey`` runs, then on NEW
+    alone: every signed request is accepted all along, and the route's signing secret (used
+    by forward) moved too."""
+    settings = make_settings()
+    source = make_source(
+        sessions,
+        settings,
+        provider="standard",
+        routes=[{"handler": "forward", "options": {"url": "https://x.example/h"}}],
+    )
+    remember(source.secret)
+    with sessions() as session, session.begin():
+        route_id = session.execute(
+            text("SELECT id FROM routes WHERE source_id = :s"), {"s": source.id}
+        ).scalar_one()
+
+    def post(url: str, n: int) -> int:
+        headers, body = sign("standard", source.secret, event_id=f"evt_rot_{n}", event_type="a.b")
+        return httpx.post(
+            f"{url}/webhooks/{source.public_id}", headers=headers, content=body, timeout=10
+        ).status_code
+
+    with receiver() as on_old:
+        assert post(on_old.url, 1) == 202
+        with receiver(WEBHOOKS_SECRET_KEY=f"{NEW},{OLD}") as on_both:
+            assert post(on_both.url, 2) == 202
+            rekey = subprocess.run(
+                [str(BIN / "webhooks"), "secrets", "rekey"],
+                env=test_env(WEBHOOKS_SECRET_KEY=f"{NEW},{OLD}"),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert rekey.returncode == 0, rekey.stderr
+            assert "re-encrypted" in rekey.stdout
+            assert post(on_both.url, 3) == 202
+    with receiver(WEBHOOKS_SECRET_KEY=NEW) as on_new:
+        assert post(on_new.url, 4) == 202
+    secret, route = _stored(engine, source.id, route_id)
+    newest_only = SecretBox(NEW)
+    assert newest_only.decrypt(secret) == source.secret
+    assert newest_only.decrypt(route)  # the route's own signing secret moved as well
+    again = subprocess.run(
+        [str(BIN / "webhooks"), "secrets", "rekey", "--json"],
+        env=test_env(WEBHOOKS_SECRET_KEY=NEW),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["rekeyed"] == 0
