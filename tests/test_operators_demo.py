@@ -6,6 +6,7 @@ deliver tasks with their argument: a delivery id, nothing else."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def fresh() -> Iterator[None]:
 
 
 def test_demo_runs_to_its_summary_against_webhooks_run(fresh: None, tmp_path: Path) -> None:
-    port, flower_port = free_port(), free_port()
+    port, flower_port, metrics_port = free_port(), free_port(), free_port()
     env = conftest.test_env(
         WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{DEMO_DB}",
         WEBHOOKS_BROKER_URL=OPS["broker_url"],
@@ -52,6 +53,7 @@ def test_demo_runs_to_its_summary_against_webhooks_run(fresh: None, tmp_path: Pa
         WEBHOOKS_PORT=str(port),
         WEBHOOKS_FLOWER_PORT=str(flower_port),
         WEBHOOKS_FLOWER_PASSWORD=PASSWORD,
+        WEBHOOKS_WORKER_METRICS_PORT=str(metrics_port),
     )
     pipeline = Process("webhooks-run", [str(BIN / "webhooks"), "run"], env, tmp_path)
     try:
@@ -67,6 +69,12 @@ def test_demo_runs_to_its_summary_against_webhooks_run(fresh: None, tmp_path: Pa
         assert "1 duplicate" in out
         assert "4 succeeded: 3 first time, 1 after replay" in out
         assert "dead" in out  # the flaky delivery was shown dead before the replay
+        # It ends pointing at the Flower row of its dead letter: that task's own page.
+        [line] = [ln for ln in out.splitlines() if "dead letter:" in ln]
+        row_url = re.search(r"http://\S+/task/([0-9a-f-]{36})", line)
+        assert row_url is not None, line
+        dead_id = int(re.search(r"delivery (\d+)", line).group(1))  # type: ignore[union-attr]
+        assert f"deliveries show {dead_id}" in line
 
         # The audit trail has the demo's replay, as the CLI shows it.
         audit = cli("replays", "list", "--json", env=env)
@@ -86,6 +94,11 @@ def test_demo_runs_to_its_summary_against_webhooks_run(fresh: None, tmp_path: Pa
             return found if len(found) >= 5 else None
 
         tasks = wait_for(deliver_tasks, timeout=30, what="Flower to list the deliver tasks")
+        failed = httpx.get(
+            f"{flower}/api/task/info/{row_url.group(1)}", auth=auth, timeout=10
+        ).json()
+        assert (failed["state"], failed["args"]) == ("FAILURE", f"({dead_id},)")
+        assert "DeadLetter" in failed["exception"]
         for task in tasks:
             args = task["args"]
             assert isinstance(args, str)

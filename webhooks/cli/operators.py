@@ -689,12 +689,41 @@ def demo(
     ):
         console.print(f"  {label + ':':<14} {value}", highlight=False)
     cmd = cli_command()  # `webhooks` is on PATH only in an activated virtualenv
+    for delivery_id in dead:
+        console.print(
+            f"  {'dead letter:':<14} delivery {delivery_id}: its failed attempt in Flower "
+            f"{_flower_row(e, delivery_id)}; {cmd} deliveries show {delivery_id}",
+            highlight=False,
+            soft_wrap=True,  # a URL cut in two cannot be opened
+        )
     console.print(
         f"\nnext: {cmd} events list --source {source} | {cmd} events show {ids[-1]} | "
         f"{cmd} dead list | {cmd} replays list\n"
         f"Flower: http://127.0.0.1:{e.settings.flower_port} (workers, tasks, retries)",
         highlight=False,
     )
+
+
+def _flower_row(e: Env, delivery_id: int) -> str:
+    """The URL of the Flower page of the delivery's FAILURE task (its dead attempt), asked of
+    Flower's API with the configured login; else where to search for it."""
+    from tasks.config import DELIVER_TASK  # noqa: PLC0415
+
+    base = f"http://127.0.0.1:{e.settings.flower_port}"
+    fallback = f"{base}/tasks (search: ({delivery_id},))"
+    if e.settings.flower_password is None:
+        return fallback
+    auth = (e.settings.flower_user, e.settings.flower_password.get_secret_value())
+    params = {"taskname": DELIVER_TASK, "state": "FAILURE", "limit": "200"}
+    try:
+        answer = httpx.get(f"{base}/api/tasks", params=params, auth=auth, timeout=5)
+        tasks = answer.json() if answer.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return fallback
+    for task_id, task in tasks.items():
+        if task.get("args") == f"({delivery_id},)":
+            return f"{base}/task/{task_id}"
+    return fallback
 
 
 def register(app: typer.Typer) -> None:
