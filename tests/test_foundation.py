@@ -22,12 +22,20 @@ from tests.factories import accept_event, make_source
 from webhooks.settings import Settings, SettingsError, load_settings
 
 
+def _schema_names(name: str | None, type_: str, parent_names: object) -> bool:
+    # Tables the suite itself creates (test_effects, for the handlers under test) are no part
+    # of the schema, whichever test file ran first.
+    if type_ == "table" and name is not None and name.startswith("test_"):
+        return False
+    return include_name(name, type_, parent_names)
+
+
 def test_models_and_migrations_agree(engine: Engine) -> None:
     with engine.connect() as conn:
         context = MigrationContext.configure(
             conn,
             opts={
-                "include_name": include_name,
+                "include_name": _schema_names,
                 "compare_type": True,
                 "compare_server_default": True,
             },
