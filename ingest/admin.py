@@ -304,6 +304,9 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
         docs_url=None,
         redoc_url=None,
     )
+    # The bundled Swagger UI (4.x, served offline) renders OpenAPI 3.0 documents only; the
+    # schema uses nothing of 3.1 that 3.0 readers cannot show.
+    app.openapi_version = "3.0.3"
     _add_docs(app)
     router = APIRouter(dependencies=[Depends(_require_token)])
 
