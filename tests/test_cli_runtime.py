@@ -291,6 +291,9 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
             banner
         )
         assert FLOWER_PASSWORD not in run.out.text
+        # Nor on any child's command line, which `ps` shows every user of the host.
+        for child in children(run.proc.pid):
+            assert FLOWER_PASSWORD.encode() not in Path(f"/proc/{child}/cmdline").read_bytes()
         assert f"{BIN / 'webhooks'} demo" in banner  # the CLI as it can be typed from anywhere
 
         # Each process lists its own metric families only.

@@ -347,14 +347,18 @@ def _start(
             None,
         ),
     ]  # fmt: skip
+    # Per child: what its environment adds (Flower's login goes there, never on its command
+    # line, where `ps` shows it to every user of the host).
+    extra: dict[str, dict[str, str]] = {}
     if not no_flower:
         password = settings.flower_password.get_secret_value() if settings.flower_password else ""
+        extra["flower"] = {"FLOWER_BASIC_AUTH": f"{settings.flower_user}:{password}"}
         specs.append(
             (
                 "flower",
                 [
                     *celery, "flower", f"--port={settings.flower_port}", "--address=127.0.0.1",
-                    f"--basic-auth={settings.flower_user}:{password}", "--persistent=False",
+                    "--persistent=False",
                 ],
                 f"http://127.0.0.1:{settings.flower_port}/healthcheck",
             )
@@ -367,7 +371,7 @@ def _start(
         try:
             proc = subprocess.Popen(  # noqa: S603
                 cmd,
-                env=child_env,
+                env={**child_env, **extra.get(name, {})},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if out.relay else None,
                 stderr=subprocess.STDOUT if out.relay else None,
