@@ -2,8 +2,10 @@
 
 ``POST /webhooks/{source_id}``, in this order, and no failing step writes a row:
 
-1. body size limit (per-source override) -> 413, never reading past the limit
-2. unknown source -> 404
+1. a source id that cannot be ours (not ``src_`` + 20 letters and digits) -> 404 at once;
+   unknown source (looked up, or cached as missing for a few seconds) -> 404; disabled -> 410;
+   nothing of the body is read for any of them
+2. body size limit (per-source override) -> 413, never reading past the limit
 3. signature and freshness against the source's active secrets -> 401
 4. event id, type and time from the provider's own fields -> 400
 5. one transaction: receipt + deliveries (duplicate -> 200, conflict -> 200, recorded)
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -56,6 +59,10 @@ DB_ERRORS = (
 # A request no cached secret verifies reloads the source's secrets (one may have been added),
 # but a flood of forged requests may not reload it more often than this.
 REFRESH_AFTER_SECONDS = 0.25
+# The form of every source id we issue (webhooks.crypto.public_id("src"): 15 random bytes as
+# URL-safe base64, 20 characters, with "-" and "_" replaced by "x" and "z"). Anything else is
+# answered 404 without a database query and without reading the body.
+SOURCE_ID = re.compile(r"src_[A-Za-z0-9]{20}")
 
 
 class BodyTooLarge(Exception):
@@ -113,22 +120,24 @@ class Receiver:
     async def receive(self, request: Request) -> Response:
         started = perf_counter()
         public_id = request.path_params["source_id"]
+        if SOURCE_ID.fullmatch(public_id) is None:  # not an id we issue: no query, no body
+            return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
         try:
             source = await self.store.source(public_id)
         except DB_ERRORS:
             return self._unavailable("unknown")
-        label = source.public_id if source is not None else "unknown"
-        limit = (source.max_body_bytes if source else None) or self.settings.max_body_bytes
+        if source is None:  # the body is never read for an unknown source
+            return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
+        label = source.public_id
+        if not source.active:  # nothing is written; what it accepted before still runs
+            return self._answer(label, "disabled", 410, {"error": "source disabled"})
+        limit = source.max_body_bytes or self.settings.max_body_bytes
         try:
             body = await read_limited(request, limit)
         except BodyTooLarge:
             return self._answer(
                 label, "too_large", 413, {"error": "body too large", "limit": limit}
             )
-        if source is None:
-            return self._answer(label, "unknown_source", 404, {"error": "unknown source"})
-        if not source.active:  # nothing is written; what it accepted before still runs
-            return self._answer(label, "disabled", 410, {"error": "source disabled"})
 
         now = self.clock.now()
         headers = request.headers

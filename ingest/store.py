@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -41,6 +41,12 @@ from webhooks import metrics
 from webhooks.crypto import SecretBox
 from webhooks.settings import Settings
 from webhooks.ttl import TtlOverrides, effective_ttl
+
+# A source id that is well formed but not in the database is remembered as missing for this
+# long, so a flood of unknown ids costs one query per id per few seconds; a source created
+# meanwhile is found once the entry expires (a lookup with ``refresh=True`` skips it).
+NEGATIVE_CACHE_SECONDS = 3.0
+CACHE_MAX_ENTRIES = 10_000
 
 SOURCE_SQL = """
 SELECT s.id, s.provider, s.config, s.tolerance_s, s.max_body_bytes,
@@ -228,9 +234,17 @@ def _with_conflict(outcome: Outcome, row: TupleRow | None, digest: bytes) -> Out
 class Store:
     """Async access for the receiver: a psycopg pool and a small source cache."""
 
-    def __init__(self, settings: Settings, box: SecretBox) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        box: SecretBox,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.box = box
+        # The negative cache's clock (a test injects one instead of sleeping).
+        self._monotonic = monotonic
         self.pool: AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]] = AsyncConnectionPool(
             settings.psycopg_dsn,
             min_size=2,
@@ -245,6 +259,7 @@ class Store:
             # fails its request with 503, is discarded by the pool, and the provider retries.
         )
         self._cache: dict[str, SourceRecord] = {}
+        self._missing: dict[str, float] = {}  # public id -> when it was found missing
         self._queue: list[tuple[NewReceipt, asyncio.Future[Outcome]]] = []
         self._in_flight = 0
         self._flushers: set[asyncio.Task[None]] = set()
@@ -259,20 +274,32 @@ class Store:
         """The source and its active secrets; cached for settings.source_cache_ttl.
 
         A stale cache can only hold a secret that was revoked since: the accept transaction
-        re-checks it, so a revoked secret never writes a row.
+        re-checks it, so a revoked secret never writes a row. An id with no source is cached
+        as missing for :data:`NEGATIVE_CACHE_SECONDS`.
         """
         cached = self._cache.get(public_id)
         ttl = self.settings.source_cache_ttl.total_seconds()
         if cached is not None and not refresh and time.monotonic() - cached.loaded_at < ttl:
             return cached
+        missing_since = self._missing.get(public_id)
+        if (
+            missing_since is not None
+            and not refresh
+            and self._monotonic() - missing_since < NEGATIVE_CACHE_SECONDS
+        ):
+            return None
         async with self.pool.connection() as conn:
             cur = await conn.execute(SOURCE_SQL, (public_id,))
             row = await cur.fetchone()
         if row is None:
             self._cache.pop(public_id, None)
+            if len(self._missing) >= CACHE_MAX_ENTRIES:
+                self._missing.clear()
+            self._missing[public_id] = self._monotonic()
             return None
+        self._missing.pop(public_id, None)
         record = self._record(public_id, row)
-        if len(self._cache) > 10_000:
+        if len(self._cache) > CACHE_MAX_ENTRIES:
             self._cache.clear()
         self._cache[public_id] = record
         return record
