@@ -29,14 +29,14 @@ import hmac
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path as FilePath
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -66,6 +66,10 @@ DEFAULT_OPERATOR = "admin-token"  # noqa: S105  (a name, not a secret)
 # Swagger UI's files served to /admin/docs (from the swagger-ui-bundle package).
 DOCS_ASSETS = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png")
 
+# Numeric inputs within their column's range (a bigint), or 422 like any other bad input:
+# text ids and times go through models.queries (parse_id, parse_time) the same way.
+RowId = Annotated[int, Field(ge=1, le=queries.MAX_ID)]
+
 DESCRIPTION = """
 Operators' API of the webhook pipeline: received events with their deliveries and attempts,
 dead letters, and audited replays. Authenticate with `Authorization: Bearer <WEBHOOKS_ADMIN_TOKEN>`
@@ -85,7 +89,7 @@ class ReplayIn(BaseModel):
         description=f"Who replays (recorded in the audit). Default: `{DEFAULT_OPERATOR}`.",
     )
     reason: str = Field(min_length=1, description="Why (required; recorded in the audit).")
-    ids: list[int] | None = Field(
+    ids: list[RowId] | None = Field(
         default=None, min_length=1, description="Delivery ids. Excludes the filter fields."
     )
     source: str | None = Field(default=None, description="Filter: source id or name.")
@@ -110,6 +114,13 @@ class ReplayIn(BaseModel):
         description="At most this many replays per second.",
     )
     dry_run: bool = Field(default=False, description="Preview only: count and sample.")
+
+    @field_validator("operator", "reason", "source", "type", "status", "since", "until")
+    @classmethod
+    def _storable(cls, value: str | None) -> str | None:
+        if value is not None and "\x00" in value:
+            raise ValueError("NUL characters are not allowed (Postgres text cannot hold them)")
+        return value
 
 
 class PreviewOut(BaseModel):
@@ -234,6 +245,14 @@ def _require_token_browser(
     _check(request, creds, 'Basic realm="webhooks admin API (password: the admin token)"')
 
 
+def _storable_inputs(request: Request) -> None:
+    """Every path and query value: Postgres text cannot hold NUL, so refuse it (422) here
+    rather than let a query fail with a 500."""
+    values = [*request.path_params.values(), *request.query_params.values()]
+    if any("\x00" in str(value) for value in values):
+        raise queries.QueryError("NUL characters are not allowed in ids and filters", "bad_input")
+
+
 def _session(request: Request) -> Iterator[Session]:
     state: _State = request.app.state.admin
     with state.sessions() as session, session.begin():
@@ -251,12 +270,12 @@ def _off() -> FastAPI:
     return FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
 
-def _docs_assets() -> Path | None:
+def _docs_assets() -> FilePath | None:
     try:
         import swagger_ui_bundle  # type: ignore[import-untyped]  # noqa: PLC0415
     except ImportError:
         return None
-    return Path(swagger_ui_bundle.swagger_ui_path)
+    return FilePath(swagger_ui_bundle.swagger_ui_path)
 
 
 def _add_docs(app: FastAPI) -> None:
@@ -308,7 +327,7 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
     # schema uses nothing of 3.1 that 3.0 readers cannot show.
     app.openapi_version = "3.0.3"
     _add_docs(app)
-    router = APIRouter(dependencies=[Depends(_require_token)])
+    router = APIRouter(dependencies=[Depends(_require_token), Depends(_storable_inputs)])
 
     @app.exception_handler(queries.NotFoundError)
     def _not_found(request: Request, exc: queries.NotFoundError) -> JSONResponse:
@@ -469,7 +488,9 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
         summary="A replay's progress",
         responses={404: {"model": ErrorOut}},
     )
-    def show_replay(replay_id: int, session: Db) -> ReplayRecord:
+    def show_replay(
+        replay_id: Annotated[int, Path(ge=1, le=queries.MAX_ID)], session: Db
+    ) -> ReplayRecord:
         """The audit row: `planned`, `replayed` and `skipped` grow as the run goes; `status`
         is `running`, then `done`, `failed` or `interrupted`."""
         return replays.get_replay(session, replay_id)

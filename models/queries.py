@@ -36,6 +36,8 @@ REMOVED_ROUTE = "(route removed)"
 RECEIPT_PREFIX = "receipt:"
 DELIVERY_PREFIX = "delivery:"
 EVENT_PREFIX = "event:"
+# Ids are Postgres bigints: a number beyond this is refused before it reaches a query.
+MAX_ID = 2**63 - 1
 
 
 def receipt_ref(receipt_id: int) -> str:
@@ -56,13 +58,36 @@ class NotFoundError(QueryError):
         super().__init__(message, "not_found")
 
 
+def is_number(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` also accepts ``²`` and other scripts' digits)."""
+    return text.isascii() and text.isdigit()
+
+
+def _fits(digits: str) -> bool:
+    # The length first: int() of thousands of digits raises ValueError (and costs time).
+    return len(digits) <= len(str(MAX_ID)) and int(digits) <= MAX_ID
+
+
+def parse_id(text: str, what: str = "id") -> int:
+    """An operator's numeric id: ASCII digits within a bigint; QueryError otherwise."""
+    if not is_number(text):
+        raise QueryError(f"not a {what}: {text!r} (a number)", "bad_id")
+    if not _fits(text):
+        raise QueryError(f"{what} out of range: {text!r} (at most {MAX_ID})", "out_of_range")
+    return int(text)
+
+
 def parse_time(text: str, *, now: datetime) -> datetime:
-    """``2026-05-01T10:00``, ``2026-05-01`` (UTC when no offset) or a duration ago (``2h``)."""
+    """``2026-05-01T10:00``, ``2026-05-01`` (UTC when no offset) or a duration ago (``2h``);
+    QueryError for anything else, including a time or duration beyond what can be stored."""
     value = text.strip()
+    out_of_range = QueryError(f"time out of range: {text!r}", "out_of_range")
     try:
         return now - parse_duration(value)
     except DurationError:
         pass
+    except OverflowError:  # a duration beyond timedelta, or a time before year 1
+        raise out_of_range from None
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
@@ -70,7 +95,13 @@ def parse_time(text: str, *, now: datetime) -> datetime:
             f"not a time: {text!r} (use an ISO time such as 2026-05-01T10:00Z, "
             "or 2h for two hours ago)"
         ) from None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC)
+    try:  # 0001-01-01T00:00+14:00 is before year 1 in UTC: no datetime can hold it
+        parsed.astimezone(UTC)
+    except OverflowError:
+        raise out_of_range from None
+    return parsed
 
 
 def check_status(status: str | None, allowed: Sequence[str] = DELIVERY_STATES) -> None:
@@ -348,9 +379,9 @@ def _find_receipt(session: Session, ref: str | int, source: str | None) -> Any:
     receipt_id: int | None = None
     event_id: str | None = None
     if key.startswith(RECEIPT_PREFIX) and key[len(RECEIPT_PREFIX) :].isdigit():
-        receipt_id = int(key[len(RECEIPT_PREFIX) :])
+        receipt_id = parse_id(key[len(RECEIPT_PREFIX) :], "receipt id")
     elif key.startswith(DELIVERY_PREFIX) and key[len(DELIVERY_PREFIX) :].isdigit():
-        delivery_id = int(key[len(DELIVERY_PREFIX) :])
+        delivery_id = parse_id(key[len(DELIVERY_PREFIX) :], "delivery id")
         receipt_id = session.scalars(
             select(Delivery.receipt_id).where(Delivery.id == delivery_id).limit(1)
         ).first()
@@ -358,7 +389,7 @@ def _find_receipt(session: Session, ref: str | int, source: str | None) -> Any:
             raise NotFoundError(f"no such delivery: {delivery_id}")
     elif key.startswith(EVENT_PREFIX):
         event_id = key[len(EVENT_PREFIX) :]
-    elif key.isdigit():
+    elif is_number(key) and _fits(key):  # a larger number is a provider event id
         number = int(key)
         is_receipt = _exists(session, Receipt.id, number)
         is_delivery = _exists(session, Delivery.id, number)
@@ -459,11 +490,11 @@ KeyOf = Callable[[int, str, int, int], str]
 
 def parse_delivery_ref(ref: str | int) -> int:
     key = str(ref).strip().removeprefix(DELIVERY_PREFIX)
-    if not key.isdigit():
+    if not is_number(key):
         raise QueryError(
             f"not a delivery id: {str(ref)!r} (a number, as `dead list` and Flower show it)"
         )
-    return int(key)
+    return parse_id(key, "delivery id")
 
 
 def get_delivery(
