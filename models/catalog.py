@@ -32,6 +32,16 @@ class CatalogError(ValueError):
     """Bad input for a source, secret or route; nothing was changed."""
 
 
+# Secret strength (checked before anything is written). Standard Webhooks and Svix secrets are
+# ``whsec_`` + base64 of the key: their libraries generate 24 to 32 random bytes. Other
+# providers' secrets are used as given (the HMAC key is the string itself): at least 16
+# characters, unless the operator says the sender dictates a shorter one (audited).
+MIN_WHSEC_BYTES = 24
+MIN_SECRET_CHARS = 16
+WEAK_SECRET_ACTION = "weak_secret"  # noqa: S105 (an audit action, not a secret)
+WEAK_SECRET_REASON = "weak secret allowed"  # noqa: S105
+
+
 @dataclass(frozen=True)
 class CreatedSecret:
     id: str
@@ -83,13 +93,20 @@ def create_source(
     tolerance: timedelta | None = None,
     max_body_bytes: int | None = None,
     ttl: TtlOverrides | None = None,
+    allow_weak_secret: bool = False,
+    operator: str | None = None,
 ) -> tuple[Source, CreatedSecret]:
+    """Create a source with one secret (generated when ``secret`` is None). A given secret
+    below the minimum strength is refused before anything is written; ``allow_weak_secret``
+    lets a short non-whsec secret through with an ``audit_log`` row (``operator``: who)."""
     from ingest.providers import validate_config  # noqa: PLC0415
 
     if provider not in PROVIDERS:
         raise CatalogError(f"unknown provider {provider!r}; one of {', '.join(PROVIDERS)}")
     if not name.strip():
         raise CatalogError("source name must not be empty")
+    if secret is not None:
+        check_secret_strength(provider, secret, allow_weak=allow_weak_secret)
     if max_body_bytes is not None and max_body_bytes < 1:
         raise CatalogError("max body bytes must be positive")
     normalised = validate_config(provider, config or {})
@@ -115,7 +132,9 @@ def create_source(
     )
     session.add(source)
     session.flush()
-    created = add_secret(session, box, source, secret)
+    created = add_secret(
+        session, box, source, secret, allow_weak_secret=allow_weak_secret, operator=operator
+    )
     return source, created
 
 
@@ -179,26 +198,82 @@ def update_source_ttl(
 
 
 def add_secret(
-    session: Session, box: SecretBox, source: Source, secret: str | None = None
+    session: Session,
+    box: SecretBox,
+    source: Source,
+    secret: str | None = None,
+    *,
+    allow_weak_secret: bool = False,
+    operator: str | None = None,
 ) -> CreatedSecret:
+    """Add a secret to a source (generated when ``secret`` is None). A given secret below the
+    minimum strength is refused before anything is written (see :func:`check_secret_strength`);
+    a weak one let through by ``allow_weak_secret`` gets an ``audit_log`` row (action
+    ``weak_secret``, ``operator``: who, default this process's login name)."""
     generated = secret is None
     plaintext = generate_secret(source.provider) if secret is None else secret
-    if not plaintext.strip():
-        raise CatalogError("secret must not be empty")
-    if source.provider in ("standard", "svix"):
-        _check_whsec(plaintext)
+    weak = check_secret_strength(source.provider, plaintext, allow_weak=allow_weak_secret)
     row = SourceSecret(id=public_id("sec"), source_id=source.id, ciphertext=box.encrypt(plaintext))
     session.add(row)
     session.flush()
+    if weak:
+        change = Change(operator=operator or _login(), reason=WEAK_SECRET_REASON, via="cli")
+        target = {"source": source.public_id, "provider": source.provider, "secret": row.id}
+        record_audit(session, change, WEAK_SECRET_ACTION, target, count=1, now=None)
+        log.warning(
+            "secret.weak_allowed",
+            source=source.public_id,
+            provider=source.provider,
+            secret_id=row.id,
+        )
     return CreatedSecret(row.id, plaintext if generated else None)
 
 
-def _check_whsec(secret: str) -> None:
+def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = False) -> bool:
+    """Refuse (CatalogError) a secret too weak for ``provider``; True when it is weak but
+    ``allow_weak`` lets it through (the caller audits that), False when it is strong enough.
+
+    Standard Webhooks and Svix: ``whsec_`` + base64 decoding to at least
+    :data:`MIN_WHSEC_BYTES` bytes, always. Other providers: at least
+    :data:`MIN_SECRET_CHARS` characters, unless ``allow_weak``."""
+    if not secret.strip():
+        raise CatalogError("secret must not be empty")
+    if provider in ("standard", "svix"):
+        key = _check_whsec(secret)
+        if len(key) < MIN_WHSEC_BYTES:
+            raise CatalogError(
+                f"a {provider} secret must decode to at least {MIN_WHSEC_BYTES} bytes "
+                f"(whsec_ + base64 of {MIN_WHSEC_BYTES} to 32 random bytes); this one decodes "
+                f"to {len(key)}: omit --secret to have one generated"
+            )
+        return False
+    if len(secret) >= MIN_SECRET_CHARS:
+        return False
+    if allow_weak:
+        return True
+    raise CatalogError(
+        f"a {provider} secret must be at least {MIN_SECRET_CHARS} characters (this one has "
+        f"{len(secret)}): omit --secret to have one generated, or, if the sender dictates "
+        "this secret, pass --allow-weak-secret (recorded in the audit trail)"
+    )
+
+
+def _login() -> str:
+    import getpass  # noqa: PLC0415
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container user without a passwd entry or $USER
+        return "unknown"
+
+
+def _check_whsec(secret: str) -> bytes:
+    """The key a ``whsec_`` + base64 secret decodes to; CatalogError if it is not base64."""
     import base64  # noqa: PLC0415
     import binascii  # noqa: PLC0415
 
     try:
-        base64.b64decode(secret.removeprefix("whsec_"), validate=True)
+        return base64.b64decode(secret.removeprefix("whsec_"), validate=True)
     except (binascii.Error, ValueError):
         raise CatalogError("a Standard Webhooks / Svix secret is whsec_ + base64") from None
 

@@ -26,6 +26,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from webhooks.durations import DurationError, parse_duration
 
+MIN_ADMIN_TOKEN_LENGTH = 32
+
 
 class SettingsError(Exception):
     """Settings could not be built; the message names the offending variable."""
@@ -123,6 +125,18 @@ class Settings(BaseSettings):
         from webhooks.crypto import split_keys  # noqa: PLC0415
 
         split_keys(value.get_secret_value())  # raises naming the short key's position
+        return value
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
+        """Empty (or unset) turns the admin API off; a set token is at least 32 characters."""
+        token = "" if value is None else value.get_secret_value()
+        if token and len(token) < MIN_ADMIN_TOKEN_LENGTH:
+            raise ValueError(
+                f"WEBHOOKS_ADMIN_TOKEN must be at least {MIN_ADMIN_TOKEN_LENGTH} characters "
+                f"(this one has {len(token)}); leave it empty to turn the admin API off"
+            )
         return value
 
     @field_validator("database_url")

@@ -26,6 +26,14 @@ handlers_app = typer.Typer(help="The handlers this installation registers.", no_
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 DurationOpt = Annotated[str | None, typer.Option(help="Duration such as 3d, 12h, 10m.")]
+WeakSecretOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-weak-secret",
+        help="Accept a --secret shorter than 16 characters (not for standard/svix, whose "
+        "secrets must decode to 24+ bytes); recorded in the audit trail.",
+    ),
+]
 
 
 def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
@@ -93,6 +101,7 @@ def sources_add(
     queue_lag: DurationOpt = None,
     clock_skew: DurationOpt = None,
     replay_grace: DurationOpt = None,
+    allow_weak_secret: WeakSecretOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Create a source; prints its id, URL path and, when generated, its secret (once)."""
@@ -115,6 +124,8 @@ def sources_add(
                 _duration(clock_skew),
                 _duration(replay_grace),
             ),
+            allow_weak_secret=allow_weak_secret,
+            operator=login(),
         )
         view = _source_view(e, source)
     _lay_out_partitions(e)
@@ -244,12 +255,18 @@ def _route_view(r: Any) -> dict[str, Any]:
 
 @secrets_app.command("add")
 @handle_errors
-def secrets_add(source: str, secret: Annotated[str | None, typer.Option()] = None) -> None:
+def secrets_add(
+    source: str,
+    secret: Annotated[str | None, typer.Option()] = None,
+    allow_weak_secret: WeakSecretOpt = False,
+) -> None:
     """Add a secret (rotation): every active secret verifies."""
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
-        created = catalog.add_secret(session, _box(e), row, secret)
+        created = catalog.add_secret(
+            session, _box(e), row, secret, allow_weak_secret=allow_weak_secret, operator=login()
+        )
     console.print(f"secret id: {created.id}")
     if created.plaintext is not None:
         console.print(f"secret:    {created.plaintext}  (shown once)", highlight=False)

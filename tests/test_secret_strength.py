@@ -1,0 +1,251 @@
+"""Secret strength (issue 11, finding 6): weak source secrets and admin tokens are refused with
+a clear message before anything is written; ``--allow-weak-secret`` lets a short non-whsec
+secret through and is audited; ``make .env`` writes a file only its owner can read."""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import json
+import os
+import stat
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from sqlalchemy import Engine, func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import catalog
+from models.catalog import CatalogError
+from models.schema import PROVIDERS, Source, SourceSecret
+from tests.conftest import BIN, make_settings, test_env
+from tests.leakcheck import remember
+from webhooks.crypto import SecretBox, generate_secret
+from webhooks.settings import Settings, SettingsError, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+WEAK_WHSEC = ("whsec_", "whsec_AA==", "whsec_" + base64.b64encode(b"\x01" * 23).decode())
+STRONG_WHSEC = "whsec_" + base64.b64encode(b"twenty-four-bytes-key!!!").decode()  # 24 bytes
+SHORT_GITHUB = "fifteen-chars!!"  # 15 characters
+
+
+def webhooks(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "webhooks"), *args],
+        env=test_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def counts(engine: Engine) -> tuple[int, int, int]:
+    with engine.connect() as conn:
+        return tuple(  # type: ignore[return-value]
+            int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())  # noqa: S608
+            for table in ("sources", "source_secrets", "audit_log")
+        )
+
+
+def weak_audits(engine: Engine, source_id: str) -> list[dict[str, object]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT operator, action, reason, target, via FROM audit_log"
+                " WHERE action = 'weak_secret' AND target->>'source' = :source ORDER BY id"
+            ),
+            {"source": source_id},
+        ).mappings()
+        return [dict(r) for r in rows]
+
+
+def test_sanity_of_the_fixtures() -> None:
+    assert len(SHORT_GITHUB) == 15
+    assert len(base64.b64decode(STRONG_WHSEC.removeprefix("whsec_"))) == 24
+    remember(STRONG_WHSEC, SHORT_GITHUB)
+
+
+@pytest.mark.parametrize("provider", ["standard", "svix"])
+@pytest.mark.parametrize("secret", WEAK_WHSEC)
+def test_short_whsec_secrets_are_refused_on_create_and_nothing_is_written(
+    engine: Engine, provider: str, secret: str
+) -> None:
+    before = counts(engine)
+    for extra in ((), ("--allow-weak-secret",)):  # the flag does not lower the whsec minimum
+        result = webhooks(
+            "sources", "add", f"weak-{uuid.uuid4().hex[:8]}", "--provider", provider,
+            "--secret", secret, *extra,
+        )  # fmt: skip
+        assert result.returncode == 1, result.stdout
+        assert "at least 24 bytes" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert counts(engine) == before
+
+
+@pytest.mark.parametrize("provider", ["standard", "svix"])
+def test_short_whsec_secret_is_refused_on_rotation_and_a_24_byte_one_is_accepted(
+    engine: Engine, provider: str
+) -> None:
+    added = webhooks(
+        "sources", "add", f"strong-{uuid.uuid4().hex[:8]}", "--provider", provider,
+        "--secret", STRONG_WHSEC, "--json",
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    source_id = json.loads(added.stdout)["id"]
+    assert STRONG_WHSEC not in added.stdout
+    before = counts(engine)
+    for secret in WEAK_WHSEC:
+        refused = webhooks("secrets", "add", source_id, "--secret", secret)
+        assert refused.returncode == 1
+        assert "at least 24 bytes" in refused.stderr, refused.stderr
+    assert counts(engine) == before
+    rotated = webhooks("secrets", "add", source_id, "--secret", STRONG_WHSEC)
+    assert rotated.returncode == 0, rotated.stderr
+    assert counts(engine)[1] == before[1] + 1
+    assert weak_audits(engine, source_id) == []
+
+
+def test_a_short_github_secret_is_refused_unless_allowed_and_then_audited(engine: Engine) -> None:
+    name = f"gh-{uuid.uuid4().hex[:8]}"
+    before = counts(engine)
+    refused = webhooks("sources", "add", name, "--provider", "github", "--secret", SHORT_GITHUB)
+    assert refused.returncode == 1
+    assert "at least 16 characters" in refused.stderr, refused.stderr
+    assert "--allow-weak-secret" in refused.stderr
+    assert counts(engine) == before
+
+    allowed = webhooks(
+        "sources", "add", name, "--provider", "github", "--secret", SHORT_GITHUB,
+        "--allow-weak-secret", "--json",
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    view = json.loads(allowed.stdout)
+    assert "secret" not in view  # a secret we were given is not echoed
+    assert counts(engine) == (before[0] + 1, before[1] + 1, before[2] + 1)
+    audits = weak_audits(engine, view["id"])
+    assert len(audits) == 1
+    assert audits[0]["operator"] == getpass.getuser()
+    assert audits[0]["reason"] == "weak secret allowed"
+    assert audits[0]["target"]["secret"] == view["secret_id"]  # type: ignore[index]
+
+    # Rotation: the same rule, the same audit.
+    middle = counts(engine)
+    again = webhooks("secrets", "add", view["id"], "--secret", "short")
+    assert again.returncode == 1
+    assert "at least 16 characters" in again.stderr
+    assert counts(engine) == middle
+    allowed_again = webhooks(
+        "secrets", "add", view["id"], "--secret", "short-again", "--allow-weak-secret"
+    )
+    assert allowed_again.returncode == 0, allowed_again.stderr
+    assert len(weak_audits(engine, view["id"])) == 2
+
+    # A long enough secret with the flag is simply accepted: nothing weak to audit.
+    strong = webhooks(
+        "secrets", "add", view["id"], "--secret", "sixteen-chars-ok", "--allow-weak-secret"
+    )
+    assert strong.returncode == 0, strong.stderr
+    assert len(weak_audits(engine, view["id"])) == 2
+
+
+def test_the_check_runs_before_anything_is_flushed(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """In the caller's own transaction too: nothing is added, not even uncommitted."""
+    box = SecretBox(settings.secret_key.get_secret_value())
+    with sessions() as session, session.begin():
+        before = (
+            session.scalar(select(func.count()).select_from(Source)),
+            session.scalar(select(func.count()).select_from(SourceSecret)),
+        )
+        for provider, secret in (("standard", "whsec_AA=="), ("github", SHORT_GITHUB)):
+            with pytest.raises(CatalogError):
+                catalog.create_source(
+                    session, box, settings, name=f"x-{uuid.uuid4().hex[:8]}",
+                    provider=provider, secret=secret,
+                )  # fmt: skip
+        assert not session.new
+        after = (
+            session.scalar(select(func.count()).select_from(Source)),
+            session.scalar(select(func.count()).select_from(SourceSecret)),
+        )
+        assert after == before
+        session.rollback()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_generated_secrets_pass_the_check(provider: str) -> None:
+    made = {generate_secret(provider) for _ in range(20)}
+    assert len(made) == 20  # random, from `secrets`
+    for secret in made:
+        assert catalog.check_secret_strength(provider, secret) is False
+        if provider in ("standard", "svix"):
+            assert len(base64.b64decode(secret.removeprefix("whsec_"))) >= 24
+        else:
+            assert len(secret) >= 16
+
+
+def test_a_generated_secret_is_accepted_by_the_cli(engine: Engine) -> None:
+    for provider in ("svix", "github"):
+        added = webhooks(
+            "sources", "add", f"gen-{uuid.uuid4().hex[:8]}", "--provider", provider, "--json"
+        )
+        assert added.returncode == 0, added.stderr
+        view = json.loads(added.stdout)
+        remember(view["secret"])
+        assert weak_audits(engine, view["id"]) == []
+
+
+def test_a_short_admin_token_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ValidationError) as direct:
+        make_settings(admin_token="t" * 31)
+    assert "WEBHOOKS_ADMIN_TOKEN" in str(direct.value)
+    assert "32" in str(direct.value)
+
+    # 32 characters is enough; empty or unset means no admin API, as before.
+    token = make_settings(admin_token="t" * 32).admin_token
+    assert token is not None
+    assert token.get_secret_value() == "t" * 32
+    empty = make_settings(admin_token="").admin_token
+    assert empty is not None
+    assert empty.get_secret_value() == ""
+    assert make_settings().admin_token is None
+
+    # From the environment, as processes load it: the message names the variable, never the
+    # value.
+    monkeypatch.setenv("WEBHOOKS_ADMIN_TOKEN", "short-token")
+    with pytest.raises(SettingsError) as loaded:
+        load_settings()
+    assert "WEBHOOKS_ADMIN_TOKEN" in str(loaded.value)
+    assert "short-token" not in str(loaded.value)
+
+
+def test_a_short_admin_token_stops_the_cli_at_start() -> None:
+    result = webhooks("sources", "list", WEBHOOKS_ADMIN_TOKEN="too-short")
+    assert result.returncode == 1
+    assert "WEBHOOKS_ADMIN_TOKEN" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_make_env_writes_a_file_only_its_owner_can_read(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
+    result = subprocess.run(
+        ["make", "-s", "-f", str(ROOT / "Makefile"), "-C", str(tmp_path), ".env",
+         "PYTHON=python3"],
+        env={**env, "MAKEFLAGS": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    written = tmp_path / ".env"
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600
+    values = dict(line.split("=", 1) for line in written.read_text().splitlines())
+    assert {"WEBHOOKS_SECRET_KEY", "WEBHOOKS_ADMIN_TOKEN"} <= set(values)
+    assert len(values["WEBHOOKS_ADMIN_TOKEN"]) >= 32
+    assert len(values["WEBHOOKS_SECRET_KEY"]) >= 32
