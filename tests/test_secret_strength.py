@@ -249,3 +249,19 @@ def test_make_env_writes_a_file_only_its_owner_can_read(tmp_path: Path) -> None:
     assert {"WEBHOOKS_SECRET_KEY", "WEBHOOKS_ADMIN_TOKEN"} <= set(values)
     assert len(values["WEBHOOKS_ADMIN_TOKEN"]) >= 32
     assert len(values["WEBHOOKS_SECRET_KEY"]) >= 32
+
+
+def test_a_refused_setting_is_never_quoted_in_the_error() -> None:
+    """Built directly (not through load_settings), a refused secret still never appears in
+    the error's text, which may reach a log line."""
+    import pydantic
+
+    from webhooks.settings import Settings
+
+    short = "tooshort-but-secret-" + "q" * 5
+    with pytest.raises(pydantic.ValidationError) as refused:
+        Settings(secret_key="k" * 40, admin_token=short)  # type: ignore[arg-type]
+    assert short not in str(refused.value)
+    with pytest.raises(pydantic.ValidationError) as refused_key:
+        Settings(secret_key=short)  # type: ignore[arg-type]
+    assert short not in str(refused_key.value)

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
         env_file_encoding="utf-8",
         extra="ignore",
         frozen=True,
+        # A refused value may be a secret (a short key or token): errors never quote it.
+        hide_input_in_errors=True,
     )
 
     environment: Literal["development", "production", "test"] = "development"
