@@ -138,23 +138,19 @@ def dead_discard(
     from webhooks.clock import pinned  # noqa: PLC0415
 
     e = env()
-    has_filter = any(v is not None for v in (source, event_type, since, until))
-    if ids and has_filter:
-        raise CliError("give delivery ids or filter options, not both")
-    if not ids and not has_filter:
-        raise CliError("give delivery ids, or a filter such as --source S (see `dead list`)")
-    if not dry_run and not (reason or "").strip():
-        raise CliError("--reason is required: it is recorded in the audit trail")
-    if as_json and not (yes or dry_run):
-        raise CliError("--json needs --yes or --dry-run (there is no prompt in JSON mode)")
-    given: dict[str, Any]
-    if ids:
-        given = {"ids": sorted(set(ids))}
-        flt = None
-    else:
-        given = {"source": source, "type": event_type, "since": since, "until": until}
-        given = {k: v for k, v in given.items() if v is not None}
-        flt = ReplayFilter(source, event_type, "dead", parse_when(e, since), parse_when(e, until))
+    given, flt = _selection(
+        e,
+        ids,
+        source=source,
+        event_type=event_type,
+        status=None,
+        since=since,
+        until=until,
+        reason=reason,
+        dry_run=dry_run,
+        yes=yes,
+        as_json=as_json,
+    )
     request = discards.DiscardRequest(
         operator=operator or login(),
         reason=reason or "(dry run)",
@@ -319,29 +315,19 @@ def replay(
     with --rerun-succeeded, under a new key. Every run is audited: webhooks replays list.
     """
     e = env()
-    has_filter = any(v is not None for v in (source, event_type, since, until))
-    if ids and (has_filter or status != "dead"):
-        raise CliError("give delivery ids or filter options, not both")
-    if not ids and not has_filter:
-        raise CliError("give delivery ids, or a filter such as --source S (see `dead list`)")
-    if not dry_run and not (reason or "").strip():
-        raise CliError("--reason is required: it is recorded in the audit trail")
-    if as_json and not (yes or dry_run):
-        raise CliError("--json needs --yes or --dry-run (there is no prompt in JSON mode)")
-    given: dict[str, Any]
-    if ids:
-        given = {"ids": sorted(set(ids))}
-        flt = None
-    else:
-        given = {
-            "source": source,
-            "type": event_type,
-            "status": status,
-            "since": since,
-            "until": until,
-        }
-        given = {k: v for k, v in given.items() if v is not None}
-        flt = ReplayFilter(source, event_type, status, parse_when(e, since), parse_when(e, until))
+    given, flt = _selection(
+        e,
+        ids,
+        source=source,
+        event_type=event_type,
+        status=status,
+        since=since,
+        until=until,
+        reason=reason,
+        dry_run=dry_run,
+        yes=yes,
+        as_json=as_json,
+    )
     request = replays.ReplayRequest(
         operator=operator or login(),
         reason=reason or "(dry run)",
@@ -724,6 +710,42 @@ def _flower_row(e: Env, delivery_id: int) -> str:
         if task.get("args") == f"({delivery_id},)":
             return f"{base}/task/{task_id}"
     return fallback
+
+
+def _selection(
+    e: Env,
+    ids: list[int] | None,
+    *,
+    source: str | None,
+    event_type: str | None,
+    status: str | None,
+    since: str | None,
+    until: str | None,
+    reason: str | None,
+    dry_run: bool,
+    yes: bool,
+    as_json: bool,
+) -> tuple[dict[str, Any], ReplayFilter | None]:
+    """What replay and dead discard select, checked alike: delivery ids or a filter (never
+    both), a reason unless it is a dry run, no prompt in JSON mode. Returns the filter as
+    given (for the audit row) and the filter itself (None for ids). ``status`` None: dead
+    letters only, not an option of the command."""
+    has_filter = any(v is not None for v in (source, event_type, since, until))
+    if ids and (has_filter or (status or "dead") != "dead"):
+        raise CliError("give delivery ids or filter options, not both")
+    if not ids and not has_filter:
+        raise CliError("give delivery ids, or a filter such as --source S (see `dead list`)")
+    if not dry_run and not (reason or "").strip():
+        raise CliError("--reason is required: it is recorded in the audit trail")
+    if as_json and not (yes or dry_run):
+        raise CliError("--json needs --yes or --dry-run (there is no prompt in JSON mode)")
+    if ids:
+        return {"ids": sorted(set(ids))}, None
+    given = {"source": source, "type": event_type, "status": status, "since": since, "until": until}
+    flt = ReplayFilter(
+        source, event_type, status or "dead", parse_when(e, since), parse_when(e, until)
+    )
+    return {k: v for k, v in given.items() if v is not None}, flt
 
 
 def register(app: typer.Typer) -> None:
