@@ -1,7 +1,7 @@
 """Test infrastructure: real Postgres and Redis, no mocks of either.
 
 The suite runs against the services on this machine (Postgres 127.0.0.1:5432, Redis
-127.0.0.1:6379). Each run creates and migrates its own database ``webhooks_test_<pid>`` (dropped
+127.0.0.1:6379, or ``WEBHOOKS_TEST_REDIS_PORT``). Each run creates and migrates its own database ``webhooks_test_<pid>`` (dropped
 at the end) and uses Redis databases 14 (broker) and 15 (claims), so a pipeline started by
 ``make run`` on the same machine is not disturbed. Subprocesses (receivers, workers, beat) get the same settings through
 the environment returned by :func:`test_env`.
@@ -31,12 +31,16 @@ BIN = Path(sys.executable).parent
 # One database per test run, so runs on one machine never share (or drop) each other's data.
 TEST_DB = os.environ.get("WEBHOOKS_TEST_DATABASE", f"webhooks_test_{os.getpid()}")
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+# The Redis server the suite uses (its databases 4-15); another port lets two suites run side by
+# side, each against a redis-server of its own (``WEBHOOKS_TEST_REDIS_PORT=6390 make test``).
+REDIS_PORT = int(os.environ.get("WEBHOOKS_TEST_REDIS_PORT", "6379"))
+REDIS = f"redis://127.0.0.1:{REDIS_PORT}"
 
 BASE_ENV = {
     "WEBHOOKS_ENVIRONMENT": "test",
     "WEBHOOKS_DATABASE_URL": f"postgresql://postgres@127.0.0.1:5432/{TEST_DB}",
-    "WEBHOOKS_BROKER_URL": "redis://127.0.0.1:6379/14",
-    "WEBHOOKS_REDIS_URL": "redis://127.0.0.1:6379/15",
+    "WEBHOOKS_BROKER_URL": f"{REDIS}/14",
+    "WEBHOOKS_REDIS_URL": f"{REDIS}/15",
     "WEBHOOKS_SECRET_KEY": "test-secret-key-" + "k" * 32,
     "WEBHOOKS_LOG_JSON": "true",
 }

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import transitions
 from tasks.config import DELIVERIES_QUEUE
-from tests.conftest import BIN, make_settings
+from tests.conftest import BIN, REDIS, make_settings
 from tests.factories import MadeSource, accept_event, make_source
 from tests.leakcheck import log_file, remember
 from tests.processes import Receiver, receiver
@@ -31,8 +31,8 @@ from tests.workers import FAST, worker_env
 from webhooks.settings import Settings
 
 OPS: dict[str, Any] = {
-    "broker_url": "redis://127.0.0.1:6379/4",
-    "redis_url": "redis://127.0.0.1:6379/5",
+    "broker_url": f"{REDIS}/4",
+    "redis_url": f"{REDIS}/5",
 }
 
 

@@ -29,7 +29,7 @@ import typer.main
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from tests.conftest import ADMIN_DSN, BASE_ENV, BIN, ROOT, free_port, test_env
+from tests.conftest import ADMIN_DSN, BASE_ENV, BIN, REDIS, ROOT, free_port, test_env
 from tests.leakcheck import log_file, remember
 from tests.workers import children, wait_for
 from webhooks import metrics
@@ -42,8 +42,8 @@ from webhooks.settings import Settings, SettingsError, load_settings
 pytestmark = [pytest.mark.timeout(180)]
 
 REDIS = {
-    "WEBHOOKS_BROKER_URL": "redis://127.0.0.1:6379/6",
-    "WEBHOOKS_REDIS_URL": "redis://127.0.0.1:6379/7",
+    "WEBHOOKS_BROKER_URL": f"{REDIS}/6",
+    "WEBHOOKS_REDIS_URL": f"{REDIS}/7",
 }
 FLOWER_PASSWORD = "runtime-flower-" + "p" * 12
 remember(FLOWER_PASSWORD)

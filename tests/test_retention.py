@@ -43,7 +43,7 @@ from models.retention import (
 )
 from models.schema import PROVIDERS
 from models.transitions import Claim
-from tests.conftest import ADMIN_DSN, BIN, TEST_DB, make_settings
+from tests.conftest import ADMIN_DSN, BIN, REDIS, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, accept_event, make_source, source_ttl
 from tests.leakcheck import remember
@@ -56,7 +56,7 @@ from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, dedup_terms, expires
 D = datetime(2024, 2, 10, tzinfo=UTC)  # a midnight
 US = timedelta(microseconds=1)
 SEC = timedelta(seconds=1)
-PRIVATE_BROKER = "redis://127.0.0.1:6379/12"
+PRIVATE_BROKER = f"{REDIS}/12"
 LEASE = timedelta(minutes=5)
 
 
@@ -562,7 +562,7 @@ def test_redis_flush_postgres_still_deduplicates_within_the_window(
     engine: Engine, sessions: sessionmaker[Session], made: list[MadeSource]
 ) -> None:
     """The real receiver (ASGI app, injected clock) publishing to a real Redis broker."""
-    settings = make_settings(broker_url=PRIVATE_BROKER, redis_url="redis://127.0.0.1:6379/13")
+    settings = make_settings(broker_url=PRIVATE_BROKER, redis_url=f"{REDIS}/13")
     source = new_source(sessions, settings, made)
     ttl = source_ttl(sessions, settings, source.id)
     clock = FrozenClock(D + timedelta(days=40, hours=9))

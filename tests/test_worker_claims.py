@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tasks.claims import claim_key
 from tasks.config import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
-from tests.conftest import free_port
+from tests.conftest import REDIS_PORT, free_port
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL
 from tests.workers import (
@@ -36,10 +36,16 @@ from tests.workers import (
 
 pytestmark = pytest.mark.slow
 
+# The machine's Redis (6379) restarts as its service does; a suite's own Redis on another
+# port restarts in /tmp.
+_REDIS_DIR, _REDIS_LOG = (
+    ("/var/lib/redis", "/var/log/redis/ci.log")
+    if REDIS_PORT == 6379
+    else ("/tmp", f"/tmp/redis-{REDIS_PORT}.log")  # noqa: S108
+)
 REDIS_START = [
-    "redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", "6379",
-    "--save", "", "--appendonly", "no", "--dir", "/var/lib/redis",
-    "--logfile", "/var/log/redis/ci.log",
+    "redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", str(REDIS_PORT),
+    "--save", "", "--appendonly", "no", "--dir", _REDIS_DIR, "--logfile", _REDIS_LOG,
 ]  # fmt: skip
 
 
@@ -130,7 +136,7 @@ def rabbit_queues() -> Iterator[None]:
 
 
 def _redis_up() -> bool:
-    client = redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=0.2)
+    client = redis.Redis(host="127.0.0.1", port=REDIS_PORT, socket_connect_timeout=0.2)
     try:
         return bool(client.ping())
     except redis.ConnectionError:
@@ -167,7 +173,7 @@ def test_redis_stopped_events_still_processed_once_on_the_durable_tier(
     with running_worker("noredis", tmp_path, **overrides) as worker:
         broker = Broker(settings)
         try:
-            subprocess.run(["redis-cli", "-p", "6379", "shutdown", "nosave"], check=False)
+            subprocess.run(["redis-cli", "-p", str(REDIS_PORT), "shutdown", "nosave"], check=False)
             wait_for(lambda: not _redis_up(), timeout=10, what="Redis to stop")
             for delivery_id in ids:
                 broker.publish(delivery_id)

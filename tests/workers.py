@@ -33,12 +33,12 @@ from tasks.config import (
     SWEEP_TASK,
     create_app,
 )
-from tests.conftest import BIN, make_settings, test_env
+from tests.conftest import BIN, REDIS, make_settings, test_env
 from tests.leakcheck import log_file
 from webhooks.settings import Settings
 
-BROKER_URL = "redis://127.0.0.1:6379/10"
-CLAIMS_URL = "redis://127.0.0.1:6379/11"
+BROKER_URL = f"{REDIS}/10"
+CLAIMS_URL = f"{REDIS}/11"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
 # I/O 1 s < soft 2.5 s < hard 3 s < processing TTL 12 s < visibility 20 s.
