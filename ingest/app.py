@@ -5,7 +5,9 @@
 1. a source id that cannot be ours (not ``src_`` + 20 letters and digits) -> 404 at once;
    unknown source (looked up, or cached as missing for a few seconds) -> 404; disabled -> 410;
    nothing of the body is read for any of them
-2. body size limit (per-source override) -> 413, never reading past the limit
+2. body size limit (per-source override) -> 413, never reading past the limit; a sender
+   that goes away mid-body (or is closed by the body timeout, :mod:`ingest.server`) is one
+   counted warning line, and nothing is written
 3. signature and freshness against the source's active secrets -> 401
 4. event id, type and time from the provider's own fields -> 400
 5. one transaction: receipt + deliveries (duplicate -> 200, conflict -> 200, recorded)
@@ -32,7 +34,7 @@ import psycopg
 import sqlalchemy.exc
 from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
@@ -134,6 +136,12 @@ class Receiver:
         limit = source.max_body_bytes or self.settings.max_body_bytes
         try:
             body = await read_limited(request, limit)
+        except ClientDisconnect:
+            # The sender went away (or the body timeout closed it) mid-body: nothing to
+            # answer and nothing written; one counted line, not a traceback per request.
+            metrics.CLIENT_DISCONNECTS.inc()
+            log.warning("client_disconnected", source=label)
+            return Response(status_code=499)
         except BodyTooLarge:
             return self._answer(
                 label, "too_large", 413, {"error": "body too large", "limit": limit}

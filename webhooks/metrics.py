@@ -52,6 +52,15 @@ SOURCES_TTL_RAISED = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+RECEIVER_LIMITS = Counter(
+    "webhooks_receiver_limits_total",
+    "Requests and connections the receiver's server limits refused or closed",
+    ["limit"],
+)
+CLIENT_DISCONNECTS = Counter(
+    "webhooks_client_disconnects_total", "Senders that went away before their body arrived"
+)
+
 # Workers.
 DELIVERIES = Counter("webhooks_deliveries_total", "Delivery attempts by outcome", ["outcome"])
 RETRIES = Counter("webhooks_retries_total", "Retries scheduled")
@@ -96,6 +105,8 @@ RECEIVER_ONLY: tuple[Any, ...] = (
     ACCEPT_LATENCY,
     ACCEPT_BATCH,
     TTL_RAISED,
+    RECEIVER_LIMITS,
+    CLIENT_DISCONNECTS,
 )
 WORKER_ONLY: tuple[Any, ...] = (
     DELIVERIES,

@@ -73,6 +73,15 @@ class Settings(BaseSettings):
     # most receipts one batch (one transaction) carries.
     accept_concurrency: int = Field(default=2, ge=1, le=64)
     accept_batch_max: int = Field(default=64, ge=1, le=1000)
+    # HTTP server limits of the public port (ingest/server.py): the head (request line and
+    # headers) in bytes and headers, seconds to send the head and then the body, idle seconds
+    # between keep-alive requests, and open connections per receiver process.
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
+    max_headers: int = Field(default=100, ge=8, le=1000)
+    header_timeout: float = Field(default=10.0, gt=0, le=300)
+    body_timeout: float = Field(default=30.0, gt=0, le=3600)
+    keep_alive_timeout: int = Field(default=5, ge=1, le=300)
+    max_connections: int = Field(default=1000, ge=1, le=100_000)
 
     # Worker time budgets (seconds). The rest are derived below.
     handler_io_timeout: float = Field(default=10.0, gt=0)

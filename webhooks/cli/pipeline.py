@@ -50,6 +50,8 @@ def serve(
     """Run the receiver (ASGI, uvicorn)."""
     import uvicorn  # noqa: PLC0415
 
+    from ingest.server import ReceiverProtocol  # noqa: PLC0415
+
     settings = env().settings
     if settings.metrics_dir:
         # Several receiver processes: prometheus-client's multiprocess mode, in a directory of
@@ -67,7 +69,8 @@ def serve(
         log_level="warning",
         access_log=False,
         loop="uvloop",
-        http="httptools",
+        http=ReceiverProtocol,  # httptools with head limits, read timeouts, connection cap
+        timeout_keep_alive=settings.keep_alive_timeout,
         lifespan="on",
     )
 
