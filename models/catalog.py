@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -11,7 +12,6 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from models.schema import (
-    PROVIDERS,
     UNFINISHED_STATES,
     AuditEntry,
     Delivery,
@@ -19,11 +19,11 @@ from models.schema import (
     Source,
     SourceSecret,
 )
-from webhooks.crypto import SecretBox, generate_secret, public_id
+from webhooks.crypto import SecretBox, generate_secret, key_format, public_id
 from webhooks.logs import get_logger
 from webhooks.metrics import SOURCES_TTL_RAISED
 from webhooks.settings import Settings
-from webhooks.ttl import EffectiveTtl, TtlOverrides, derive_ttl, effective_ttl
+from webhooks.ttl import EffectiveTtl, TtlOverrides, derive_ttl, effective_ttl, known_providers
 
 log = get_logger("catalog")
 
@@ -32,7 +32,13 @@ class CatalogError(ValueError):
     """Bad input for a source, secret or route; nothing was changed."""
 
 
-# Secret strength (checked before anything is written). Standard Webhooks and Svix secrets are
+#: ``(provider, options) -> normalised options`` (ValueError naming a bad option). Storage does
+#: not know providers' options: the CLI passes ``ingest.providers.validate_config``.
+ConfigValidator = Callable[[str, Mapping[str, Any]], dict[str, Any]]
+
+
+# Secret strength (checked before anything is written). Providers whose secret format is whsec
+# (Standard Webhooks, Svix and the senders using them) take secrets that are
 # ``whsec_`` + base64 of the key: their libraries generate 24 to 32 random bytes. Other
 # providers' secrets are used as given (the HMAC key is the string itself): at least 16
 # characters, unless the operator says the sender dictates a shorter one (audited).
@@ -95,21 +101,31 @@ def create_source(
     ttl: TtlOverrides | None = None,
     allow_weak_secret: bool = False,
     operator: str | None = None,
+    validate_config: ConfigValidator | None = None,
 ) -> tuple[Source, CreatedSecret]:
     """Create a source with one secret (generated when ``secret`` is None). A given secret
     below the minimum strength is refused before anything is written; ``allow_weak_secret``
-    lets a short non-whsec secret through with an ``audit_log`` row (``operator``: who)."""
-    from ingest.providers import validate_config  # noqa: PLC0415
-
-    if provider not in PROVIDERS:
-        raise CatalogError(f"unknown provider {provider!r}; one of {', '.join(PROVIDERS)}")
+    lets a short non-whsec secret through with an ``audit_log`` row (``operator``: who).
+    Provider options are stored as ``validate_config`` returns them; without a validator a
+    source can only be created without options (the provider's defaults apply)."""
+    known = known_providers()
+    if provider not in known:
+        raise CatalogError(f"unknown provider {provider!r}; one of {', '.join(known)}")
     if not name.strip():
         raise CatalogError("source name must not be empty")
     if secret is not None:
         check_secret_strength(provider, secret, allow_weak=allow_weak_secret)
     if max_body_bytes is not None and max_body_bytes < 1:
         raise CatalogError("max body bytes must be positive")
-    normalised = validate_config(provider, config or {})
+    if validate_config is not None:
+        normalised = validate_config(provider, config or {})
+    elif config:
+        raise CatalogError(
+            "provider options need validating against the provider: pass validate_config "
+            "(ingest.providers.validate_config)"
+        )
+    else:
+        normalised = {}
     overrides = ttl or TtlOverrides()
     derive_ttl(provider, overrides, settings, source_name=name)  # refuses a too-short TTL
     exists = session.scalars(
@@ -233,12 +249,13 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
     """Refuse (CatalogError) a secret too weak for ``provider``; True when it is weak but
     ``allow_weak`` lets it through (the caller audits that), False when it is strong enough.
 
-    Standard Webhooks and Svix: ``whsec_`` + base64 decoding to at least
+    Providers whose secret format is ``whsec`` (Standard Webhooks, Svix, ...): ``whsec_`` +
+    base64 decoding to at least
     :data:`MIN_WHSEC_BYTES` bytes, always. Other providers: at least
     :data:`MIN_SECRET_CHARS` characters, unless ``allow_weak``."""
     if not secret.strip():
         raise CatalogError("secret must not be empty")
-    if provider in ("standard", "svix"):
+    if key_format(provider) == "whsec":
         key = _check_whsec(secret)
         if len(key) < MIN_WHSEC_BYTES:
             raise CatalogError(

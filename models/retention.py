@@ -37,10 +37,16 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 
 from models import partitions
-from models.schema import PROVIDERS, UNFINISHED_STATES
+from models.schema import UNFINISHED_STATES
 from webhooks.logs import get_logger
 from webhooks.settings import Settings
-from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlConfigError, TtlOverrides, dedup_terms
+from webhooks.ttl import (
+    MAX_EVENT_TIME_LEAD,
+    TtlConfigError,
+    TtlOverrides,
+    dedup_terms,
+    known_providers,
+)
 
 log = get_logger("retention")
 
@@ -173,7 +179,7 @@ def _count_discarded(n: int, via: str) -> None:
 def longest_ttl(engine: Engine, settings: Settings) -> timedelta:
     """The longest dedup TTL any source has, and never less than the longest a new source
     with default terms would get (the floor when there are no sources yet)."""
-    floor = max(dedup_terms(p, TtlOverrides(), settings).total for p in PROVIDERS)
+    floor = max(dedup_terms(p, TtlOverrides(), settings).total for p in known_providers())
     with engine.connect() as conn:
         rows = conn.execute(
             text(

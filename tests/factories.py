@@ -17,6 +17,7 @@ import orjson
 import psycopg
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.providers import validate_config
 from ingest.store import NewReceipt, Outcome, accept_sync
 from models import catalog
 from models.schema import Source
@@ -60,6 +61,7 @@ def make_source(
             account=account,
             secret=secret,
             config=config,
+            validate_config=validate_config,
             **source_kwargs,
         )
         plaintext = secret if secret is not None else created.plaintext

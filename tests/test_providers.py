@@ -18,7 +18,7 @@ import pytest
 
 from ingest.providers import (
     AUTH_REASONS,
-    PROVIDERS,
+    BUILTIN_PROVIDERS,
     AuthError,
     Challenge,
     EventMeta,
@@ -179,8 +179,7 @@ def with_timestamp_text(case: Case, headers: dict[str, str], text: str) -> dict[
 
 
 def test_every_provider_is_covered() -> None:
-    assert {case.provider for case in CASES} == set(PROVIDERS)
-    assert PROVIDERS == ("stripe", "github", "shopify", "slack", "standard", "svix", "hmac")
+    assert {case.provider for case in CASES} == set(BUILTIN_PROVIDERS)
 
 
 # --- authentication: the happy path and rotation ------------------------------------------
@@ -916,10 +915,10 @@ def test_generic_hmac_bad_options_fail_at_authentication_too() -> None:
         )
 
 
-@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p != "hmac"])
+@pytest.mark.parametrize("provider", [p for p in BUILTIN_PROVIDERS if p != "hmac"])
 def test_named_providers_take_no_options(provider: str) -> None:
     assert validate_config(provider, {}) == {}
-    with pytest.raises(ValueError, match=f"{provider!r} takes no options"):
+    with pytest.raises(ValueError, match=f"{provider!r}: takes no options"):
         validate_config(provider, {"algorithm": "sha256"})
 
 

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.providers import BUILTIN_PROVIDERS as PROVIDERS
 from models import catalog
-from models.schema import PROVIDERS
 from tests.conftest import count_rows
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember

@@ -29,6 +29,7 @@ from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.app import create_app
+from ingest.providers import BUILTIN_PROVIDERS as PROVIDERS
 from ingest.store import NewReceipt, accept_sync
 from models import partitions, transitions
 from models.db import make_engine, make_sessionmaker, upgrade
@@ -41,7 +42,6 @@ from models.retention import (
     longest_ttl,
     run_maintenance,
 )
-from models.schema import PROVIDERS
 from models.transitions import Claim
 from tests.conftest import ADMIN_DSN, BIN, REDIS, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env

@@ -18,9 +18,10 @@ from pydantic import ValidationError
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.providers import BUILTIN_PROVIDERS as PROVIDERS
 from models import catalog
 from models.catalog import CatalogError
-from models.schema import PROVIDERS, Source, SourceSecret
+from models.schema import Source, SourceSecret
 from tests.conftest import BIN, make_settings, test_env
 from tests.leakcheck import remember
 from webhooks.crypto import SecretBox, generate_secret

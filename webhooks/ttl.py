@@ -17,35 +17,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from ingest.providers import registry
 from webhooks.durations import format_duration
 from webhooks.settings import Settings
 
-# provider -> (documented retry window, where the figure comes from). See PROVIDERS.md.
-PROVIDER_RETRY_WINDOWS: dict[str, tuple[timedelta, str]] = {
-    # "Stripe automatically resends the undelivered events ... for up to three days"
-    "stripe": (timedelta(days=3), "https://docs.stripe.com/webhooks/process-undelivered-events"),
-    # No automatic retry; manual redelivery for deliveries from the past 3 days (same id).
-    "github": (
-        timedelta(days=3),
-        "https://docs.github.com/webhooks/testing-and-troubleshooting-webhooks/redelivering-webhooks",
-    ),
-    # "retried a total of 8 times over 4 hours"
-    "shopify": (
-        timedelta(hours=4),
-        "https://shopify.dev/changelog/updates-to-webhook-retry-mechanism",
-    ),
-    # 3 retries: immediately, +1 min, +5 min; rounded up to 10 minutes.
-    "slack": (timedelta(minutes=10), "https://api.slack.com/apis/connections/events-api#retries"),
-    # Spec example schedule: last attempt 75 h 35 m 05 s after the first.
-    "standard": (
-        timedelta(hours=75, minutes=35, seconds=5),
-        "standard-webhooks spec/standard-webhooks.md (retry schedule example)",
-    ),
-    # Immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h: about 27 h 35 m 05 s.
-    "svix": (timedelta(hours=27, minutes=35, seconds=5), "https://docs.svix.com/retries"),
-    # Generic senders publish nothing we can cite: assume three days and override per source.
-    "hmac": (timedelta(days=3), "no published contract: conservative default, override per source"),
-}
+
+def provider_retry_window(provider: str) -> tuple[timedelta, str]:
+    """A provider's documented retry window and where it is documented, from the provider
+    registry (each provider module cites its own). UnknownProvider (a ValueError) otherwise."""
+    found = registry.get(provider)
+    return found.retry_window, found.citation
+
+
+def known_providers() -> tuple[str, ...]:
+    """Every registered provider (built-ins and plug-ins)."""
+    return registry.names()
+
 
 TERM_NAMES = ("retry_window", "queue_lag", "clock_skew", "replay_grace")
 
@@ -122,8 +109,8 @@ def dedup_terms(
     """The four terms and where each came from, without the coverage check (``ttl explain``
     shows a refused configuration too; maintenance sizes partitions from it)."""
     try:
-        window, citation = PROVIDER_RETRY_WINDOWS[provider]
-    except KeyError:
+        window, citation = provider_retry_window(provider)
+    except registry.UnknownProvider:
         raise TtlConfigError(
             f"source {source_name}: unknown provider {provider!r}", "unknown_provider"
         ) from None

@@ -10,8 +10,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ingest.providers import registry, validate_config
 from models import catalog
-from models.schema import PROVIDERS, Source
+from models.schema import Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
 from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say
 from webhooks.clock import pinned
@@ -87,13 +88,20 @@ def _source_view(e: Env, source: Source) -> dict[str, Any]:
 @handle_errors
 def sources_add(
     name: str,
-    provider: Annotated[str, typer.Option(help=f"One of: {', '.join(PROVIDERS)}")],
+    provider: Annotated[
+        str,
+        typer.Option(
+            help="A registered provider (see `webhooks providers list`).",
+            autocompletion=lambda: list(registry.names()),
+        ),
+    ],
     account: Annotated[str, typer.Option(help="Owning account (the dedup scope).")] = "default",
     secret: Annotated[
         str | None, typer.Option(help="Signing secret; generated when omitted.")
     ] = None,
     config: Annotated[
-        list[str] | None, typer.Option("--config", help="Provider option KEY=VALUE (generic hmac).")
+        list[str] | None,
+        typer.Option("--config", help="Provider option KEY=VALUE (generic hmac, public_url, ...)."),
     ] = None,
     tolerance: DurationOpt = None,
     max_body: Annotated[int | None, typer.Option(help="Body size limit in bytes.")] = None,
@@ -105,6 +113,8 @@ def sources_add(
     as_json: JsonOpt = False,
 ) -> None:
     """Create a source; prints its id, URL path and, when generated, its secret (once)."""
+    # The provider and its options are checked against the registry before anything else.
+    options = validate_config(provider, _pairs(config, "--config"))
     e = env()
     with e.session() as session:
         source, created = catalog.create_source(
@@ -115,7 +125,8 @@ def sources_add(
             provider=provider,
             account=account,
             secret=secret,
-            config=_pairs(config, "--config"),
+            config=options,
+            validate_config=validate_config,
             tolerance=_duration(tolerance),
             max_body_bytes=max_body,
             ttl=TtlOverrides(

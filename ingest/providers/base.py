@@ -1,0 +1,334 @@
+"""What a provider is (:class:`Provider`), the errors it raises, and the helpers schemes share.
+
+Everything here is pure: no I/O, no clock (``now`` is always passed in) and no logging, so a
+provider module is as testable as a function. Errors carry a short ``reason`` that is safe as
+a metric label and in a response: it never contains a secret, a signature or body content.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final, Literal
+
+import orjson
+
+# Every reason the built-in schemes raise, so metrics can pre-register their labels.
+AUTH_REASONS: Final = frozenset(
+    {
+        "no_secret",  # the source has no usable secret: nothing can ever verify
+        "missing_signature",
+        "malformed_signature",
+        "missing_timestamp",
+        "malformed_timestamp",
+        "missing_id",  # Standard Webhooks / Svix: the id is part of the signed string
+        "missing_header",  # a header the signed-content template names is absent
+        "bad_signature",
+        "stale",
+        "future",
+    }
+)
+MALFORMED_REASONS: Final = frozenset(
+    {"bad_json", "missing_id", "bad_id", "missing_type", "bad_type", "bad_time", "bad_challenge"}
+)
+
+FIVE_MINUTES: Final = timedelta(seconds=300)
+MAX_TYPE_LEN: Final = 255
+# 1..255 printable ASCII characters without whitespace (0x21..0x7e): safe in URLs, logs and
+# as part of a unique key, and no provider documents anything wider.
+EVENT_ID: Final = re.compile(r"[\x21-\x7e]{1,255}")
+# Unix seconds as an ASCII digit string. Eleven digits reach year 5138, well inside datetime.
+MAX_UNIX_DIGITS: Final = 11
+
+
+class ProviderError(Exception):
+    """Base of the providers' errors: a machine-readable ``reason`` and nothing from the request.
+
+    The message is built from the reason alone, so logging or returning it can never leak a
+    secret, a signature or body content.
+    """
+
+    reason: str
+    _prefix: str = "webhook rejected"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{self._prefix}: {reason}")
+        self.reason = reason
+
+
+class AuthError(ProviderError):
+    """The delivery is not proven to come from the source's sender (answer 401, store nothing).
+
+    Reasons: see :data:`AUTH_REASONS`.
+    """
+
+    _prefix = "webhook authentication failed"
+
+
+class MalformedEvent(ProviderError):  # noqa: N818 - the name is the agreed API
+    """Authenticated, but the provider's id, type or time is missing or unusable (answer 400).
+
+    Reasons: see :data:`MALFORMED_REASONS`.
+    """
+
+    _prefix = "malformed webhook event"
+
+
+@dataclass(frozen=True, slots=True)
+class EventMeta:
+    """What the pipeline needs to know about an event before storing it."""
+
+    event_id: str
+    event_type: str
+    occurred_at: datetime | None  # aware, UTC
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """A handshake to answer instead of storing an event (Slack ``url_verification``)."""
+
+    body: bytes
+    content_type: str
+
+
+Secrets = Sequence[tuple[str, str]]
+Config = Mapping[str, Any]
+#: ``(headers with lower-case names, raw body, [(secret_id, secret)], config)`` -> the id of
+#: the matching secret and the signed unix timestamp (None when the scheme signs none).
+AuthFn = Callable[[Mapping[str, str], bytes, Secrets, Config], tuple[str, int | None]]
+#: ``(headers, raw body, config)`` -> the event's id/type/time, or a handshake to answer.
+ExtractFn = Callable[[Mapping[str, str], bytes, Config], EventMeta | Challenge]
+#: A source's options -> their normalised form (what is stored); ValueError naming the option.
+ConfigFn = Callable[[Config], dict[str, Any]]
+#: ``whsec``: ``whsec_`` + base64 of the key (Standard Webhooks, Svix): 24+ decoded bytes.
+#: ``text``: the string itself is the HMAC key or token: 16+ characters.
+KeyFormat = Literal["text", "whsec"]
+
+
+def no_options(config: Config) -> dict[str, Any]:
+    """The config rule of a provider whose scheme is fixed: any option is a mistake."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
+    if config:
+        names = ", ".join(sorted(repr(str(k)) for k in config))
+        raise ValueError(f"takes no options (got {names})")
+    return {}
+
+
+@dataclass(frozen=True, slots=True)
+class Provider:
+    """One sender's whole contract. A module defines one and the registry lists it.
+
+    ``signed`` is one line: which fields the signature covers, and so what a captured request
+    can replay (it is shown by ``webhooks providers list`` and in the README table).
+    ``tolerance`` is how far a signed timestamp may be from now, either way (None: the scheme
+    signs none); ``tolerance_rule`` replaces it when it depends on the source's options.
+    ``retry_window`` is the sender's documented retry horizon, ``citation`` where it is
+    documented; the dedup TTL is derived from it (``webhooks.ttl``).
+    """
+
+    name: str
+    authenticate: AuthFn
+    extract: ExtractFn
+    retry_window: timedelta
+    citation: str
+    signed: str
+    tolerance: timedelta | None = FIVE_MINUTES
+    tolerance_rule: Callable[[Config], timedelta | None] | None = None
+    validate_config: ConfigFn = no_options
+    key_format: KeyFormat = "text"
+    key_prefix: str = ""  # what generated secrets start with (Stripe: whsec_)
+    signs_url: bool = False  # the signature covers the public URL (config public_url)
+    handshake: str | None = None  # what is answered instead of stored, if anything
+    summary: str = ""  # one line for listings
+    notes: tuple[str, ...] = field(default=())
+
+    def default_tolerance(self, config: Config | None = None) -> timedelta | None:
+        if self.tolerance_rule is not None:
+            return self.tolerance_rule(config or {})
+        return self.tolerance
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers for authentication
+# --------------------------------------------------------------------------------------------
+
+# Keyed HMAC objects per secret: copying a keyed HMAC skips the key schedule. Small, and
+# cleared when full.
+_MAX_CACHED_KEYS: Final = 1024
+_MACS: dict[tuple[str, bytes], hmac.HMAC] = {}
+
+
+def keyed(algorithm: str, secret: str | bytes) -> hmac.HMAC:
+    """A fresh HMAC keyed with ``secret`` (a string's UTF-8 bytes, as most schemes use)."""
+    key = secret.encode("utf-8") if isinstance(secret, str) else secret
+    base = _MACS.get((algorithm, key))
+    if base is None:
+        if len(_MACS) >= _MAX_CACHED_KEYS:
+            _MACS.clear()
+        base = hmac.new(key, digestmod=algorithm)
+        _MACS[(algorithm, key)] = base
+    return base.copy()
+
+
+def hmac_of(algorithm: str, *parts: bytes) -> Callable[[str], bytes]:
+    """The digest function ``secret -> HMAC(secret, b"".join(parts))`` for :func:`first_match`."""
+
+    def digest(secret: str) -> bytes:
+        mac = keyed(algorithm, secret)
+        for part in parts:
+            mac.update(part)
+        return mac.digest()
+
+    return digest
+
+
+def unhex(value: str) -> bytes | None:
+    """Signature bytes from hex (either case); None when malformed or empty."""
+    try:
+        return bytes.fromhex(value) or None
+    except ValueError:
+        return None
+
+
+def unb64(value: str) -> bytes | None:
+    """Signature bytes from standard base64; None when malformed or empty."""
+    try:
+        return base64.b64decode(value, validate=True) or None
+    except (binascii.Error, ValueError):
+        return None
+
+
+def unix(value: str) -> int:
+    """Unix seconds from a header; strict, because the string is part of what was signed."""
+    if not (0 < len(value) <= MAX_UNIX_DIGITS and value.isascii() and value.isdigit()):
+        raise AuthError("malformed_timestamp")
+    return int(value)
+
+
+def header(headers: Mapping[str, str], name: str, reason: str = "missing_signature") -> str:
+    """A header that must be present and non-empty; AuthError(``reason``) otherwise."""
+    value = headers.get(name)
+    if not value:
+        raise AuthError(reason)
+    return value
+
+
+def first_match(
+    secrets: Secrets, offered: Sequence[bytes], digest: Callable[[str], bytes | None]
+) -> str:
+    """Id of the first secret whose digest equals one offered signature (constant-time)."""
+    for secret_id, secret in secrets:
+        if not secret:
+            continue
+        expected = digest(secret)
+        if expected is None:
+            continue
+        for candidate in offered:
+            if hmac.compare_digest(expected, candidate):
+                return secret_id
+    raise AuthError("bad_signature")
+
+
+def check_fresh(timestamp: int, now: datetime, tolerance: timedelta | None) -> None:
+    if tolerance is None:
+        return
+    skew = now.timestamp() - timestamp
+    limit = tolerance.total_seconds()
+    if skew > limit:
+        raise AuthError("stale")
+    if -skew > limit:
+        raise AuthError("future")
+
+
+def kv_header(value: str, pair_sep: str, kv_sep: str = "=") -> list[tuple[str, str]]:
+    """``t=1,v1=ab`` -> [("t", "1"), ("v1", "ab")] (Stripe, Paddle, Calendly style headers)."""
+    out = []
+    for item in value.split(pair_sep):
+        key, _, val = item.strip().partition(kv_sep)
+        out.append((key, val))  # values exactly as sent: a timestamp's text is signed
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers for extraction
+# --------------------------------------------------------------------------------------------
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise MalformedEvent("bad_json") from None
+    if not isinstance(value, dict):
+        raise MalformedEvent("bad_json")
+    return value
+
+
+def event_id(value: object) -> str:
+    if value is None or value == "":
+        raise MalformedEvent("missing_id")
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not EVENT_ID.fullmatch(value):
+        raise MalformedEvent("bad_id")
+    return value
+
+
+def event_type(value: object) -> str:
+    if value is None or value == "":
+        raise MalformedEvent("missing_type")
+    if not isinstance(value, str) or len(value) > MAX_TYPE_LEN or not value.isprintable():
+        raise MalformedEvent("bad_type")
+    return value
+
+
+def parse_time(value: object) -> datetime:
+    """Unix seconds (number or digit string) or ISO 8601; naive ISO times are taken as UTC."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a time")
+    if isinstance(value, str):
+        text = value.strip()
+        if text.replace(".", "", 1).isdigit() and text.isascii():
+            value = float(text)
+        else:
+            parsed = datetime.fromisoformat(text)
+            if parsed.tzinfo is None:
+                return parsed.replace(tzinfo=UTC)
+            return parsed.astimezone(UTC)
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC)
+    raise ValueError("not a time")
+
+
+def occurred_at(value: object) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return parse_time(value)
+    except (ValueError, OverflowError, OSError):
+        raise MalformedEvent("bad_time") from None
+
+
+def unsigned_time(value: str | None) -> datetime | None:
+    """An informational, unsigned time header: never a reason to refuse, so None if unusable."""
+    if not value:
+        return None
+    try:
+        return parse_time(value)
+    except (ValueError, OverflowError, OSError):
+        return None
+
+
+def dig(obj: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    cur: Any = obj
+    for part in path:
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur

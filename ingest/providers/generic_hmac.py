@@ -1,0 +1,232 @@
+"""Generic HMAC (provider ``hmac``): a configurable HMAC of the raw body for senders not listed.
+
+Options (``--config KEY=VALUE``): ``signature_header``, ``algorithm`` (sha1/sha256/sha512),
+``encoding`` (hex/base64), ``prefix`` (e.g. ``sha256=``), ``timestamp_header`` (then the signed
+string is ``"{timestamp}.{body}"`` and the timestamp is checked for freshness), ``id_header`` /
+``id_field``, ``type_header`` / ``type_field``, ``time_field`` (dotted paths into a JSON body).
+Generic senders publish no retry contract: three days is assumed; override per source.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final
+
+from ingest.providers.base import (
+    FIVE_MINUTES,
+    AuthError,
+    Challenge,
+    EventMeta,
+    Provider,
+    Secrets,
+    dig,
+    event_id,
+    event_type,
+    first_match,
+    header,
+    hmac_of,
+    json_object,
+    occurred_at,
+    unb64,
+    unhex,
+    unix,
+)
+
+DEFAULTS: Final[Mapping[str, str | None]] = {
+    "signature_header": "x-signature",
+    "algorithm": "sha256",
+    "encoding": "hex",
+    "prefix": "",
+    "timestamp_header": None,
+    "id_header": "x-webhook-id",
+    "id_field": "id",
+    "type_header": None,
+    "type_field": "type",
+    "time_field": None,
+}
+_HEADER_OPTIONS: Final = frozenset(
+    {"signature_header", "timestamp_header", "id_header", "type_header"}
+)
+_FIELD_OPTIONS: Final = frozenset({"id_field", "type_field", "time_field"})
+_REQUIRED: Final = frozenset({"signature_header", "algorithm", "encoding"})
+_ALGORITHMS: Final = ("sha1", "sha256", "sha512")
+_ENCODINGS: Final = ("hex", "base64")
+# RFC 9110 token characters, lower-cased: the receiver looks headers up by lower-case name.
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class _Scheme:
+    signature_header: str
+    algorithm: str
+    encoding: str
+    prefix: str
+    timestamp_header: str | None
+    id_header: str | None
+    id_field: tuple[str, ...] | None
+    type_header: str | None
+    type_field: tuple[str, ...] | None
+    time_field: tuple[str, ...] | None
+
+
+def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Check and normalise the options; the result is what to store.
+
+    Every option is listed with its default filled in and header names lower-cased, and
+    validating the result again returns it unchanged. Raises ValueError naming the bad option.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
+    unknown = sorted(str(k) for k in config if k not in DEFAULTS)
+    if unknown:
+        known = ", ".join(DEFAULTS)
+        raise ValueError(f"unknown generic-HMAC option {unknown[0]!r}; known options: {known}")
+    out: dict[str, Any] = {}
+    for name, default in DEFAULTS.items():
+        value = config.get(name, default)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"generic-HMAC option {name!r} must be a string or null")
+        if name == "prefix":
+            out[name] = value or ""
+            continue
+        if isinstance(value, str):
+            value = value.strip()
+        if not value:
+            if name in _REQUIRED:
+                raise ValueError(f"generic-HMAC option {name!r} must not be empty")
+            out[name] = None
+            continue
+        if name in _HEADER_OPTIONS:
+            value = value.lower()
+            if not _HEADER_NAME.fullmatch(value):
+                raise ValueError(f"generic-HMAC option {name!r} is not a valid header name")
+        elif name in _FIELD_OPTIONS:
+            if any(not part for part in value.split(".")):
+                raise ValueError(
+                    f"generic-HMAC option {name!r} must be a field name or a dotted path"
+                )
+        elif name == "algorithm":
+            value = value.lower()
+            if value not in _ALGORITHMS:
+                raise ValueError(
+                    f"generic-HMAC option 'algorithm' must be one of {', '.join(_ALGORITHMS)}"
+                )
+        elif name == "encoding":
+            value = value.lower()
+            if value not in _ENCODINGS:
+                raise ValueError(
+                    f"generic-HMAC option 'encoding' must be one of {', '.join(_ENCODINGS)}"
+                )
+        out[name] = value
+    if out["id_header"] is None and out["id_field"] is None:
+        raise ValueError("generic-HMAC options 'id_header' and 'id_field' cannot both be null")
+    if out["type_header"] is None and out["type_field"] is None:
+        raise ValueError("generic-HMAC options 'type_header' and 'type_field' cannot both be null")
+    return out
+
+
+_SCHEMES: dict[frozenset[tuple[str, Any]], _Scheme] = {}
+
+
+def _scheme(config: Mapping[str, Any]) -> _Scheme:
+    """The parsed options of a source, cached by their value (hot path)."""
+    try:
+        key: frozenset[tuple[str, Any]] | None = frozenset(config.items())
+    except TypeError:  # an unhashable value: let validation say what is wrong
+        key = None
+    if key is not None:
+        hit = _SCHEMES.get(key)
+        if hit is not None:
+            return hit
+    opts = validate_config(config)
+
+    def path(name: str) -> tuple[str, ...] | None:
+        value = opts[name]
+        return None if value is None else tuple(value.split("."))
+
+    scheme = _Scheme(
+        signature_header=opts["signature_header"],
+        algorithm=opts["algorithm"],
+        encoding=opts["encoding"],
+        prefix=opts["prefix"].lower(),
+        timestamp_header=opts["timestamp_header"],
+        id_header=opts["id_header"],
+        id_field=path("id_field"),
+        type_header=opts["type_header"],
+        type_field=path("type_field"),
+        time_field=path("time_field"),
+    )
+    if key is not None:
+        if len(_SCHEMES) >= 256:
+            _SCHEMES.clear()
+        _SCHEMES[key] = scheme
+    return scheme
+
+
+def tolerance(config: Mapping[str, Any]) -> timedelta | None:
+    """Five minutes when a timestamp header is configured (and so signed); None otherwise."""
+    return FIVE_MINUTES if _scheme(config).timestamp_header is not None else None
+
+
+def authenticate(
+    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
+) -> tuple[str, int | None]:
+    scheme = _scheme(config)
+    signature = header(headers, scheme.signature_header)
+    if scheme.prefix:
+        if signature[: len(scheme.prefix)].lower() != scheme.prefix:
+            raise AuthError("malformed_signature")
+        signature = signature[len(scheme.prefix) :]
+    decoded = unhex(signature) if scheme.encoding == "hex" else unb64(signature)
+    if decoded is None:
+        raise AuthError("malformed_signature")
+    timestamp: int | None = None
+    prefix = b""
+    if scheme.timestamp_header is not None:
+        ts_text = header(headers, scheme.timestamp_header, "missing_timestamp")
+        timestamp = unix(ts_text)
+        prefix = ts_text.encode("ascii") + b"."
+    return first_match(secrets, (decoded,), hmac_of(scheme.algorithm, prefix, body)), timestamp
+
+
+def extract(
+    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
+) -> EventMeta | Challenge:
+    scheme = _scheme(config)
+    parsed: dict[str, Any] | None = None
+
+    def field(path: tuple[str, ...]) -> Any:
+        nonlocal parsed
+        if parsed is None:
+            parsed = json_object(body)
+        return dig(parsed, path)
+
+    raw_id: object = headers.get(scheme.id_header) if scheme.id_header else None
+    if not raw_id and scheme.id_field is not None:
+        raw_id = field(scheme.id_field)
+    the_id = event_id(raw_id)
+    raw_type: object = headers.get(scheme.type_header) if scheme.type_header else None
+    if not raw_type and scheme.type_field is not None:
+        raw_type = field(scheme.type_field)
+    the_type = event_type(raw_type)
+    when = None
+    if scheme.time_field is not None:
+        when = occurred_at(field(scheme.time_field))
+    return EventMeta(event_id=the_id, event_type=the_type, occurred_at=when)
+
+
+PROVIDER = Provider(
+    name="hmac",
+    authenticate=authenticate,
+    extract=extract,
+    retry_window=timedelta(days=3),
+    citation="no published contract: conservative default, override per source",
+    signed="body (and timestamp_header when set); an id_header is unsigned and a capture "
+    "replays under a new id",
+    tolerance_rule=tolerance,
+    validate_config=validate_config,
+    summary="configurable HMAC of the body (header, algorithm, encoding, prefix)",
+)

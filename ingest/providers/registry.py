@@ -1,0 +1,136 @@
+"""The providers this installation knows: the built-in modules, then the entry-point group.
+
+Loaded once per process, on first use. A plug-in is an entry point in the group
+``webhooks.providers`` whose name is the provider's name and whose object is a
+:class:`~ingest.providers.base.Provider` (or a callable returning one). A plug-in that cannot be
+imported, is not a Provider, is named differently from its entry point, or reuses a name is a
+:class:`ProviderPluginError` naming the entry point and its distribution: the process stops
+at start rather than answer 401 for a provider it half knows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from importlib.metadata import EntryPoint, entry_points
+from types import MappingProxyType
+from typing import Any, Final
+
+from ingest.providers.base import Provider
+
+ENTRY_POINT_GROUP: Final = "webhooks.providers"
+
+# Module names under ingest.providers, each defining PROVIDER; the order is the listing order.
+BUILTIN_MODULES: Final = (
+    "stripe",
+    "github",
+    "shopify",
+    "slack",
+    "standard",
+    "svix",
+    "generic_hmac",
+)
+
+_lock = threading.Lock()
+_loaded: Mapping[str, Provider] | None = None
+
+
+class ProviderPluginError(RuntimeError):
+    """A provider plug-in (entry point) is broken; the message says which and why."""
+
+
+class UnknownProvider(ValueError):
+    """No provider of that name is registered."""
+
+    def __init__(self, name: str, known: tuple[str, ...]) -> None:
+        super().__init__(f"unknown provider {name!r}; one of {', '.join(known)}")
+        self.name = name
+
+
+def _builtins() -> list[Provider]:
+    out = []
+    for module in BUILTIN_MODULES:
+        provider = importlib.import_module(f"ingest.providers.{module}").PROVIDER
+        assert isinstance(provider, Provider), module
+        out.append(provider)
+    return out
+
+
+def builtin_names() -> tuple[str, ...]:
+    """The built-in providers' names, in listing order."""
+    return tuple(p.name for p in _builtins())
+
+
+def _describe(ep: EntryPoint) -> str:
+    dist = ep.dist.name if ep.dist is not None else "unknown distribution"
+    return f"provider plug-in {ep.name!r} ({ep.value}, from {dist})"
+
+
+def _plugin(ep: EntryPoint) -> Provider:
+    try:
+        obj: Any = ep.load()
+    except Exception as exc:  # noqa: BLE001 - any import failure is the plug-in's, reported
+        raise ProviderPluginError(
+            f"{_describe(ep)} cannot be loaded: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(obj, Provider) and callable(obj):
+        try:
+            obj = obj()
+        except Exception as exc:  # noqa: BLE001
+            raise ProviderPluginError(
+                f"{_describe(ep)} failed to build its provider: {type(exc).__name__}: {exc}"
+            ) from exc
+    if not isinstance(obj, Provider):
+        raise ProviderPluginError(
+            f"{_describe(ep)} is a {type(obj).__name__}, not an ingest.providers.Provider"
+        )
+    if obj.name != ep.name:
+        raise ProviderPluginError(
+            f"{_describe(ep)} defines provider {obj.name!r}: the entry point's name must be the "
+            "provider's name"
+        )
+    if obj.retry_window <= timedelta(0) or not obj.citation.strip() or not obj.signed.strip():
+        raise ProviderPluginError(
+            f"{_describe(ep)} must state a positive retry_window, its citation and what is signed"
+        )
+    return obj
+
+
+def load(
+    discover: Callable[[], list[EntryPoint]] | None = None,
+) -> Mapping[str, Provider]:
+    """Every provider by name: built-ins, then plug-ins (``discover`` replaces the entry-point
+    lookup, for tests). Raises :class:`ProviderPluginError` for a broken plug-in."""
+    found: dict[str, Provider] = {p.name: p for p in _builtins()}
+    eps = discover() if discover is not None else list(entry_points(group=ENTRY_POINT_GROUP))
+    for ep in sorted(eps, key=lambda e: e.name):
+        if ep.name in found:
+            raise ProviderPluginError(f"{_describe(ep)} reuses the name of a known provider")
+        found[ep.name] = _plugin(ep)
+    return MappingProxyType(found)
+
+
+def providers() -> Mapping[str, Provider]:
+    """The registry of this process (loaded once, on first use)."""
+    global _loaded  # noqa: PLW0603 - one registry per process, by design
+    loaded = _loaded
+    if loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = load()
+            loaded = _loaded
+    return loaded
+
+
+def names() -> tuple[str, ...]:
+    return tuple(providers())
+
+
+def get(name: str) -> Provider:
+    """The provider called ``name``; :class:`UnknownProvider` (a ValueError) otherwise."""
+    found = providers().get(name)
+    if found is None:
+        raise UnknownProvider(name, names())
+    return found

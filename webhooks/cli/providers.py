@@ -1,0 +1,77 @@
+"""``webhooks providers list``: every registered provider (built-ins and plug-ins) with what its
+signature covers, its timestamp tolerance, its documented retry window and the dedup TTL that
+follows from it under this installation's settings."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ingest.providers import Provider, registry
+from webhooks.cli.common import console, env, handle_errors, print_json
+from webhooks.cli.render import row
+from webhooks.durations import format_duration
+from webhooks.ttl import TtlOverrides, dedup_terms
+
+providers_app = typer.Typer(help="The webhook providers this installation knows.")
+
+
+def provider_views() -> list[dict[str, Any]]:
+    """One view per provider, in registry order (what ``list`` prints)."""
+    settings = env().settings
+    builtin = set(registry.builtin_names())
+    views = []
+    for provider in registry.providers().values():
+        ttl = dedup_terms(provider.name, TtlOverrides(), settings)
+        tolerance = provider.default_tolerance({}) if provider.tolerance_rule is None else None
+        views.append(
+            {
+                "name": provider.name,
+                "builtin": provider.name in builtin,
+                "summary": provider.summary,
+                "signed": provider.signed,
+                "tolerance_s": None if tolerance is None else int(tolerance.total_seconds()),
+                "tolerance": _tolerance_text(provider, tolerance),
+                "retry_window_s": int(provider.retry_window.total_seconds()),
+                "retry_window": format_duration(provider.retry_window),
+                "dedup_ttl_s": int(ttl.total.total_seconds()),
+                "dedup_ttl": format_duration(ttl.total),
+                "citation": provider.citation,
+                "handshake": provider.handshake,
+                "signs_url": provider.signs_url,
+                "key_format": provider.key_format,
+            }
+        )
+    return views
+
+
+def _tolerance_text(provider: Provider, tolerance: Any) -> str:
+    if provider.tolerance_rule is not None:
+        return "by config"
+    return "none (no signed time)" if tolerance is None else format_duration(tolerance)
+
+
+@providers_app.command("list")
+@handle_errors
+def providers_list(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List providers: what is signed, tolerance, retry window, dedup TTL, citation."""
+    views = provider_views()
+    if as_json:
+        print_json(views)
+        return
+    table = Table("provider", "signed", "tolerance", "retry window", "dedup ttl", "citation")
+    for v in views:
+        name = v["name"] if v["builtin"] else f"{v['name']} (plug-in)"
+        row(
+            table, name, v["signed"], v["tolerance"], v["retry_window"], v["dedup_ttl"],
+            v["citation"],
+        )  # fmt: skip
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(providers_app, name="providers")
