@@ -1,6 +1,7 @@
 """Receiver benchmark: durable accepts per second and latency, against three baselines.
 
-Every target runs under uvicorn (uvloop, httptools) with the same number of processes and is
+Every target runs under uvicorn (uvloop, httptools; ours through `webhooks serve`, as deployed,
+with its server limits) with the same number of processes and is
 loaded by wrk on loopback with pre-signed Standard Webhooks requests (1 KB JSON bodies, every
 request a new event id). Targets, measured side by side in the same run, in alternating rounds:
 
@@ -121,7 +122,16 @@ def write_requests(path: Path, secret: str, url_path: str, count: int) -> None:
 
 
 def start(target: str, env: dict[str, str], workers: int, log: Path) -> subprocess.Popen[bytes]:
-    app = "ingest.app:app_from_env" if target == "ours" else f"bench.naive_apps:{target}"
+    if target == "ours":
+        # As deployed: `webhooks serve` (uvicorn with the receiver's server limits, and the
+        # admin address beside it on PORT + 1).
+        cmd = [str(BIN / "webhooks"), "serve", "--port", str(PORT), "--workers", str(workers)]
+        env = {**env, "WEBHOOKS_ADMIN_PORT": str(PORT + 1)}
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT
+        )  # noqa: S603
+        return _wait_listening(proc, target, log)
+    app = f"bench.naive_apps:{target}"
     cmd = [
         str(BIN / "uvicorn"),
         "--factory",
@@ -139,6 +149,12 @@ def start(target: str, env: dict[str, str], workers: int, log: Path) -> subproce
         "warning",
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT)  # noqa: S603
+    return _wait_listening(proc, target, log)
+
+
+def _wait_listening(
+    proc: subprocess.Popen[bytes], target: str, log: Path
+) -> subprocess.Popen[bytes]:
     deadline = time.monotonic() + 20
     import socket
 

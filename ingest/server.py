@@ -34,6 +34,8 @@ from webhooks.settings import Settings, load_settings
 
 # Bytes a header line adds beyond its name and value: ": " and CRLF.
 _LINE_OVERHEAD = 4
+# The request line beyond its URL: method, spaces, "HTTP/1.1" and CRLF.
+_REQUEST_LINE_OVERHEAD = 20
 _REASONS = {
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
@@ -142,11 +144,11 @@ class ReceiverProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._head_done = False
         self._head_pending = 0
-        self._head_count = 0
+        self._head_count = _REQUEST_LINE_OVERHEAD
         self._arm(self._limits.header_timeout, "header_timeout")
 
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url) + 16)  # plus method, version and CRLF
+    def on_url(self, url: bytes) -> None:  # called once per fragment of a split URL
+        self._count(len(url))
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
