@@ -52,8 +52,10 @@ HMAC_DEFAULTS: dict[str, str | None] = {
     "encoding": "hex",
     "prefix": "",
     "timestamp_header": None,
-    "id_header": "x-webhook-id",
+    "signed_content": None,
+    "id_header": None,
     "id_field": "id",
+    "id_from_unsigned_header": False,
     "type_header": None,
     "type_field": "type",
     "time_field": None,
@@ -327,6 +329,28 @@ def _set_path(obj: dict[str, Any], path: str, value: Any) -> None:
     obj[last] = value
 
 
+def render_signed_content(template: str, headers: Mapping[str, str], body: bytes) -> bytes:
+    """A ``signed_content`` template filled in, written from the documented syntax
+    (``{body}``, ``{header:NAME}``, ``{{``/``}}``) independently of the receiver's parser."""
+    lower_headers = {k.lower(): v for k, v in headers.items()}
+    out = b""
+    rest = template
+    while rest:
+        if rest.startswith(("{{", "}}")):
+            out += rest[0].encode()
+            rest = rest[2:]
+        elif rest.startswith("{"):
+            name, _, rest = rest[1:].partition("}")
+            if name == "body":
+                out += body
+            else:
+                out += lower_headers[name.removeprefix("header:").lower()].encode("latin-1")
+        else:
+            out += rest[0].encode()
+            rest = rest[1:]
+    return out
+
+
 def hmac_options(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The generic-HMAC options with defaults filled in (header names lower-cased)."""
     opts: dict[str, Any] = {**HMAC_DEFAULTS, **(config or {})}
@@ -345,11 +369,14 @@ def sign_hmac(
     raw_body: bytes | None = None,
     timestamp: Timestamp = None,
     config: Mapping[str, Any] | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> tuple[Headers, bytes]:
     """The generic HMAC scheme, as configured (documented scheme; no library exists).
 
     The id goes in the body field and, when ``id_header`` is set, in that header too; the type
-    likewise. ``time_field`` gets the unix timestamp.
+    likewise. ``time_field`` gets the unix timestamp. A ``signed_content`` template is signed
+    as written; the headers it names must be among those set here (id, timestamp, type, or
+    ``extra_headers``).
     """
     opts = hmac_options(config)
     ts = unix(timestamp)
@@ -362,18 +389,20 @@ def sign_hmac(
         _set_path(default, opts["time_field"], ts)
     body = _body(raw_body, body_obj, default)
     signed = body
-    headers: Headers = {"Content-Type": "application/json"}
+    headers: Headers = {"Content-Type": "application/json", **(extra_headers or {})}
     if opts["timestamp_header"]:
         headers[_title(opts["timestamp_header"])] = str(ts)
         signed = f"{ts}.".encode() + body
-    key = _single("hmac", secret)
-    digest = hmac.new(key.encode(), signed, opts["algorithm"]).digest()
-    encoded = digest.hex() if opts["encoding"] == "hex" else base64.b64encode(digest).decode()
-    headers[_title(opts["signature_header"])] = opts["prefix"] + encoded
     if opts["id_header"]:
         headers[_title(opts["id_header"])] = event_id
     if opts["type_header"]:
         headers[_title(opts["type_header"])] = event_type
+    if opts["signed_content"]:
+        signed = render_signed_content(opts["signed_content"], headers, body)
+    key = _single("hmac", secret)
+    digest = hmac.new(key.encode(), signed, opts["algorithm"]).digest()
+    encoded = digest.hex() if opts["encoding"] == "hex" else base64.b64encode(digest).decode()
+    headers[_title(opts["signature_header"])] = opts["prefix"] + encoded
     return headers, body
 
 

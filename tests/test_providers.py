@@ -81,6 +81,24 @@ CASES = [
             "algorithm": "sha1",
             "id_header": "x-request-id",
             "id_field": None,
+            "id_from_unsigned_header": "true",
+            "type_header": "x-event",
+            "type_field": None,
+        },
+        parses_body=False,
+    ),
+    Case(
+        "hmac-signed-headers",
+        "hmac",
+        "x-hook-signature",
+        "x-hook-timestamp",
+        timed=True,
+        config={
+            "signature_header": "x-hook-signature",
+            "timestamp_header": "x-hook-timestamp",
+            "signed_content": "{header:x-request-id}.{header:x-hook-timestamp}.{body}",
+            "id_header": "x-request-id",
+            "id_field": None,
             "type_header": "x-event",
             "type_field": None,
         },
@@ -178,8 +196,13 @@ def with_timestamp_text(case: Case, headers: dict[str, str], text: str) -> dict[
     return out
 
 
+# The providers this file covers; the newer ones have their own tests/test_providers_*.py.
+CLASSIC = ("stripe", "github", "shopify", "slack", "standard", "svix", "hmac")
+
+
 def test_every_provider_is_covered() -> None:
-    assert {case.provider for case in CASES} == set(BUILTIN_PROVIDERS)
+    assert {case.provider for case in CASES} == set(CLASSIC)
+    assert set(CLASSIC) <= set(BUILTIN_PROVIDERS)
 
 
 # --- authentication: the happy path and rotation ------------------------------------------
@@ -597,6 +620,7 @@ EXPECTED_META = {
     "hmac": EventMeta(EVENT_ID, "order.created", None),
     "hmac-timestamped": EventMeta(EVENT_ID, "order.created", NOW),
     "hmac-headers": EventMeta(EVENT_ID, "order.created", None),
+    "hmac-signed-headers": EventMeta(EVENT_ID, "order.created", None),
 }
 
 
@@ -803,13 +827,55 @@ def test_slack_type_falls_back_to_the_top_level_type() -> None:
     assert malformed_reason(case, headers, body) == "missing_type"
 
 
-def test_generic_hmac_id_header_wins_and_body_is_the_fallback() -> None:
+def test_generic_hmac_id_comes_from_the_signed_body_by_default() -> None:
+    # Issue 11, finding 3: an unsigned x-webhook-id header no longer names the event.
     case = BY_NAME["hmac"]
+    body_obj = {"id": "body_1", "type": "order.created"}
+    headers, body = signed(case, event_id="body_1", body_obj=body_obj)
+    for forged in ("hdr_1", "hdr_2"):
+        replayed = {**headers, "x-webhook-id": forged}
+        auth(case, replayed, body)  # still a valid signature: the header is not signed
+        assert meta(case, replayed, body).event_id == "body_1"  # type: ignore[union-attr]
+
+
+def test_generic_hmac_unsigned_id_header_only_when_asked_for() -> None:
+    case = Case(
+        "unsigned-id",
+        "hmac",
+        "x-signature",
+        config={"id_header": "x-webhook-id", "id_from_unsigned_header": "true"},
+    )
     body_obj = {"id": "body_1", "type": "order.created"}
     headers, body = signed(case, event_id="hdr_1", body_obj=body_obj)
     assert meta(case, headers, body).event_id == "hdr_1"  # type: ignore[union-attr]
     del headers["x-webhook-id"]
     assert meta(case, headers, body).event_id == "body_1"  # type: ignore[union-attr]
+
+
+def test_generic_hmac_a_signed_id_header_cannot_be_changed() -> None:
+    case = BY_NAME["hmac-signed-headers"]
+    headers, body = signed(case, event_id="req_1")
+    auth(case, headers, body)
+    assert meta(case, headers, body).event_id == "req_1"  # type: ignore[union-attr]
+    assert auth_reason(case, {**headers, "x-request-id": "req_2"}, body) == "bad_signature"
+    del headers["x-request-id"]
+    assert auth_reason(case, headers, body) == "missing_header"
+
+
+def test_generic_hmac_signed_content_template_is_signed_as_written() -> None:
+    template = "v1:{{literal}}:{header:X-Webhook-Id}:{body}"
+    case = Case(
+        "template",
+        "hmac",
+        "x-signature",
+        config={"signed_content": template, "id_header": "x-webhook-id"},
+    )
+    headers, body = signed(case, event_id="e_1")
+    expected = b"v1:{literal}:e_1:" + body
+    assert signing.render_signed_content(template, headers, body) == expected
+    key = secret_for("hmac").encode()
+    assert headers["x-signature"] == hmac.new(key, expected, hashlib.sha256).hexdigest()
+    assert auth(case, headers, body) == "s1"
 
 
 def test_generic_hmac_numeric_body_id_and_nested_fields() -> None:
@@ -846,8 +912,10 @@ HMAC_DEFAULTS = {
     "encoding": "hex",
     "prefix": "",
     "timestamp_header": None,
-    "id_header": "x-webhook-id",
+    "signed_content": None,
+    "id_header": None,
     "id_field": "id",
+    "id_from_unsigned_header": False,
     "type_header": None,
     "type_field": "type",
     "time_field": None,
@@ -895,6 +963,19 @@ def test_generic_hmac_options_are_normalised_and_idempotent() -> None:
         ({"time_field": ["x"]}, "'time_field'"),
         ({"id_header": None, "id_field": None}, "'id_header' and 'id_field'"),
         ({"type_header": None, "type_field": None}, "'type_header' and 'type_field'"),
+        ({"id_header": "x-webhook-id"}, "'id_header' .x-webhook-id. is not signed"),
+        ({"id_from_unsigned_header": "true"}, "needs an 'id_header'"),
+        ({"id_from_unsigned_header": "maybe"}, "'id_from_unsigned_header' must be true or"),
+        ({"signed_content": "{header:x-id}"}, "{body} exactly once"),
+        ({"signed_content": "{body}.{body}"}, "{body} exactly once"),
+        ({"signed_content": "{id}.{body}"}, "placeholder {id} is unknown"),
+        ({"signed_content": "{header:bad name}.{body}"}, "not a header name"),
+        ({"signed_content": "x}{body}"}, "lone '}'"),
+        ({"signed_content": "{" + "x" * 600 + "}{body}"}, "longer than 512"),
+        (
+            {"timestamp_header": "x-ts", "signed_content": "{body}"},
+            "must sign the timestamp header",
+        ),
     ],
 )
 def test_generic_hmac_bad_options_are_named(config: dict[str, Any], names: str) -> None:
@@ -915,7 +996,7 @@ def test_generic_hmac_bad_options_fail_at_authentication_too() -> None:
         )
 
 
-@pytest.mark.parametrize("provider", [p for p in BUILTIN_PROVIDERS if p != "hmac"])
+@pytest.mark.parametrize("provider", [p for p in CLASSIC if p != "hmac"])
 def test_named_providers_take_no_options(provider: str) -> None:
     assert validate_config(provider, {}) == {}
     with pytest.raises(ValueError, match=f"{provider!r}: takes no options"):

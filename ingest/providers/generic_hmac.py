@@ -1,9 +1,22 @@
-"""Generic HMAC (provider ``hmac``): a configurable HMAC of the raw body for senders not listed.
+"""Generic HMAC (provider ``hmac``): a configurable HMAC for senders not listed.
 
 Options (``--config KEY=VALUE``): ``signature_header``, ``algorithm`` (sha1/sha256/sha512),
-``encoding`` (hex/base64), ``prefix`` (e.g. ``sha256=``), ``timestamp_header`` (then the signed
-string is ``"{timestamp}.{body}"`` and the timestamp is checked for freshness), ``id_header`` /
-``id_field``, ``type_header`` / ``type_field``, ``time_field`` (dotted paths into a JSON body).
+``encoding`` (hex/base64), ``prefix`` (e.g. ``sha256=``), ``timestamp_header`` (checked for
+freshness), ``signed_content`` (what is signed, below), ``id_field`` / ``type_field`` /
+``time_field`` (dotted paths into a JSON body), ``id_header``, ``type_header`` and
+``id_from_unsigned_header``.
+
+What is signed: by default the raw body, or ``"{timestamp}.{body}"`` when ``timestamp_header``
+is set. ``signed_content`` is a template for anything else: ``{body}`` (exactly once),
+``{header:NAME}`` (that header's value, exactly as sent; a missing one fails authentication)
+and literal text, ``{{`` and ``}}`` for braces; e.g.
+``{header:x-webhook-id}.{header:x-webhook-timestamp}.{body}``.
+
+The event id is the dedup key, so by default it comes from the signed body (``id_field``,
+default ``id``): a captured request replays only as the same event. ``id_header`` takes it
+from a header instead, which is allowed only when the template signs that header, or with
+``id_from_unsigned_header=true``: then a captured request can be replayed under a new id and
+is accepted as a new event (the behaviour before migration 0009; documented, not advised).
 Generic senders publish no retry contract: three days is assumed; override per source.
 """
 
@@ -35,14 +48,16 @@ from ingest.providers.base import (
     unix,
 )
 
-DEFAULTS: Final[Mapping[str, str | None]] = {
+DEFAULTS: Final[Mapping[str, str | bool | None]] = {
     "signature_header": "x-signature",
     "algorithm": "sha256",
     "encoding": "hex",
     "prefix": "",
     "timestamp_header": None,
-    "id_header": "x-webhook-id",
+    "signed_content": None,
+    "id_header": None,
     "id_field": "id",
+    "id_from_unsigned_header": False,
     "type_header": None,
     "type_field": "type",
     "time_field": None,
@@ -56,6 +71,69 @@ _ALGORITHMS: Final = ("sha1", "sha256", "sha512")
 _ENCODINGS: Final = ("hex", "base64")
 # RFC 9110 token characters, lower-cased: the receiver looks headers up by lower-case name.
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
+_TRUE: Final = frozenset({"true", "1", "yes", "on"})
+_FALSE: Final = frozenset({"false", "0", "no", "off", ""})
+_MAX_TEMPLATE: Final = 512
+# A template token: an escaped brace, a placeholder, or a lone brace (an error).
+_TOKEN: Final = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+
+#: One part of the signed content: literal bytes, the body (None), or a header's name (str).
+Part = bytes | str | None
+
+
+def parse_template(template: str) -> tuple[Part, ...]:
+    """``signed_content`` -> its parts; ValueError saying what is wrong with it."""
+    if len(template) > _MAX_TEMPLATE:
+        raise ValueError(f"'signed_content' is longer than {_MAX_TEMPLATE} characters")
+    parts: list[Part] = []
+    literal: list[str] = []
+    pos = 0
+    bodies = 0
+
+    def flush() -> None:
+        if literal:
+            parts.append("".join(literal).encode("utf-8"))
+            literal.clear()
+
+    for match in _TOKEN.finditer(template):
+        literal.append(template[pos : match.start()])
+        pos = match.end()
+        token = match.group(0)
+        if token in ("{{", "}}"):
+            literal.append(token[0])
+            continue
+        name = match.group(1)
+        if name is None:
+            raise ValueError(
+                f"'signed_content' has a lone {token!r}: write {token * 2} for a literal brace"
+            )
+        flush()
+        if name == "body":
+            bodies += 1
+            parts.append(None)
+        elif name.startswith("header:"):
+            header_name = name.removeprefix("header:").strip().lower()
+            if not _HEADER_NAME.fullmatch(header_name):
+                raise ValueError(f"'signed_content' placeholder {{{name}}}: not a header name")
+            parts.append(header_name)
+        else:
+            raise ValueError(
+                f"'signed_content' placeholder {{{name}}} is unknown: use {{body}} or "
+                "{header:NAME}"
+            )
+    literal.append(template[pos:])
+    flush()
+    if bodies != 1:
+        raise ValueError("'signed_content' must contain {body} exactly once")
+    return tuple(parts)
+
+
+def _flag(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"generic-HMAC option {name!r} must be true or false")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +143,7 @@ class _Scheme:
     encoding: str
     prefix: str
     timestamp_header: str | None
+    signed: tuple[Part, ...]
     id_header: str | None
     id_field: tuple[str, ...] | None
     type_header: str | None
@@ -87,12 +166,15 @@ def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, default in DEFAULTS.items():
         value = config.get(name, default)
+        if name == "id_from_unsigned_header":
+            out[name] = _flag(name, value)
+            continue
         if value is not None and not isinstance(value, str):
             raise ValueError(f"generic-HMAC option {name!r} must be a string or null")
         if name == "prefix":
             out[name] = value or ""
             continue
-        if isinstance(value, str):
+        if isinstance(value, str) and name != "signed_content":  # a template is taken verbatim
             value = value.strip()
         if not value:
             if name in _REQUIRED:
@@ -108,6 +190,8 @@ def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(
                     f"generic-HMAC option {name!r} must be a field name or a dotted path"
                 )
+        elif name == "signed_content":
+            parse_template(value)
         elif name == "algorithm":
             value = value.lower()
             if value not in _ALGORITHMS:
@@ -123,9 +207,42 @@ def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
         out[name] = value
     if out["id_header"] is None and out["id_field"] is None:
         raise ValueError("generic-HMAC options 'id_header' and 'id_field' cannot both be null")
+    covered = set(signed_headers(out))
+    if out["timestamp_header"] is not None and out["timestamp_header"] not in covered:
+        raise ValueError(
+            "generic-HMAC option 'signed_content' must sign the timestamp header "
+            f"{{header:{out['timestamp_header']}}}: an unsigned timestamp proves nothing"
+        )
+    if (
+        out["id_header"] is not None
+        and out["id_header"] not in covered
+        and not out["id_from_unsigned_header"]
+    ):
+        raise ValueError(
+            f"generic-HMAC option 'id_header' ({out['id_header']}) is not signed, so a captured "
+            "request could be replayed under a new id: sign it with signed_content="
+            f"'{{header:{out['id_header']}}}.{{body}}' (as the sender does), take the id from "
+            "the body (id_field), or accept the risk with id_from_unsigned_header=true"
+        )
+    if out["id_from_unsigned_header"] and out["id_header"] is None:
+        raise ValueError("generic-HMAC option 'id_from_unsigned_header' needs an 'id_header'")
     if out["type_header"] is None and out["type_field"] is None:
         raise ValueError("generic-HMAC options 'type_header' and 'type_field' cannot both be null")
     return out
+
+
+def _template(opts: Mapping[str, Any]) -> tuple[Part, ...]:
+    """The signed content of normalised options (the default when no template is set)."""
+    if opts["signed_content"] is not None:
+        return parse_template(opts["signed_content"])
+    if opts["timestamp_header"] is not None:
+        return (opts["timestamp_header"], b".", None)
+    return (None,)
+
+
+def signed_headers(opts: Mapping[str, Any]) -> tuple[str, ...]:
+    """The headers the signature covers under normalised options."""
+    return tuple(part for part in _template(opts) if isinstance(part, str))
 
 
 _SCHEMES: dict[frozenset[tuple[str, Any]], _Scheme] = {}
@@ -153,6 +270,7 @@ def _scheme(config: Mapping[str, Any]) -> _Scheme:
         encoding=opts["encoding"],
         prefix=opts["prefix"].lower(),
         timestamp_header=opts["timestamp_header"],
+        signed=_template(opts),
         id_header=opts["id_header"],
         id_field=path("id_field"),
         type_header=opts["type_header"],
@@ -184,12 +302,28 @@ def authenticate(
     if decoded is None:
         raise AuthError("malformed_signature")
     timestamp: int | None = None
-    prefix = b""
     if scheme.timestamp_header is not None:
-        ts_text = header(headers, scheme.timestamp_header, "missing_timestamp")
-        timestamp = unix(ts_text)
-        prefix = ts_text.encode("ascii") + b"."
-    return first_match(secrets, (decoded,), hmac_of(scheme.algorithm, prefix, body)), timestamp
+        timestamp = unix(header(headers, scheme.timestamp_header, "missing_timestamp"))
+    parts: list[bytes] = []
+    for part in scheme.signed:
+        if part is None:
+            parts.append(body)
+        elif isinstance(part, str):
+            value = headers.get(part)
+            if value is None:  # present but empty is signed as empty
+                raise AuthError("missing_header")
+            parts.append(_header_bytes(value))
+        else:
+            parts.append(part)
+    return first_match(secrets, (decoded,), hmac_of(scheme.algorithm, *parts)), timestamp
+
+
+def _header_bytes(value: str) -> bytes:
+    """A header's value as it was sent (servers decode header bytes as latin-1)."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode("utf-8")
 
 
 def extract(
@@ -224,8 +358,9 @@ PROVIDER = Provider(
     extract=extract,
     retry_window=timedelta(days=3),
     citation="no published contract: conservative default, override per source",
-    signed="body (and timestamp_header when set); an id_header is unsigned and a capture "
-    "replays under a new id",
+    signed="body (+ timestamp, + headers named in signed_content); the id comes from the body "
+    "or a signed header unless id_from_unsigned_header=true (then a capture replays under a "
+    "new id)",
     tolerance_rule=tolerance,
     validate_config=validate_config,
     summary="configurable HMAC of the body (header, algorithm, encoding, prefix)",
