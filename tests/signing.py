@@ -42,6 +42,16 @@ DEFAULT_TYPES: dict[str, str] = {
     "standard": "invoice.paid",
     "svix": "user.created",
     "hmac": "order.created",
+    "resend": "email.delivered",
+    "clerk": "user.created",
+    "gitlab": "Push Hook",
+    "linear": "Issue.create",
+    "paddle": "transaction.completed",
+    "typeform": "form_response",
+    "woocommerce": "order.created",
+    "intercom": "contact.user.created",
+    "sentry": "issue.created",
+    "calendly": "invitee.created",
 }
 
 # The generic-HMAC options and their defaults, restated from the documented contract so the
@@ -64,7 +74,7 @@ HMAC_DEFAULTS: dict[str, str | None] = {
 
 def new_secret(provider: str) -> str:
     """A random secret in the format the provider issues."""
-    if provider in ("standard", "svix"):
+    if provider in ("standard", "svix", "resend", "clerk"):
         return "whsec_" + base64.b64encode(_secrets.token_bytes(32)).decode()
     if provider == "stripe":
         return "whsec_" + _secrets.token_hex(16)
@@ -406,6 +416,298 @@ def sign_hmac(
     return headers, body
 
 
+# --------------------------------------------------------------------------------------------
+# Issue 13: Svix senders (Resend, Clerk: the svix library), token and body-HMAC schemes
+# (documented schemes; Paddle's HMAC by its SDK's PaddleSignature.calculate_hmac).
+
+
+def _svix_signed(
+    secret: str | Sequence[str], event_id: str, body: bytes, ts: int, user_agent: str
+) -> Headers:
+    when = datetime.fromtimestamp(ts, UTC)
+    text = body.decode("utf-8")
+    signatures = [
+        svix.webhooks.Webhook(key).sign(event_id, when, text) for key in _secrets_list(secret)
+    ]
+    return {
+        "svix-id": event_id,
+        "svix-timestamp": str(ts),
+        "svix-signature": " ".join(signatures),
+        "Content-Type": "application/json",
+        "User-Agent": user_agent,
+    }
+
+
+def sign_resend(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["resend"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """Resend (through Svix): ``svix-*`` headers by ``svix.webhooks.Webhook``."""
+    ts = unix(timestamp)
+    default = {"type": event_type, "created_at": iso(ts), "data": {"email_id": "em_1"}}
+    body = _body(raw_body, body_obj, default)
+    return _svix_signed(secret, event_id, body, ts, "Svix-Webhooks/1.0 (resend)"), body
+
+
+def sign_clerk(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["clerk"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """Clerk (through Svix): ``svix-*`` headers by ``svix.webhooks.Webhook``; ms timestamp."""
+    ts = unix(timestamp)
+    default = {
+        "type": event_type,
+        "object": "event",
+        "timestamp": ts * 1000,
+        "data": {"id": "user_1", "object": "user"},
+    }
+    body = _body(raw_body, body_obj, default)
+    return _svix_signed(secret, event_id, body, ts, "Svix-Webhooks/1.0 (clerk)"), body
+
+
+def sign_gitlab(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["gitlab"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """``X-Gitlab-Token``: the secret itself (no signature, no timestamp)."""
+    body = _body(raw_body, body_obj, {"object_kind": "push", "ref": "refs/heads/main"})
+    return {
+        "X-Gitlab-Token": _single("gitlab", secret),
+        "X-Gitlab-Event": event_type,
+        "Idempotency-Key": event_id,
+        "X-Gitlab-Event-UUID": "b7e1c7de-0d7e-4a4e-9a53-4a9f0a4c1d2e",
+        "X-Gitlab-Instance": "https://gitlab.com",
+        "Content-Type": "application/json",
+        "User-Agent": "GitLab/17.0.0",
+    }, body
+
+
+def sign_linear(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["linear"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """``Linear-Signature``: hex HMAC-SHA256 of the body, whose ``webhookTimestamp`` is in ms."""
+    ts = unix(timestamp)
+    kind, _, action = event_type.partition(".")
+    default = {
+        "action": action or "create",
+        "type": kind,
+        "createdAt": iso(ts),
+        "data": {"id": "2174add1-f7c8-44e3-bbf3-2d60b5ea8bc9", "title": "Bug"},
+        "url": "https://linear.app/acme/issue/ENG-1",
+        "organizationId": "org_1",
+        "webhookTimestamp": ts * 1000,
+        "webhookId": "wh_1",
+    }
+    body = _body(raw_body, body_obj, default)
+    digest = hmac.new(_single("linear", secret).encode(), body, hashlib.sha256).hexdigest()
+    return {
+        "Linear-Signature": digest,
+        "Linear-Delivery": event_id,
+        "Linear-Event": kind,
+        "Content-Type": "application/json; charset=utf-8",
+        "User-Agent": "Linear-Webhook",
+    }, body
+
+
+def sign_paddle(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["paddle"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """``Paddle-Signature: ts=..;h1=..`` (one h1 per secret), HMAC by Paddle's SDK."""
+    from paddle_billing.Notifications.PaddleSignature import PaddleSignature  # noqa: PLC0415
+
+    ts = unix(timestamp)
+    default = {
+        "event_id": event_id,
+        "event_type": event_type,
+        "occurred_at": iso(ts),
+        "notification_id": "ntf_01h8bkrfe7w1vwf8xmytwn51e7",
+        "data": {"id": "txn_01h8bkrf", "status": "completed"},
+    }
+    body = _body(raw_body, body_obj, default)
+    signed = f"{ts}:".encode() + body
+    parts = [f"ts={ts}"] + [
+        "h1=" + PaddleSignature.calculate_hmac(key, signed).hexdigest()
+        for key in _secrets_list(secret)
+    ]
+    return {"Paddle-Signature": ";".join(parts), "Content-Type": "application/json"}, body
+
+
+def sign_typeform(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["typeform"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """``Typeform-Signature: sha256=<base64>`` over the body (documented scheme)."""
+    ts = unix(timestamp)
+    default = {
+        "event_id": event_id,
+        "event_type": event_type,
+        "form_response": {"form_id": "lT4Z3j", "token": "a3a12ec6", "submitted_at": iso(ts)},
+    }
+    body = _body(raw_body, body_obj, default)
+    digest = hmac.new(_single("typeform", secret).encode(), body, hashlib.sha256).digest()
+    return {
+        "Typeform-Signature": "sha256=" + base64.b64encode(digest).decode(),
+        "Content-Type": "application/json",
+        "User-Agent": "Typeform Webhooks",
+    }, body
+
+
+def sign_woocommerce(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["woocommerce"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """``X-WC-Webhook-Signature``: base64 HMAC-SHA256 of the body (documented scheme)."""
+    resource, _, event = event_type.partition(".")
+    body = _body(raw_body, body_obj, {"id": 727, "status": "processing", "total": "29.35"})
+    digest = hmac.new(_single("woocommerce", secret).encode(), body, hashlib.sha256).digest()
+    return {
+        "X-WC-Webhook-Signature": base64.b64encode(digest).decode(),
+        "X-WC-Webhook-Delivery-ID": event_id,
+        "X-WC-Webhook-Topic": event_type,
+        "X-WC-Webhook-Resource": resource,
+        "X-WC-Webhook-Event": event,
+        "X-WC-Webhook-ID": "12",
+        "X-WC-Webhook-Source": "https://shop.example/",
+        "Content-Type": "application/json",
+        "User-Agent": "WooCommerce/9.0 Hookshot (WordPress/6.5)",
+    }, body
+
+
+def sign_intercom(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["intercom"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """``X-Hub-Signature: sha1=<hex>`` over the body (documented scheme)."""
+    ts = unix(timestamp)
+    default = {
+        "type": "notification_event",
+        "app_id": "abc123",
+        "id": event_id,
+        "topic": event_type,
+        "created_at": ts,
+        "data": {"type": "notification_event_data", "item": {"type": "contact", "id": "c1"}},
+    }
+    body = _body(raw_body, body_obj, default)
+    digest = hmac.new(_single("intercom", secret).encode(), body, hashlib.sha1).hexdigest()
+    return {
+        "X-Hub-Signature": f"sha1={digest}",
+        "Content-Type": "application/json",
+        "User-Agent": "Intercom-Webhooks",
+    }, body
+
+
+def sign_sentry(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["sentry"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """``Sentry-Hook-Signature``: hex HMAC-SHA256 of the body. ``event_id`` goes into the
+    body (Sentry's id is the body's digest); ``timestamp`` into the unsigned header."""
+    ts = unix(timestamp)
+    resource, _, action = event_type.partition(".")
+    default = {
+        "action": action,
+        "installation": {"uuid": "7a485448-a9e2-4c85-8a3c-4f44175783c9"},
+        "data": {"issue": {"id": event_id, "shortId": "ACME-1"}},
+        "actor": {"type": "application", "id": "sentry", "name": "Sentry"},
+    }
+    body = _body(raw_body, body_obj, default)
+    digest = hmac.new(_single("sentry", secret).encode(), body, hashlib.sha256).hexdigest()
+    return {
+        "Sentry-Hook-Signature": digest,
+        "Sentry-Hook-Resource": resource,
+        "Sentry-Hook-Timestamp": str(ts),
+        "Request-ID": "3ae7ec1c-0bc4-4c46-b0fd-5cdd8b9ea2ee",
+        "Content-Type": "application/json",
+    }, body
+
+
+def calendly_uri(event_id: str) -> str:
+    return f"https://api.calendly.com/scheduled_events/EV1/invitees/{event_id}"
+
+
+def sign_calendly(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["calendly"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """``Calendly-Webhook-Signature: t=..,v1=..``: hex HMAC-SHA256 of ``"{t}.{body}"``.
+    ``event_id`` becomes the invitee's URI (:func:`calendly_uri`)."""
+    ts = unix(timestamp)
+    default = {
+        "event": event_type,
+        "created_at": iso(ts),
+        "created_by": "https://api.calendly.com/users/U1",
+        "payload": {"uri": calendly_uri(event_id), "email": "ada@example.com", "status": "active"},
+    }
+    body = _body(raw_body, body_obj, default)
+    parts = [f"t={ts}"] + [
+        "v1=" + hmac.new(key.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
+        for key in _secrets_list(secret)
+    ]
+    return {"Calendly-Webhook-Signature": ",".join(parts), "Content-Type": "application/json"}, body
+
+
+def expected_event_id(provider: str, event_id: str, event_type: str | None, body: bytes) -> str:
+    """The id the receiver derives for a delivery signed with ``event_id`` (the providers whose
+    id is built from signed content: Sentry's body digest, Calendly's event and invitee URI)."""
+    if provider == "sentry":
+        return "sha256:" + hashlib.sha256(body).hexdigest()
+    if provider == "calendly":
+        return f"{event_type or DEFAULT_TYPES['calendly']}:{calendly_uri(event_id)}"
+    return event_id
+
+
 _SIGNERS = {
     "stripe": sign_stripe,
     "github": sign_github,
@@ -413,6 +715,16 @@ _SIGNERS = {
     "slack": sign_slack,
     "standard": sign_standard,
     "svix": sign_svix,
+    "resend": sign_resend,
+    "clerk": sign_clerk,
+    "gitlab": sign_gitlab,
+    "linear": sign_linear,
+    "paddle": sign_paddle,
+    "typeform": sign_typeform,
+    "woocommerce": sign_woocommerce,
+    "intercom": sign_intercom,
+    "sentry": sign_sentry,
+    "calendly": sign_calendly,
 }
 
 

@@ -15,7 +15,6 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers import BUILTIN_PROVIDERS as PROVIDERS
 from models import catalog
 from tests.conftest import count_rows
 from tests.factories import MadeSource, make_source
@@ -26,6 +25,9 @@ from tests.signing import sign
 from webhooks.crypto import SecretBox
 from webhooks.settings import Settings
 
+# The first seven providers; the newer ones have their own receiver tests
+# (tests/test_providers_*.py), with the attacks that apply to their schemes.
+PROVIDERS = ("stripe", "github", "shopify", "slack", "standard", "svix", "hmac")
 HMAC_CONFIG = {
     "signature_header": "x-acme-signature",
     "algorithm": "sha256",

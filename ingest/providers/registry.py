@@ -31,6 +31,17 @@ BUILTIN_MODULES: Final = (
     "standard",
     "svix",
     "generic_hmac",
+    # Issue 13: the Svix senders, token and body-HMAC schemes.
+    "resend",
+    "clerk",
+    "gitlab",
+    "linear",
+    "paddle",
+    "typeform",
+    "woocommerce",
+    "intercom",
+    "sentry",
+    "calendly",
 )
 
 _lock = threading.Lock()

@@ -72,8 +72,11 @@ def _headers(
     return first("id"), first("timestamp"), first("signature")
 
 
-def scheme(prefixes: tuple[str, ...]) -> tuple[AuthFn, ExtractFn]:
-    """Authenticate and extract for the Standard Webhooks scheme under header ``prefixes``."""
+def scheme(
+    prefixes: tuple[str, ...], *, time_field: str = "timestamp", millis: bool = False
+) -> tuple[AuthFn, ExtractFn]:
+    """Authenticate and extract for the Standard Webhooks scheme under header ``prefixes``;
+    the event time is the body's ``time_field`` (unix milliseconds when ``millis``)."""
 
     def authenticate(
         headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
@@ -119,10 +122,16 @@ def scheme(prefixes: tuple[str, ...]) -> tuple[AuthFn, ExtractFn]:
         return EventMeta(
             event_id=the_id,
             event_type=event_type(obj.get("type")),
-            occurred_at=occurred_at(obj.get("timestamp")),
+            occurred_at=_time(obj.get(time_field), millis),
         )
 
     return authenticate, extract
+
+
+def _time(value: object, millis: bool) -> datetime | None:
+    if millis and isinstance(value, int) and not isinstance(value, bool):
+        return occurred_at(value / 1000)
+    return occurred_at(value)
 
 
 _auth, _extract = scheme(("webhook",))

@@ -1,0 +1,64 @@
+"""Intercom: ``X-Hub-Signature: sha1=<hex HMAC-SHA1(app client secret, raw body)>``.
+
+Only the body is signed; the notification's ``id`` (dedup), ``topic`` (type) and ``created_at``
+are in it, so a capture replays only the same notification (dedup refuses it while the receipt
+lives; no time is signed). Retries: Intercom documents no schedule, only that a subscription
+answering errors "for more than seven days" is suspended (private apps), so seven days is
+taken as the window. Docs: https://developers.intercom.com/docs/webhooks/webhook-notifications
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from ingest.providers.base import (
+    AuthError,
+    Challenge,
+    EventMeta,
+    Provider,
+    Secrets,
+    event_id,
+    event_type,
+    first_match,
+    header,
+    hmac_of,
+    json_object,
+    occurred_at,
+    unhex,
+)
+
+
+def authenticate(
+    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
+) -> tuple[str, int | None]:
+    scheme, _, value = header(headers, "x-hub-signature").partition("=")
+    decoded = unhex(value) if scheme == "sha1" else None
+    if decoded is None:
+        raise AuthError("malformed_signature")
+    return first_match(secrets, (decoded,), hmac_of("sha1", body)), None
+
+
+def extract(
+    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
+) -> EventMeta | Challenge:
+    obj = json_object(body)
+    return EventMeta(
+        event_id=event_id(obj.get("id")),
+        event_type=event_type(obj.get("topic")),
+        occurred_at=occurred_at(obj.get("created_at")),
+    )
+
+
+PROVIDER = Provider(
+    name="intercom",
+    authenticate=authenticate,
+    extract=extract,
+    retry_window=timedelta(days=7),
+    citation="https://developers.intercom.com/docs/webhooks/webhook-notifications (suspended "
+    "after 7 days of errors; no schedule published)",
+    signed="body (id inside): a capture replays only the same notification; no signed time",
+    tolerance=None,
+    summary="X-Hub-Signature sha1= (HMAC-SHA1 hex of the body)",
+)
