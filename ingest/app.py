@@ -38,7 +38,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
-from ingest.providers import AuthError, Challenge, MalformedEvent, authenticate, extract
+from ingest.providers import (
+    AuthError,
+    Batch,
+    Challenge,
+    EventMeta,
+    MalformedEvent,
+    authenticate,
+    extract,
+    get_provider,
+)
 from ingest.publisher import Publisher
 from ingest.store import NewReceipt, SourceRecord, Store
 from tasks.config import Dispatch
@@ -165,23 +174,11 @@ class Receiver:
                 label, f"malformed:{exc.reason}", 400, {"error": f"malformed event: {exc.reason}"}
             )
         if isinstance(meta, Challenge):
-            metrics.REQUESTS.labels(label, "challenge").inc()
-            return Response(meta.body, 200, media_type=meta.content_type)
+            return await self._challenge(label, source, secret_id, meta)
+        if isinstance(meta, Batch):
+            return await self._receive_batch(label, source, secret_id, meta, body, now, started)
 
-        receipt = NewReceipt(
-            source_id=source.id,
-            secret_id=secret_id,
-            event_id=meta.event_id,
-            event_type=meta.event_type,
-            occurred_at=meta.occurred_at,
-            expires_at=expires_at(meta.occurred_at, now, source.ttl),
-            # Stamped by the accept statement on the database's clock (a test pins it).
-            received_at=pinned(self.clock),
-            digest=hashlib.sha256(body).digest(),
-            content_type=headers.get("content-type"),
-            payload=body,
-            ttl=source.ttl,
-        )
+        receipt = self._receipt(source, secret_id, meta, body, headers.get("content-type"), now)
         try:
             outcome = await self._accept(receipt)
         except DB_ERRORS:
@@ -221,6 +218,135 @@ class Receiver:
             label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id
         )
 
+    def _receipt(
+        self,
+        source: SourceRecord,
+        secret_id: str,
+        meta: EventMeta,
+        body: bytes,
+        content_type: str | None,
+        now: Any,
+    ) -> NewReceipt:
+        """The receipt of one event: a batch item's own payload, else the body as received
+        (form-encoded, JSON, ...) with the request's content type."""
+        payload = body if meta.payload is None else meta.payload
+        return NewReceipt(
+            source_id=source.id,
+            secret_id=secret_id,
+            event_id=meta.event_id,
+            event_type=meta.event_type,
+            occurred_at=meta.occurred_at,
+            expires_at=expires_at(meta.occurred_at, now, source.ttl),
+            # Stamped by the accept statement on the database's clock (a test pins it).
+            received_at=pinned(self.clock),
+            digest=hashlib.sha256(payload).digest(),
+            content_type=content_type if meta.content_type is None else meta.content_type,
+            payload=payload,
+            ttl=source.ttl,
+        )
+
+    async def _challenge(
+        self, label: str, source: SourceRecord, secret_id: str, challenge: Challenge
+    ) -> Response:
+        """A handshake: answered as the provider expects, nothing written. One that depends on
+        the secret (Zoom) is computed with the secret that verified this very request."""
+        body = challenge.body
+        if challenge.sign is not None:
+            secret = dict(source.secrets).get(secret_id)
+            if secret is None:  # verified by a secret loaded after the cache was filled
+                fresh = await self.store.source(source.public_id, refresh=True)
+                secret = dict(fresh.secrets).get(secret_id) if fresh is not None else None
+            if secret is None:
+                return self._answer(
+                    label, "unauthenticated:revoked", 401, {"error": "unauthenticated"}
+                )
+            body = challenge.sign(secret)
+        metrics.REQUESTS.labels(label, "challenge").inc()
+        return Response(body or None, challenge.status, media_type=challenge.content_type)
+
+    async def _receive_batch(
+        self,
+        label: str,
+        source: SourceRecord,
+        secret_id: str,
+        batch: Batch,
+        body: bytes,
+        now: Any,
+        started: float,
+    ) -> Response:
+        """Several events in one request: one receipt each, deduplicated on its own id, all
+        accepted in one transaction (all or nothing); the answer is the provider's own."""
+        seen: set[str] = set()
+        events = []
+        for event in batch.events:
+            if event.event_id not in seen:  # the same id twice in one request: stored once
+                seen.add(event.event_id)
+                events.append(event)
+        content_type = None
+        receipts = [self._receipt(source, secret_id, e, body, content_type, now) for e in events]
+        try:
+            outcomes = await self._accept_all(receipts)
+        except DB_ERRORS:
+            return self._unavailable(label)
+        if any(o.status == "revoked" for o in outcomes):
+            self.store.forget(source.public_id)
+            return self._answer(label, "unauthenticated:revoked", 401, {"error": "unauthenticated"})
+        dispatches = []
+        results = []
+        for event, outcome in zip(events, outcomes, strict=True):
+            results.append({"event_id": event.event_id, "status": outcome.status})
+            if outcome.status == "duplicate":
+                metrics.DUPLICATES.labels(label).inc()
+            elif outcome.status == "conflict":
+                metrics.CONFLICTS.labels(label).inc()
+            else:
+                dispatches += [
+                    Dispatch(i, event.event_id, source.public_id) for i in outcome.delivery_ids
+                ]
+        if source.ttl_raised:
+            metrics.TTL_RAISED.labels(label).inc()
+        if dispatches:
+            self.publisher.submit(label, dispatches)
+        metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
+        accepted = sum(1 for r in results if r["status"] == "accepted")
+        outcome_label = "accepted" if accepted else "duplicate"
+        metrics.REQUESTS.labels(label, outcome_label).inc()
+        log.info(
+            "webhook", source=label, outcome=outcome_label, events=len(results), accepted=accepted
+        )
+        if batch.answer is not None:
+            answer = batch.answer
+            return Response(answer.body, answer.status, media_type=answer.content_type)
+        return _json(202 if accepted else 200, {"status": outcome_label, "events": results})
+
+    async def verify_get(self, request: Request) -> Response:
+        """``GET /webhooks/{source_id}``: a provider's GET handshake (Meta's ``hub.challenge``),
+        405 for providers that have none; nothing is ever written."""
+        public_id = request.path_params["source_id"]
+        if SOURCE_ID.fullmatch(public_id) is None:
+            return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
+        try:
+            source = await self.store.source(public_id)
+        except DB_ERRORS:
+            return self._unavailable("unknown")
+        if source is None:
+            return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
+        label = source.public_id
+        if not source.active:
+            return self._answer(label, "disabled", 410, {"error": "source disabled"})
+        handshake = get_provider(source.provider).verify_get
+        if handshake is None:
+            return self._answer(
+                label, "method_not_allowed", 405, {"error": "POST only"}, headers={"Allow": "POST"}
+            )
+        query = dict(request.query_params.items())
+        try:
+            challenge = handshake(query, source.config)
+        except AuthError as exc:
+            return self._answer(label, f"unauthenticated:{exc.reason}", 403, {"error": "forbidden"})
+        metrics.REQUESTS.labels(label, "challenge").inc()
+        return Response(challenge.body, challenge.status, media_type=challenge.content_type)
+
     async def _authenticate(self, source: SourceRecord, headers: Any, body: bytes, now: Any) -> str:
         try:
             return authenticate(
@@ -249,6 +375,15 @@ class Receiver:
                 now=now,
                 tolerance=fresh.tolerance,
             )
+
+    async def _accept_all(self, receipts: list[NewReceipt]) -> list[Any]:
+        try:
+            return await self.store.accept_all(receipts)
+        except psycopg.errors.CheckViolation as exc:
+            if "no partition" not in str(exc):
+                raise
+            await asyncio.get_running_loop().run_in_executor(None, self._ensure_partitions)
+            return await self.store.accept_all(receipts)
 
     async def _accept(self, receipt: NewReceipt) -> Any:
         try:
@@ -341,6 +476,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
 
     routes: list[Route | Mount] = [
         Route("/webhooks/{source_id}", receiver.receive, methods=["POST"]),
+        Route("/webhooks/{source_id}", receiver.verify_get, methods=["GET"]),
         Route("/healthz", receiver.healthz, methods=["GET"]),
         Route("/readyz", receiver.readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

@@ -342,6 +342,14 @@ class Store:
             flusher.add_done_callback(self._flushers.discard)
         return await future
 
+    async def accept_all(self, receipts: Sequence[NewReceipt]) -> list[Outcome]:
+        """Accept the events of one request (a batch sender) together: one statement, one
+        transaction, so they are all recorded or none is. It does not join the group commit:
+        a group that fails is retried element by element, which would split a request."""
+        if not receipts:
+            return []
+        return await self._accept_many(list(receipts))
+
     async def _flush(self) -> None:
         try:
             while self._queue:

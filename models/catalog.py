@@ -19,7 +19,7 @@ from models.schema import (
     Source,
     SourceSecret,
 )
-from webhooks.crypto import SecretBox, generate_secret, key_format, public_id
+from webhooks.crypto import SecretBox, check_key, generate_secret, key_format, public_id
 from webhooks.logs import get_logger
 from webhooks.metrics import SOURCES_TTL_RAISED
 from webhooks.settings import Settings
@@ -227,7 +227,10 @@ def add_secret(
     a weak one let through by ``allow_weak_secret`` gets an ``audit_log`` row (action
     ``weak_secret``, ``operator``: who, default this process's login name)."""
     generated = secret is None
-    plaintext = generate_secret(source.provider) if secret is None else secret
+    try:
+        plaintext = generate_secret(source.provider) if secret is None else secret
+    except ValueError as exc:  # a public-key provider: the key must be given
+        raise CatalogError(str(exc)) from None
     weak = check_secret_strength(source.provider, plaintext, allow_weak=allow_weak_secret)
     row = SourceSecret(id=public_id("sec"), source_id=source.id, ciphertext=box.encrypt(plaintext))
     session.add(row)
@@ -255,6 +258,10 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
     :data:`MIN_SECRET_CHARS` characters, unless ``allow_weak``."""
     if not secret.strip():
         raise CatalogError("secret must not be empty")
+    try:
+        check_key(provider, secret)  # the provider's key format (public keys, hex keys)
+    except ValueError as exc:
+        raise CatalogError(str(exc)) from None
     if key_format(provider) == "whsec":
         key = _check_whsec(secret)
         if len(key) < MIN_WHSEC_BYTES:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 from sqlalchemy.orm import Session
@@ -25,6 +26,7 @@ from tasks.errors import PermanentError
 from webhooks.clock import Clock
 
 KEY_PREFIX = "whk_"
+FORM_TYPE = "application/x-www-form-urlencoded"
 
 
 def idempotency_key(source_id: int, event_id: str, route_id: int, generation: int) -> str:
@@ -65,13 +67,41 @@ class Event:
     def event_type(self) -> str:
         return self.meta.event_type
 
+    @property
+    def is_form(self) -> bool:
+        """The body is form-encoded (Twilio): read :attr:`form`, not :attr:`json`."""
+        media_type = (self.meta.content_type or "").split(";", 1)[0].strip().lower()
+        return media_type == FORM_TYPE
+
     @cached_property
     def json(self) -> Any:
         """The body parsed as JSON (once). A body that is not JSON is a permanent error."""
+        if self.is_form:
+            raise PermanentError(
+                f"event body is {FORM_TYPE}, not JSON: read event.form", reason="malformed_body"
+            )
         try:
             return orjson.loads(self.body)
         except orjson.JSONDecodeError:
             raise PermanentError("event body is not valid JSON", reason="malformed_body") from None
+
+    @cached_property
+    def form(self) -> dict[str, list[str]]:
+        """A form-encoded body parsed (once): every name with its values in order (a name may
+        repeat). A body stored with another content type is a permanent error."""
+        if not self.is_form:
+            raise PermanentError(
+                f"event body is {self.meta.content_type or 'untyped'}, not {FORM_TYPE}: "
+                "read event.json",
+                reason="malformed_body",
+            )
+        try:
+            text = self.body.decode("utf-8")
+            return parse_qs(text, keep_blank_values=True, strict_parsing=bool(text))
+        except (UnicodeDecodeError, ValueError):
+            raise PermanentError(
+                "event body is not a valid form", reason="malformed_body"
+            ) from None
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,31 @@ def generate_secret(provider: str) -> str:
     found = registry.get(provider)
     if found.key_format == "whsec":
         return "whsec_" + base64.b64encode(_secrets.token_bytes(32)).decode()
+    if found.key_format in SUPPLIED_KEY_FORMATS:
+        raise ValueError(
+            f"a {provider} key is issued by the sender ({SUPPLIED_KEY_FORMATS[found.key_format]})"
+            ": pass it with --secret (it is not generated)"
+        )
     return found.key_prefix + _secrets.token_urlsafe(32)
+
+
+# Key formats the sender issues (public keys, Adyen's HMAC key): given by the user, never
+# generated here.
+SUPPLIED_KEY_FORMATS = {
+    "ed25519": "its public key",
+    "p256": "its public key",
+    "hex": "a hex HMAC key",
+}
+
+
+def check_key(provider: str, secret: str) -> None:
+    """ValueError (saying what the key should be) when ``secret`` is not in the format the
+    provider's keys have (Discord: 64 hex; SendGrid: base64 P-256; Adyen: hex)."""
+    from ingest.providers import registry  # noqa: PLC0415 (providers load on first use)
+
+    check = registry.get(provider).check_secret
+    if check is not None:
+        check(secret)
 
 
 def public_id(prefix: str) -> str:

@@ -29,6 +29,7 @@ from ingest.providers.base import (
     AUTH_REASONS,
     MALFORMED_REASONS,
     AuthError,
+    Batch,
     Challenge,
     EventMeta,
     MalformedEvent,
@@ -46,6 +47,7 @@ __all__ = [
     "BUILTIN_PROVIDERS",
     "MALFORMED_REASONS",
     "AuthError",
+    "Batch",
     "Challenge",
     "EventMeta",
     "MalformedEvent",
@@ -114,11 +116,11 @@ def authenticate(
 
 def extract(
     provider: str, headers: Mapping[str, str], body: bytes, *, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
+) -> EventMeta | Challenge | Batch:
     """Event id, type and time from the provider's own fields (call after :func:`authenticate`).
 
-    Returns a :class:`Challenge` for a handshake. Raises :class:`MalformedEvent` when the id
-    (1..255 printable ASCII characters, no whitespace), the type (1..255 printable characters)
-    or a present time is missing or unusable.
+    Returns a :class:`Challenge` for a handshake, a :class:`Batch` for several events. Raises
+    :class:`MalformedEvent` when the id (1..255 printable ASCII characters, no whitespace), the
+    type (1..255 printable characters) or a present time is missing or unusable.
     """
     return registry.get(provider).extract(headers, body, config)

@@ -86,14 +86,34 @@ class EventMeta:
     event_id: str
     event_type: str
     occurred_at: datetime | None  # aware, UTC
+    # One event of a batch (:class:`Batch`): its own bytes and content type are its receipt's
+    # payload. None: the request's body and content type, as received.
+    payload: bytes | None = None
+    content_type: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Challenge:
-    """A handshake to answer instead of storing an event (Slack ``url_verification``)."""
+    """A handshake to answer instead of storing an event (Slack ``url_verification``).
+
+    ``sign``: the answer depends on the secret that verified the request (Zoom's
+    ``encryptedToken``); the receiver calls it with that secret and answers what it returns.
+    """
 
     body: bytes
     content_type: str
+    status: int = 200
+    sign: Callable[[str], bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Several events in one request (Adyen items, SendGrid and HubSpot arrays): one receipt
+    each, deduplicated on its own id, all in one transaction; ``answer`` replaces the
+    receiver's JSON answer when the sender requires its own (Adyen: ``[accepted]``)."""
+
+    events: tuple[EventMeta, ...]
+    answer: Challenge | None = None
 
 
 Secrets = Sequence[tuple[str, str]]
@@ -102,12 +122,18 @@ Config = Mapping[str, Any]
 #: the matching secret and the signed unix timestamp (None when the scheme signs none).
 AuthFn = Callable[[Mapping[str, str], bytes, Secrets, Config], tuple[str, int | None]]
 #: ``(headers, raw body, config)`` -> the event's id/type/time, or a handshake to answer.
-ExtractFn = Callable[[Mapping[str, str], bytes, Config], EventMeta | Challenge]
+ExtractFn = Callable[[Mapping[str, str], bytes, Config], EventMeta | Challenge | Batch]
+#: ``(query parameters, config)`` -> the answer to a GET handshake (Meta's ``hub.challenge``);
+#: AuthError when it is not the sender's (answered 403).
+VerifyGetFn = Callable[[Mapping[str, str], Config], Challenge]
 #: A source's options -> their normalised form (what is stored); ValueError naming the option.
 ConfigFn = Callable[[Config], dict[str, Any]]
 #: ``whsec``: ``whsec_`` + base64 of the key (Standard Webhooks, Svix): 24+ decoded bytes.
 #: ``text``: the string itself is the HMAC key or token: 16+ characters.
-KeyFormat = Literal["text", "whsec"]
+#: ``ed25519`` / ``p256``: the sender's public key (Discord: 64 hex; SendGrid: base64 SPKI);
+#: ``hex``: an HMAC key the sender issues in hex (Adyen). Given by the user (never generated)
+#: and checked by the provider's ``check_secret``.
+KeyFormat = Literal["text", "whsec", "ed25519", "p256", "hex"]
 
 
 def no_options(config: Config) -> dict[str, Any]:
@@ -145,6 +171,9 @@ class Provider:
     key_prefix: str = ""  # what generated secrets start with (Stripe: whsec_)
     signs_url: bool = False  # the signature covers the public URL (config public_url)
     handshake: str | None = None  # what is answered instead of stored, if anything
+    verify_get: VerifyGetFn | None = None  # a GET handshake on the webhook URL (Meta)
+    check_secret: Callable[[str], None] | None = None  # ValueError: not a key of this format
+    batched: bool = False  # one request may carry several events (extract returns a Batch)
     summary: str = ""  # one line for listings
     notes: tuple[str, ...] = field(default=())
 

@@ -1,0 +1,72 @@
+"""Square: ``x-square-hmacsha256-signature: base64 HMAC-SHA256(key, notification URL + body)``.
+
+The key is the subscription's signature key (used as text); the URL is the notification URL
+configured at Square, taken from ``--config public_url=...`` (never from the request's Host
+header), so a request signed for another endpoint is refused. No timestamp is signed; the id
+is the body's ``event_id`` ("a generated idempotency value"), type ``type``, time
+``created_at``. https://developer.squareup.com/docs/webhooks/step3validate . Retries: "for up
+to 72 hours after the originating event" (one version of the troubleshooting page says 24 h;
+the larger is used): https://developer.squareup.com/docs/webhooks-api/delivery-sla
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from ingest.providers import urlsigned
+from ingest.providers.base import (
+    AuthError,
+    Challenge,
+    EventMeta,
+    Provider,
+    Secrets,
+    event_id,
+    event_type,
+    first_match,
+    header,
+    hmac_of,
+    json_object,
+    occurred_at,
+    unb64,
+)
+
+
+def authenticate(
+    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
+) -> tuple[str, int | None]:
+    decoded = unb64(header(headers, "x-square-hmacsha256-signature"))
+    if decoded is None:
+        raise AuthError("malformed_signature")
+    try:
+        url = urlsigned.public_url(config).encode("utf-8")
+    except ValueError:
+        raise AuthError("bad_signature") from None
+    return first_match(secrets, (decoded,), hmac_of("sha256", url, body)), None
+
+
+def extract(
+    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
+) -> EventMeta | Challenge:
+    obj = json_object(body)
+    return EventMeta(
+        event_id=event_id(obj.get("event_id")),
+        event_type=event_type(obj.get("type")),
+        occurred_at=occurred_at(obj.get("created_at")),
+    )
+
+
+PROVIDER = Provider(
+    name="square",
+    authenticate=authenticate,
+    extract=extract,
+    retry_window=timedelta(hours=72),
+    citation="https://developer.squareup.com/docs/webhooks-api/delivery-sla",
+    signed="notification URL + body (event_id inside): a capture replays only the same event, "
+    "and only to that URL",
+    tolerance=None,
+    validate_config=urlsigned.validate,
+    signs_url=True,
+    summary="x-square-hmacsha256-signature (HMAC-SHA256 base64 over URL + body)",
+)
