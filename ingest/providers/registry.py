@@ -42,6 +42,19 @@ BUILTIN_MODULES: Final = (
     "intercom",
     "sentry",
     "calendly",
+    # Issue 13, second half (URL-signed, handshakes, public keys, form and batched bodies):
+    "bitbucket",
+    "pagerduty",
+    "twitch",
+    "mailgun",
+    "discord",
+    "square",
+    "hubspot",
+    "twilio",
+    "zoom",
+    "meta",
+    "adyen",
+    "sendgrid",
 )
 
 _lock = threading.Lock()
