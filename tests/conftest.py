@@ -52,7 +52,9 @@ def test_env(**overrides: str) -> dict[str, str]:
     env.update(BASE_ENV)
     env.update(overrides)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(ROOT)
+    # The project first; an override adds to it (a plug-in installed into a directory).
+    extra = overrides.get("PYTHONPATH")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{extra}" if extra else str(ROOT)
     return env
 
 

@@ -61,8 +61,9 @@ _lock = threading.Lock()
 _loaded: Mapping[str, Provider] | None = None
 
 
-class ProviderPluginError(RuntimeError):
-    """A provider plug-in (entry point) is broken; the message says which and why."""
+class ProviderPluginError(ValueError):
+    """A provider plug-in (entry point) is broken; the message says which and why (a
+    ValueError, so the CLI reports it as one error line)."""
 
 
 class UnknownProvider(ValueError):
