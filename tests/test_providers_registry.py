@@ -146,3 +146,19 @@ def test_providers_list_shows_each_contract_and_the_ttl_that_follows() -> None:
     for name in BUILTIN_PROVIDERS:
         assert name in human.stdout
     assert "https://docs.svix.com/retries" in human.stdout
+
+
+def test_the_readme_table_lists_every_provider_with_its_figures() -> None:
+    from webhooks.durations import format_duration
+
+    readme = (ROOT / "README.md").read_text()
+    settings = make_settings()
+    for name in BUILTIN_PROVIDERS:
+        provider = registry.get(name)
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{name}` |")), "")
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert len(cells) == 6, f"README has no providers-table row for {name}"
+        assert cells[1] == provider.signed, name
+        assert cells[3] == format_duration(provider.retry_window), name
+        ttl = derive_ttl(name, TtlOverrides(), settings).total
+        assert cells[4] == format_duration(ttl), name
