@@ -315,8 +315,10 @@ class Receiver:
             "webhook", source=label, outcome=outcome_label, events=len(results), accepted=accepted
         )
         if batch.answer is not None:
+            # The provider's own body (Adyen: [accepted]); 202 when something new was recorded.
             answer = batch.answer
-            return Response(answer.body, answer.status, media_type=answer.content_type)
+            status = 202 if accepted and answer.status == 200 else answer.status
+            return Response(answer.body, status, media_type=answer.content_type)
         return _json(202 if accepted else 200, {"status": outcome_label, "events": results})
 
     async def verify_get(self, request: Request) -> Response:

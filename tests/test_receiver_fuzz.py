@@ -57,6 +57,7 @@ RSS_BOUND_MB = 96
 # Options for providers that take them: the generic HMAC scheme with a signed timestamp.
 CONFIGS: dict[str, dict[str, Any]] = {
     "hmac": {"signature_header": "x-fuzz-signature", "timestamp_header": "x-fuzz-timestamp"},
+    **signing.MORE_CONFIGS,  # public_url of the URL-signed providers, Meta's verify_token
 }
 
 
@@ -128,7 +129,7 @@ def learn(provider: str, source: MadeSource, other_secret: str) -> Target:
     low = signing.lower(headers)
     low_other = signing.lower(other)
     auth = sorted(k for k in low if low[k] != low_other.get(k))
-    if not auth:
+    if not auth and provider not in signing.BODY_SIGNED:  # Mailgun, Adyen: inside the body
         pytest.fail(f"{provider}: no header of its signer depends on the secret")
     changed_body = body + b" "
     twin, _ = sign_for(
@@ -196,7 +197,7 @@ class HeaderCase:
 def header_cases(target: Target) -> st.SearchStrategy[HeaderCase]:
     @st.composite
     def build(draw: st.DrawFn) -> HeaderCase:
-        break_auth = draw(st.booleans())
+        break_auth = draw(st.booleans()) if target.auth else False  # body-signed: no header
         mutations = []
         for name in target.own:
             if name in target.auth:
@@ -479,8 +480,22 @@ _targets: dict[str, Target] = {}
 def target_for(provider: str, sessions: sessionmaker[Session], settings: Settings) -> Target:
     if provider not in _targets:
         config = CONFIGS.get(provider)
-        source = make_source(sessions, settings, provider=provider, config=config)
-        other = make_source(sessions, settings, provider=provider, config=config)
+        # Keys the sender issues (public keys, Adyen's hex key) come from the test's signer.
+        given = signing.MORE_SIGNERS
+        source = make_source(
+            sessions,
+            settings,
+            provider=provider,
+            config=config,
+            secret=signing.new_secret(provider) if provider in given else None,
+        )
+        other = make_source(
+            sessions,
+            settings,
+            provider=provider,
+            config=config,
+            secret=signing.new_secret(provider) if provider in given else None,
+        )
         remember(source.secret, other.secret)
         try:
             _targets[provider] = learn(provider, source, other.secret)
@@ -608,7 +623,10 @@ def test_valid_event_still_accepted_after_fuzzing(
         f"{rcv.url}/webhooks/{target.source.public_id}", headers=headers, content=body
     )
     assert response.status_code == 202, (response.status_code, response.text)
-    assert response.json()["status"] == "accepted"
+    if provider == "adyen":  # answered as Adyen requires
+        assert response.text == "[accepted]"
+    else:
+        assert response.json()["status"] == "accepted"
     after = count_rows(engine, "receipts", "conflicts")
     assert after == {"receipts": before["receipts"] + 1, "conflicts": before["conflicts"]}
 
