@@ -1,45 +1,65 @@
-"""The admin HTTP API, mounted by the receiver under ``/admin``.
+"""The admin plane: the operators' API under ``/admin`` and the receiver's ``/metrics``, on an
+address of their own (``WEBHOOKS_ADMIN_HOST``/``WEBHOOKS_ADMIN_PORT``, loopback by default),
+never on the public receiver port. ``webhooks serve`` runs it in the receiver's process
+(:class:`AdminServer`); ``uvicorn --factory ingest.admin:app_from_env`` runs it alone.
 
-Bearer token from ``WEBHOOKS_ADMIN_TOKEN``, compared in constant time. Without a token the API
-is off: :func:`create_admin_app` returns an app with no routes and no schema, so every
-``/admin`` path is a 404 and nothing reveals that the API exists.
+:class:`AdminGuard`, a plain ASGI middleware in front of everything here, decides before a
+single byte of the body is read: the token (``Authorization: Bearer``; on the docs' paths also
+the password of HTTP Basic, which a browser can send), compared in constant time with every
+configured one, else 401; then the body is capped at 64 KiB (a larger ``Content-Length``: 413
+at once, unread; a chunked body: 413 where it passes the cap). So no unauthenticated request
+costs more than its headers, and none reaches a JSON parser. The matched token's *name*
+(``WEBHOOKS_ADMIN_TOKENS=name:token,...``; ``WEBHOOKS_ADMIN_TOKEN`` is named ``admin``) goes
+on the request, and every audit row the API writes records it as the operator: who replayed
+is what authenticated, not what a body claims. Without any token the API is off: every
+``/admin`` path is a 404 and nothing reveals that it exists.
+
+``/metrics`` needs no token: Prometheus scrapes it from the private network the admin address
+is on. It lists per-source counts (every source's public id), which is why it left the public
+port. With several receiver processes it adds up their multiprocess files.
+
+Bad input is a 400 with the field it concerns (never a 422 or a 500, never the value).
 
 Replays have the CLI's semantics and limits (:mod:`models.replays`): a required reason, a
-capped rate, the same refusals and the same audit row (``via: api``); the operator defaults
-to ``admin-token``, the name of the one token there is (until named tokens exist). ``POST
-/replays`` plans synchronously, writes the audit row and answers 202 with its id; the replay
-then runs in a background thread of this process at the requested rate, and ``GET
-/replays/{id}`` shows its progress from the audit row, which the run updates in the same
-transaction as each delivery it moves. If the process stops mid-run the row stays
-``running``; the deliveries it did not reach are still dead, so a new replay with the same
-filter finishes the job.
+capped rate, the same refusals and the same audit row (``via: api``). ``POST /replays`` plans
+synchronously, writes the audit row and answers 202 with its id; the replay then runs in a
+background thread of this process at the requested rate, and ``GET /replays/{id}`` shows its
+progress from the audit row, which the run updates in the same transaction as each delivery
+it moves. If the process stops mid-run the row stays ``running``; the deliveries it did not
+reach are still dead, so a new replay with the same filter finishes the job.
 
 The interactive docs (``/admin/docs``) work offline: Swagger UI's files come from the
-``swagger-ui-bundle`` package, served here. The docs, their files and ``/admin/openapi.json``
-need the token like every other path; since a browser cannot send a bearer header when it
-opens a page, the token is also accepted as the password of HTTP Basic (any user name), and
-those paths ask for it with a Basic challenge.
+``swagger-ui-bundle`` package, served here, behind the token like the schema.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path as FilePath
 from typing import Annotated, Any
 
+import orjson
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from models import queries, replays
 from models.catalog import CatalogError
@@ -54,6 +74,7 @@ from models.queries import (
     ReplayFilter,
 )
 from models.replays import ReplayError, ReplayRecord
+from webhooks import metrics
 from webhooks.clock import Clock, SystemClock
 from webhooks.logs import configure_logging, get_logger
 from webhooks.settings import Settings, load_settings
@@ -61,20 +82,26 @@ from webhooks.settings import Settings, load_settings
 log = get_logger("admin")
 
 MAX_RUNNING_REPLAYS = 2  # per process; more answer 429
-# The operator recorded for an API replay that names none: the token's name (one token).
-DEFAULT_OPERATOR = "admin-token"  # noqa: S105  (a name, not a secret)
+# The largest admin request body: a replay request is a few hundred bytes.
+MAX_BODY_BYTES = 64 * 1024
+# Where AdminGuard puts the matched token's name (the request's state).
+TOKEN_NAME = "admin_token_name"  # noqa: S105  (a key, not a secret)
+DOCS_PATHS = ("/admin/openapi.json", "/admin/docs")
+BASIC_CHALLENGE = 'Basic realm="webhooks admin API (password: the admin token)"'
 # Swagger UI's files served to /admin/docs (from the swagger-ui-bundle package).
 DOCS_ASSETS = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png")
 
-# Numeric inputs within their column's range (a bigint), or 422 like any other bad input:
+# Numeric inputs within their column's range (a bigint), or 400 like any other bad input:
 # text ids and times go through models.queries (parse_id, parse_time) the same way.
 RowId = Annotated[int, Field(ge=1, le=queries.MAX_ID)]
 
 DESCRIPTION = """
 Operators' API of the webhook pipeline: received events with their deliveries and attempts,
-dead letters, and audited replays. Authenticate with `Authorization: Bearer <WEBHOOKS_ADMIN_TOKEN>`
-(these docs: the token as the password of HTTP Basic, any user name). Times are ISO 8601 UTC
-(`...Z`). Responses never contain a secret or a payload.
+dead letters, and audited replays. Authenticate with `Authorization: Bearer <token>`, one of
+`WEBHOOKS_ADMIN_TOKENS` (or `WEBHOOKS_ADMIN_TOKEN`); the audit records the token's name as the
+operator (these docs: the token as the password of HTTP Basic, any user name). Bodies are at
+most 64 KiB. Bad input answers 400 naming the field. Times are ISO 8601 UTC (`...Z`).
+Responses never contain a secret or a payload.
 """
 
 
@@ -83,11 +110,6 @@ class ReplayIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    operator: str | None = Field(
-        default=None,
-        min_length=1,
-        description=f"Who replays (recorded in the audit). Default: `{DEFAULT_OPERATOR}`.",
-    )
     reason: str = Field(min_length=1, description="Why (required; recorded in the audit).")
     ids: list[RowId] | None = Field(
         default=None, min_length=1, description="Delivery ids. Excludes the filter fields."
@@ -115,7 +137,7 @@ class ReplayIn(BaseModel):
     )
     dry_run: bool = Field(default=False, description="Preview only: count and sample.")
 
-    @field_validator("operator", "reason", "source", "type", "status", "since", "until")
+    @field_validator("reason", "source", "type", "status", "since", "until")
     @classmethod
     def _storable(cls, value: str | None) -> str | None:
         if value is not None and "\x00" in value:
@@ -161,8 +183,6 @@ class _State:
     def __init__(self, settings: Settings, clock: Clock) -> None:
         self.settings = settings
         self.clock = clock
-        assert settings.admin_token is not None
-        self.token = settings.admin_token.get_secret_value().encode()
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
@@ -204,14 +224,26 @@ class _State:
         threading.Thread(target=work, name=f"replay-{replay_id}", daemon=True).start()
 
 
-_bearer = HTTPBearer(auto_error=False, description="WEBHOOKS_ADMIN_TOKEN")
+# In the schema only (the bearer scheme, for clients and the docs' Authorize button): the
+# token itself was checked by AdminGuard before the request got here.
+_bearer = HTTPBearer(auto_error=False, description="An admin token (WEBHOOKS_ADMIN_TOKENS)")
 
 
-def _basic_password(request: Request) -> bytes | None:
-    """The password of an ``Authorization: Basic`` header (the user name is ignored)."""
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "basic":
-        return None
+def _operator(
+    request: Request, _documented: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> str:
+    """The name of the token AdminGuard matched: the operator every audit row records."""
+    name = request.scope.get("state", {}).get(TOKEN_NAME)
+    if not isinstance(name, str):  # not behind AdminGuard: refuse rather than guess
+        raise HTTPException(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+    return name
+
+
+Operator = Annotated[str, Depends(_operator)]
+
+
+def _basic_password(value: bytes) -> bytes | None:
+    """The password of an ``Authorization: Basic`` value (the user name is ignored)."""
     try:
         decoded = base64.b64decode(value.strip(), validate=True)
     except (binascii.Error, ValueError):
@@ -220,33 +252,124 @@ def _basic_password(request: Request) -> bytes | None:
     return password if sep else None
 
 
-def _check(request: Request, creds: HTTPAuthorizationCredentials | None, challenge: str) -> None:
-    state: _State = request.app.state.admin
-    given = creds.credentials.encode() if creds is not None else None
-    if given is None and challenge != "Bearer":  # the docs' paths: Basic too
-        given = _basic_password(request)
-    # compare_digest on every request, even without a header, so timing tells nothing.
-    if not hmac.compare_digest(given or b"", state.token) or given is None:
-        raise HTTPException(
-            401, "missing or wrong bearer token", headers={"WWW-Authenticate": challenge}
-        )
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
 
 
-def _require_token(
-    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+class AdminGuard:
+    """Authenticate, then cap the body, before anything reads it (see the module docstring).
+
+    A plain ASGI middleware rather than FastAPI dependencies: FastAPI reads and parses a JSON
+    body before it resolves any dependency, so a token check there comes after the cost (and
+    after a 422 for bad JSON, which would tell a stranger the API is there).
+    """
+
+    def __init__(
+        self, app: ASGIApp, tokens: Mapping[str, SecretStr], *, max_body: int = MAX_BODY_BYTES
+    ) -> None:
+        self.app = app
+        self.max_body = max_body
+        # Digests, so every comparison is of 32 bytes whatever the lengths involved.
+        self._tokens = [
+            (name, _digest(t.get_secret_value().encode())) for name, t in tokens.items()
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/metrics":
+            await self.app(scope, receive, send)
+            return
+        if not self._tokens:  # the API is off: as if it did not exist
+            await _answer(send, 404, "Not Found", "not_found")
+            return
+        path: str = scope["path"]
+        docs = path in DOCS_PATHS or path.startswith("/admin/docs/")
+        name = self._match(scope, docs=docs)
+        if name is None:
+            challenge = BASIC_CHALLENGE if docs else "Bearer"
+            await _answer(send, 401, "missing or wrong bearer token", "unauthenticated", challenge)
+            return
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return
+        scope.setdefault("state", {})[TOKEN_NAME] = name
+        await self.app(scope, _replay(body, receive), send)
+
+    def _match(self, scope: Scope, *, docs: bool) -> str | None:
+        given: bytes | None = None
+        for key, value in scope["headers"]:
+            if key == b"authorization":
+                scheme, _, credentials = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = credentials.strip()
+                elif scheme.lower() == b"basic" and docs:
+                    given = _basic_password(credentials)
+                break
+        # Every token is compared, a match or not, so timing tells nothing of which or how many.
+        digest = _digest(given or b"")
+        found = None
+        for name, expected in self._tokens:
+            if hmac.compare_digest(digest, expected) and given:
+                found = name
+        return found
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, at most ``max_body`` bytes; None once an answer has been sent."""
+        too_large = f"body too large (at most {self.max_body} bytes)"
+        declared = [v for k, v in scope["headers"] if k == b"content-length"]
+        if declared:
+            if not declared[0].isdigit():
+                await _answer(send, 400, "bad Content-Length", "bad_input")
+                return None
+            if int(declared[0]) > self.max_body:
+                await _answer(send, 413, too_large, "too_large")
+                return None
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                await _answer(send, 413, too_large, "too_large")
+                return None
+            if not message.get("more_body", False):
+                return bytes(body)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the buffered body once, then whatever the client does next
+    (a disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _answer(
+    send: Send, status: int, detail: str, reason: str, challenge: str | None = None
 ) -> None:
-    _check(request, creds, "Bearer")
-
-
-def _require_token_browser(
-    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> None:
-    """The docs' paths: a browser that opens them is asked for the token (Basic)."""
-    _check(request, creds, 'Basic realm="webhooks admin API (password: the admin token)"')
+    """A refusal, sent before the body was read: the connection closes after it, so a client
+    still sending a large body is not read to its end."""
+    body = orjson.dumps({"detail": detail, "reason": reason})
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"connection", b"close"),
+    ]
+    if challenge is not None:
+        headers.append((b"www-authenticate", challenge.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _storable_inputs(request: Request) -> None:
-    """Every path and query value: Postgres text cannot hold NUL, so refuse it (422) here
+    """Every path and query value: Postgres text cannot hold NUL, so refuse it (400) here
     rather than let a query fail with a 500."""
     values = [*request.path_params.values(), *request.query_params.values()]
     if any("\x00" in str(value) for value in values):
@@ -266,10 +389,6 @@ def _error(code: int, detail: str, reason: str) -> JSONResponse:
     return JSONResponse({"detail": detail, "reason": reason}, status_code=code)
 
 
-def _off() -> FastAPI:
-    return FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-
-
 def _docs_assets() -> FilePath | None:
     try:
         import swagger_ui_bundle  # type: ignore[import-untyped]  # noqa: PLC0415
@@ -281,7 +400,7 @@ def _docs_assets() -> FilePath | None:
 def _add_docs(app: FastAPI) -> None:
     """The schema and Swagger UI from local files, behind the token (no CDN, no public page).
     Without the swagger-ui-bundle package only the schema is served."""
-    docs = [Depends(_require_token_browser)]
+    docs = [Depends(_operator)]  # AdminGuard asked for the token (Basic, for a browser)
     assets = _docs_assets()
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=docs)
@@ -309,10 +428,58 @@ def _add_docs(app: FastAPI) -> None:
         return FileResponse(assets / name)
 
 
-def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastAPI:
-    """The admin API, or (no WEBHOOKS_ADMIN_TOKEN) an app that answers 404 to everything."""
-    if settings.admin_token is None or not settings.admin_token.get_secret_value():
-        return _off()
+def _bad_input(exc: RequestValidationError) -> JSONResponse:
+    """400 naming the field and what is wrong with it; never the value (it may be anything,
+    a token pasted in the wrong place included)."""
+    errors = [
+        {
+            "field": ".".join(str(part) for part in error.get("loc", ())),
+            "problem": str(error.get("msg", "invalid")),
+        }
+        for error in exc.errors()
+    ]
+    first = errors[0] if errors else {"field": "request", "problem": "invalid"}
+    detail = f"{first['field']}: {first['problem']}"
+    return JSONResponse(
+        {"detail": detail, "reason": "bad_input", "errors": errors}, status_code=400
+    )
+
+
+def _schema(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI document, with FastAPI's generated 422 responses described as the 400s
+    this API answers instead."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            openapi_version=app.openapi_version,
+            description=app.description,
+            routes=app.routes,
+        )
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses.setdefault(
+                        "400",
+                        {
+                            "description": "Bad input (the field is named).",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/ErrorOut"}
+                                }
+                            },
+                        },
+                    )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_api(settings: Settings, *, clock: Clock | None = None) -> FastAPI:
+    """The admin API (mounted at ``/admin`` by :func:`create_admin_app`, behind AdminGuard)."""
     state = _State(settings, clock or SystemClock())
     app = FastAPI(
         title="webhooks admin API",
@@ -326,8 +493,13 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
     # The bundled Swagger UI (4.x, served offline) renders OpenAPI 3.0 documents only; the
     # schema uses nothing of 3.1 that 3.0 readers cannot show.
     app.openapi_version = "3.0.3"
+    app.openapi = lambda: _schema(app)  # type: ignore[method-assign]
     _add_docs(app)
-    router = APIRouter(dependencies=[Depends(_require_token), Depends(_storable_inputs)])
+    router = APIRouter(dependencies=[Depends(_operator), Depends(_storable_inputs)])
+
+    @app.exception_handler(RequestValidationError)
+    def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _bad_input(exc)
 
     @app.exception_handler(queries.NotFoundError)
     def _not_found(request: Request, exc: queries.NotFoundError) -> JSONResponse:
@@ -335,16 +507,16 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
 
     @app.exception_handler(queries.QueryError)
     def _bad_query(request: Request, exc: queries.QueryError) -> JSONResponse:
-        return _error(422, str(exc), exc.reason)
+        return _error(400, str(exc), exc.reason)
 
     @app.exception_handler(CatalogError)
     def _bad_source(request: Request, exc: CatalogError) -> JSONResponse:
-        return _error(422, str(exc), "bad_source")
+        return _error(400, str(exc), "bad_source")
 
     @app.exception_handler(ReplayError)
     def _refused(request: Request, exc: ReplayError) -> JSONResponse:
         refused = exc.reason in ("succeeded", "not_replayable")
-        return _error(409 if refused else 422, str(exc), exc.reason)
+        return _error(409 if refused else 400, str(exc), exc.reason)
 
     @app.exception_handler(OperationalError)
     def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
@@ -389,8 +561,20 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
     ) -> EventDetail:
         """The receipt, its deliveries and every attempt with its error. `event` is
         `receipt:N`, `delivery:N` (that delivery's event), `event:ID` or a provider event id;
-        a bare number that is a delivery id is refused (422, `ambiguous_id`): look it up with
-        `GET /deliveries/{id}`. The payload's size is shown, never its content."""
+        a bare number that is a delivery id is refused (400, `ambiguous_id`): look it up with
+        `GET /deliveries/{id}`. A bare number beyond a bigint is refused (400,
+        `out_of_range`): a provider event id of that form is `event:ID`. The payload's size
+        is shown, never its content."""
+        bare = event.strip()
+        if queries.is_number(bare):
+            try:
+                queries.parse_id(bare, "receipt id")
+            except queries.QueryError:
+                raise queries.QueryError(
+                    f"receipt id out of range (at most {queries.MAX_ID}); a provider event id "
+                    "of this form is looked up as event:ID",
+                    "out_of_range",
+                ) from None
         return queries.get_event(session, event, source=source)
 
     @router.get(
@@ -424,16 +608,14 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
         responses={
             200: {"model": ReplayCreatedOut, "description": "Dry run, or nothing matched."},
             409: {"model": ErrorOut, "description": "Refused (e.g. a succeeded delivery)."},
-            422: {"model": ErrorOut},
             429: {"model": ErrorOut, "description": "Too many replays running here."},
         },
     )
-    def create_replay(body: ReplayIn, session: Db) -> Any:
+    def create_replay(body: ReplayIn, session: Db, operator: Operator) -> Any:
         """Plan the replay (the preview), write its audit row and run it in the background
-        at `rate` per second. Poll `GET /replays/{id}` for progress."""
-        given = body.model_dump(
-            exclude={"operator", "reason", "rerun_succeeded", "rate", "dry_run"}
-        )
+        at `rate` per second. Poll `GET /replays/{id}` for progress. The audit records the
+        name of the token used as the operator."""
+        given = body.model_dump(exclude={"reason", "rerun_succeeded", "rate", "dry_run"})
         given = {k: v for k, v in given.items() if v is not None}
         if body.ids:
             if set(given) - {"ids", "status"} or body.status != "dead":
@@ -449,7 +631,7 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
                     "give delivery ids or a filter (source, type, since, until)", "bad_target"
                 )
         request = replays.ReplayRequest(
-            operator=body.operator or DEFAULT_OPERATOR,
+            operator=operator,
             reason=body.reason,
             via="api",
             filter_as_given=given,
@@ -500,8 +682,116 @@ def create_admin_app(settings: Settings, *, clock: Clock | None = None) -> FastA
     return app
 
 
-def app_from_env() -> FastAPI:
-    """``uvicorn --factory ingest.admin:app_from_env``: the admin API on its own."""
+def metrics_endpoint(
+    multiprocess_dir: str | None = None,
+) -> Callable[[Request], Awaitable[Response]]:
+    """``GET /metrics``: the receiver's families. With ``multiprocess_dir`` (several receiver
+    processes, this one their supervisor) the sum of every process's files there; otherwise
+    this process's own registry, or its multiprocess directory when it runs in that mode."""
+
+    async def endpoint(request: Request) -> Response:
+        from prometheus_client import (  # noqa: PLC0415
+            CONTENT_TYPE_LATEST,
+            REGISTRY,
+            CollectorRegistry,
+            generate_latest,
+            multiprocess,
+            values,
+        )
+
+        # Multiprocess mode is fixed when prometheus_client is first imported: ask it.
+        source: Any = REGISTRY
+        if multiprocess_dir is not None or values.ValueClass is not values.MutexValue:
+            source = CollectorRegistry()
+            multiprocess.MultiProcessCollector(source, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+        # The receiver's own families only: the workers' are defined here too, at zero.
+        body = generate_latest(metrics.exposed("receiver", source))
+        return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
+
+    return endpoint
+
+
+def create_admin_app(
+    settings: Settings, *, clock: Clock | None = None, multiprocess_dir: str | None = None
+) -> AdminGuard:
+    """The admin plane: ``/metrics`` (no token) and, when a token is configured, the API under
+    ``/admin``; all behind :class:`AdminGuard`."""
+    tokens = settings.admin_tokens_by_name()
+    routes: list[Route | Mount] = [
+        Route("/metrics", metrics_endpoint(multiprocess_dir), methods=["GET"])
+    ]
+    if tokens:
+        routes.append(Mount("/admin", app=create_api(settings, clock=clock)))
+    return AdminGuard(Starlette(routes=routes), tokens)
+
+
+class AdminServer:
+    """The admin plane's uvicorn server in a thread of the process that runs ``webhooks
+    serve``: the receiver's process itself (one process: ``/metrics`` reads its registry), or
+    the supervisor of several (``/metrics`` adds up their multiprocess files).
+
+    The socket is bound here, at once, so a taken port stops ``webhooks serve`` before the
+    receiver starts. ``uvicorn.Server.run`` in a thread other than the main one installs no
+    signal handlers; :meth:`stop` ends it.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        host: str,
+        port: int,
+        multiprocess_dir: str | None = None,
+    ) -> None:
+        import uvicorn  # noqa: PLC0415
+
+        self.sock = _bind(host, port)
+        config = uvicorn.Config(
+            create_admin_app(settings, multiprocess_dir=multiprocess_dir),
+            log_config=None,  # the receiver's logging stays as it is
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            proxy_headers=False,
+            http="h11",
+            loop="asyncio",
+            # An operators' port: few clients, small requests.
+            limit_concurrency=64,
+            timeout_keep_alive=5,
+            h11_max_incomplete_event_size=16 * 1024,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="admin", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def app_from_env() -> AdminGuard:
+    """``uvicorn --factory ingest.admin:app_from_env``: the admin API on its own (its
+    ``/metrics`` shows this process's registry only; ``webhooks serve`` runs the admin plane
+    beside the receiver, where ``/metrics`` means something)."""
     settings = load_settings()
     configure_logging(settings.log_level, json=settings.log_json)
     return create_admin_app(settings)

@@ -16,6 +16,11 @@
 7. 202
 
 Postgres unreachable -> 503 with Retry-After: nothing is acknowledged before the commit.
+
+This port (``WEBHOOKS_PORT``, the one the internet reaches) serves that route, ``/healthz`` and
+``/readyz`` only. The admin API and ``/metrics`` (which lists every source's public id) are on
+the admin address (``WEBHOOKS_ADMIN_PORT``, :mod:`ingest.admin`), which ``webhooks serve``
+runs beside it.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ import sqlalchemy.exc
 from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Mount, Route
+from starlette.responses import Response
+from starlette.routing import Route
 
 from ingest.providers import (
     AuthError,
@@ -440,26 +445,6 @@ def _age(loaded_at: float) -> float:
     return time.monotonic() - loaded_at
 
 
-async def metrics_endpoint(request: Request) -> Response:
-    from prometheus_client import (
-        CONTENT_TYPE_LATEST,
-        REGISTRY,
-        CollectorRegistry,
-        generate_latest,
-        multiprocess,
-        values,
-    )
-
-    # Multiprocess mode is fixed when prometheus_client is first imported: ask it, not the env.
-    source: Any = REGISTRY
-    if values.ValueClass is not values.MutexValue:
-        source = CollectorRegistry()
-        multiprocess.MultiProcessCollector(source)  # type: ignore[no-untyped-call]
-    # The receiver's own families only: the workers' are defined here too, at zero.
-    body = generate_latest(metrics.exposed("receiver", source))
-    return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
-
-
 def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
     clock = clock or SystemClock()
     store = Store(settings, SecretBox(settings.secret_key.get_secret_value()))
@@ -476,19 +461,14 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
             await store.close()
             publisher.close()
 
-    routes: list[Route | Mount] = [
+    # The public port serves these three and nothing else: the admin API and /metrics are on
+    # the admin address (ingest/admin.py).
+    routes = [
         Route("/webhooks/{source_id}", receiver.receive, methods=["POST"]),
         Route("/webhooks/{source_id}", receiver.verify_get, methods=["GET"]),
         Route("/healthz", receiver.healthz, methods=["GET"]),
         Route("/readyz", receiver.readyz, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
-    try:
-        from ingest.admin import create_admin_app  # noqa: PLC0415
-    except ImportError:
-        pass
-    else:
-        routes.append(Mount("/admin", app=create_admin_app(settings, clock=clock)))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.receiver = receiver
     return app

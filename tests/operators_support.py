@@ -46,18 +46,13 @@ def ops_env(**overrides: Any) -> dict[str, str]:
 
 
 @contextmanager
-def ops_receiver(admin_token: str | None) -> Iterator[Receiver]:
-    """The real receiver (``webhooks serve``) on the operator tests' broker."""
-    if admin_token is None:  # unset, not empty
-        with receiver(
-            WEBHOOKS_BROKER_URL=OPS["broker_url"], WEBHOOKS_REDIS_URL=OPS["redis_url"]
-        ) as running:
-            yield running
-        return
+def ops_receiver(admin_token: str | None, **env: str) -> Iterator[Receiver]:
+    """The real receiver (``webhooks serve``) on the operator tests' broker; its admin API and
+    /metrics are on ``admin_url``. ``admin_token`` None: unset (not empty)."""
+    if admin_token is not None:
+        env["WEBHOOKS_ADMIN_TOKEN"] = admin_token
     with receiver(
-        WEBHOOKS_BROKER_URL=OPS["broker_url"],
-        WEBHOOKS_REDIS_URL=OPS["redis_url"],
-        WEBHOOKS_ADMIN_TOKEN=admin_token,
+        WEBHOOKS_BROKER_URL=OPS["broker_url"], WEBHOOKS_REDIS_URL=OPS["redis_url"], **env
     ) as running:
         yield running
 

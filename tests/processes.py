@@ -18,10 +18,16 @@ _counter = itertools.count()
 
 @dataclass
 class Receiver:
-    url: str
+    url: str  # the public port: /webhooks/..., /healthz, /readyz
     port: int
     proc: subprocess.Popen[bytes]
     log_path: Path
+    admin_port: int
+
+    @property
+    def admin_url(self) -> str:
+        """The admin address: /metrics, and the admin API under /admin."""
+        return f"http://127.0.0.1:{self.admin_port}"
 
 
 def spawn(
@@ -45,15 +51,17 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
 @contextmanager
 def receiver(*, workers: int = 1, **env_overrides: str) -> Iterator[Receiver]:
     port = free_port()
+    admin_port = int(env_overrides.pop("WEBHOOKS_ADMIN_PORT", free_port()))
     path = log_file(f"receiver-{next(_counter)}")
     proc = spawn(
         "receiver",
         [str(BIN / "webhooks"), "serve", "--port", str(port), "--workers", str(workers)],
-        test_env(**env_overrides),
+        test_env(WEBHOOKS_ADMIN_PORT=str(admin_port), **env_overrides),
         path,
     )
     try:
         wait_for_port(port, proc)
-        yield Receiver(f"http://127.0.0.1:{port}", port, proc, path)
+        wait_for_port(admin_port, proc)
+        yield Receiver(f"http://127.0.0.1:{port}", port, proc, path, admin_port)
     finally:
         stop(proc)

@@ -57,6 +57,7 @@ def run_env(**overrides: str) -> dict[str, str]:
     env = test_env(
         **REDIS,
         WEBHOOKS_PORT=str(free_port()),
+        WEBHOOKS_ADMIN_PORT=str(free_port()),
         WEBHOOKS_FLOWER_PORT=str(free_port()),
         WEBHOOKS_WORKER_METRICS_PORT=str(free_port()),
         WEBHOOKS_FLOWER_PASSWORD=FLOWER_PASSWORD,
@@ -203,6 +204,7 @@ def families(port: int) -> set[str]:
     ("variable", "child"),
     [
         ("WEBHOOKS_PORT", "receiver"),
+        ("WEBHOOKS_ADMIN_PORT", "admin API"),
         ("WEBHOOKS_FLOWER_PORT", "Flower"),
         ("WEBHOOKS_WORKER_METRICS_PORT", "worker metrics"),
     ],
@@ -269,6 +271,7 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(BIN))
     with pipeline(env, tmp_path) as run:
         receiver = f"http://127.0.0.1:{run.port('PORT')}"
+        admin = f"http://127.0.0.1:{run.port('ADMIN_PORT')}"
         worker_metrics = run.port("WORKER_METRICS_PORT")
         flower = f"http://127.0.0.1:{run.port('FLOWER_PORT')}"
         # Worker and Flower answer while the receiver is held: no banner.
@@ -282,11 +285,14 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         run.out.wait_for("pipeline running")
         # The moment the banner is out, every child answers.
         assert answers(f"{receiver}/healthz") == 200
+        assert answers(f"{admin}/metrics") == 200
+        assert answers(f"{receiver}/metrics") == 404  # the public port lists no sources
         assert answers(f"http://127.0.0.1:{worker_metrics}/metrics") == 200
         assert answers(f"{flower}/healthcheck", ("admin", FLOWER_PASSWORD)) == 200
 
         banner = run.out.text.split("pipeline running", 1)[1]
         assert f"{receiver}/webhooks/<source_id>" in banner
+        assert f"{admin}/metrics" in banner
         assert f"{flower}  user admin, password: WEBHOOKS_FLOWER_PASSWORD in the environment" in (
             banner
         )
@@ -297,7 +303,7 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         assert f"{BIN / 'webhooks'} demo" in banner  # the CLI as it can be typed from anywhere
 
         # Each process lists its own metric families only.
-        receiver_families = families(run.port("PORT"))
+        receiver_families = families(run.port("ADMIN_PORT"))
         worker_families = families(worker_metrics)
         assert "webhooks_requests" in receiver_families
         assert not receiver_families & metrics.hidden_from("receiver")
@@ -328,8 +334,11 @@ def test_a_child_that_never_answers_stops_the_pipeline(tmp_path: Path) -> None:
         lines = run.out.lines()
         assert lines[-1] == "pipeline stopped"
         receiver = f"http://127.0.0.1:{run.port('PORT')}/healthz"
+        admin = f"http://127.0.0.1:{run.port('ADMIN_PORT')}/metrics"
         # (and from the worker, on a machine so busy that it took longer than 20 s)
-        assert lines[-2].startswith(f"error: no answer within 20s from receiver ({receiver})")
+        assert lines[-2].startswith(
+            f"error: no answer within 20s from receiver ({receiver}, {admin})"
+        )
         assert lines[-2].endswith(", so the pipeline was stopped")
         assert "pipeline running" not in run.out.text
         wait_for(lambda: not [p for p in pids if alive(p)], timeout=30, what="every child to exit")

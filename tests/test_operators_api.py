@@ -1,5 +1,7 @@
-"""The admin HTTP API as deployed: mounted under /admin by the real receiver (``webhooks
-serve``), over real HTTP. Replays processed by a real worker are in test_operators_e2e.py."""
+"""The admin HTTP API as deployed: under /admin on the admin address of the real receiver
+(``webhooks serve``), over real HTTP. Replays processed by a real worker are in
+test_operators_e2e.py; the admin plane's guard (token before body, caps, names) in
+test_admin_plane.py."""
 
 from __future__ import annotations
 
@@ -51,12 +53,12 @@ def api() -> Iterator[Receiver]:
 
 def _get(api: Receiver, path: str, token: str | None = TOKEN) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    return httpx.get(f"{api.url}/admin{path}", headers=headers, timeout=10)
+    return httpx.get(f"{api.admin_url}/admin{path}", headers=headers, timeout=10)
 
 
 def _post(api: Receiver, path: str, body: object, token: str | None = TOKEN) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    return httpx.post(f"{api.url}/admin{path}", json=body, headers=headers, timeout=10)
+    return httpx.post(f"{api.admin_url}/admin{path}", json=body, headers=headers, timeout=10)
 
 
 def test_missing_or_wrong_token_is_401_and_the_right_one_is_served(
@@ -69,14 +71,13 @@ def test_missing_or_wrong_token_is_401_and_the_right_one_is_served(
     assert missing.headers["www-authenticate"] == "Bearer"
     wrong = _get(api, "/events", token=TOKEN + "x")
     assert wrong.status_code == 401
-    not_bearer = httpx.get(f"{api.url}/admin/events", headers={"Authorization": f"Basic {TOKEN}"})
+    not_bearer = httpx.get(
+        f"{api.admin_url}/admin/events", headers={"Authorization": f"Basic {TOKEN}"}
+    )
     assert not_bearer.status_code == 401
     for path in ("/dead", "/replays", "/events/1", "/replays/1"):
         assert _get(api, path, token="nope").status_code == 401
-    assert (
-        _post(api, "/replays", {"operator": "a", "reason": "b", "ids": [1]}, None).status_code
-        == 401
-    )
+    assert _post(api, "/replays", {"reason": "b", "ids": [1]}, None).status_code == 401
 
     right = _get(api, f"/events?source={source.public_id}")
     assert right.status_code == 200
@@ -89,21 +90,26 @@ def test_the_api_is_off_when_no_token_is_configured(ops: Settings) -> None:
     with ops_receiver(None) as off:
         for path in ("/events", "/dead", "/replays", "/openapi.json", "/docs"):
             response = httpx.get(
-                f"{off.url}/admin{path}", headers={"Authorization": f"Bearer {TOKEN}"}
+                f"{off.admin_url}/admin{path}", headers={"Authorization": f"Bearer {TOKEN}"}
             )
             assert response.status_code == 404, path
         posted = httpx.post(
-            f"{off.url}/admin/replays",
-            json={"operator": "a", "reason": "b", "ids": [1]},
+            f"{off.admin_url}/admin/replays",
+            json={"reason": "b", "ids": [1]},
             headers={"Authorization": f"Bearer {TOKEN}"},
         )
         assert posted.status_code == 404
         # The receiver itself is unaffected.
         assert httpx.get(f"{off.url}/healthz").status_code == 200
+        # /metrics is not the API: it still answers, without a token.
+        assert httpx.get(f"{off.admin_url}/metrics").status_code == 200
     # docker-compose passes an unset token as an empty string: also off, nothing routed.
     for empty in ("", None):
-        assert create_admin_app(ops_settings(admin_token=empty)).routes == []
-    assert create_admin_app(ops_settings(admin_token=TOKEN)).routes
+        assert [r.path for r in create_admin_app(ops_settings(admin_token=empty)).app.routes] == [
+            "/metrics"
+        ]
+    on = create_admin_app(ops_settings(admin_token=TOKEN)).app.routes
+    assert [r.path for r in on] == ["/metrics", "/admin"]
 
 
 def test_the_openapi_schema_documents_every_route_and_the_bearer_scheme(api: Receiver) -> None:
@@ -123,9 +129,11 @@ def test_the_openapi_schema_documents_every_route_and_the_bearer_scheme(api: Rec
     assert post["responses"]["202"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/ReplayCreatedOut"
     )
-    assert {"409", "422", "429"} <= set(post["responses"])
+    assert {"400", "409", "429"} <= set(post["responses"])
+    assert "422" not in post["responses"]
     body = schema["components"]["schemas"]["ReplayIn"]
-    assert set(body["required"]) == {"reason"}  # operator defaults to the token's name
+    assert set(body["required"]) == {"reason"}
+    assert "operator" not in body["properties"]  # the audit records the token's name
     assert body["properties"]["rate"]["maximum"] == replays.MAX_RATE
     detail = schema["components"]["schemas"]["EventDetail"]
     assert "payload" not in detail["properties"]
@@ -142,34 +150,30 @@ def test_replay_requests_follow_the_cli_rules(
     succeed(sessions, done)
     before = len(replay_rows(engine))
 
-    no_reason = _post(api, "/replays", {"operator": "ann", "reason": "", "ids": dead})
-    assert no_reason.status_code == 422
-    blank = _post(api, "/replays", {"operator": "ann", "reason": "   ", "ids": dead})
-    assert blank.status_code == 422
+    no_reason = _post(api, "/replays", {"reason": "", "ids": dead})
+    assert no_reason.status_code == 400
+    blank = _post(api, "/replays", {"reason": "   ", "ids": dead})
+    assert blank.status_code == 400
     assert blank.json()["reason"] == "no_reason"
     too_fast = _post(
         api,
         "/replays",
-        {"operator": "ann", "reason": "x", "ids": dead, "rate": replays.MAX_RATE * 2},
+        {"reason": "x", "ids": dead, "rate": replays.MAX_RATE * 2},
     )
-    assert too_fast.status_code == 422
-    both = _post(
-        api, "/replays", {"operator": "ann", "reason": "x", "ids": dead, "source": source.public_id}
-    )
-    assert both.status_code == 422
-    refused = _post(api, "/replays", {"operator": "ann", "reason": "again", "ids": done})
+    assert too_fast.status_code == 400
+    both = _post(api, "/replays", {"reason": "x", "ids": dead, "source": source.public_id})
+    assert both.status_code == 400
+    refused = _post(api, "/replays", {"reason": "again", "ids": done})
     assert refused.status_code == 409
     assert refused.json()["reason"] == "succeeded"
     assert "--rerun-succeeded" in refused.json()["detail"]
-    unknown_source = _post(
-        api, "/replays", {"operator": "ann", "reason": "x", "source": "src_does_not_exist"}
-    )
-    assert unknown_source.status_code == 422
+    unknown_source = _post(api, "/replays", {"reason": "x", "source": "src_does_not_exist"})
+    assert unknown_source.status_code == 400
 
     dry = _post(
         api,
         "/replays",
-        {"operator": "ann", "reason": "look", "source": source.public_id, "dry_run": True},
+        {"reason": "look", "source": source.public_id, "dry_run": True},
     )
     assert dry.status_code == 200
     assert dry.json()["replay"] is None

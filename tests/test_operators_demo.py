@@ -54,6 +54,7 @@ def test_demo_runs_to_its_summary_against_webhooks_run(fresh: None, tmp_path: Pa
         WEBHOOKS_FLOWER_PORT=str(flower_port),
         WEBHOOKS_FLOWER_PASSWORD=PASSWORD,
         WEBHOOKS_WORKER_METRICS_PORT=str(metrics_port),
+        WEBHOOKS_ADMIN_PORT=str(free_port()),  # not the default 8001: suites run side by side
     )
     pipeline = Process("webhooks-run", [str(BIN / "webhooks"), "run"], env, tmp_path)
     try:

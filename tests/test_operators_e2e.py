@@ -66,7 +66,8 @@ def broker(ops: Settings) -> Iterator[Broker]:
 
 @pytest.fixture(scope="module")
 def api(ops: Settings) -> Iterator[Receiver]:
-    with ops_receiver(TOKEN) as running:
+    # A named token: the audit records its name as the operator.
+    with ops_receiver(None, WEBHOOKS_ADMIN_TOKENS=f"dora:{TOKEN}") as running:
         yield running
 
 
@@ -128,8 +129,8 @@ def test_dead_delivery_replayed_by_the_api_is_processed_by_a_real_worker(
         ).scalar_one()
     auth = {"Authorization": f"Bearer {TOKEN}"}
     created = httpx.post(
-        f"{api.url}/admin/replays",
-        json={"operator": "dora", "reason": "incident 7 resolved", "source": source, "rate": 5},
+        f"{api.admin_url}/admin/replays",
+        json={"reason": "incident 7 resolved", "source": source, "rate": 5},
         headers=auth,
         timeout=10,
     )
@@ -140,7 +141,7 @@ def test_dead_delivery_replayed_by_the_api_is_processed_by_a_real_worker(
     assert body["replay"]["status"] == "running"
 
     def finished() -> dict[str, object] | None:
-        progress = httpx.get(f"{api.url}/admin/replays/{replay_id}", headers=auth, timeout=10)
+        progress = httpx.get(f"{api.admin_url}/admin/replays/{replay_id}", headers=auth, timeout=10)
         assert progress.status_code == 200
         data: dict[str, object] = progress.json()
         return data if data["status"] != "running" else None

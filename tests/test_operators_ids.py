@@ -376,7 +376,7 @@ def test_event_data_is_printed_literally_never_as_markup(
 
 def _get(api: Receiver, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
     auth = {"Authorization": f"Bearer {TOKEN}"} if headers is None else headers
-    return httpx.get(f"{api.url}/admin{path}", headers=auth, timeout=10)
+    return httpx.get(f"{api.admin_url}/admin{path}", headers=auth, timeout=10)
 
 
 def _basic(password: str) -> dict[str, str]:
@@ -403,26 +403,35 @@ def test_the_admin_api_looks_deliveries_up_and_refuses_an_ambiguous_event_number
     assert (missing.status_code, missing.json()["reason"]) == (404, "not_found")
 
     ambiguous = _get(api, f"/events/{d1}")
-    assert (ambiguous.status_code, ambiguous.json()["reason"]) == (422, "ambiguous_id")
+    assert (ambiguous.status_code, ambiguous.json()["reason"]) == (400, "ambiguous_id")
     assert "deliveries show" in ambiguous.json()["detail"]
     assert _get(api, f"/events/receipt:{r1}").json()["event_id"] == first
 
 
-def test_an_api_replay_without_operator_is_recorded_as_the_token(
+def test_an_api_replay_is_recorded_under_the_tokens_name(
     api: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
 ) -> None:
     source = source_with(sessions, ops, "log")
     [d] = accept(ops, source)
     kill(sessions, [d])
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    claimed = httpx.post(
+        f"{api.admin_url}/admin/replays",
+        json={"reason": "r", "ids": [d], "operator": "someone-else"},
+        headers=auth,
+        timeout=10,
+    )
+    assert claimed.status_code == 400  # a client-named operator is no longer accepted
+    assert claimed.json()["errors"][0]["field"] == "body.operator"
     started = httpx.post(
-        f"{api.url}/admin/replays",
+        f"{api.admin_url}/admin/replays",
         json={"reason": "no operator named", "ids": [d]},
-        headers={"Authorization": f"Bearer {TOKEN}"},
+        headers=auth,
         timeout=10,
     )
     assert started.status_code == 202, started.text
     [row] = replay_rows(engine, id=started.json()["replay"]["id"])
-    assert (row.operator, row.via) == ("admin-token", "api")
+    assert (row.operator, row.via) == ("admin", "api")  # WEBHOOKS_ADMIN_TOKEN's name
 
 
 def test_the_admin_docs_work_offline_and_need_the_token(api: Receiver) -> None:

@@ -273,7 +273,7 @@ def test_duplicate_and_conflict(
         ).scalar_one()
     assert bytes(payload) == body
     assert conflicts == 1
-    metrics = client.get(f"{receivers[0].url}/metrics").text
+    metrics = client.get(f"{receivers[0].admin_url}/metrics").text
     assert f'webhooks_conflicts_total{{source="{source.public_id}"}} 1.0' in metrics
 
 
@@ -443,7 +443,7 @@ def test_broker_unreachable_is_202_with_delivery_left_pending(
         deadline = time.monotonic() + 10  # the publisher thread counts the failure
         metrics = ""
         while expected not in metrics and time.monotonic() < deadline:
-            metrics = client.get(f"{rcv.url}/metrics").text
+            metrics = client.get(f"{rcv.admin_url}/metrics").text
             time.sleep(0.1)
         ready = client.get(f"{rcv.url}/readyz")
     with engine.connect() as conn:
@@ -505,7 +505,7 @@ def test_metrics_add_up_across_receiver_processes(
             # A new connection each time, so both processes answer some of them.
             with httpx.Client(timeout=10) as fresh:
                 assert post(fresh, rcv, source, headers, body).status_code == 202
-        metrics = client.get(f"{rcv.url}/metrics").text
+        metrics = client.get(f"{rcv.admin_url}/metrics").text
         writers = list((tmp_path / "receiver").glob("counter_*.db"))
     assert len(writers) >= 2, writers  # both processes counted into the shared directory
     line = f'webhooks_requests_total{{outcome="accepted",source="{source.public_id}"}} 12.0'

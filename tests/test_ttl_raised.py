@@ -65,7 +65,7 @@ def test_a_source_below_its_retry_window_is_reported_counted_and_still_accepted(
             f"{rcv.url}/webhooks/{source.public_id}", headers=headers, content=body
         )
         again = client.post(f"{rcv.url}/webhooks/{source.public_id}", headers=headers, content=body)
-        exposition = client.get(f"{rcv.url}/metrics").text
+        exposition = client.get(f"{rcv.admin_url}/metrics").text
     log = rcv.log_path.read_text()
 
     assert answer.status_code == 202, answer.text

@@ -9,6 +9,7 @@ construction and is checked again by :meth:`Settings.check_budgets`.
 from __future__ import annotations
 
 import itertools
+import re
 from datetime import timedelta
 from functools import cached_property
 from typing import Literal
@@ -27,6 +28,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from webhooks.durations import DurationError, parse_duration
 
 MIN_ADMIN_TOKEN_LENGTH = 32
+ADMIN_TOKEN_NAME = re.compile(r"[a-z0-9_-]{1,32}")
+# The name WEBHOOKS_ADMIN_TOKEN's one token goes by (in the audit, as the operator).
+DEFAULT_ADMIN_TOKEN_NAME = "admin"  # noqa: S105  (a name, not a secret)
 
 
 class SettingsError(Exception):
@@ -58,12 +62,18 @@ class Settings(BaseSettings):
     # One key, or several newest first (rotation: webhooks/crypto.py), each >= 32 characters.
     secret_key: SecretStr = Field(min_length=32)
     admin_token: SecretStr | None = None
+    # Named admin tokens, ``name:token,name2:token2``: the audit records the name (see
+    # admin_tokens_by_name). WEBHOOKS_ADMIN_TOKEN is one more, named "admin".
+    admin_tokens: SecretStr | None = None
     flower_user: str = "admin"
     flower_password: SecretStr | None = None
 
     # Receiver.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # The admin plane (admin API and /metrics): an address of its own, loopback by default.
+    admin_host: str = "127.0.0.1"
+    admin_port: int = Field(default=8001, ge=1, le=65535)
     receiver_workers: int = Field(default=1, ge=1, le=64)
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     default_tolerance: timedelta = timedelta(seconds=300)
@@ -150,6 +160,12 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("admin_tokens")
+    @classmethod
+    def _check_admin_tokens(cls, value: SecretStr | None) -> SecretStr | None:
+        parse_admin_tokens("" if value is None else value.get_secret_value())
+        return value
+
     @field_validator("database_url")
     @classmethod
     def _normalise_database_url(cls, value: str) -> str:
@@ -188,6 +204,16 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:
         self.check_budgets()
+        return self
+
+    @model_validator(mode="after")
+    def _check_admin_plane(self) -> Settings:
+        if self.admin_port == self.port:
+            raise ValueError(
+                f"WEBHOOKS_ADMIN_PORT and WEBHOOKS_PORT are both {self.port}: the admin API "
+                "and /metrics need a port of their own"
+            )
+        self.admin_tokens_by_name()  # WEBHOOKS_ADMIN_TOKEN clashing with a named one
         return self
 
     # Derived values -------------------------------------------------------------------
@@ -232,8 +258,55 @@ class Settings(BaseSettings):
                     f"time budgets out of order: {lo_name}={lo} must be < {hi_name}={hi}"
                 )
 
+    def admin_tokens_by_name(self) -> dict[str, SecretStr]:
+        """Every admin token by its name: WEBHOOKS_ADMIN_TOKENS, and WEBHOOKS_ADMIN_TOKEN as
+        ``admin``. Empty: the admin API is off."""
+        named = parse_admin_tokens(
+            "" if self.admin_tokens is None else self.admin_tokens.get_secret_value()
+        )
+        single = "" if self.admin_token is None else self.admin_token.get_secret_value()
+        if single:
+            if DEFAULT_ADMIN_TOKEN_NAME in named:
+                raise ValueError(
+                    f"WEBHOOKS_ADMIN_TOKENS names a token {DEFAULT_ADMIN_TOKEN_NAME!r}, the name "
+                    "WEBHOOKS_ADMIN_TOKEN goes by: rename it or drop WEBHOOKS_ADMIN_TOKEN"
+                )
+            if any(token.get_secret_value() == single for token in named.values()):
+                raise ValueError("WEBHOOKS_ADMIN_TOKEN is also in WEBHOOKS_ADMIN_TOKENS")
+            named[DEFAULT_ADMIN_TOKEN_NAME] = SecretStr(single)
+        return named
+
     def database_name(self) -> str:
         return self.database_url.rsplit("/", 1)[-1].split("?", 1)[0]
+
+
+def parse_admin_tokens(text: str) -> dict[str, SecretStr]:
+    """``name:token,name2:token2`` by name. Errors name the entry by position and name, never
+    quote a token: the value is a secret even when it is refused."""
+    tokens: dict[str, SecretStr] = {}
+    seen: set[str] = set()
+    for position, entry in enumerate((e.strip() for e in text.split(",")), start=1):
+        if not entry:
+            continue
+        name, sep, token = entry.partition(":")
+        name, token = name.strip(), token.strip()
+        if not sep or ADMIN_TOKEN_NAME.fullmatch(name) is None:
+            raise ValueError(
+                f"entry {position} is not name:token with a name of 1-32 characters "
+                "a-z, 0-9, _ or -"
+            )
+        if len(token) < MIN_ADMIN_TOKEN_LENGTH:
+            raise ValueError(
+                f"the token named {name!r} must be at least {MIN_ADMIN_TOKEN_LENGTH} "
+                f"characters (it has {len(token)})"
+            )
+        if name in tokens:
+            raise ValueError(f"the name {name!r} is given twice")
+        if token in seen:
+            raise ValueError(f"the token named {name!r} is also given another name")
+        seen.add(token)
+        tokens[name] = SecretStr(token)
+    return tokens
 
 
 def load_settings(**overrides: object) -> Settings:

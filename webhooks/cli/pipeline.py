@@ -6,9 +6,10 @@
 - each child runs in a session of its own, so a terminal's signals reach ``webhooks run``
   alone: Ctrl-C, SIGTERM and SIGHUP (the terminal closed) all stop every child the same way,
   and a child also gets SIGTERM if ``webhooks run`` itself dies (Linux' parent-death signal);
-- it says ``pipeline running`` only once every child answers: the receiver's ``/healthz``,
-  Flower's ``/healthcheck``, and the worker's metrics server, which the worker starts from
-  Celery's ``worker_ready`` signal (:mod:`tasks.observability`);
+- it says ``pipeline running`` only once every child answers: the receiver's ``/healthz``
+  and its admin address's ``/metrics``, Flower's ``/healthcheck``, and the worker's metrics
+  server, which the worker starts from Celery's ``worker_ready`` signal
+  (:mod:`tasks.observability`);
 - a child that exits stops the pipeline, with one line naming it and its exit status;
   ``pipeline stopped`` is always the last line.
 
@@ -33,12 +34,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Annotated
+from typing import IO, TYPE_CHECKING, Annotated
 
 import typer
 
 from webhooks.cli.common import CliError, Env, cli_command, console, env, handle_errors, say_error
 from webhooks.logs import wants_colour, wants_json
+
+if TYPE_CHECKING:
+    from ingest.admin import AdminServer
+    from webhooks.settings import Settings
 
 
 @handle_errors
@@ -47,12 +52,14 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (default WEBHOOKS_PORT).")] = None,
     workers: Annotated[int | None, typer.Option(help="Receiver processes.")] = None,
 ) -> None:
-    """Run the receiver (ASGI, uvicorn)."""
+    """Run the receiver (ASGI, uvicorn), and the admin API and /metrics on WEBHOOKS_ADMIN_PORT."""
     import uvicorn  # noqa: PLC0415
 
     from ingest.server import ReceiverProtocol  # noqa: PLC0415
 
     settings = env().settings
+    several = (workers or settings.receiver_workers) > 1
+    scratch = None  # a metrics directory of our own, removed at the end
     if settings.metrics_dir:
         # Several receiver processes: prometheus-client's multiprocess mode, in a directory of
         # the receiver's own (workers keep theirs), emptied so old counts do not linger.
@@ -60,6 +67,14 @@ def serve(
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    elif several:  # one /metrics for every process: the admin server adds up their files
+        scratch = directory = Path(tempfile.mkdtemp(prefix="webhooks-receiver-metrics-"))
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    admin = _admin_server(settings, port or settings.port, str(directory) if several else None)
+    admin.start()
+    # SIGTERM as Ctrl-C: uvicorn stops gracefully, then re-raises it here (a KeyboardInterrupt,
+    # which uvicorn.run swallows) instead of the process dying before the admin server stops.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     uvicorn.run(
         "ingest.app:app_from_env",
         factory=True,
@@ -73,6 +88,32 @@ def serve(
         timeout_keep_alive=settings.keep_alive_timeout,
         lifespan="on",
     )
+    admin.stop()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _admin_server(
+    settings: Settings, public_port: int, multiprocess_dir: str | None
+) -> AdminServer:
+    """The admin plane (admin API and /metrics) on WEBHOOKS_ADMIN_HOST:WEBHOOKS_ADMIN_PORT,
+    bound now: a taken port stops ``webhooks serve`` before the receiver starts."""
+    from ingest.admin import AdminServer  # noqa: PLC0415
+
+    host, number = settings.admin_host, settings.admin_port
+    if number == public_port:
+        raise CliError(
+            f"the receiver and the admin API would both listen on port {number}: "
+            "set WEBHOOKS_ADMIN_PORT to another port"
+        )
+    try:
+        return AdminServer(settings, host=host, port=number, multiprocess_dir=multiprocess_dir)
+    except OSError as exc:
+        address = Port("admin API", "WEBHOOKS_ADMIN_PORT", host, number).address
+        raise CliError(
+            f"cannot listen on {address} for the admin API and metrics (WEBHOOKS_ADMIN_PORT): "
+            f"{exc.strerror or exc}"
+        ) from None
 
 
 def _bin(name: str) -> str:
@@ -190,7 +231,7 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
 class Child:
     name: str
     proc: subprocess.Popen[bytes]
-    url: str | None  # answers once the child is ready; None: alive is ready (beat)
+    urls: tuple[str, ...]  # all answer once the child is ready; none: alive is ready (beat)
 
     def status(self) -> str:
         code = self.proc.returncode
@@ -275,6 +316,7 @@ def run(
     worker_metrics_port = settings.worker_metrics_port or 9100
     ports = [
         Port("receiver", "WEBHOOKS_PORT", settings.host, settings.port),
+        Port("admin API", "WEBHOOKS_ADMIN_PORT", settings.admin_host, settings.admin_port),
         Port("worker metrics", "WEBHOOKS_WORKER_METRICS_PORT", settings.host, worker_metrics_port),
     ]
     if not no_flower:
@@ -334,20 +376,25 @@ def _start(
             child_env.setdefault("FORCE_COLOR", "1")
     host = _probe_host(settings.host)
     celery = [_bin("celery"), "-A", "tasks"]
-    specs: list[tuple[str, list[str], str | None]] = [
-        ("receiver", [_bin("webhooks"), "serve"], f"http://{host}:{settings.port}/healthz"),
+    # The receiver is ready when its public port and its admin address both answer.
+    receiver_urls = (
+        f"http://{host}:{settings.port}/healthz",
+        f"http://{_probe_host(settings.admin_host)}:{settings.admin_port}/metrics",
+    )
+    specs: list[tuple[str, list[str], tuple[str, ...]]] = [
+        ("receiver", [_bin("webhooks"), "serve"], receiver_urls),
         (
             "worker",
             [
                 *celery, "worker", "-Q", "deliveries,maintenance", "-c", str(workers),
                 "-n", "worker@%h", "--loglevel", "WARNING",
             ],
-            f"http://{host}:{metrics_port}/metrics",
+            (f"http://{host}:{metrics_port}/metrics",),
         ),
         (
             "beat",
             [*celery, "beat", "-s", str(state / "beat-schedule"), "--loglevel", "WARNING"],
-            None,
+            (),
         ),
     ]  # fmt: skip
     # Per child: what its environment adds (Flower's login goes there, never on its command
@@ -363,12 +410,12 @@ def _start(
                     *celery, "flower", f"--port={settings.flower_port}", "--address=127.0.0.1",
                     "--persistent=False",
                 ],
-                f"http://127.0.0.1:{settings.flower_port}/healthcheck",
+                (f"http://127.0.0.1:{settings.flower_port}/healthcheck",),
             )
         )  # fmt: skip
     hook = _die_with_parent(os.getpid())
     children: list[Child] = []
-    for name, cmd, url in specs:
+    for name, cmd, urls in specs:
         if stop.event.is_set():
             break
         try:
@@ -384,7 +431,7 @@ def _start(
             )
         except OSError as exc:
             return children, f"{name} could not start: {cmd[0]}: {exc.strerror}"
-        children.append(Child(name, proc, url))
+        children.append(Child(name, proc, urls))
     for child in children:
         if child.proc.stdout is not None:
             threading.Thread(
@@ -409,20 +456,23 @@ def _wait_ready(
 ) -> str | None:
     import httpx  # noqa: PLC0415
 
-    pending = {c.name: c.url for c in children if c.url is not None}
+    pending = {c.name: list(c.urls) for c in children if c.urls}
     started = time.monotonic()
     with httpx.Client(timeout=2) as client:
         while pending and not stop.event.is_set():
             if (gone := _exited(children)) is not None:
                 return gone
-            for name, url in list(pending.items()):
-                with contextlib.suppress(httpx.HTTPError):
-                    auth = flower_auth if name == "flower" else None
-                    if client.get(url, auth=auth).status_code == 200:
-                        del pending[name]
-                        out.say(f"{name} ready ({time.monotonic() - started:.1f}s)", "dim")
+            for name, urls in list(pending.items()):
+                auth = flower_auth if name == "flower" else None
+                for url in list(urls):
+                    with contextlib.suppress(httpx.HTTPError):
+                        if client.get(url, auth=auth).status_code == 200:
+                            urls.remove(url)
+                if not urls:
+                    del pending[name]
+                    out.say(f"{name} ready ({time.monotonic() - started:.1f}s)", "dim")
             if pending and time.monotonic() - started > timeout:
-                waiting = ", ".join(f"{name} ({url})" for name, url in pending.items())
+                waiting = ", ".join(f"{name} ({', '.join(urls)})" for name, urls in pending.items())
                 return f"no answer within {timeout:g}s from {waiting}, so the pipeline was stopped"
             stop.event.wait(0.1)
     return _exited(children)
@@ -462,11 +512,19 @@ def _banner(e: Env, out: Output, metrics_port: int, no_flower: bool) -> None:
     settings = e.settings
     host = _probe_host(settings.host)
     receiver = f"http://{host}:{settings.port}"
-    lines = [f"  receiver  {receiver}/webhooks/<source_id>  (health /healthz, metrics /metrics)"]
-    if settings.admin_token is not None:
-        lines.append(f"  admin API {receiver}/admin  token: {_where(e, 'WEBHOOKS_ADMIN_TOKEN')}")
+    admin = f"http://{_probe_host(settings.admin_host)}:{settings.admin_port}"
+    lines = [f"  receiver  {receiver}/webhooks/<source_id>  (health /healthz, /readyz)"]
+    given = {
+        "WEBHOOKS_ADMIN_TOKENS": settings.admin_tokens,
+        "WEBHOOKS_ADMIN_TOKEN": settings.admin_token,
+    }
+    tokens = [name for name, value in given.items() if value and value.get_secret_value()]
+    if tokens:
+        where = "; ".join(_where(e, variable) for variable in tokens)
+        lines.append(f"  admin API {admin}/admin  tokens: {where}")
     else:
-        lines.append("  admin API off (set WEBHOOKS_ADMIN_TOKEN to enable it)")
+        lines.append("  admin API off (set WEBHOOKS_ADMIN_TOKENS to enable it)")
+    lines.append(f"  metrics   {admin}/metrics (receiver, no token)")
     if not no_flower:
         lines.append(
             f"  Flower    http://127.0.0.1:{settings.flower_port}  user {settings.flower_user}, "
