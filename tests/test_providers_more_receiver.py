@@ -358,3 +358,28 @@ def test_a_batch_is_all_or_nothing(
     response = post(client, rcv, source, headers, body)
     assert response.status_code == 200
     assert response.json()["status"] == "duplicate"
+
+
+def test_sources_refuse_missing_options_and_keys_not_in_the_senders_format(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    from models.catalog import CatalogError  # noqa: PLC0415
+
+    def count() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT count(*) FROM sources")).scalar_one())
+
+    before = count()
+    with pytest.raises(CatalogError, match="issued by the sender"):
+        make_source(sessions, settings, provider="discord")  # no key: none can be generated
+    with pytest.raises(CatalogError, match="64 hex"):
+        make_source(sessions, settings, provider="discord", secret="ab" * 20)
+    with pytest.raises(CatalogError, match="P-256"):
+        make_source(sessions, settings, provider="sendgrid", secret="x" * 40)
+    with pytest.raises(CatalogError, match="hex"):
+        make_source(sessions, settings, provider="adyen", secret="not-a-hex-key-" * 3)
+    with pytest.raises(ValueError, match="needs public_url"):
+        make_source(sessions, settings, provider="twilio", secret="t" * 32)
+    with pytest.raises(ValueError, match="verify_token"):
+        make_source(sessions, settings, provider="meta", secret="m" * 32)
+    assert count() == before
