@@ -21,8 +21,8 @@ $(VENV)/.installed: pyproject.toml
 # Local secrets for a development machine, generated once (never committed).
 # umask 077: the file is written readable by its owner only (mode 0600).
 .env:
-	@umask 077 && $(PYTHON) -c "import secrets; print('WEBHOOKS_SECRET_KEY=' + secrets.token_urlsafe(48)); print('WEBHOOKS_ADMIN_TOKEN=' + secrets.token_urlsafe(32)); print('WEBHOOKS_FLOWER_PASSWORD=' + secrets.token_urlsafe(16))" > .env
-	@echo "wrote .env with a new secret key, admin token and Flower password"
+	@umask 077 && $(PYTHON) -c "import secrets; print('WEBHOOKS_SECRET_KEY=' + secrets.token_urlsafe(48)); print('WEBHOOKS_ADMIN_TOKENS=ops:' + secrets.token_urlsafe(32)); print('WEBHOOKS_FLOWER_PASSWORD=' + secrets.token_urlsafe(16))" > .env
+	@echo "wrote .env with a new secret key, admin token (named ops) and Flower password"
 
 run: install .env
 	$(VENV)/bin/webhooks run

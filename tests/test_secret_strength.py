@@ -252,8 +252,10 @@ def test_make_env_writes_a_file_only_its_owner_can_read(tmp_path: Path) -> None:
     written = tmp_path / ".env"
     assert stat.S_IMODE(written.stat().st_mode) == 0o600
     values = dict(line.split("=", 1) for line in written.read_text().splitlines())
-    assert {"WEBHOOKS_SECRET_KEY", "WEBHOOKS_ADMIN_TOKEN"} <= set(values)
-    assert len(values["WEBHOOKS_ADMIN_TOKEN"]) >= 32
+    assert {"WEBHOOKS_SECRET_KEY", "WEBHOOKS_ADMIN_TOKENS"} <= set(values)
+    name, token = values["WEBHOOKS_ADMIN_TOKENS"].split(":", 1)  # a named token: ops
+    assert name == "ops"
+    assert len(token) >= 32
     assert len(values["WEBHOOKS_SECRET_KEY"]) >= 32
 
 
