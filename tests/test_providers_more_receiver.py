@@ -419,3 +419,63 @@ def test_overlapping_batches_racing_store_each_event_once(
     assert set(statuses) <= {200, 202}, statuses
     stored = [r[0] for r in receipts(engine, source)]
     assert sorted(stored) == sorted(ids)  # each once
+
+
+def test_a_handler_reads_a_twilio_form_with_its_content_type(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine, tmp_path: Any
+) -> None:
+    """Receiver -> broker -> worker: the handler gets the form body as received, with its
+    content type; ``event.form`` parses it and ``event.json`` says to read ``event.form``."""
+    from tests.handlers_providers_more import FORM_SEEN_DDL  # noqa: PLC0415
+    from tests.workers import running_worker, wait_for, worker_settings  # noqa: PLC0415
+
+    with engine.begin() as conn:
+        conn.execute(text(FORM_SEEN_DDL))
+    spec = BY_NAME["twilio"]
+    signer, secret = spec.keys()
+    remember(secret)
+    source = make_source(
+        sessions,
+        settings,
+        provider="twilio",
+        secret=secret,
+        config=dict(spec.config),
+        routes=[{"handler": "form_seen"}],
+    )
+    headers, body = signing.sign_twilio(signer, url=spec.config["public_url"], sid="SMform1")
+    modules = ["tests.handlers_providers_more"]
+    with (
+        receiver(  # publishing to the workers' broker
+            WEBHOOKS_HANDLER_MODULES=json.dumps(modules),
+            WEBHOOKS_BROKER_URL=worker_settings().broker_url,
+        ) as rcv,
+        running_worker("forms", tmp_path, handler_modules=modules) as worker,
+        httpx.Client(timeout=10) as http,
+    ):
+        response = post(http, rcv, source, headers, body)
+        assert response.status_code == 202, response.text
+
+        def seen() -> Any:
+            with engine.connect() as conn:
+                return conn.execute(
+                    text(
+                        "SELECT content_type, form, json_error FROM test_form_seen WHERE event_id = :e"
+                    ),
+                    {"e": "SMform1:delivered"},
+                ).first()
+
+        try:
+            content_type, form, json_error = wait_for(seen, timeout=60, what="the handler's row")
+        except TimeoutError:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    text(
+                        "SELECT id, status FROM deliveries d WHERE receipt_id IN (SELECT id FROM receipts WHERE source_id = :s)"
+                    ),
+                    {"s": source.id},
+                ).all()
+            raise AssertionError(f"{rows}\n{worker.output()[-3000:]}") from None
+    assert content_type == headers["Content-Type"]
+    assert form["MessageSid"] == ["SMform1"]
+    assert form["Body"] == ["Hello & welcome = 100%"]
+    assert "read event.form" in json_error
