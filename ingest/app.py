@@ -89,6 +89,17 @@ def _json(status: int, data: dict[str, Any], headers: dict[str, str] | None = No
     return Response(orjson.dumps(data), status, headers, media_type="application/json")
 
 
+def _echo(body: bytes, challenge: Challenge) -> Response:
+    """A handshake's answer. It echoes text the sender chose (Meta's and Twitch's challenge),
+    so browsers are told not to sniff it into something active."""
+    return Response(
+        body or None,
+        challenge.status,
+        media_type=challenge.content_type,
+        headers={"X-Content-Type-Options": "nosniff"},
+    )
+
+
 async def read_limited(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -267,7 +278,7 @@ class Receiver:
                 )
             body = challenge.sign(secret)
         metrics.REQUESTS.labels(label, "challenge").inc()
-        return Response(body or None, challenge.status, media_type=challenge.content_type)
+        return _echo(body, challenge)
 
     async def _receive_batch(
         self,
@@ -352,7 +363,7 @@ class Receiver:
         except AuthError as exc:
             return self._answer(label, f"unauthenticated:{exc.reason}", 403, {"error": "forbidden"})
         metrics.REQUESTS.labels(label, "challenge").inc()
-        return Response(challenge.body, challenge.status, media_type=challenge.content_type)
+        return _echo(challenge.body, challenge)
 
     async def _authenticate(self, source: SourceRecord, headers: Any, body: bytes, now: Any) -> str:
         try:

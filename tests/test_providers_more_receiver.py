@@ -281,6 +281,7 @@ def test_meta_get_verification_and_405_for_others(
     response = client.get(url, params=query)
     assert (response.status_code, response.text) == (200, "1158201444")
     assert response.headers["content-type"].startswith("text/plain")
+    assert response.headers["x-content-type-options"] == "nosniff"  # an echo of sender text
     response = client.get(url, params={**query, "hub.verify_token": "wrong-token-123456"})
     assert response.status_code == 403
     assert client.get(url).status_code == 403
