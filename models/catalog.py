@@ -23,7 +23,14 @@ from webhooks.crypto import SecretBox, check_key, generate_secret, key_format, p
 from webhooks.logs import get_logger
 from webhooks.metrics import SOURCES_TTL_RAISED
 from webhooks.settings import Settings
-from webhooks.ttl import EffectiveTtl, TtlOverrides, derive_ttl, effective_ttl, known_providers
+from webhooks.ttl import (
+    EffectiveTtl,
+    TtlConfigError,
+    TtlOverrides,
+    derive_ttl,
+    effective_ttl,
+    known_providers,
+)
 
 log = get_logger("catalog")
 
@@ -171,14 +178,30 @@ def report_raised_ttls(engine: Engine, settings: Settings, *, process: str) -> i
     whose dedup TTL no longer covers its provider's retry window (its receipts are written
     with the raised, minimum safe TTL instead), and the gauge
     ``webhooks_sources_ttl_raised``. Returns how many. An unreachable database is logged and
-    skipped: the process starts anyway, and reports again at its next start."""
+    skipped: the process starts anyway, and reports again at its next start. A source whose
+    provider is not installed here (a plug-in removed) gets one warning and does not stop
+    the process: its other sources still work."""
     try:
         with Session(engine) as session:
             rows = list(session.scalars(select(Source).order_by(Source.id)))
-            found = [(s, source_effective_ttl(s, settings)) for s in rows]
     except OperationalError as exc:
         log.warning("sources.ttl_check_skipped", process=process, error_class=type(exc).__name__)
         return 0
+    found = []
+    for source in rows:
+        try:
+            found.append((source, source_effective_ttl(source, settings)))
+        except TtlConfigError as exc:
+            if exc.reason != "unknown_provider":
+                raise
+            log.warning(
+                "source.provider_unknown",
+                process=process,
+                source=source.public_id,
+                provider=source.provider,
+                fix="install the package that provides it (webhooks providers list), "
+                f"or webhooks sources disable {source.public_id}",
+            )
     raised = [(s, ttl) for s, ttl in found if ttl.raised]
     for source, ttl in raised:
         log.warning(

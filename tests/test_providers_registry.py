@@ -7,16 +7,19 @@ import json
 import re
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine, text
 
 from ingest.providers import BUILTIN_PROVIDERS, Provider, ProviderPluginError, registry
 from ingest.providers.base import AUTH_REASONS
 from tests.conftest import BIN, make_settings, test_env
 from webhooks.crypto import SUPPLIED_KEY_FORMATS, generate_secret
+from webhooks.settings import Settings
 from webhooks.ttl import TtlOverrides, derive_ttl, known_providers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,3 +165,34 @@ def test_the_readme_table_lists_every_provider_with_its_figures() -> None:
         assert cells[3] == format_duration(provider.retry_window), name
         ttl = derive_ttl(name, TtlOverrides(), settings).total
         assert cells[4] == format_duration(ttl), name
+
+
+def test_a_source_whose_plugin_is_gone_is_listed_and_does_not_stop_a_process(
+    engine: Engine, settings: Settings
+) -> None:
+    from models import catalog
+
+    public = f"src_gone{uuid.uuid4().hex[:12]}"
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO sources (public_id, name, provider) "
+                "VALUES (:p, :p, 'uninstalled_plugin')"
+            ),
+            {"p": public},
+        )
+    try:
+        catalog.report_raised_ttls(engine, settings, process="test")  # warns, never raises
+        listed = subprocess.run(
+            [str(BIN / "webhooks"), "sources", "list", "--json"],
+            env=test_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert listed.returncode == 0, listed.stderr
+        view = next(v for v in json.loads(listed.stdout) if v["id"] == public)
+        assert "'uninstalled_plugin' is not installed" in view["warning"]
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM sources WHERE public_id = :p"), {"p": public})

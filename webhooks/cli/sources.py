@@ -18,7 +18,7 @@ from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say
 from webhooks.clock import pinned
 from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration, parse_duration
-from webhooks.ttl import TtlOverrides
+from webhooks.ttl import TtlConfigError, TtlOverrides
 
 sources_app = typer.Typer(help="Webhook sources (one URL per source).", no_args_is_help=True)
 secrets_app = typer.Typer(help="A source's signing secrets (rotation).", no_args_is_help=True)
@@ -65,7 +65,12 @@ def _box(e: Env) -> SecretBox:
 
 
 def _source_view(e: Env, source: Source) -> dict[str, Any]:
-    ttl = catalog.source_effective_ttl(source, e.settings)
+    try:
+        ttl = catalog.source_effective_ttl(source, e.settings)
+    except TtlConfigError as exc:
+        if exc.reason != "unknown_provider":
+            raise
+        return _unknown_provider_view(source)
     return {
         "id": source.public_id,
         "name": source.name,
@@ -79,6 +84,24 @@ def _source_view(e: Env, source: Source) -> dict[str, Any]:
         if not ttl.raised
         else f"{format_duration(ttl.total)} (raised)",
         "warning": ttl.warning(),
+        "active": source.active,
+        "created_at": source.created_at,
+    }
+
+
+def _unknown_provider_view(source: Source) -> dict[str, Any]:
+    """A source whose provider is not installed here (a plug-in removed): listed, with why."""
+    return {
+        "id": source.public_id,
+        "name": source.name,
+        "account": source.account,
+        "provider": source.provider,
+        "url_path": f"/webhooks/{source.public_id}",
+        "config": source.config,
+        "tolerance_s": source.tolerance_s,
+        "max_body_bytes": source.max_body_bytes,
+        "dedup_ttl": None,
+        "warning": f"provider {source.provider!r} is not installed (webhooks providers list)",
         "active": source.active,
         "created_at": source.created_at,
     }
