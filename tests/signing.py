@@ -499,6 +499,36 @@ def sign_gitlab(
     }, body
 
 
+def sign_gitlab_signed(
+    secret: str | Sequence[str],
+    *,
+    event_id: str,
+    event_type: str = DEFAULT_TYPES["gitlab"],
+    body_obj: Any = None,
+    raw_body: bytes | None = None,
+    timestamp: Timestamp = None,
+) -> tuple[Headers, bytes]:
+    """GitLab's signing token (``whsec_``): Standard Webhooks headers by ``standardwebhooks``,
+    ``webhook-id`` equal to ``Idempotency-Key``."""
+    ts = unix(timestamp)
+    body = _body(raw_body, body_obj, {"object_kind": "push", "ref": "refs/heads/main"})
+    when = datetime.fromtimestamp(ts, UTC)
+    signatures = [
+        standardwebhooks.Webhook(key).sign(event_id, when, body.decode("utf-8"))
+        for key in _secrets_list(secret)
+    ]
+    return {
+        "webhook-id": event_id,
+        "webhook-timestamp": str(ts),
+        "webhook-signature": " ".join(signatures),
+        "Idempotency-Key": event_id,
+        "X-Gitlab-Event": event_type,
+        "X-Gitlab-Event-UUID": "b7e1c7de-0d7e-4a4e-9a53-4a9f0a4c1d2e",
+        "Content-Type": "application/json",
+        "User-Agent": "GitLab/18.0.0",
+    }, body
+
+
 def sign_linear(
     secret: str | Sequence[str],
     *,

@@ -81,7 +81,9 @@ def test_every_added_provider_is_registered_with_its_contract() -> None:
     for name in ADDED:
         provider = registry.get(name)
         assert provider.citation.startswith("https://"), name
-        assert provider.default_tolerance() == TOLERANCE.get(name), name
+        # GitLab's tolerance applies to its signing token; its secret token signs no time.
+        expected = TOLERANCE.get(name, timedelta(minutes=5) if name == "gitlab" else None)
+        assert provider.default_tolerance() == expected, name
     assert registry.get("resend").key_format == registry.get("clerk").key_format == "whsec"
 
 
@@ -305,3 +307,55 @@ def test_woocommerce_ping_is_a_challenge() -> None:
     )
     check("woocommerce", headers, body)
     assert isinstance(extract("woocommerce", signing.lower(headers), body, config={}), Challenge)
+
+
+# --- GitLab's signing token (Standard Webhooks headers) -------------------------------------
+
+
+def gitlab_signing_token(n: int = 0) -> str:
+    return "whsec_" + __import__("base64").b64encode(bytes([n + 7]) * 32).decode()
+
+
+def test_gitlab_signing_token_deliveries_are_verified_as_standard_webhooks() -> None:
+    token = gitlab_signing_token()
+    secrets = [("tok", "gitlab-secret-token-" + "x" * 8), ("sig", token)]
+
+    def auth(headers: dict[str, str], body: bytes, now: datetime = NOW) -> str:
+        return authenticate(
+            "gitlab", signing.lower(headers), body, secrets, config={}, now=now, tolerance=None
+        )
+
+    headers, body = signing.sign_gitlab_signed(token, event_id="idem_1", timestamp=NOW)
+    assert auth(headers, body) == "sig"
+    meta = extract("gitlab", signing.lower(headers), body, config={})
+    assert meta == EventMeta("idem_1", "Push Hook", None)
+    forged = {**headers, "webhook-id": "idem_2", "Idempotency-Key": "idem_2"}
+    for bad_headers, bad_body, now, why in (
+        (forged, body, NOW, "bad_signature"),
+        (headers, body + b" ", NOW, "bad_signature"),
+        (headers, body, NOW + timedelta(minutes=6), "stale"),
+        (headers, body, NOW - timedelta(minutes=6), "future"),
+    ):
+        with pytest.raises(AuthError) as caught:
+            auth(bad_headers, bad_body, now)
+        assert caught.value.reason == why
+    other, body = signing.sign_gitlab_signed(gitlab_signing_token(1), event_id="i", timestamp=NOW)
+    with pytest.raises(AuthError, match="bad_signature"):
+        auth(other, body)
+
+
+def test_gitlab_signing_token_through_the_receiver(
+    rcv: Receiver, sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    token = gitlab_signing_token(2)
+    source = make_source(sessions, settings, provider="gitlab", secret=token)
+    remember(token)
+    headers, body = signing.sign_gitlab_signed(token, event_id=f"idem_{uuid.uuid4().hex}")
+    accepted = post(rcv, source, headers, body)
+    assert accepted.status_code == 202, accepted.text
+    stale, body = signing.sign_gitlab_signed(
+        token, event_id="idem_stale", timestamp=datetime.now(UTC) - timedelta(minutes=6)
+    )
+    before = count_rows(engine)
+    assert post(rcv, source, stale, body).status_code == 401
+    assert count_rows(engine) == before

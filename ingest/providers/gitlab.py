@@ -1,11 +1,18 @@
-"""GitLab: ``X-Gitlab-Token`` carries the webhook's secret token itself (no HMAC, no timestamp).
+"""GitLab: ``X-Gitlab-Token`` (the secret token itself), or GitLab's signing token.
 
-Authentication is a constant-time comparison of the header with each of the source's secrets.
-Nothing is signed: whoever captures one request holds the token and can send anything, under
-any id, forever, until the token is rotated. Keep the endpoint on TLS and rotate the token if a
-request may have leaked. The dedup id is ``Idempotency-Key`` (a UUID that GitLab keeps when it
-retries or resends a delivery), else ``X-Gitlab-Event-UUID``; the type is ``X-Gitlab-Event``.
+Secret token (the classic setting): a constant-time comparison of the header with each of the
+source's secrets. Nothing is signed: whoever captures one request holds the token and can send
+anything, under any id, forever, until the token is rotated. Keep the endpoint on TLS and
+rotate the token if a request may have leaked.
 
+Signing token (``whsec_...``; GitLab's newer option): GitLab then sends Standard Webhooks
+headers (``webhook-id`` = ``Idempotency-Key``, ``webhook-timestamp``, ``webhook-signature``)
+and the request is verified as the ``standard`` provider verifies it: id, timestamp and body
+are signed, and the timestamp must be within 5 minutes. Add the signing token as the source's
+secret (``webhooks secrets add``); a source can hold both during a switch.
+
+The dedup id is ``Idempotency-Key`` (a UUID GitLab keeps when it retries or resends a
+delivery), else ``webhook-id``, else ``X-Gitlab-Event-UUID``; the type is ``X-Gitlab-Event``.
 Retries: no fixed schedule is documented. A hook answering 5xx is disabled temporarily, with a
 back-off growing to at most 24 hours, and a delivery can be resent by hand from the hook's
 history (gitlab-org/gitlab#414893 tracks the unclear semantics). Three days is taken to cover
@@ -20,6 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
+    FIVE_MINUTES,
     AuthError,
     Challenge,
     EventMeta,
@@ -29,11 +37,17 @@ from ingest.providers.base import (
     event_type,
     header,
 )
+from ingest.providers.standard import scheme
+
+_signed_auth, _ = scheme(("webhook",))
 
 
 def authenticate(
     headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
 ) -> tuple[str, int | None]:
+    if headers.get("webhook-signature"):  # the signing token: Standard Webhooks
+        signing = [(i, s) for i, s in secrets if s.startswith("whsec_")]
+        return _signed_auth(headers, body, signing, config)
     offered = header(headers, "x-gitlab-token").encode("utf-8")
     for secret_id, secret in secrets:
         if secret and hmac.compare_digest(secret.encode("utf-8"), offered):
@@ -44,7 +58,11 @@ def authenticate(
 def extract(
     headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
 ) -> EventMeta | Challenge:
-    raw_id = headers.get("idempotency-key") or headers.get("x-gitlab-event-uuid")
+    raw_id = (
+        headers.get("idempotency-key")
+        or headers.get("webhook-id")
+        or headers.get("x-gitlab-event-uuid")
+    )
     return EventMeta(
         event_id=event_id(raw_id),
         event_type=event_type(headers.get("x-gitlab-event")),
@@ -59,7 +77,9 @@ PROVIDER = Provider(
     retry_window=timedelta(days=3),
     citation="https://docs.gitlab.com/user/project/integrations/webhook_events/ (no schedule "
     "documented; auto-disable back-off up to 24 h, gitlab-org/gitlab#414893)",
-    signed="nothing: X-Gitlab-Token is the secret itself, so a capture can forge any event",
-    tolerance=None,
-    summary="X-Gitlab-Token shared token (constant-time compare)",
+    signed="token: nothing (X-Gitlab-Token is the secret, a capture can forge any event); "
+    "signing token: id + timestamp + body, a capture replays only the same id within 5 min",
+    # Applies to signing-token deliveries only: a secret-token delivery has no time.
+    tolerance=FIVE_MINUTES,
+    summary="X-Gitlab-Token shared token (constant-time compare), or the signing token",
 )
