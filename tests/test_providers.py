@@ -1018,3 +1018,12 @@ def test_hmac_signer_matches_the_documented_scheme() -> None:
     digest = hmac.new(b"k", f"{TS}.".encode() + body, hashlib.sha512).digest()
     assert headers["X-Hub-Sig"] == "sha512=" + base64.b64encode(digest).decode()
     assert headers["X-Timestamp"] == str(TS)
+
+
+def test_generic_hmac_id_path_is_another_name_for_id_field() -> None:
+    got = validate_config("hmac", {"id_path": "event.id"})
+    assert got["id_field"] == "event.id"
+    assert "id_path" not in got
+    assert validate_config("hmac", got) == got
+    with pytest.raises(ValueError, match="'id_path' and 'id_field' are the same"):
+        validate_config("hmac", {"id_path": "a", "id_field": "b"})

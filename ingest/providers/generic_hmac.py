@@ -2,8 +2,8 @@
 
 Options (``--config KEY=VALUE``): ``signature_header``, ``algorithm`` (sha1/sha256/sha512),
 ``encoding`` (hex/base64), ``prefix`` (e.g. ``sha256=``), ``timestamp_header`` (checked for
-freshness), ``signed_content`` (what is signed, below), ``id_field`` / ``type_field`` /
-``time_field`` (dotted paths into a JSON body), ``id_header``, ``type_header`` and
+freshness), ``signed_content`` (what is signed, below), ``id_field`` (or ``id_path``) /
+``type_field`` / ``time_field`` (dotted paths into a JSON body), ``id_header``, ``type_header`` and
 ``id_from_unsigned_header``.
 
 What is signed: by default the raw body, or ``"{timestamp}.{body}"`` when ``timestamp_header``
@@ -159,6 +159,10 @@ def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
+    if "id_path" in config:  # another name for id_field (a dotted path into the body)
+        if "id_field" in config:
+            raise ValueError("generic-HMAC options 'id_path' and 'id_field' are the same: give one")
+        config = {("id_field" if k == "id_path" else k): v for k, v in config.items()}
     unknown = sorted(str(k) for k in config if k not in DEFAULTS)
     if unknown:
         known = ", ".join(DEFAULTS)
