@@ -428,8 +428,9 @@ def test_a_handler_reads_a_twilio_form_with_its_content_type(
     """Receiver -> broker -> worker: the handler gets the form body as received, with its
     content type; ``event.form`` parses it and ``event.json`` says to read ``event.form``."""
     from tests.handlers_providers_more import FORM_SEEN_DDL  # noqa: PLC0415
-    from tests.workers import running_worker, wait_for, worker_settings  # noqa: PLC0415
+    from tests.workers import flush_redis, running_worker, wait_for, worker_settings  # noqa: PLC0415
 
+    flush_redis()  # claim keys of an earlier run's delivery ids (each run has a fresh database)
     with engine.begin() as conn:
         conn.execute(text(FORM_SEEN_DDL))
     spec = BY_NAME["twilio"]
@@ -475,7 +476,9 @@ def test_a_handler_reads_a_twilio_form_with_its_content_type(
                     ),
                     {"s": source.id},
                 ).all()
-            raise AssertionError(f"{rows}\n{worker.output()[-3000:]}") from None
+            raise AssertionError(
+                f"{rows}\n{worker.output()[-3000:]}\n{rcv.log_path.read_text()[-3000:]}"
+            ) from None
     assert content_type == headers["Content-Type"]
     assert form["MessageSid"] == ["SMform1"]
     assert form["Body"] == ["Hello & welcome = 100%"]
