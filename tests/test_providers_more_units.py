@@ -336,12 +336,38 @@ def test_public_key_formats_are_checked_and_never_generated() -> None:
 
 
 def test_sendgrid_published_vector_verifies() -> None:
-    # sendgrid/sendgrid-python test/unit/test_eventwebhook.py (a CRLF-terminated payload).
+    # sendgrid/sendgrid-python test/unit/test_eventwebhook.py: SendGrid's key, signature,
+    # timestamp and CRLF-terminated payload, verified by our receiver's own ECDSA check.
     public = (
-        "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEEDr2LjtURuePQzplybdC+u4CwrqDqBaWjcMMsTbhdbcwHBcepxo7"
-        "yAQGhHPTnlvFYPAZFceEu/1FwCM/QmGUhA=="
+        "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE83T4O/n84iotIvIW4mdBgQ/7dAfSmpqIM8kF9mN1flpVKS3GRqe6"
+        "2gw+2fNNRaINXvVpiglSI8eNEc6wEA3F+g=="
     )
+    signature = (
+        "MEUCIGHQVtGj+Y3LkG9fLcxf3qfI10QysgDWmMOVmxG0u6ZUAiEAyBiXDWzM+uOe5W0JuG+luQAbPIqHh89M15T"
+        "luLtEZtM="
+    )
+    event = {
+        "email": "hello@world.com",
+        "event": "dropped",
+        "reason": "Bounced Address",
+        "sg_event_id": "ZHJvcC0xMDk5NDkxOS1MUnpYbF9OSFN0T0doUTRrb2ZTbV9BLTA",
+        "sg_message_id": "LRzXl_NHStOGhQ4kofSm_A.filterdrecv-p3mdw1-756b745b58-kmzbl-18-5F5FC76C-9.0",
+        "smtp-id": "<LRzXl_NHStOGhQ4kofSm_A@ismtpd0039p1iad1.sendgrid.net>",
+        "timestamp": 1600112492,
+    }
+    body = json.dumps([event], sort_keys=True, separators=(",", ":")).encode() + b"\r\n"
+    headers = {
+        "x-twilio-email-event-webhook-signature": signature,
+        "x-twilio-email-event-webhook-timestamp": "1600112502",
+    }
     check_key("sendgrid", public)
+    when = datetime.fromtimestamp(1600112502, UTC)
+    spec = BY_NAME["sendgrid"]
+    assert auth(spec, headers, body, public, now=when) == "sec_1"
+    with pytest.raises(AuthError, match="bad_signature"):
+        auth(spec, headers, body.replace(b"dropped", b"bounced"), public, now=when)
+    [found] = events_of(spec, headers, body)
+    assert (found.event_id, found.event_type) == (event["sg_event_id"], "dropped")
 
 
 def test_discord_signer_matches_pynacl_verify_and_a_forged_key_fails() -> None:
