@@ -525,3 +525,25 @@ def test_event_form_parses_form_bodies_and_json_says_to_use_it() -> None:
     assert as_json.json == {"a": 1}
     with pytest.raises(PermanentError, match=r"read event\.json"):
         _ = as_json.form
+
+
+def test_square_published_vector() -> None:
+    # square/square-python-sdk tests/integration/test_webhooks_helper.py: Square's own
+    # signature, key and notification URL, verified by the receiver; another URL is refused.
+    body = (
+        b'{"merchant_id":"MLEFBHHSJGVHD","type":"webhooks.test_notification","event_id":'
+        b'"ac3ac95b-f97d-458c-a6e6-18981597e05f","created_at":"2022-07-13T20:30:59.037339943Z",'
+        b'"data":{"type":"webhooks","id":"bc368e64-01aa-407e-b46e-3231809b1129"}}'
+    )
+    headers = {"x-square-hmacsha256-signature": "GF4YkrJgGBDZ9NIYbNXBnMzqb2HoL4RW/S6vkZ9/2N4="}
+    url = "https://webhook.site/679a4f3a-dcfa-49ee-bac5-9d0edad886b9"
+    spec = BY_NAME["square"]
+    key = "Ibxx_5AKakO-3qeNVR61Dw"
+    assert auth(spec, headers, body, key, config={"public_url": url}) == "sec_1"
+    with pytest.raises(AuthError, match="bad_signature"):
+        auth(spec, headers, body, key, config={"public_url": url.replace("679a", "79a")})
+    [found] = events_of(spec, headers, body)
+    assert (found.event_id, found.event_type) == (
+        "ac3ac95b-f97d-458c-a6e6-18981597e05f",
+        "webhooks.test_notification",
+    )
