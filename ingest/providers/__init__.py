@@ -8,7 +8,12 @@ How to add a provider (here, or in a package of your own):
    :mod:`ingest.providers.base` (``first_match`` compares in constant time).
 2. Define ``PROVIDER = Provider(name=..., authenticate=..., extract=..., retry_window=...,
    citation=<URL of the documented retry window>, signed=<what the signature covers and what a
-   capture replays>, tolerance=<None if no timestamp is signed>, ...)``.
+   capture replays>, tolerance=<None if no timestamp is signed>, ...)``. Beyond a signature:
+   ``extract`` may return a ``Batch`` (several events, one receipt each, one transaction;
+   ``batched=True``) or a ``Challenge`` whose ``sign(secret)`` computes the answer with the
+   verifying secret (Zoom); ``verify_get`` answers a GET handshake (Meta); ``check_secret``
+   and ``key_format`` describe keys the sender issues (public keys); ``validate_config`` with
+   ``signs_url=True`` takes the signed ``public_url`` (:mod:`ingest.providers.urlsigned`).
 3. Built in: add the module name to ``registry.BUILTIN_MODULES``, a signer to
    ``tests/signing.py``, tests, and a README table row. Your own package: declare
    ``[project.entry-points."webhooks.providers"] <name> = "your_pkg.module:PROVIDER"`` and
