@@ -1,8 +1,10 @@
 """Calendly: ``Calendly-Webhook-Signature: t=<unix>,v1=<hex HMAC-SHA256(signing key,
 "{t}.{raw body}")>`` (the Stripe construction).
 
-The time is signed; Calendly's verification example rejects a ``t`` more than 3 minutes old,
-which is the tolerance here (both directions). The body has no event id, so the dedup id is
+The time is signed. The tolerance is 3 minutes either way, the window in the example of
+Calendly's webhook-signatures guide as remembered; the stored sources searched here did not
+confirm it (third-party verifiers use 5 minutes), so raise it per source with ``--tolerance``
+if deliveries are refused as stale. The body has no event id, so the dedup id is
 built from signed fields: ``{event}:{payload.uri}`` (``invitee.created:https://api.calendly
 .com/scheduled_events/.../invitees/...``), one per invitee and event kind. A capture replays
 only as the same event, within 3 minutes.

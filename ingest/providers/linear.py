@@ -1,8 +1,9 @@
 """Linear: ``Linear-Signature: <hex HMAC-SHA256(webhook secret, raw body)>``.
 
 The body carries ``webhookTimestamp`` (unix milliseconds), so the time is signed: it must be
-within 60 seconds of now, either way (Linear's docs: reject deliveries whose timestamp is more
-than a minute off, as its SDK does). The dedup id is the ``Linear-Delivery`` header, which is
+within 60 seconds of now, either way, as Linear's own verifier refuses it (``@linear/sdk``
+``LinearWebhooks.verify``: "more than one minute delta between provided ts and current
+time"). The dedup id is the ``Linear-Delivery`` header, which is
 not signed: a captured request can be replayed under a new delivery id, but only inside that
 minute, because its signed timestamp goes stale. Type: ``{type}.{action}`` (``Issue.create``).
 
