@@ -8,9 +8,11 @@ dedup id here is therefore the token, not ``event-data.id``: a second request wi
 token (a replay, with the same or another body) is a duplicate or a recorded conflict and is
 never delivered again, for the TTL; the timestamp must be within 15 minutes either way (the
 ``max_age_seconds`` default of Mailgun's Python SDK), which bounds how long a token must be
-remembered. ``event-data.id`` is in the payload for handlers. Type ``event-data.event``, time
-``event-data.timestamp``. Retries: 5 min, 10 min, 15 min, 1 h, 2 h, 4 h ("during 8 hours"):
-https://documentation.mailgun.com/docs/mailgun/user-manual/webhooks/webhook-retries
+remembered. The cost: a retry that Mailgun signs afresh (a new token) is a new receipt, so a
+handler sees that event again and should be idempotent on ``event-data.id`` (in the payload);
+a forged event, which dedup on ``event-data.id`` would let through, costs more than that.
+Type ``event-data.event``, time ``event-data.timestamp``. Retries: 5 min, 10 min, 15 min,
+1 h, 2 h, 4 h ("during 8 hours"): https://documentation.mailgun.com/docs/mailgun/user-manual/webhooks/webhook-retries
 Mailgun's form-encoded legacy webhooks are not supported (JSON only).
 """
 
