@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from sqlalchemy.orm import Session, sessionmaker  # noqa: E402
 
+from ingest.publisher import CeleryPublisher  # noqa: E402
 from ingest.store import NewReceipt, accept_sync  # noqa: E402
 from models import catalog, replays, transitions  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
@@ -136,7 +137,7 @@ def main() -> None:
     engine = make_engine(s, pool_size=2)
     sessions = make_sessionmaker(engine)
     client = redis.Redis.from_url(BROKER)
-    publisher = replays.CeleryPublisher(s)
+    publisher = CeleryPublisher(s)
     try:
         source = make_dead(s, sessions, args.deliveries)
         request = replays.ReplayRequest(

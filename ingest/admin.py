@@ -61,6 +61,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ingest.publisher import CeleryPublisher
 from models import queries, replays
 from models.catalog import CatalogError
 from models.db import make_engine, make_sessionmaker
@@ -186,7 +187,7 @@ class _State:
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
-        self._publisher: replays.CeleryPublisher | None = None
+        self._publisher: CeleryPublisher | None = None
         self.running = threading.BoundedSemaphore(MAX_RUNNING_REPLAYS)
 
     @property
@@ -198,10 +199,10 @@ class _State:
             return self._sessions
 
     @property
-    def publisher(self) -> replays.CeleryPublisher:
+    def publisher(self) -> CeleryPublisher:
         with self._lock:
             if self._publisher is None:
-                self._publisher = replays.CeleryPublisher(self.settings)
+                self._publisher = CeleryPublisher(self.settings)
             return self._publisher
 
     def run_in_background(self, plan: replays.Plan, replay_id: int) -> None:

@@ -52,6 +52,7 @@ from ingest.providers import (
     authenticate,
     extract,
     get_provider,
+    registry,
 )
 from ingest.publisher import Publisher
 from ingest.store import NewReceipt, SourceRecord, Store
@@ -144,6 +145,19 @@ class Receiver:
             headers={"Retry-After": "5"},
         )
 
+    def _provider_missing(self, label: str) -> Response:
+        # The source's provider is not installed here (a plug-in removed, or a receiver older
+        # than the source): nothing can verify it, but the sender should keep its events and
+        # retry, so 503, and a warning someone reads; never 401 or 404.
+        log.warning("provider_missing", source=label)
+        return self._answer(
+            label,
+            "provider_missing",
+            503,
+            {"error": "provider not installed"},
+            headers={"Retry-After": "60"},
+        )
+
     async def receive(self, request: Request) -> Response:
         started = perf_counter()
         public_id = request.path_params["source_id"]
@@ -158,6 +172,8 @@ class Receiver:
         label = source.public_id
         if not source.active:  # nothing is written; what it accepted before still runs
             return self._answer(label, "disabled", 410, {"error": "source disabled"})
+        if source.provider not in registry.providers():
+            return self._provider_missing(label)
         limit = source.max_body_bytes or self.settings.max_body_bytes
         try:
             body = await read_limited(request, limit)
@@ -352,6 +368,8 @@ class Receiver:
         label = source.public_id
         if not source.active:
             return self._answer(label, "disabled", 410, {"error": "source disabled"})
+        if source.provider not in registry.providers():
+            return self._provider_missing(label)
         handshake = get_provider(source.provider).verify_get
         if handshake is None:
             return self._answer(
@@ -458,6 +476,9 @@ def _age(loaded_at: float) -> float:
 
 def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
     clock = clock or SystemClock()
+    # Every provider, plug-ins included, now: a broken plug-in stops the receiver at start
+    # (ProviderPluginError naming it) instead of failing requests.
+    registry.providers()
     store = Store(settings, SecretBox(settings.secret_key.get_secret_value()))
     publisher = Publisher(settings)
     receiver = Receiver(settings, clock, store, publisher)

@@ -177,3 +177,29 @@ class Publisher:
         if self._thread is not None:
             self._queue.put(_STOP)
             self._thread.join(timeout)
+
+
+class CeleryPublisher:
+    """Replays' publisher (:data:`models.replays.Publish`): ``webhooks.deliver`` per delivery,
+    without blocking on a dead broker.
+
+    Reuses the receiver's fail-fast Celery configuration; a failure returns False (the
+    delivery is pending in Postgres and the sweeper publishes it after ``publish_grace``).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self._publisher = Publisher(settings)
+
+    def __call__(self, delivery_id: int, event_id: str, source: str) -> bool:
+        try:
+            self._publisher.publish_sync([Dispatch(delivery_id, event_id, source)])
+        except Exception as exc:  # noqa: BLE001  (any broker failure: the sweeper recovers)
+            log.warning(
+                "replay.publish_failed", delivery_id=delivery_id, error=exc.__class__.__name__
+            )
+            return False
+        return True
+
+    def close(self) -> None:
+        self._publisher.close()
+        self._publisher.app.close()

@@ -37,6 +37,7 @@ import psycopg
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from ingest.providers import registry
 from webhooks import metrics
 from webhooks.crypto import SecretBox
 from webhooks.settings import Settings
@@ -313,9 +314,13 @@ class Store:
 
     def _record(self, public_id: str, row: TupleRow) -> SourceRecord:
         (sid, provider, config, tolerance_s, max_body, rw, ql, cs, rg, name, active, ids, cts) = row
-        ttl = effective_ttl(
-            provider, TtlOverrides.from_seconds(rw, ql, cs, rg), self.settings, source_name=name
-        )
+        if provider in registry.providers():
+            ttl = effective_ttl(
+                provider, TtlOverrides.from_seconds(rw, ql, cs, rg), self.settings, source_name=name
+            )
+            total, raised = ttl.total, ttl.raised
+        else:  # not installed in this process: the receiver answers 503, the TTL is never used
+            total, raised = timedelta(0), False
         return SourceRecord(
             id=int(sid),
             public_id=public_id,
@@ -324,8 +329,8 @@ class Store:
             config=dict(config or {}),
             tolerance=None if tolerance_s is None else timedelta(seconds=tolerance_s),
             max_body_bytes=max_body,
-            ttl=ttl.total,
-            ttl_raised=ttl.raised,
+            ttl=total,
+            ttl_raised=raised,
             secrets=tuple((i, self.box.decrypt(bytes(c))) for i, c in zip(ids, cts, strict=True)),
             loaded_at=time.monotonic(),
             active=bool(active),

@@ -315,35 +315,6 @@ def execute(
     return result
 
 
-class CeleryPublisher:
-    """Publishes ``webhooks.deliver(delivery_id)`` without blocking on a dead broker.
-
-    Reuses the receiver's fail-fast Celery configuration; a failure returns False (the
-    delivery is pending in Postgres and the sweeper publishes it after ``publish_grace``).
-    """
-
-    def __init__(self, settings: Settings) -> None:
-        from ingest.publisher import Publisher  # noqa: PLC0415  (Celery only when publishing)
-
-        self._publisher = Publisher(settings)
-
-    def __call__(self, delivery_id: int, event_id: str, source: str) -> bool:
-        from tasks.config import Dispatch  # noqa: PLC0415
-
-        try:
-            self._publisher.publish_sync([Dispatch(delivery_id, event_id, source)])
-        except Exception as exc:  # noqa: BLE001  (any broker failure: the sweeper recovers)
-            log.warning(
-                "replay.publish_failed", delivery_id=delivery_id, error=exc.__class__.__name__
-            )
-            return False
-        return True
-
-    def close(self) -> None:
-        self._publisher.close()
-        self._publisher.app.close()
-
-
 @dataclass(frozen=True)
 class ReplayRecord:
     """The audit row as operators read it."""

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.publisher import CeleryPublisher
 from models import queries, replays
 from models.queries import ReplayFilter
 from models.replays import ReplayError, ReplayRequest, pace
@@ -261,7 +262,7 @@ def test_a_failed_publish_is_counted_and_the_replay_still_completes(
     dead = accept(ops, source) + accept(ops, source)
     kill(sessions, dead)
     unreachable = ops_settings(broker_url="redis://127.0.0.1:1/0", publish_timeout=0.5)
-    publisher = replays.CeleryPublisher(unreachable)
+    publisher = CeleryPublisher(unreachable)
     try:
         result = _execute(sessions, ops, _plan(sessions, _request(ids=tuple(dead))), publisher)
     finally:
@@ -297,7 +298,7 @@ def test_filtered_replay_of_1000_dead_deliveries_honours_the_rate_cap(
     assert {c.delivery_id for c in plan.candidates} == set(wanted)
 
     clock = FrozenClock(now)
-    publisher = replays.CeleryPublisher(ops)
+    publisher = CeleryPublisher(ops)
     try:
         result = _execute(sessions, ops, plan, publisher, clock)
     finally:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from sqlalchemy import Engine, text
 
-from tests.conftest import BIN, count_rows, test_env
+from tests.conftest import BIN, count_rows, free_port, test_env
 from tests.leakcheck import remember
 from tests.processes import receiver
 
@@ -134,7 +134,47 @@ def test_a_plugin_source_receives_a_signed_delivery_end_to_end(
     assert count_rows(engine) == before
 
 
-def test_a_broken_plugin_is_one_clear_error(tmp_path: Path) -> None:
+def test_a_source_whose_plugin_is_gone_gets_503_and_nothing_is_written(
+    plugin_path: Path, engine: Engine
+) -> None:
+    added = webhooks(
+        "sources", "add", f"acme-{uuid.uuid4().hex[:8]}", "--provider", "acme", "--json",
+        pythonpath=plugin_path,
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    view = json.loads(added.stdout)
+    remember(view["secret"])
+    headers, body = acme_signed(view["secret"], f"acme_{uuid.uuid4().hex}", int(time.time()))
+    before = count_rows(engine)
+    with receiver() as plain:  # this receiver does not have the plug-in installed
+        url = f"{plain.url}/webhooks/{view['id']}"
+        response = httpx.post(url, headers=headers, content=body, timeout=10)
+        check = httpx.get(url, params={"hub.challenge": "x"}, timeout=10)
+    # The sender keeps the event and retries: once the plug-in is back, it is received.
+    assert (response.status_code, response.headers.get("retry-after")) == (503, "60")
+    assert response.json() == {"error": "provider not installed"}
+    assert check.status_code == 503
+    assert count_rows(engine) == before
+    lines = plain.log_path.read_text()
+    assert '"event":"provider_missing"' in lines
+    assert "Traceback" not in lines
+
+
+def test_a_broken_plugin_stops_the_receiver_at_start(tmp_path: Path) -> None:
+    target = _broken_plugin(tmp_path)
+    port = free_port()
+    result = subprocess.run(
+        [str(BIN / "webhooks"), "serve", "--port", str(port), "--workers", "1"],
+        env=test_env(PYTHONPATH=str(target), WEBHOOKS_ADMIN_PORT=str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "provider plug-in 'broken'" in " ".join(result.stderr.split())
+
+
+def _broken_plugin(tmp_path: Path) -> Path:
     source = tmp_path / "broken"
     source.mkdir()
     (source / "pyproject.toml").write_text(
@@ -147,6 +187,11 @@ def test_a_broken_plugin_is_one_clear_error(tmp_path: Path) -> None:
     )
     target = tmp_path / "site"
     pip_install(source, target)
+    return target
+
+
+def test_a_broken_plugin_is_one_clear_error(tmp_path: Path) -> None:
+    target = _broken_plugin(tmp_path)
     result = webhooks("providers", "list", pythonpath=target)
     assert result.returncode != 0
     message = " ".join(result.stderr.split())

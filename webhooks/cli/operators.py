@@ -367,7 +367,9 @@ def _run(e: Env, plan: replays.Plan, *, show_progress: bool) -> replays.ReplayRe
     # Log lines go to stderr, warnings only: the terminal shows the progress and the summary
     # (and stdout stays pure JSON with --json); the audit row is the record.
     configure_logging("WARNING", json=e.settings.log_json)
-    publisher = replays.CeleryPublisher(e.settings)
+    from ingest.publisher import CeleryPublisher  # noqa: PLC0415  (Celery only when publishing)
+
+    publisher = CeleryPublisher(e.settings)
     replay_id = replays.start_replay(e.sessions, plan, now=e.clock.now())
     progress = Progress(
         TextColumn(f"replay {replay_id}"),
