@@ -10,10 +10,17 @@ drops whatever a pool child inherited from its parent.
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
-from celery.signals import beat_init, worker_init, worker_process_init, worker_process_shutdown
+from celery.signals import (
+    beat_init,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+)
 
 from tasks.config import create_app
 from webhooks.logs import configure_logging
@@ -29,6 +36,7 @@ OBSERVABILITY_MODULE = "tasks.observability"
 _settings: Settings | None = None
 _app: Celery | None = None
 _runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
 
 
 def get_settings() -> Settings:
@@ -47,6 +55,7 @@ def get_app() -> Celery:
         # First: it chooses prometheus-client's multi-process mode, which must happen before
         # anything (the task modules, through webhooks.metrics) imports prometheus_client.
         importlib.import_module(OBSERVABILITY_MODULE)
+        _check_pool(settings)
         for module in TASK_MODULES:
             importlib.import_module(module)
         worker_init.connect(_configure_logging, weak=False)
@@ -56,9 +65,20 @@ def get_app() -> Celery:
         beat_init.connect(_report_raised_ttls, weak=False)
         worker_process_init.connect(_after_fork, weak=False)
         worker_process_shutdown.connect(_close_runtime, weak=False)
+        worker_ready.connect(_start_watchdog, weak=False)
         app.set_current()
         _app = app
     return _app
+
+
+def _check_pool(settings: Settings) -> None:
+    import sys  # noqa: PLC0415
+
+    from tasks.observability import is_worker_command  # noqa: PLC0415
+    from tasks.pools import check_pool  # noqa: PLC0415
+
+    if is_worker_command(sys.argv):
+        check_pool(settings.worker_pool)
 
 
 def get_runtime() -> Runtime:
@@ -67,7 +87,10 @@ def get_runtime() -> Runtime:
 
     global _runtime  # noqa: PLW0603
     if _runtime is None:
-        _runtime = build_runtime(get_settings())
+        # Under gevent (or threads) many tasks may ask at once: build one runtime only.
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = build_runtime(get_settings())
     return _runtime
 
 
@@ -132,6 +155,16 @@ def _after_fork(**_: Any) -> None:
         _runtime.forget_after_fork()
         _runtime = None
     _configure_logging()
+
+
+def _start_watchdog(**_: Any) -> None:
+    """gevent: stop a handler that never yields (tasks.pools); prefork's hard limit does it."""
+    from tasks.pools import start_watchdog  # noqa: PLC0415
+
+    if start_watchdog(get_settings().hard_time_limit):
+        from webhooks.logs import get_logger  # noqa: PLC0415
+
+        get_logger("worker").info("worker.watchdog", hard_time_limit=get_settings().hard_time_limit)
 
 
 def _close_runtime(**_: Any) -> None:

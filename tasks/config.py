@@ -41,7 +41,10 @@ class Dispatch(NamedTuple):
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     # Rounded up: the visibility timeout must stay above the budgets it was checked against.
-    transport = {"visibility_timeout": math.ceil(settings.visibility_timeout)}
+    transport: dict[str, Any] = {"visibility_timeout": math.ceil(settings.visibility_timeout)}
+    # Kombu's Redis transport keeps 10 connections for acks and publishes by default: with
+    # ~100 greenlets acking at once it raises "Too many connections". One per slot, plus room.
+    transport["max_connections"] = max(10, settings.worker_slots + 10)
     return {
         "broker_url": settings.broker_url,
         "result_backend": None,
@@ -72,7 +75,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             SWEEP_TASK: {"queue": MAINTENANCE_QUEUE},
             MAINTENANCE_TASK: {"queue": MAINTENANCE_QUEUE},
         },
-        "worker_concurrency": settings.worker_concurrency,
+        "worker_concurrency": settings.worker_slots,
+        # A bare `celery -A tasks worker` (compose) runs WEBHOOKS_WORKER_POOL. Not gevent:
+        # gevent must be named with -P, which patches before anything is imported (a worker
+        # started without it refuses to run: tasks.pools.check_pool).
+        **({} if settings.worker_pool == "gevent" else {"worker_pool": settings.worker_pool}),
         "worker_hijack_root_logger": False,
         "beat_schedule": {
             "sweep": {"task": SWEEP_TASK, "schedule": settings.sweep_interval.total_seconds()},

@@ -100,6 +100,7 @@ from tasks.config import DELIVER_TASK, Dispatch
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo, idempotency_key
 from tasks.errors import HandlerError, PermanentError, RetryableError
 from tasks.policy import DEAD_CRASHED, RetryPolicy, decide
+from tasks.pools import is_hard_timeout, time_limits
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.crypto import SecretDecryptError
@@ -247,31 +248,48 @@ def deliver_one(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) -
     return run_delivery(rt, delivery_id, publish_retry=publish_retry).outcome
 
 
+@dataclass(frozen=True)
+class _Claimed:
+    """A delivery this task now owns (durable claim committed), ready for its handler."""
+
+    found: Claim
+    row: ClaimedEvent
+    fast: FastClaim
+    leaf: str | None
+    started: float
+
+
 def run_delivery(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) -> Report:
     """:func:`deliver_one` with the whole :class:`Report`."""
-    # One pooled connection for the task's statements. No ping per checkout (a round trip
-    # per task): a connection that died while pooled fails the first read, which changes
-    # nothing, and the task starts again once on a fresh connection.
+    # One pooled connection for the read and the claim, given back before the handler runs:
+    # under gevent a hundred handlers wait on their downstreams at once, and holding a
+    # connection each through that wait would need a hundred. No ping per checkout (a round
+    # trip per task): a connection that died while pooled fails the first read, which
+    # changes nothing, and the task starts again once on a fresh connection.
     for fresh in (False, True):
         try:
-            with rt.engine.connect() as conn, rt.sessions(bind=conn) as session:
+            with rt.engine.connect() as conn:
                 raw = conn.connection.driver_connection
                 assert raw is not None
-                return _deliver(rt, conn, session, raw, delivery_id, publish_retry, fresh)
+                claimed = _claim(rt, conn, raw, delivery_id, fresh)
         except _StaleConnection:
             log.warning("delivery.stale_connection", delivery_id=delivery_id)
+            continue
+        if isinstance(claimed, Report):
+            return claimed
+        # The handler's session takes a connection only if the handler uses it.
+        with rt.sessions() as session:
+            return _run(rt, session, claimed, publish_retry)
     raise AssertionError("unreachable: a fresh connection raises instead")  # pragma: no cover
 
 
-def _deliver(
+def _claim(
     rt: Runtime,
     conn: Connection,
-    session: Session,
     raw: psycopg.Connection[Any],
     delivery_id: int,
-    publish_retry: PublishRetry,
     fresh: bool,
-) -> Report:
+) -> Report | _Claimed:
     try:
         with _autocommit(raw):
             first = raw.execute(_PROBE, {"id": delivery_id, "now": pinned(rt.clock)}).fetchone()
@@ -334,7 +352,7 @@ def _deliver(
             row.public_id,
             f"{DEAD_CRASHED}: its worker died {found.redeliveries} times holding the lease",
         )
-    return _run(rt, session, raw, found, row, fast, publish_retry, leaf, started)
+    return _Claimed(found, row, fast, leaf, started)
 
 
 def _now(rt: Runtime, found: Claim, started: float) -> datetime:
@@ -373,17 +391,14 @@ def _quiet(delivery_id: int, outcome: str) -> Report:
     return Report(outcome, delivery_id)
 
 
-def _run(
-    rt: Runtime,
-    session: Session,
-    raw: psycopg.Connection[Any],
-    found: Claim,
-    row: ClaimedEvent,
-    fast: FastClaim,
-    publish_retry: PublishRetry,
-    leaf: str | None,
-    started: float,
-) -> Report:
+def _run(rt: Runtime, session: Session, claimed: _Claimed, publish_retry: PublishRetry) -> Report:
+    found, row, fast, leaf, started = (
+        claimed.found,
+        claimed.row,
+        claimed.fast,
+        claimed.leaf,
+        claimed.started,
+    )
     loaded: Loaded | None = None
     try:
         loaded = load(rt, found, row)
@@ -401,7 +416,8 @@ def _run(
             clock=rt.clock,
             io_timeout=rt.settings.handler_io_timeout,
         )
-        handler(loaded.event, ctx)
+        with time_limits(rt.settings.soft_time_limit, rt.settings.hard_time_limit):
+            handler(loaded.event, ctx)
         session.flush()
         done_at = _now(rt, found, started)
         if session.in_transaction():
@@ -410,8 +426,11 @@ def _run(
             session.commit()
         else:
             # Nothing of the handler's to commit: the success alone, one round trip.
-            with _autocommit(raw):
-                _on_leaf(leaf, lambda on: transitions.succeed(raw, found, now=done_at, leaf=on))
+            with rt.engine.connect() as conn:
+                raw = conn.connection.driver_connection
+                assert raw is not None
+                with _autocommit(raw):
+                    _on_leaf(leaf, lambda on: transitions.succeed(raw, found, now=done_at, leaf=on))
     except IllegalTransition:
         session.rollback()
         return _lost(rt, found, fast, row)
@@ -425,6 +444,28 @@ def _run(
             fast=fast,
             exc=exc,
             policy=policy,
+            publish_retry=publish_retry,
+            now=_now(rt, found, started),
+            row=row,
+        )
+    except BaseException as exc:
+        if not is_hard_timeout(exc):
+            raise
+        # The hard limit fired in this thread or greenlet (tasks.pools), e.g. in a handler
+        # that caught the soft limit and went on waiting. The attempt fails now, retried
+        # like any other failure, instead of holding its lease for the processing TTL.
+        session.rollback()
+        log.warning("delivery.hard_time_limit", delivery_id=found.id, attempt=found.attempt)
+        return _fail(
+            rt,
+            session,
+            found,
+            fast=fast,
+            exc=RetryableError(
+                f"hard time limit ({rt.settings.hard_time_limit}s) exceeded",
+                reason="hard_time_limit",
+            ),
+            policy=loaded.policy if loaded else RetryPolicy.for_route(rt.settings),
             publish_retry=publish_retry,
             now=_now(rt, found, started),
             row=row,

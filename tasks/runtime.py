@@ -24,8 +24,19 @@ from webhooks.clock import Clock, SystemClock
 from webhooks.crypto import SecretBox
 from webhooks.settings import Settings
 
-# A pool process runs one task at a time: one connection for the task, one spare.
+# A prefork pool process runs one task at a time: one connection for the task, one spare.
 WORKER_POOL_SIZE = 2
+
+
+def engine_pool_size(settings: Settings) -> int:
+    """Connections one worker process keeps. Prefork: one task per process, so two. Threads
+    and gevent: one per slot up to ``WEBHOOKS_DB_POOL_SIZE``; a task holds a connection only
+    for its own statements (not while its handler waits on a downstream), so ~10 serve 100
+    slots, and a task that finds them all busy waits for one (SQLAlchemy's pool timeout).
+    Postgres' own limit (100 connections by default) is shared by every worker and receiver."""
+    if settings.worker_pool == "prefork":
+        return WORKER_POOL_SIZE
+    return max(WORKER_POOL_SIZE, min(settings.worker_slots, settings.db_pool_size))
 
 
 @dataclass
@@ -65,7 +76,7 @@ def build_runtime(
     rng: random.Random | None = None,
     worker: str | None = None,
 ) -> Runtime:
-    engine = make_engine(settings, pool_size=WORKER_POOL_SIZE, pre_ping=False)
+    engine = make_engine(settings, pool_size=engine_pool_size(settings), pre_ping=False)
     event.listen(engine, "do_connect", _generic_plans)
     client = make_client(settings.redis_url, settings.redis_socket_timeout)
     return Runtime(

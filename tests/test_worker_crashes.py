@@ -65,7 +65,8 @@ def test_kill_9_of_the_pool_child_mid_handler_has_the_effect_exactly_once(
 ) -> None:
     delivery_id = _slow_delivery(sessions, tmp_path, sleep=2.0)
     broker = Broker(worker_settings())
-    with running_worker("child", tmp_path) as worker, running_beat(tmp_path):
+    # A pool child exists under prefork only (threads and gevent run in the worker itself).
+    with running_worker("child", tmp_path, pool="prefork") as worker, running_beat(tmp_path):
         broker.publish(delivery_id)
         child = _handler_started(tmp_path, delivery_id)
         assert child in worker.pool_pids()
@@ -98,7 +99,7 @@ def test_kill_9_of_the_whole_worker_mid_handler_a_second_worker_finishes_it(
         assert wait_status(engine, delivery_id, "processing").attempts == 1
     with running_worker("rescuer", tmp_path) as rescuer, running_beat(tmp_path):
         row = wait_status(engine, delivery_id, "succeeded", timeout=90)
-        rescuer_pids = set(rescuer.pool_pids())
+        rescuer_pids = {rescuer.pid, *rescuer.pool_pids()}
     broker.close()
 
     done = effects(engine, delivery_id)
@@ -113,13 +114,14 @@ def test_kill_9_of_the_whole_worker_mid_handler_a_second_worker_finishes_it(
 def test_a_delivery_that_keeps_killing_its_worker_goes_dead_as_crashed(
     engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
 ) -> None:
-    # The handler ignores the soft limit; the hard limit (3 s) kills its process each time.
+    # The handler ignores the soft limit; under prefork the hard limit (3 s) kills its
+    # process each time (threads and gevent: the next tests).
     settings = worker_settings(max_redeliveries=1)
     source = make_source(sessions, settings, routes=[{"handler": "hang"}])
     delivery_id = accept_event(settings, source)[1].delivery_ids[0]
     broker = Broker(worker_settings(max_redeliveries=1))
     with (
-        running_worker("loop", tmp_path, max_redeliveries=1) as worker,
+        running_worker("loop", tmp_path, pool="prefork", max_redeliveries=1) as worker,
         running_beat(tmp_path, max_redeliveries=1),
     ):
         broker.publish(delivery_id)
@@ -130,3 +132,57 @@ def test_a_delivery_that_keeps_killing_its_worker_goes_dead_as_crashed(
     assert (row.dead_reason, row.redeliveries) == ("crashed", 1)
     assert effects(engine, delivery_id) == []
     assert [(a.number, a.outcome) for a in attempts(engine, delivery_id)] == [(1, "crashed")]
+
+
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_a_handler_that_never_returns_is_stopped_at_the_hard_limit_and_retried(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path, pool: str
+) -> None:
+    # ``hang`` swallows the soft limit (2.5 s) and sleeps on. Neither Celery pool stops it by
+    # itself the way prefork does (tasks.pools): each attempt must end at the hard limit
+    # (3 s) as a failed attempt, retried at once, with the worker alive, until the attempts
+    # (4) are spent.
+    settings = worker_settings()
+    source = make_source(sessions, settings, routes=[{"handler": "hang"}])
+    delivery_id = accept_event(settings, source)[1].delivery_ids[0]
+    broker = Broker(settings)
+    with running_worker("stuck", tmp_path, pool=pool) as worker:
+        broker.publish(delivery_id)
+        row = wait_status(engine, delivery_id, "dead", timeout=60)
+        assert worker.alive()
+        assert any(line.get("event") == "delivery.hard_time_limit" for line in worker.json_lines())
+    broker.close()
+
+    assert (row.dead_reason, row.attempts, row.redeliveries) == ("max_attempts", 4, 0)
+    tries = attempts(engine, delivery_id)
+    assert [a.outcome for a in tries] == ["retry", "retry", "retry", "dead"]
+    for attempt in tries:
+        assert attempt.error_message.startswith("hard_time_limit: hard time limit (3.0s)")
+        # Stopped at the hard limit (gevent: counted from the task's start, a little before
+        # the claim), not at the soft one (2.5 s) and not much later.
+        assert 2.6 <= (attempt.ended_at - attempt.started_at).total_seconds() <= 4.5
+    assert effects(engine, delivery_id) == []  # its writes were rolled back each time
+
+
+def test_a_thread_stuck_in_a_c_call_past_the_hard_limit_kills_its_worker(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    # time.sleep(600) in a thread: no exception reaches it until the call returns. At 1.5 x
+    # the hard limit the watchdog kills the worker, which is prefork's crash path: the lease
+    # runs out, the sweeper republishes, another worker runs attempt 2.
+    delivery_id = _slow_delivery(sessions, tmp_path, sleep=600)
+    broker = Broker(worker_settings())
+    with running_worker("frozen", tmp_path, pool="threads") as frozen:
+        broker.publish(delivery_id)
+        _handler_started(tmp_path, delivery_id)
+        wait_for(lambda: not frozen.alive(), timeout=10, what="the watchdog to kill the worker")
+        assert frozen.proc.returncode == -signal.SIGKILL
+        assert any(line.get("event") == "worker.handler_stuck" for line in frozen.json_lines())
+    with running_worker("rescuer", tmp_path, pool="threads"), running_beat(tmp_path):
+        row = wait_status(engine, delivery_id, "succeeded", timeout=90)
+    broker.close()
+
+    assert [e.attempt for e in effects(engine, delivery_id)] == [2]
+    assert (row.attempts, row.redeliveries) == (2, 1)
+    tries = attempts(engine, delivery_id)
+    assert [(a.number, a.outcome) for a in tries] == [(1, "crashed"), (2, "succeeded")]

@@ -61,6 +61,14 @@ FAST: dict[str, Any] = {
 
 _counter = itertools.count()
 
+# The pool the test workers run, by default the product's default (Settings.worker_pool);
+# WEBHOOKS_TEST_WORKER_POOL=prefork (or gevent) runs the worker tests under another.
+DEFAULT_POOL: str = os.environ.get(
+    "WEBHOOKS_TEST_WORKER_POOL", str(Settings.model_fields["worker_pool"].default)
+)
+# Slots of a thread or gevent test worker when a test does not ask for a number.
+IO_POOL_SLOTS = 8
+
 
 def to_env(values: Mapping[str, Any]) -> dict[str, str]:
     """Settings values as WEBHOOKS_* environment variables."""
@@ -178,14 +186,21 @@ def running_worker(
     name: str,
     tmp_path: Path,
     *,
-    concurrency: int = 1,
+    concurrency: int | None = None,
+    pool: str | None = None,
     queues: str = f"{DELIVERIES_QUEUE},{MAINTENANCE_QUEUE}",
     extra_env: Mapping[str, str] | None = None,
     **overrides: Any,
 ) -> Iterator[Worker]:
+    """A real worker. ``pool``: prefork, threads or gevent (default :data:`DEFAULT_POOL`);
+    ``concurrency``: its processes, threads or greenlets (default 1 process, or 8)."""
+    pool = pool or DEFAULT_POOL
+    if concurrency is None:
+        concurrency = 1 if pool == "prefork" else IO_POOL_SLOTS
+    overrides = {"worker_pool": pool, "worker_concurrency": concurrency, **overrides}
     cmd = [
         str(BIN / "celery"), "-A", "tasks", "worker",
-        "-Q", queues, "-P", "prefork", "-c", str(concurrency),
+        "-Q", queues, "-P", pool, "-c", str(concurrency),
         "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-l", "INFO",
     ]  # fmt: skip
     worker = Worker(

@@ -9,6 +9,7 @@ construction and is checked again by :meth:`Settings.check_budgets`.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from datetime import timedelta
 from functools import cached_property
@@ -28,6 +29,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from webhooks.durations import DurationError, parse_duration
 
 MIN_ADMIN_TOKEN_LENGTH = 32
+# Threads or greenlets per worker when WEBHOOKS_WORKER_CONCURRENCY is unset (bench_forward.py).
+IO_POOL_DEFAULT_CONCURRENCY = 100
 ADMIN_TOKEN_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 # The name WEBHOOKS_ADMIN_TOKEN's one token goes by (in the audit, as the operator).
 DEFAULT_ADMIN_TOKEN_NAME = "admin"  # noqa: S105  (a name, not a secret)
@@ -99,7 +102,12 @@ class Settings(BaseSettings):
     hard_time_limit: float = Field(default=60.0, gt=0)
     visibility_timeout: float = Field(default=3600.0, gt=0)
     max_redeliveries: int = Field(default=3, ge=1)
-    worker_concurrency: int | None = Field(default=None, ge=1)
+    # Worker pool (README "Workers"; time limits per pool: tasks/pools.py): threads or gevent
+    # keep many I/O-bound handlers in flight in one process (threads measured faster,
+    # bench/results_forward.txt); prefork runs CPU-bound handlers in parallel. Concurrency
+    # unset: 100 threads or greenlets, one process per CPU for prefork.
+    worker_pool: Literal["threads", "gevent", "prefork"] = "threads"
+    worker_concurrency: int | None = Field(default=None, ge=1, le=2000)
 
     # Retry policy defaults (per-route overrides live on the route).
     # Derived from the providers' own schedules (PROVIDERS.md): Standard Webhooks and Svix
@@ -227,6 +235,15 @@ class Settings(BaseSettings):
     def max_countdown(self) -> float:
         """Longest retry delay handed to Celery as a countdown; longer ones go to the sweeper."""
         return self.visibility_timeout - self.hard_time_limit
+
+    @property
+    def worker_slots(self) -> int:
+        """Deliveries one worker runs at once: the Celery concurrency actually used."""
+        if self.worker_concurrency is not None:
+            return self.worker_concurrency
+        if self.worker_pool == "prefork":
+            return os.cpu_count() or 1
+        return IO_POOL_DEFAULT_CONCURRENCY
 
     @property
     def psycopg_dsn(self) -> str:

@@ -23,6 +23,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import ssl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
@@ -42,23 +45,40 @@ MAX_RESPONSE_BYTES = 64 * 1024
 _MAX_RETRY_AFTER_S = 7 * 86400.0
 _DELTA_SECONDS = re.compile(r"[0-9]{1,12}")  # ASCII digits only: "²".isdigit() is True
 
-_client: httpx.Client | None = None
+# Idle clients, most recently used last. Each running call borrows one (a gevent worker runs
+# ~100 at once): one client shared by them all spends its CPU in httpcore's pool, which checks
+# every pooled connection for expiry on each request (bench_forward.py measured it as most of
+# the worker's CPU). A borrowed client keeps its connections alive for the next call.
+_idle: list[httpx.Client] = []
+# One TLS context for every client: building one per client costs milliseconds.
+_tls: ssl.SSLContext | None = None
 
 
-def _reset_client() -> None:
+def _reset_clients() -> None:
     # A pooled connection must not be shared across fork.
-    global _client  # noqa: PLW0603
-    _client = None
+    global _tls  # noqa: PLW0603
+    _idle.clear()
+    _tls = None
 
 
-os.register_at_fork(after_in_child=_reset_client)
+os.register_at_fork(after_in_child=_reset_clients)
 
 
-def _http() -> httpx.Client:
-    global _client  # noqa: PLW0603
-    if _client is None:
-        _client = httpx.Client(follow_redirects=False, headers={"user-agent": USER_AGENT})
-    return _client
+@contextmanager
+def _http() -> Iterator[httpx.Client]:
+    global _tls  # noqa: PLW0603
+    if _idle:
+        client = _idle.pop()
+    else:
+        if _tls is None:
+            _tls = httpx.create_ssl_context()  # what httpx.Client() itself builds
+        client = httpx.Client(
+            follow_redirects=False, headers={"user-agent": USER_AGENT}, verify=_tls
+        )
+    try:
+        yield client
+    finally:
+        _idle.append(client)
 
 
 def parse_retry_after(value: str | None, now: datetime) -> float | None:
@@ -145,9 +165,16 @@ def forward(event: Event, ctx: HandlerContext) -> None:
     now = ctx.clock.now()
     headers = signed_headers(event, ctx, ctx.route.signing_secret, now)
     try:
-        with _http().stream(
-            "POST", url, content=event.body, headers=headers, timeout=httpx.Timeout(ctx.io_timeout)
-        ) as response:
+        with (
+            _http() as client,
+            client.stream(
+                "POST",
+                url,
+                content=event.body,
+                headers=headers,
+                timeout=httpx.Timeout(ctx.io_timeout),
+            ) as response,
+        ):
             _read_at_most(response, MAX_RESPONSE_BYTES)
     except httpx.TimeoutException as exc:
         raise RetryableError(

@@ -297,7 +297,14 @@ class Stop:
 
 @handle_errors
 def run(
-    workers: Annotated[int, typer.Option(help="Worker processes (Celery concurrency).")] = 2,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Worker concurrency: threads, greenlets or processes of WEBHOOKS_WORKER_POOL "
+            "(default WEBHOOKS_WORKER_CONCURRENCY, else 100 threads).",
+            min=1,
+        ),
+    ] = None,
     no_flower: Annotated[bool, typer.Option("--no-flower", help="Do not start Flower.")] = False,
     ready_timeout: Annotated[
         float,
@@ -357,7 +364,7 @@ def run(
 
 
 def _start(
-    e: Env, out: Output, stop: Stop, workers: int, metrics_port: int, no_flower: bool
+    e: Env, out: Output, stop: Stop, workers: int | None, metrics_port: int, no_flower: bool
 ) -> tuple[list[Child], str | None]:
     settings = e.settings
     state = Path(tempfile.mkdtemp(prefix="webhooks-run-"))
@@ -386,7 +393,9 @@ def _start(
         (
             "worker",
             [
-                *celery, "worker", "-Q", "deliveries,maintenance", "-c", str(workers),
+                # -P on the command line: gevent must patch before anything is imported.
+                *celery, "worker", "-Q", "deliveries,maintenance",
+                "-P", settings.worker_pool, "-c", str(workers or settings.worker_slots),
                 "-n", "worker@%h", "--loglevel", "WARNING",
             ],
             (f"http://{host}:{metrics_port}/metrics",),

@@ -1,0 +1,494 @@
+"""Forward benchmark: events accepted by the real receiver and delivered by ``forward`` to a
+local downstream that answers 200 after a fixed delay, beside a bare Celery forwarder.
+
+  ours   the receiver (uvicorn, ``ingest.app``) accepts signed Standard Webhooks requests;
+         ``celery -A tasks worker -P <pool> -c <n>`` runs ``forward`` (fast claim, durable
+         claim, signed POST, success committed) to the downstream
+  bare   ``celery -A bench.forward_app worker``: a task that POSTs the same body with httpx,
+         the same Celery configuration and broker, nothing else
+
+The downstream (``bench/downstream_app.py``, uvicorn) answers after ``--delays`` ms (10, 100
+and 500 by default). For each delay, in one run and interleaved (bare, ours, bare, ours...):
+
+  drain      N events queued with the worker stopped (ours: accepted by the receiver), then
+             the worker starts; events/s from the first message taken to the N-th done,
+             the worker's CPU seconds per event (all its processes) and its RSS at the end
+  sustained  the worker running and events arriving at a fixed rate (ours: POSTed to the
+             receiver) for ``--seconds``: events/s done, and latency: ours receipt ->
+             succeeded (the database's timestamps), bare publish -> downstream answered
+
+Usage: .venv/bin/python bench/bench_forward.py [--events 2000] [--delays 10,100,500]
+       [--pool threads --concurrency 100] [--bare-pool threads --bare-concurrency 100]
+Uses its own database and Redis DBs 8 (broker) and 9 (claims) of --redis-port (6394).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import orjson
+import psycopg
+import redis
+from standardwebhooks.webhooks import Webhook
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from celery import Celery  # noqa: E402
+
+from tasks.config import DELIVERIES_QUEUE, create_app  # noqa: E402
+from webhooks.settings import Settings  # noqa: E402
+
+BIN = Path(sys.executable).parent
+DB = "webhooks_bench_forward"
+RECEIVER_PORT = 18802
+DOWNSTREAM_PORT = 18801
+FORWARD_TASK = "bench.forward"
+HOOK = f"http://127.0.0.1:{DOWNSTREAM_PORT}/hook"
+
+
+def base_env(redis_port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
+    env.update(
+        WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{DB}",
+        WEBHOOKS_BROKER_URL=f"redis://127.0.0.1:{redis_port}/8",
+        WEBHOOKS_REDIS_URL=f"redis://127.0.0.1:{redis_port}/9",
+        WEBHOOKS_SECRET_KEY="bench-secret-key-" + "f" * 32,
+        WEBHOOKS_LOG_LEVEL="WARNING",
+        WEBHOOKS_LOG_JSON="true",
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not start")
+
+
+def uvicorn(app: str, port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    cmd = [str(BIN / "uvicorn"), app, "--port", str(port), "--loop", "uvloop", "--http",
+           "httptools", "--no-access-log", "--log-level", "warning", "--backlog", "4096",
+           "--timeout-keep-alive", "300"]  # fmt: skip
+    if app.endswith("app_from_env"):
+        cmd.insert(1, "--factory")
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT)  # noqa: S603
+    wait_port(port, proc, app)
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def tree(pid: int) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-P", str(pid)], check=False, capture_output=True, text=True
+    ).stdout
+    return [pid] + [int(p) for p in out.split()]
+
+
+def cpu_seconds(pid: int) -> float:
+    total = 0
+    for p in tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    total = 0
+    for p in tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+class Worker:
+    def __init__(self, app: str, pool: str, concurrency: int, env: dict[str, str], logdir: Path):
+        self.log = logdir / f"{app.replace('.', '_')}-{uuid.uuid4().hex[:6]}.log"
+        self.out = self.log.open("wb")
+        env = {**env, "WEBHOOKS_WORKER_POOL": pool, "WEBHOOKS_WORKER_CONCURRENCY": str(concurrency)}
+        self.name = f"bench-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
+        self.proc = subprocess.Popen(
+            [str(BIN / "celery"), "-A", app, "worker", "-Q", DELIVERIES_QUEUE, "-P", pool,
+             "-c", str(concurrency), "-n", self.name,
+             "--without-mingle", "--without-gossip", "-l", "WARNING"],
+            env=env, stdout=self.out, stderr=subprocess.STDOUT, cwd=logdir,
+        )  # fmt: skip
+
+    def wait_ready(self, app: Celery) -> None:
+        """Answers a ping: consuming (its log says "ready." at INFO only)."""
+        while not app.control.ping(destination=[self.name], timeout=0.5):
+            self.check()
+
+    def check(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"worker exited: see {self.log}")
+
+    def stop(self) -> None:
+        stop(self.proc)
+        self.out.close()
+
+
+@dataclass
+class Drain:
+    rate: float
+    cpu_ms: float
+    rss: float
+
+
+@dataclass
+class Sustained:
+    offered: float
+    done_rate: float
+    p50_ms: float
+    p99_ms: float
+    count: int
+
+
+def downstream_stats() -> dict[str, object]:
+    result: dict[str, object] = httpx.get(f"http://127.0.0.1:{DOWNSTREAM_PORT}/stats").json()
+    return result
+
+
+def reset_downstream() -> None:
+    httpx.delete(f"http://127.0.0.1:{DOWNSTREAM_PORT}/stats")
+
+
+class Sender:
+    """Signs and POSTs events to the receiver (``sent_at`` in each body, for the downstream)."""
+
+    def __init__(self, source: str, secret: str) -> None:
+        self.url = f"http://127.0.0.1:{RECEIVER_PORT}/webhooks/{source}"
+        self.webhook = Webhook(secret)
+
+    def _request(self) -> tuple[bytes, dict[str, str]]:
+        event_id = f"msg_{uuid.uuid4().hex}"
+        now = datetime.now(UTC)
+        body = orjson.dumps(
+            {"type": "bench.event", "sent_at": time.time(), "data": {"id": event_id, "n": 1}}
+        )
+        headers = {
+            "content-type": "application/json",
+            "webhook-id": event_id,
+            "webhook-timestamp": str(int(now.timestamp())),
+            "webhook-signature": self.webhook.sign(event_id, now, body.decode()),
+        }
+        return body, headers
+
+    async def _post(self, client: httpx.AsyncClient) -> None:
+        body, headers = self._request()
+        response = await client.post(self.url, content=body, headers=headers)
+        if response.status_code >= 300:
+            raise RuntimeError(f"receiver answered {response.status_code}")
+
+    async def burst(self, n: int, concurrency: int = 32) -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            left = iter(range(n))
+
+            async def lane() -> None:
+                for _ in left:
+                    await self._post(client)
+
+            await asyncio.gather(*(lane() for _ in range(concurrency)))
+
+    async def paced(self, rate: float, seconds: float) -> int:
+        async with httpx.AsyncClient(
+            timeout=30, limits=httpx.Limits(max_connections=256)
+        ) as client:
+            tasks = []
+            start = time.perf_counter()
+            sent = 0
+            while time.perf_counter() - start < seconds:
+                due = start + sent / rate
+                pause = due - time.perf_counter()
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                tasks.append(asyncio.create_task(self._post(client)))
+                sent += 1
+            await asyncio.gather(*tasks)
+            return sent
+
+
+def succeeded(conn: psycopg.Connection[object]) -> int:
+    row = conn.execute("SELECT count(*) FROM deliveries WHERE status = 'succeeded'").fetchone()
+    return int(row[0])  # type: ignore[index]
+
+
+def queued(client: redis.Redis) -> int:
+    return int(client.llen(DELIVERIES_QUEUE))
+
+
+def progress(text: str) -> None:
+    print(f"  .. {text}", file=sys.stderr, flush=True)
+
+
+def drain(worker: Worker, client: redis.Redis, n: int, done: object) -> Drain:
+    while queued(client) >= n:
+        worker.check()
+        time.sleep(0.002)
+    start, cpu0 = time.perf_counter(), cpu_seconds(worker.proc.pid)
+    while done() < n:  # type: ignore[operator]
+        worker.check()
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - start
+    cpu, rss = cpu_seconds(worker.proc.pid) - cpu0, rss_mib(worker.proc.pid)
+    progress(f"drained {n} in {elapsed:.1f} s")
+    return Drain(n / elapsed, 1000 * cpu / n, rss)
+
+
+def percentiles(values: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(sorted(values), n=100)
+    return 1000 * q[49], 1000 * q[98]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, env: dict[str, str], logdir: Path) -> None:
+        self.args, self.env, self.logdir = args, env, logdir
+        self.broker = redis.Redis.from_url(env["WEBHOOKS_BROKER_URL"])
+        self.claims = redis.Redis.from_url(env["WEBHOOKS_REDIS_URL"])
+        settings = Settings(
+            database_url=env["WEBHOOKS_DATABASE_URL"],
+            broker_url=env["WEBHOOKS_BROKER_URL"],
+            redis_url=env["WEBHOOKS_REDIS_URL"],
+            secret_key=env["WEBHOOKS_SECRET_KEY"],  # type: ignore[arg-type]
+        )
+        self.app: Celery = create_app(settings)
+        self.dsn = settings.psycopg_dsn
+
+    def _fresh(self, conn: psycopg.Connection[object]) -> None:
+        self.broker.flushdb()
+        self.claims.flushdb()
+        conn.execute("TRUNCATE attempts, deliveries, receipts")
+        reset_downstream()
+
+    def bare_worker(self) -> Worker:
+        a = self.args
+        return Worker("bench.forward_app", a.bare_pool, a.bare_concurrency, self.env, self.logdir)
+
+    def ours_worker(self) -> Worker:
+        return Worker("tasks", self.args.pool, self.args.concurrency, self.env, self.logdir)
+
+    def publish_bare(self, n: int) -> None:
+        with self.app.producer_or_acquire() as producer:
+            for _ in range(n):
+                body = orjson.dumps({"sent_at": time.time()}).decode()
+                self.app.send_task(
+                    FORWARD_TASK, args=[HOOK, body], queue=DELIVERIES_QUEUE, producer=producer
+                )
+
+    def bare_drain(self, conn: psycopg.Connection[object]) -> Drain:
+        n = self.args.events
+        self._fresh(conn)
+        self.publish_bare(n)
+        worker = self.bare_worker()
+        try:
+            return drain(worker, self.broker, n, lambda: downstream_stats()["count"])
+        finally:
+            worker.stop()
+
+    def ours_drain(self, conn: psycopg.Connection[object], sender: Sender) -> Drain:
+        n = self.args.events
+        self._fresh(conn)
+        asyncio.run(sender.burst(n))
+        worker = self.ours_worker()
+        try:
+            return drain(worker, self.broker, n, lambda: succeeded(conn))
+        finally:
+            worker.stop()
+
+    def bare_sustained(self, conn: psycopg.Connection[object], rate: float) -> Sustained:
+        self._fresh(conn)
+        worker = self.bare_worker()
+        try:
+            worker.wait_ready(self.app)
+            interval, sent, start = 1.0 / rate, 0, time.perf_counter()
+            with self.app.producer_or_acquire() as producer:
+                while time.perf_counter() - start < self.args.seconds:
+                    pause = start + sent * interval - time.perf_counter()
+                    if pause > 0:
+                        time.sleep(pause)
+                    body = orjson.dumps({"sent_at": time.time()}).decode()
+                    self.app.send_task(
+                        FORWARD_TASK, args=[HOOK, body], queue=DELIVERIES_QUEUE, producer=producer
+                    )
+                    sent += 1
+            while int(downstream_stats()["count"]) < sent:  # type: ignore[call-overload]
+                worker.check()
+                time.sleep(0.05)
+            elapsed = time.perf_counter() - start
+        finally:
+            worker.stop()
+        latencies = [float(x) for x in downstream_stats()["latencies"]]  # type: ignore[attr-defined]
+        p50, p99 = percentiles(latencies)
+        return Sustained(rate, sent / elapsed, p50, p99, sent)
+
+    def ours_sustained(
+        self, conn: psycopg.Connection[object], sender: Sender, rate: float
+    ) -> Sustained:
+        self._fresh(conn)
+        worker = self.ours_worker()
+        try:
+            worker.wait_ready(self.app)
+            start = time.perf_counter()
+            sent = asyncio.run(sender.paced(rate, self.args.seconds))
+            while succeeded(conn) < sent:
+                worker.check()
+                time.sleep(0.05)
+            elapsed = time.perf_counter() - start
+        finally:
+            worker.stop()
+        rows = conn.execute(
+            "SELECT extract(epoch FROM d.succeeded_at - r.received_at) FROM deliveries d "
+            "JOIN receipts r ON r.id = d.receipt_id AND r.expires_at = d.expires_at "
+            "WHERE d.status = 'succeeded'"
+        ).fetchall()
+        p50, p99 = percentiles([float(r[0]) for r in rows])  # type: ignore[index]
+        return Sustained(rate, sent / elapsed, p50, p99, sent)
+
+
+def setup(env: dict[str, str]) -> tuple[str, str]:
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+
+    def run(*argv: str) -> str:
+        return subprocess.run(
+            [str(BIN / "webhooks"), *argv], env=env, check=True, capture_output=True, text=True
+        ).stdout
+
+    run("db", "upgrade")
+    view = orjson.loads(run("sources", "add", "bench", "--provider", "standard", "--json"))
+    run("routes", "add", view["id"], "--handler", "forward", "--option", f"url={HOOK}")
+    return view["id"], view["secret"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--events", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--delays", default="10,100,500")
+    parser.add_argument("--rate", type=float, default=300.0, help="sustained phase, events/s")
+    parser.add_argument("--pool", default="threads")
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--bare-pool", default="threads")
+    parser.add_argument("--bare-concurrency", type=int, default=100)
+    parser.add_argument("--redis-port", type=int, default=6394)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_forward.txt")
+    args = parser.parse_args()
+
+    env = base_env(args.redis_port)
+    os.environ.update(env)
+    source, secret = setup(env)
+    logdir = Path(tempfile.mkdtemp(prefix="bench-forward-"))
+    bench = Bench(args, env, logdir)
+    sender = Sender(source, secret)
+    receiver = uvicorn("ingest.app:app_from_env", RECEIVER_PORT, env, logdir / "receiver.log")
+    lines = [
+        f"bench_forward: {args.events} events per drain, {args.rounds} round(s), "
+        f"ours -P {args.pool} -c {args.concurrency}, bare -P {args.bare_pool} "
+        f"-c {args.bare_concurrency}, 1 receiver process, {os.cpu_count()} CPUs, "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, load average {os.getloadavg()[0]:.1f}",
+    ]
+    try:
+        with psycopg.connect(bench.dsn, autocommit=True) as conn:
+            for delay in [int(d) for d in args.delays.split(",")]:
+                downstream = uvicorn(
+                    "bench.downstream_app:app",
+                    DOWNSTREAM_PORT,
+                    {**env, "BENCH_DELAY_MS": str(delay)},
+                    logdir / "downstream.log",
+                )
+                try:
+                    bare: list[Drain] = []
+                    ours: list[Drain] = []
+                    for _ in range(args.rounds):
+                        bare.append(bench.bare_drain(conn))
+                        ours.append(bench.ours_drain(conn, sender))
+                    best_bare = max(bare, key=lambda d: d.rate)
+                    best_ours = max(ours, key=lambda d: d.rate)
+                    rate = min(args.rate, 0.9 * best_ours.rate)
+                    s_bare = bench.bare_sustained(conn, rate)
+                    s_ours = bench.ours_sustained(conn, sender, rate)
+                finally:
+                    stop(downstream)
+                lines += report(delay, bare, ours, best_bare, best_ours, s_bare, s_ours)
+                print("\n".join(lines[-9:]), flush=True)
+    finally:
+        stop(receiver)
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+    bench.broker.flushdb()
+    bench.claims.flushdb()
+    text = "\n".join(lines)
+    print(text)
+    args.output.write_text(text + "\n")
+
+
+def report(
+    delay: int,
+    bare: list[Drain],
+    ours: list[Drain],
+    best_bare: Drain,
+    best_ours: Drain,
+    s_bare: Sustained,
+    s_ours: Sustained,
+) -> list[str]:
+    def rounds(ds: list[Drain]) -> str:
+        return ", ".join(f"{d.rate:.0f}" for d in ds)
+
+    return [
+        "",
+        f"downstream delay {delay} ms",
+        "  drain      events/s (best; rounds)   CPU ms/event   worker RSS MiB",
+        f"  ours       {best_ours.rate:8.0f} ({rounds(ours)})"
+        f"{best_ours.cpu_ms:>18.2f}{best_ours.rss:>17.0f}",
+        f"  bare       {best_bare.rate:8.0f} ({rounds(bare)})"
+        f"{best_bare.cpu_ms:>18.2f}{best_bare.rss:>17.0f}",
+        f"  ratio ours/bare: {best_ours.rate / best_bare.rate:.2f} events/s, "
+        f"{best_ours.cpu_ms / best_bare.cpu_ms:.2f} CPU per event",
+        f"  sustained at {s_ours.offered:.0f} events/s offered for the run's seconds: "
+        f"ours {s_ours.done_rate:.0f} done/s, receipt->succeeded p50 {s_ours.p50_ms:.0f} ms "
+        f"p99 {s_ours.p99_ms:.0f} ms ({s_ours.count} events)",
+        f"                 bare {s_bare.done_rate:.0f} done/s, publish->downstream answered "
+        f"p50 {s_bare.p50_ms:.0f} ms p99 {s_bare.p99_ms:.0f} ms ({s_bare.count} events)",
+        "",
+    ]
+
+
+if __name__ == "__main__":
+    main()

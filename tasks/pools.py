@@ -1,0 +1,222 @@
+"""How each Celery pool enforces the time limits, and what we add where it does not.
+
+``WEBHOOKS_WORKER_POOL`` picks the pool (``webhooks run`` passes ``-P`` and ``-c``):
+
+prefork
+    Celery signals the soft limit into the child (``SoftTimeLimitExceeded`` raised in the
+    handler: a retryable failure) and kills the child at the hard limit (a crash: the lease
+    runs out after the processing TTL and the sweeper republishes the delivery). Stops any
+    handler, even one spinning on the CPU.
+gevent
+    Celery runs each task in a greenlet under ``gevent.Timeout(hard limit)``; it has no soft
+    limit. :func:`soft_limit` adds one (the same ``SoftTimeLimitExceeded``, the same
+    retryable failure); at the hard limit the ``Timeout`` is raised in the task's greenlet
+    and :mod:`tasks.deliver` fails the attempt (retry now) before Celery records the
+    timeout. Both need the handler to yield (any socket, ``time.sleep``, a query): a handler
+    that spins on the CPU freezes every greenlet of the process, so :func:`start_watchdog`
+    kills the process once its event loop has not run for the hard limit, which is then
+    exactly prefork's crash path (lease, sweeper, ``max_redeliveries``).
+threads
+    Celery's thread pool enforces neither limit (``celery.concurrency.thread`` takes no
+    timeout). :func:`time_limits` does: a watchdog thread raises ``SoftTimeLimitExceeded``
+    in the handler's thread at the soft limit and :class:`HardTimeLimitExceeded` (not an
+    ``Exception``: a handler's ``except Exception`` cannot swallow it) at the hard limit,
+    after which :mod:`tasks.deliver` fails the attempt (retry now). Such an exception lands
+    between two Python bytecodes: a thread blocked inside one C call (a ``time.sleep(600)``,
+    a socket read without timeout) does not see it, so at ``1.5 x`` the hard limit the
+    watchdog kills the process (prefork's crash path again; ``forward``'s own I/O timeouts,
+    below the soft limit, keep it from ever getting there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from celery.exceptions import SoftTimeLimitExceeded
+
+from webhooks.logs import get_logger
+
+log = get_logger(__name__)
+
+# How often the watchdog looks, and how often the event loop proves it runs.
+WATCHDOG_TICK = 0.5
+
+
+def is_green() -> bool:
+    """True in a process monkey-patched by gevent (``celery worker -P gevent`` does it before
+    anything else is imported)."""
+    monkey = sys.modules.get("gevent.monkey")
+    return bool(monkey is not None and monkey.is_module_patched("socket"))
+
+
+class PoolMismatchError(RuntimeError):
+    """WEBHOOKS_WORKER_POOL=gevent, but the worker was not started with ``-P gevent``."""
+
+    reason = "pool_mismatch"
+
+
+def check_pool(pool: str) -> None:
+    """In a worker command: gevent must have patched the process (``-P gevent`` does it first
+    thing); otherwise Celery would run its default pool with gevent's concurrency."""
+    if pool == "gevent" and not is_green():
+        raise PoolMismatchError(
+            "WEBHOOKS_WORKER_POOL=gevent needs `celery -A tasks worker -P gevent` "
+            "(webhooks run and docker-compose.yml pass it)"
+        )
+
+
+@contextmanager
+def soft_limit(seconds: float) -> Iterator[None]:
+    """Raise ``SoftTimeLimitExceeded`` in the handler after ``seconds`` under gevent; a no-op
+    elsewhere (prefork's own signal does it)."""
+    if not is_green():
+        yield
+        return
+    from gevent import Timeout  # noqa: PLC0415
+
+    exc = SoftTimeLimitExceeded(f"soft time limit ({seconds}s) exceeded")
+    with Timeout(seconds, exc):
+        yield
+
+
+class HardTimeLimitExceeded(BaseException):  # noqa: N818 (named like Celery's limits)
+    """Raised in a thread-pool handler at the hard limit. A BaseException, like gevent's
+    Timeout: the handler's own ``except Exception`` must not swallow it."""
+
+
+def is_hard_timeout(exc: BaseException) -> bool:
+    """The hard limit fired in this task: ours (threads) or Celery's ``gevent.Timeout``
+    (our gevent soft limit raises SoftTimeLimitExceeded, an Exception, instead)."""
+    if isinstance(exc, HardTimeLimitExceeded):
+        return True
+    if not is_green():
+        return False
+    from gevent import Timeout  # noqa: PLC0415
+
+    return isinstance(exc, Timeout)
+
+
+def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in thread ``ident`` at its next bytecode (None: cancel a pending one)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+class _Deadline:
+    __slots__ = ("hard", "kill", "sent", "soft")
+
+    def __init__(self, soft: float, hard: float, kill: float) -> None:
+        self.soft, self.hard, self.kill = soft, hard, kill
+        self.sent: type[BaseException] | None = None
+
+
+class _ThreadLimits:
+    """The deadlines of the handlers running in this process's threads, and the one
+    watchdog thread that enforces them."""
+
+    lock = threading.Lock()
+    running: dict[int, _Deadline] = {}  # noqa: RUF012 (process-wide by design)
+    started = False
+
+    @classmethod
+    def enter(cls, soft: float, hard: float) -> int:
+        ident = threading.get_ident()
+        now = time.monotonic()
+        with cls.lock:
+            cls.running[ident] = _Deadline(now + soft, now + hard, now + 1.5 * hard)
+            if not cls.started:
+                cls.started = True
+                threading.Thread(target=cls._watch, name="time-limits", daemon=True).start()
+        return ident
+
+    @classmethod
+    def leave(cls, ident: int) -> None:
+        with cls.lock:
+            deadline = cls.running.pop(ident, None)
+            if deadline is not None and deadline.sent is not None:
+                _async_raise(ident, None)  # not raised yet: it must not hit the worker's code
+
+    @classmethod
+    def _watch(cls) -> None:
+        while True:
+            time.sleep(WATCHDOG_TICK / 5)
+            now = time.monotonic()
+            with cls.lock:
+                for ident, deadline in cls.running.items():
+                    if now >= deadline.kill:
+                        log.error("worker.handler_stuck", past_hard_limit=True, kill=True)
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if now >= deadline.hard and deadline.sent is not HardTimeLimitExceeded:
+                        deadline.sent = HardTimeLimitExceeded
+                        _async_raise(ident, HardTimeLimitExceeded)
+                    elif now >= deadline.soft and deadline.sent is None:
+                        deadline.sent = SoftTimeLimitExceeded
+                        _async_raise(ident, SoftTimeLimitExceeded)
+
+
+@contextmanager
+def time_limits(soft: float, hard: float) -> Iterator[None]:
+    """Around a handler: the soft and hard limits the pool itself does not enforce (see the
+    module's docstring). Prefork: nothing (Celery does it all)."""
+    if is_green():
+        with soft_limit(soft):
+            yield
+        return
+    if threading.current_thread() is threading.main_thread():
+        # A prefork child (or a test calling the task inline): Celery's signals do it.
+        yield
+        return
+    ident = _ThreadLimits.enter(soft, hard)
+    try:
+        yield
+    finally:
+        _ThreadLimits.leave(ident)
+
+
+class _Beat:
+    last = time.monotonic()
+
+
+def _tick() -> None:
+    _Beat.last = time.monotonic()
+
+
+def start_watchdog(hard_limit: float) -> bool:
+    """Under gevent: a native thread that SIGKILLs this process once the event loop has been
+    blocked (a handler spinning on the CPU, a C call that never yields) for ``hard_limit``.
+    Returns whether it started (False outside gevent)."""
+    if not is_green():
+        return False
+    import gevent  # noqa: PLC0415
+    from gevent import monkey  # noqa: PLC0415
+
+    start_thread: Any = monkey.get_original("_thread", "start_new_thread")
+    real_sleep: Any = monkey.get_original("time", "sleep")
+
+    def beat() -> None:
+        while True:
+            _tick()
+            gevent.sleep(WATCHDOG_TICK)
+
+    def watch() -> None:
+        while True:
+            real_sleep(WATCHDOG_TICK)
+            blocked = time.monotonic() - _Beat.last
+            if blocked > hard_limit:
+                # Logged from a native thread; the line carries no payload.
+                log.error("worker.event_loop_blocked", blocked_s=round(blocked, 1), kill=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    _tick()
+    gevent.spawn(beat)
+    start_thread(watch, ())
+    return True
