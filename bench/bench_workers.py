@@ -1,8 +1,9 @@
 """Worker benchmark: events per second from a queued delivery to ``succeeded``, against a
 bare Celery no-op task drained by the same worker settings on the same broker.
 
-Both targets run as ``celery worker -P prefork -c 2`` with the pipeline's Celery configuration
-(Redis broker, acks_late, prefetch 1, time limits, task events) and the same log level:
+Both targets run as ``celery worker -P prefork -c 2`` (or ``--pool``/``--concurrency``) with
+the pipeline's Celery configuration (Redis broker, acks_late, prefetch 1, time limits, task
+events) and the same log level:
 
   ours   ``celery -A tasks worker``: fast claim (Redis), durable claim (Postgres), a ``noop``
          handler, success committed, claim promoted; one receipt + delivery row per event
@@ -15,6 +16,7 @@ Latency: events are then accepted (receipt + delivery committed, as the receiver
 published at half of our measured rate; p50/p99 of ``succeeded_at - received_at``.
 
 Usage: .venv/bin/python bench/bench_workers.py [--events 2000] [--rounds 2] [--seconds 10]
+       [--pool prefork --concurrency 2]   (both targets; BENCH_REDIS_PORT picks the Redis)
 Uses its own database and Redis DBs 8 (broker) and 9 (claims); drops them after.
 """
 
@@ -52,8 +54,11 @@ from webhooks.ttl import expires_at  # noqa: E402
 
 BIN = Path(sys.executable).parent
 DB = "webhooks_bench_workers"
-BROKER = "redis://127.0.0.1:6379/8"
-CLAIMS = "redis://127.0.0.1:6379/9"
+REDIS_PORT = os.environ.get("BENCH_REDIS_PORT", "6379")
+BROKER = f"redis://127.0.0.1:{REDIS_PORT}/8"
+CLAIMS = f"redis://127.0.0.1:{REDIS_PORT}/9"
+# Both targets run this pool and concurrency (--pool, --concurrency).
+POOL = {"pool": "prefork", "concurrency": "2"}
 NOOP_TASK = "bench.noop"
 ENV = {
     "WEBHOOKS_DATABASE_URL": f"postgresql://postgres@127.0.0.1:5432/{DB}",
@@ -85,10 +90,11 @@ class Worker:
         self.log = logdir / f"{app.replace('.', '_')}-{uuid.uuid4().hex[:6]}.log"
         self.out = self.log.open("wb")
         self.proc = subprocess.Popen(
-            [str(BIN / "celery"), "-A", app, "worker", "-Q", DELIVERIES_QUEUE, "-P", "prefork",
-             "-c", "2", "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "--without-mingle",
+            [str(BIN / "celery"), "-A", app, "worker", "-Q", DELIVERIES_QUEUE, "-P", POOL["pool"],
+             "-c", POOL["concurrency"], "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "--without-mingle",
              "--without-gossip", "-l", "INFO"],
-            env=worker_env(), stdout=self.out, stderr=subprocess.STDOUT, cwd=logdir,
+            env={**worker_env(), "WEBHOOKS_WORKER_POOL": POOL["pool"],
+                 "WEBHOOKS_WORKER_CONCURRENCY": POOL["concurrency"]}, stdout=self.out, stderr=subprocess.STDOUT, cwd=logdir,
         )  # fmt: skip
 
     def stop(self) -> None:
@@ -242,8 +248,11 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--pool", default="prefork")
+    parser.add_argument("--concurrency", default="2")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_workers.txt")
     args = parser.parse_args()
+    POOL.update(pool=args.pool, concurrency=args.concurrency)
 
     os.environ.update(ENV)
     s = settings()
@@ -266,7 +275,8 @@ def main() -> None:
 
     lines = [
         f"bench_workers: {args.events} events per round, {args.rounds} rounds, "
-        f"2 prefork processes, {os.cpu_count()} CPUs, {datetime.now(UTC):%Y-%m-%d}",
+        f"-P {args.pool} -c {args.concurrency} (both), {os.cpu_count()} CPUs, "
+        f"{datetime.now(UTC):%Y-%m-%d}",
         "target  events/s (best)  rounds",
         f"ours    {ours:14.0f}  {', '.join(f'{r:.0f}' for r in ours_rates)}",
         f"bare    {bare:14.0f}  {', '.join(f'{r:.0f}' for r in bare_rates)}",

@@ -59,7 +59,9 @@ Redis key promoted: a promoted key always stands for a durable success.
 *Round trips.* Steps 0, 2 and (for a handler that wrote nothing through ``ctx.session``) 4 are
 each one autocommit statement: no BEGIN, no separate COMMIT, no ping on checkout (a pooled
 connection found dead by step 0, which changes nothing, is replaced and the task starts
-again). Steps 2 and 4 name the delivery's leaf partitions directly (a generic plan on the
+again). The connection goes back to the pool while the handler runs (under the threads and
+gevent pools a hundred handlers wait on downstreams at once; step 4 takes one again).
+Steps 2 and 4 name the delivery's leaf partitions directly (a generic plan on the
 partitioned parents locks every partition), falling back to the parents when that leaf does
 not exist. Three statements and two Redis commands per delivery.
 
@@ -69,7 +71,8 @@ on the database's clock (``now()`` in the guarded statements, :mod:`webhooks.clo
 this host's: a worker whose clock runs minutes ahead cannot see a live lease as expired, and
 the fencing token protects the commit if a lease ever does run out. The soft limit raises
 inside the handler and is handled as a retryable failure; the hard limit kills the process
-(a crash).
+(a crash) under prefork, and fails the attempt under threads and gevent (:mod:`tasks.pools`
+says how each pool enforces both).
 
 Logs carry ids, outcomes and error classes, never payloads or secrets.
 """

@@ -3,7 +3,10 @@ Retry-After) and the Redis claim tier against the real Redis."""
 
 from __future__ import annotations
 
+import os
 import random
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -26,6 +29,8 @@ from tasks.policy import (
     backoff_bound,
     decide,
 )
+from tasks.pools import HardTimeLimitExceeded, PoolMismatchError, check_pool, time_limits
+from tasks.runtime import engine_pool_size
 from tests.conftest import free_port, make_settings
 from tests.workers import CLAIMS_URL
 
@@ -333,3 +338,72 @@ def test_unreachable_redis_fails_open_and_is_counted_as_degraded() -> None:
     # Confirm and release do not wait on a Redis known to be down.
     assert not store.confirm(claim, timedelta(days=1))
     assert not store.release(claim)
+
+
+# Pools (issue 12) ---------------------------------------------------------------------------
+
+
+def test_the_default_pool_keeps_a_hundred_deliveries_in_flight_in_one_process() -> None:
+    s = make_settings()
+    assert (s.worker_pool, s.worker_slots) == ("threads", 100)
+    conf = celery_config(s)
+    assert (conf["worker_pool"], conf["worker_concurrency"]) == ("threads", 100)
+    # Kombu's Redis transport would refuse a 100 concurrent acks with its default of 10.
+    assert conf["broker_transport_options"]["max_connections"] >= 100
+    # A task holds a connection only for its statements: the pool stays small.
+    assert engine_pool_size(s) == s.db_pool_size == 10
+    assert engine_pool_size(make_settings(worker_concurrency=4)) == 4
+
+
+def test_prefork_and_gevent_settings() -> None:
+    prefork = make_settings(worker_pool="prefork")
+    assert prefork.worker_slots == (os.cpu_count() or 1)
+    assert engine_pool_size(prefork) == 2
+    assert celery_config(prefork)["worker_pool"] == "prefork"
+    gevent = make_settings(worker_pool="gevent", worker_concurrency=300)
+    # gevent is named on the command line only (it must patch before any import).
+    assert "worker_pool" not in celery_config(gevent)
+    assert celery_config(gevent)["worker_concurrency"] == 300
+    with pytest.raises(PoolMismatchError, match="-P gevent"):
+        check_pool("gevent")  # this process is not monkey-patched
+    check_pool("threads")
+
+
+def test_threads_get_the_soft_then_the_hard_limit_raised_in_the_handler() -> None:
+    """The watchdog of tasks.pools on a real thread: a handler that swallows the soft limit
+    (as ``hang`` does) is ended by HardTimeLimitExceeded, which ``except Exception`` misses."""
+    seen: list[str] = []
+
+    def handler() -> None:
+        try:
+            with time_limits(0.2, 0.5):
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    try:
+                        time.sleep(0.01)
+                    except Exception as exc:  # noqa: BLE001 (the soft limit, swallowed)
+                        seen.append(type(exc).__name__)
+        except HardTimeLimitExceeded:
+            seen.append("HardTimeLimitExceeded")
+
+    started = time.monotonic()
+    worker = threading.Thread(target=handler)
+    worker.start()
+    worker.join(5)
+    assert seen == ["SoftTimeLimitExceeded", "HardTimeLimitExceeded"]
+    assert 0.45 <= time.monotonic() - started < 1.0
+
+
+def test_a_limit_that_did_not_fire_leaves_nothing_pending() -> None:
+    done: list[bool] = []
+
+    def quick() -> None:
+        with time_limits(0.2, 0.5):
+            pass
+        time.sleep(0.7)  # past both deadlines: nothing may be raised here
+        done.append(True)
+
+    worker = threading.Thread(target=quick)
+    worker.start()
+    worker.join(5)
+    assert done == [True]
