@@ -31,6 +31,7 @@ from tests.leakcheck import remember
 from tests.workers import (
     CLAIMS_URL,
     Broker,
+    Worker,
     attempts,
     delivery,
     effects,
@@ -83,7 +84,8 @@ def test_a_worker_whose_clock_runs_ahead_never_takes_a_live_lease(
     )
     delivery_id = accept_event(settings, source)[1].delivery_ids[0]
     broker = Broker(settings)
-    with running_worker("on-time", tmp_path, **SLOW) as on_time:
+    # One slot: busy with the handler, so the duplicate goes to the other worker.
+    with running_worker("on-time", tmp_path, concurrency=1, **SLOW) as on_time:
         broker.publish(delivery_id)
         wait_for(lambda: list(tmp_path.glob(f"{delivery_id}.1.*")), timeout=30, what="the handler")
         with running_worker(
@@ -242,21 +244,29 @@ def _forward_delivery(
     return accept_event(settings, source)[1].delivery_ids[0], settings
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_kill_9_in_the_middle_of_a_forward_call(
-    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path, pool: str
 ) -> None:
-    """The pool process dies while the downstream holds its request: the next attempt calls
-    it again with the same idempotency key, and the delivery succeeds exactly once."""
+    """The process running the call dies while the downstream holds its request (prefork:
+    the pool child; threads: the worker itself, and another worker takes over): the next
+    attempt calls it again with the same idempotency key, and the delivery succeeds once."""
     with BlockingDownstream() as downstream:
         delivery_id, settings = _forward_delivery(sessions, downstream.url)
         broker = Broker(settings)
-        with running_worker("forwarder", tmp_path) as worker, running_beat(tmp_path):
+        with running_worker("forwarder", tmp_path, pool=pool) as worker, running_beat(tmp_path):
             broker.publish(delivery_id)
             assert downstream.first_arrived.wait(30)
-            [child] = worker.pool_pids()
-            os.kill(child, signal.SIGKILL)
-            downstream.release.set()
-            row = wait_status(engine, delivery_id, "succeeded", timeout=90)
+            if pool == "prefork":
+                [child] = worker.pool_pids()
+                os.kill(child, signal.SIGKILL)
+                downstream.release.set()
+                row = wait_status(engine, delivery_id, "succeeded", timeout=90)
+            else:
+                worker.kill_all()
+                downstream.release.set()
+                with running_worker("forwarder-2", tmp_path, pool=pool):
+                    row = wait_status(engine, delivery_id, "succeeded", timeout=90)
         broker.close()
     assert len(downstream.keys) == 2
     assert len(set(downstream.keys)) == 1  # the same key on both calls
@@ -265,12 +275,19 @@ def test_kill_9_in_the_middle_of_a_forward_call(
     assert [(a.number, a.outcome) for a in tries] == [(1, "crashed"), (2, "succeeded")]
 
 
-def test_kill_9_after_the_success_commit_before_the_broker_ack(
+def _copy_skipped(worker: Worker, delivery_id: int) -> bool:
+    return any(
+        line.get("event") == "delivery.not_claimed" and line.get("delivery_id") == delivery_id
+        for line in worker.json_lines()
+    )
+
+
+def test_kill_9_of_a_thread_worker_after_the_success_commit_before_the_broker_ack(
     engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
 ) -> None:
-    """The pool process dies right after committing the success, before its message is
-    acknowledged: the broker redelivers it, and the copy finds the work done. The downstream
-    was called once; the delivery is succeeded once, with one attempt."""
+    """The default pool (threads): the worker process itself dies right after committing the
+    success, before the ack. A copy of the message, as a redelivery brings it, reaches
+    another worker and finds the work done: one downstream call, one attempt."""
     with BlockingDownstream() as downstream:
         downstream.release.set()  # answer at once
         delivery_id, settings = _forward_delivery(sessions, downstream.url)
@@ -278,7 +295,37 @@ def test_kill_9_after_the_success_commit_before_the_broker_ack(
         kill_dir = tmp_path / "kills"
         kill_dir.mkdir()
         with running_worker(
-            "committer", tmp_path, extra_env={KILL_AFTER_COMMIT_DIR: str(kill_dir)}
+            "committer", tmp_path, pool="threads", extra_env={KILL_AFTER_COMMIT_DIR: str(kill_dir)}
+        ) as worker:
+            broker.publish(delivery_id)
+            wait_for(
+                lambda: list(kill_dir.glob(f"{delivery_id}.killed")), timeout=30, what="the kill"
+            )
+            row = wait_status(engine, delivery_id, "succeeded", timeout=30)
+            wait_for(lambda: not worker.alive(), timeout=30, what="the worker to die")
+        with running_worker("second", tmp_path, pool="threads") as second:
+            broker.publish(delivery_id)
+            wait_for(lambda: _copy_skipped(second, delivery_id), timeout=30, what="the copy")
+        broker.close()
+    assert len(downstream.keys) == 1
+    assert (row.attempts, row.redeliveries) == (1, 0)
+    assert [(a.number, a.outcome) for a in attempts(engine, delivery_id)] == [(1, "succeeded")]
+
+
+def test_kill_9_after_the_success_commit_before_the_broker_ack(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """Prefork: the pool process dies right after committing the success, before its message
+    is acknowledged: the broker redelivers it, and the copy finds the work done. The
+    downstream was called once; the delivery is succeeded once, with one attempt."""
+    with BlockingDownstream() as downstream:
+        downstream.release.set()  # answer at once
+        delivery_id, settings = _forward_delivery(sessions, downstream.url)
+        broker = Broker(settings)
+        kill_dir = tmp_path / "kills"
+        kill_dir.mkdir()
+        with running_worker(
+            "committer", tmp_path, pool="prefork", extra_env={KILL_AFTER_COMMIT_DIR: str(kill_dir)}
         ) as worker:
             broker.publish(delivery_id)
             killed = wait_for(
