@@ -343,13 +343,13 @@ def test_unreachable_redis_fails_open_and_is_counted_as_degraded() -> None:
 # Pools (issue 12) ---------------------------------------------------------------------------
 
 
-def test_the_default_pool_keeps_a_hundred_deliveries_in_flight_in_one_process() -> None:
+def test_the_default_pool_keeps_fifty_deliveries_in_flight_in_one_process() -> None:
     s = make_settings()
-    assert (s.worker_pool, s.worker_slots) == ("threads", 100)
+    assert (s.worker_pool, s.worker_slots) == ("threads", 50)
     conf = celery_config(s)
-    assert (conf["worker_pool"], conf["worker_concurrency"]) == ("threads", 100)
-    # Kombu's Redis transport would refuse a 100 concurrent acks with its default of 10.
-    assert conf["broker_transport_options"]["max_connections"] >= 100
+    assert (conf["worker_pool"], conf["worker_concurrency"]) == ("threads", 50)
+    # Kombu's Redis transport would refuse 50 concurrent acks with its default of 10.
+    assert conf["broker_transport_options"]["max_connections"] >= 50
     # A task holds a connection only for its statements: the pool stays small.
     assert engine_pool_size(s) == s.db_pool_size == 10
     assert engine_pool_size(make_settings(worker_concurrency=4)) == 4

@@ -301,7 +301,7 @@ def run(
         int | None,
         typer.Option(
             help="Worker concurrency: threads, greenlets or processes of WEBHOOKS_WORKER_POOL "
-            "(default WEBHOOKS_WORKER_CONCURRENCY, else 100 threads).",
+            "(default WEBHOOKS_WORKER_CONCURRENCY, else 50 threads).",
             min=1,
         ),
     ] = None,
