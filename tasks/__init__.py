@@ -78,7 +78,7 @@ def _check_pool(settings: Settings) -> None:
     from tasks.pools import check_pool  # noqa: PLC0415
 
     if is_worker_command(sys.argv):
-        check_pool(settings.worker_pool)
+        check_pool(settings.worker_pool, sys.argv)
 
 
 def get_runtime() -> Runtime:

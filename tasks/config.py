@@ -76,10 +76,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             MAINTENANCE_TASK: {"queue": MAINTENANCE_QUEUE},
         },
         "worker_concurrency": settings.worker_slots,
-        # A bare `celery -A tasks worker` (compose) runs WEBHOOKS_WORKER_POOL. Not gevent:
-        # gevent must be named with -P, which patches before anything is imported (a worker
-        # started without it refuses to run: tasks.pools.check_pool).
-        **({} if settings.worker_pool == "gevent" else {"worker_pool": settings.worker_pool}),
+        # No worker_pool here: the pool is named with -P, which must match
+        # WEBHOOKS_WORKER_POOL (tasks.pools.check_pool).
         "worker_hijack_root_logger": False,
         "beat_schedule": {
             "sweep": {"task": SWEEP_TASK, "schedule": settings.sweep_interval.total_seconds()},

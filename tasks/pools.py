@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,19 +58,39 @@ def is_green() -> bool:
 
 
 class PoolMismatchError(RuntimeError):
-    """WEBHOOKS_WORKER_POOL=gevent, but the worker was not started with ``-P gevent``."""
+    """The worker command runs another pool than WEBHOOKS_WORKER_POOL says."""
 
     reason = "pool_mismatch"
 
 
-def check_pool(pool: str) -> None:
-    """In a worker command: gevent must have patched the process (``-P gevent`` does it first
-    thing); otherwise Celery would run its default pool with gevent's concurrency."""
-    if pool == "gevent" and not is_green():
+def command_pool(argv: Sequence[str]) -> str:
+    """The pool a ``celery worker`` command line asks for (``-P x``, ``-Px``, ``--pool x``,
+    ``--pool=x``); Celery's default, prefork, when it names none."""
+    for i, arg in enumerate(argv):
+        if arg in ("-P", "--pool") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--pool="):
+            return arg.removeprefix("--pool=")
+        if arg.startswith("-P") and len(arg) > 2:
+            return arg[2:]
+    return "prefork"
+
+
+def check_pool(pool: str, argv: Sequence[str]) -> None:
+    """In a worker command: the pool on the command line must be WEBHOOKS_WORKER_POOL's. The
+    pool is chosen on the command line only (Celery lets a configured ``worker_pool`` override
+    an explicit ``-P prefork``, and gevent must patch before anything is imported), while
+    the concurrency, the connection pool and the time limits follow the setting: a mismatch
+    would run, say, 50 prefork processes."""
+    running = command_pool(argv)
+    if running != pool:
         raise PoolMismatchError(
-            "WEBHOOKS_WORKER_POOL=gevent needs `celery -A tasks worker -P gevent` "
-            "(webhooks run and docker-compose.yml pass it)"
+            f"the worker command runs -P {running} but WEBHOOKS_WORKER_POOL={pool}: pass "
+            f"-P {pool}, or set WEBHOOKS_WORKER_POOL={running} (webhooks run and "
+            "docker-compose.yml pass the setting's pool)"
         )
+    if pool == "gevent" and not is_green():
+        raise PoolMismatchError("WEBHOOKS_WORKER_POOL=gevent needs `celery worker -P gevent`")
 
 
 @contextmanager

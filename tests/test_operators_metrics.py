@@ -59,7 +59,11 @@ def test_worker_metrics_add_up_across_worker_processes(
     # Every task runs in a fresh pool process (--max-tasks-per-child 1), so each count below
     # is the sum over as many processes, most of them exited by the time we scrape.
     worker = Worker(
-        "worker-metrics", cmd, ops_env(worker_metrics_port=port, metrics_dir=str(root)), tmp_path
+        "worker-metrics",
+        cmd,
+        # -P prefork must match the setting (tasks.pools.check_pool).
+        ops_env(worker_metrics_port=port, metrics_dir=str(root), worker_pool="prefork"),
+        tmp_path,
     )
     broker = Broker(ops)
     try:

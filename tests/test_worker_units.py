@@ -347,7 +347,13 @@ def test_the_default_pool_keeps_fifty_deliveries_in_flight_in_one_process() -> N
     s = make_settings()
     assert (s.worker_pool, s.worker_slots) == ("threads", 50)
     conf = celery_config(s)
-    assert (conf["worker_pool"], conf["worker_concurrency"]) == ("threads", 50)
+    assert conf["worker_concurrency"] == 50
+    # The pool is the command line's only, and must be the setting's.
+    assert "worker_pool" not in conf
+    check_pool("threads", ["celery", "-A", "tasks", "worker", "-P", "threads"])
+    check_pool("threads", ["celery", "worker", "--pool=threads"])
+    with pytest.raises(PoolMismatchError, match="runs -P prefork but WEBHOOKS_WORKER_POOL=threads"):
+        check_pool("threads", ["celery", "-A", "tasks", "worker"])
     # Kombu's Redis transport would refuse 50 concurrent acks with its default of 10.
     assert conf["broker_transport_options"]["max_connections"] >= 50
     # A task holds a connection only for its statements: the pool stays small.
@@ -359,14 +365,11 @@ def test_prefork_and_gevent_settings() -> None:
     prefork = make_settings(worker_pool="prefork")
     assert prefork.worker_slots == (os.cpu_count() or 1)
     assert engine_pool_size(prefork) == 2
-    assert celery_config(prefork)["worker_pool"] == "prefork"
+    check_pool("prefork", ["celery", "-A", "tasks", "worker", "-c", "2"])
     gevent = make_settings(worker_pool="gevent", worker_concurrency=300)
-    # gevent is named on the command line only (it must patch before any import).
-    assert "worker_pool" not in celery_config(gevent)
     assert celery_config(gevent)["worker_concurrency"] == 300
-    with pytest.raises(PoolMismatchError, match="-P gevent"):
-        check_pool("gevent")  # this process is not monkey-patched
-    check_pool("threads")
+    with pytest.raises(PoolMismatchError, match="needs `celery worker -P gevent`"):
+        check_pool("gevent", ["celery", "worker", "-Pgevent"])  # this process is not patched
 
 
 def test_threads_get_the_soft_then_the_hard_limit_raised_in_the_handler() -> None:
