@@ -113,6 +113,17 @@ def hang(event: Event, ctx: HandlerContext) -> None:
             continue
 
 
+@register("spin")
+def spin(event: Event, ctx: HandlerContext) -> None:
+    """On its first attempt spins on the CPU and never yields (gevent cannot interrupt it);
+    later attempts record their effect."""
+    if ctx.attempt == 1:
+        Path(ctx.route.options["marker_dir"], f"{ctx.delivery_id}.spin").write_text("spinning")
+        while True:
+            pass
+    record_effect(event, ctx)
+
+
 # Set in a worker's environment: its pool process kills itself (SIGKILL) right after a
 # delivery's success is committed, before the task returns and so before the broker ack
 # (acks_late), once per delivery (a marker file remembers).

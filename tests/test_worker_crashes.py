@@ -186,3 +186,31 @@ def test_a_thread_stuck_in_a_c_call_past_the_hard_limit_kills_its_worker(
     assert (row.attempts, row.redeliveries) == (2, 1)
     tries = attempts(engine, delivery_id)
     assert [(a.number, a.outcome) for a in tries] == [(1, "crashed"), (2, "succeeded")]
+
+
+def test_a_gevent_handler_spinning_on_the_cpu_kills_its_worker_at_the_hard_limit(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    # A CPU loop never yields: no gevent.Timeout can fire and every greenlet is frozen. The
+    # watchdog thread sees the event loop stalled for the hard limit (3 s) and kills the
+    # worker: prefork's crash path (lease, sweeper, another worker runs attempt 2).
+    settings = worker_settings()
+    source = make_source(
+        sessions, settings, routes=[{"handler": "spin", "options": {"marker_dir": str(tmp_path)}}]
+    )
+    delivery_id = accept_event(settings, source)[1].delivery_ids[0]
+    broker = Broker(settings)
+    with running_worker("spinner", tmp_path, pool="gevent") as spinner:
+        broker.publish(delivery_id)
+        wait_for((tmp_path / f"{delivery_id}.spin").exists, timeout=30, what="the spin")
+        wait_for(lambda: not spinner.alive(), timeout=15, what="the watchdog to kill the worker")
+        assert spinner.proc.returncode == -signal.SIGKILL
+        assert any(
+            line.get("event") == "worker.event_loop_blocked" for line in spinner.json_lines()
+        )
+    with running_worker("rescuer", tmp_path, pool="gevent"), running_beat(tmp_path):
+        row = wait_status(engine, delivery_id, "succeeded", timeout=90)
+    broker.close()
+
+    assert [e.attempt for e in effects(engine, delivery_id)] == [2]
+    assert (row.attempts, row.redeliveries) == (2, 1)
