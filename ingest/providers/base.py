@@ -284,6 +284,53 @@ def kv_header(value: str, pair_sep: str, kv_sep: str = "=") -> list[tuple[str, s
     return out
 
 
+def signature_header(
+    headers: Mapping[str, str],
+    name: str,
+    *,
+    scheme: str | None = None,
+    decode: Callable[[str], bytes | None] = unhex,
+) -> bytes:
+    """The signature bytes of a one-value header, ``value`` or ``scheme=value``.
+
+    Missing or empty: AuthError("missing_signature"); another scheme, or a value ``decode``
+    refuses: AuthError("malformed_signature"). The scheme is compared exactly, as senders
+    write it (``sha256``, ``sha1``).
+    """
+    value = header(headers, name)
+    if scheme is not None:
+        found, _, value = value.partition("=")
+        if found != scheme:
+            raise AuthError("malformed_signature")
+    decoded = decode(value)
+    if decoded is None:
+        raise AuthError("malformed_signature")
+    return decoded
+
+
+def body_hmac(
+    name: str,
+    *,
+    scheme: str | None = None,
+    algorithm: str = "sha256",
+    decode: Callable[[str], bytes | None] = unhex,
+) -> AuthFn:
+    """The :data:`AuthFn` of "one header holds HMAC(secret, raw body)", no timestamp signed.
+
+    GitHub, Bitbucket, Intercom, Typeform, Sentry, WooCommerce, Shopify and Meta differ only
+    in the header's name, its ``scheme=`` prefix, the hash and hex or base64 (see
+    :func:`signature_header` for the reasons).
+    """
+
+    def authenticate(
+        headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Config
+    ) -> tuple[str, int | None]:
+        offered = signature_header(headers, name, scheme=scheme, decode=decode)
+        return first_match(secrets, (offered,), hmac_of(algorithm, body)), None
+
+    return authenticate
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers for extraction
 # --------------------------------------------------------------------------------------------

@@ -16,30 +16,17 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from ingest.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     MalformedEvent,
     Provider,
-    Secrets,
+    body_hmac,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
-    unhex,
 )
 
-
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    scheme, _, value = header(headers, "x-hub-signature-256").partition("=")
-    decoded = unhex(value) if scheme == "sha256" else None
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return first_match(secrets, (decoded,), hmac_of("sha256", body)), None
+authenticate = body_hmac("x-hub-signature-256", scheme="sha256")
 
 
 def _payload(headers: Mapping[str, str], body: bytes) -> dict[str, Any]:

@@ -14,30 +14,17 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     Provider,
-    Secrets,
+    body_hmac,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
     occurred_at,
-    unhex,
 )
 
-
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    scheme, _, value = header(headers, "x-hub-signature").partition("=")
-    decoded = unhex(value) if scheme == "sha1" else None
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return first_match(secrets, (decoded,), hmac_of("sha1", body)), None
+authenticate = body_hmac("x-hub-signature", scheme="sha1", algorithm="sha1")
 
 
 def extract(

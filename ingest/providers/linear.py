@@ -26,15 +26,14 @@ from ingest.providers.base import (
     EventMeta,
     Provider,
     Secrets,
+    body_hmac,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
     occurred_at,
-    unhex,
 )
+
+_body_signature = body_hmac("linear-signature")
 
 
 def _signed_timestamp(body: bytes) -> int:
@@ -53,10 +52,7 @@ def _signed_timestamp(body: bytes) -> int:
 def authenticate(
     headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
 ) -> tuple[str, int | None]:
-    decoded = unhex(header(headers, "linear-signature"))
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    secret_id = first_match(secrets, (decoded,), hmac_of("sha256", body))
+    secret_id, _ = _body_signature(headers, body, secrets, config)
     return secret_id, _signed_timestamp(body)
 
 

@@ -28,16 +28,12 @@ from ingest.providers.base import (
     EventMeta,
     MalformedEvent,
     Provider,
-    Secrets,
+    body_hmac,
     dig,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
     occurred_at,
-    unhex,
 )
 
 MIN_VERIFY_TOKEN: Final = 16
@@ -72,14 +68,7 @@ def verify_get(query: Mapping[str, str], config: Mapping[str, Any]) -> Challenge
     return Challenge(body=challenge.encode("utf-8"), content_type="text/plain")
 
 
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    scheme, _, value = header(headers, "x-hub-signature-256").partition("=")
-    decoded = unhex(value) if scheme == "sha256" else None
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return first_match(secrets, (decoded,), hmac_of("sha256", body)), None
+authenticate = body_hmac("x-hub-signature-256", scheme="sha256")
 
 
 def extract(

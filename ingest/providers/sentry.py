@@ -19,27 +19,15 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     Provider,
-    Secrets,
+    body_hmac,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
-    unhex,
 )
 
-
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    decoded = unhex(header(headers, "sentry-hook-signature"))
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return first_match(secrets, (decoded,), hmac_of("sha256", body)), None
+authenticate = body_hmac("sentry-hook-signature")
 
 
 def extract(

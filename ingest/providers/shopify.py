@@ -13,28 +13,17 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     Provider,
-    Secrets,
+    body_hmac,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     unb64,
     unsigned_time,
 )
 
-
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    decoded = unb64(header(headers, "x-shopify-hmac-sha256"))
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return first_match(secrets, (decoded,), hmac_of("sha256", body)), None
+authenticate = body_hmac("x-shopify-hmac-sha256", decode=unb64)
 
 
 def extract(

@@ -25,10 +25,10 @@ from ingest.providers.base import (
     event_id,
     event_type,
     first_match,
-    header,
     hmac_of,
     json_object,
     occurred_at,
+    signature_header,
     unb64,
 )
 
@@ -36,9 +36,7 @@ from ingest.providers.base import (
 def authenticate(
     headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
 ) -> tuple[str, int | None]:
-    decoded = unb64(header(headers, "x-square-hmacsha256-signature"))
-    if decoded is None:
-        raise AuthError("malformed_signature")
+    decoded = signature_header(headers, "x-square-hmacsha256-signature", decode=unb64)
     try:
         url = urlsigned.public_url(config).encode("utf-8")
     except ValueError:

@@ -15,31 +15,19 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     Provider,
-    Secrets,
+    body_hmac,
     dig,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
     occurred_at,
     unb64,
 )
 
-
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    scheme, _, value = header(headers, "typeform-signature").partition("=")
-    decoded = unb64(value) if scheme == "sha256" else None
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return first_match(secrets, (decoded,), hmac_of("sha256", body)), None
+authenticate = body_hmac("typeform-signature", scheme="sha256", decode=unb64)
 
 
 def extract(

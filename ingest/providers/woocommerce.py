@@ -20,29 +20,19 @@ from datetime import timedelta
 from typing import Any, Final
 
 from ingest.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     Provider,
-    Secrets,
+    body_hmac,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     unb64,
 )
 
 _PING: Final = re.compile(rb"webhook_id=\d{1,20}")
 
 
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    decoded = unb64(header(headers, "x-wc-webhook-signature"))
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return first_match(secrets, (decoded,), hmac_of("sha256", body)), None
+authenticate = body_hmac("x-wc-webhook-signature", decode=unb64)
 
 
 def extract(
