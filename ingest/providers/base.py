@@ -331,6 +331,51 @@ def body_hmac(
     return authenticate
 
 
+def timestamped_header(
+    name: str,
+    *,
+    pair_sep: str = ",",
+    timestamp_key: str = "t",
+    signature_key: str = "v1",
+    joiner: bytes = b".",
+    timestamp_as_sent: bool = True,
+    algorithm: str = "sha256",
+) -> AuthFn:
+    """The :data:`AuthFn` of a ``t=<unix>,v1=<hex>[,v1=...]`` header (Stripe, Paddle, Calendly).
+
+    The signed line is ``<timestamp> + joiner + body``: the timestamp as sent, or, with
+    ``timestamp_as_sent=False``, re-rendered from its integer value (Stripe's libraries do that,
+    so ``t=0123`` signs ``123.``). The first timestamp counts; every hex ``signature_key``
+    value is a candidate (several during a rotation), any other key is ignored. Reasons, in
+    this order: missing_signature, missing_timestamp, malformed_timestamp,
+    malformed_signature, bad_signature. Freshness is the caller's (the receiver checks the
+    returned timestamp against the tolerance).
+    """
+
+    def authenticate(
+        headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Config
+    ) -> tuple[str, int | None]:
+        ts_text: str | None = None
+        offered: list[bytes] = []
+        for key, value in kv_header(header(headers, name), pair_sep):
+            if key == timestamp_key and ts_text is None:
+                ts_text = value
+            elif key == signature_key:
+                decoded = unhex(value)
+                if decoded is not None:
+                    offered.append(decoded)
+        if ts_text is None:
+            raise AuthError("missing_timestamp")
+        timestamp = unix(ts_text)
+        if not offered:
+            raise AuthError("malformed_signature")
+        signed_ts = ts_text.encode("ascii") if timestamp_as_sent else b"%d" % timestamp
+        digest = hmac_of(algorithm, signed_ts, joiner, body)
+        return first_match(secrets, offered, digest), timestamp
+
+    return authenticate
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers for extraction
 # --------------------------------------------------------------------------------------------

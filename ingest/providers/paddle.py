@@ -17,43 +17,19 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     Provider,
-    Secrets,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
-    kv_header,
     occurred_at,
-    unhex,
-    unix,
+    timestamped_header,
 )
 
-
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    ts_text: str | None = None
-    offered: list[bytes] = []
-    for key, value in kv_header(header(headers, "paddle-signature"), ";"):
-        if key == "ts" and ts_text is None:
-            ts_text = value
-        elif key == "h1":
-            decoded = unhex(value)
-            if decoded is not None:
-                offered.append(decoded)
-    if ts_text is None:
-        raise AuthError("missing_timestamp")
-    timestamp = unix(ts_text)
-    if not offered:
-        raise AuthError("malformed_signature")
-    digest = hmac_of("sha256", ts_text.encode("ascii"), b":", body)
-    return first_match(secrets, offered, digest), timestamp
+authenticate = timestamped_header(
+    "paddle-signature", pair_sep=";", timestamp_key="ts", signature_key="h1", joiner=b":"
+)
 
 
 def extract(
