@@ -453,3 +453,39 @@ def dig(obj: Mapping[str, Any], path: tuple[str, ...]) -> Any:
             return None
         cur = cur.get(part)
     return cur
+
+
+#: Where a field is in a JSON body: a top-level name, or a path of names into nested objects.
+FieldPath = str | tuple[str, ...]
+
+
+def _path(where: FieldPath) -> tuple[str, ...]:
+    return (where,) if isinstance(where, str) else where
+
+
+def json_fields(*, id: FieldPath, type: FieldPath, time: FieldPath | None = None) -> ExtractFn:
+    """The :data:`ExtractFn` of a JSON object body that carries its own id, type and time.
+
+    Reasons: bad_json (not a JSON object), then those of :func:`event_id`,
+    :func:`event_type` and :func:`occurred_at` (a missing time is None, not an error).
+    """
+    id_path, type_path = _path(id), _path(type)
+    time_path = None if time is None else _path(time)
+
+    def extract(headers: Mapping[str, str], body: bytes, config: Config) -> EventMeta:
+        obj = json_object(body)
+        return EventMeta(
+            event_id=event_id(dig(obj, id_path)),
+            event_type=event_type(dig(obj, type_path)),
+            occurred_at=None if time_path is None else occurred_at(dig(obj, time_path)),
+        )
+
+    return extract
+
+
+def echo_challenge(value: object) -> Challenge:
+    """A handshake answered with its challenge as text/plain (Slack, Twitch); bad_challenge
+    when it is not a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise MalformedEvent("bad_challenge")
+    return Challenge(body=value.encode("utf-8"), content_type="text/plain")

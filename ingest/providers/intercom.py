@@ -9,33 +9,18 @@ taken as the window. Docs: https://developers.intercom.com/docs/webhooks/webhook
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
 
 from ingest.providers.base import (
-    Challenge,
-    EventMeta,
     Provider,
     body_hmac,
-    event_id,
-    event_type,
-    json_object,
-    occurred_at,
+    json_fields,
 )
 
 authenticate = body_hmac("x-hub-signature", scheme="sha1", algorithm="sha1")
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
-    obj = json_object(body)
-    return EventMeta(
-        event_id=event_id(obj.get("id")),
-        event_type=event_type(obj.get("topic")),
-        occurred_at=occurred_at(obj.get("created_at")),
-    )
+extract = json_fields(id="id", type="topic", time="created_at")
 
 
 PROVIDER = Provider(

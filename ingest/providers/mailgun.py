@@ -26,17 +26,11 @@ import orjson
 
 from ingest.providers.base import (
     AuthError,
-    Challenge,
-    EventMeta,
     Provider,
     Secrets,
-    dig,
-    event_id,
-    event_type,
     first_match,
     hmac_of,
-    json_object,
-    occurred_at,
+    json_fields,
     unhex,
     unix,
 )
@@ -77,15 +71,11 @@ def authenticate(
     return first_match(secrets, (decoded,), digest), timestamp
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
-    obj = json_object(body)
-    return EventMeta(
-        event_id=event_id(dig(obj, ("signature", "token"))),
-        event_type=event_type(dig(obj, ("event-data", "event"))),
-        occurred_at=occurred_at(dig(obj, ("event-data", "timestamp"))),
-    )
+extract = json_fields(
+    id=("signature", "token"),
+    type=("event-data", "event"),
+    time=("event-data", "timestamp"),
+)
 
 
 PROVIDER = Provider(

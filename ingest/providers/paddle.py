@@ -12,18 +12,11 @@ Signature: https://developer.paddle.com/webhooks/about/signature-verification
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
 
 from ingest.providers.base import (
-    Challenge,
-    EventMeta,
     Provider,
-    event_id,
-    event_type,
-    json_object,
-    occurred_at,
+    json_fields,
     timestamped_header,
 )
 
@@ -32,15 +25,7 @@ authenticate = timestamped_header(
 )
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
-    obj = json_object(body)
-    return EventMeta(
-        event_id=event_id(obj.get("event_id")),
-        event_type=event_type(obj.get("event_type")),
-        occurred_at=occurred_at(obj.get("occurred_at")),
-    )
+extract = json_fields(id="event_id", type="event_type", time="occurred_at")
 
 
 PROVIDER = Provider(

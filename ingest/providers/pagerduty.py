@@ -18,18 +18,12 @@ from typing import Any
 
 from ingest.providers.base import (
     AuthError,
-    Challenge,
-    EventMeta,
     Provider,
     Secrets,
-    dig,
-    event_id,
-    event_type,
     first_match,
     header,
     hmac_of,
-    json_object,
-    occurred_at,
+    json_fields,
     unhex,
 )
 
@@ -48,15 +42,9 @@ def authenticate(
     return first_match(secrets, offered, hmac_of("sha256", body)), None
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
-    obj = json_object(body)
-    return EventMeta(
-        event_id=event_id(dig(obj, ("event", "id"))),
-        event_type=event_type(dig(obj, ("event", "event_type"))),
-        occurred_at=occurred_at(dig(obj, ("event", "occurred_at"))),
-    )
+extract = json_fields(
+    id=("event", "id"), type=("event", "event_type"), time=("event", "occurred_at")
+)
 
 
 PROVIDER = Provider(

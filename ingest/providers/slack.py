@@ -16,9 +16,9 @@ from ingest.providers.base import (
     AuthError,
     Challenge,
     EventMeta,
-    MalformedEvent,
     Provider,
     Secrets,
+    echo_challenge,
     event_id,
     event_type,
     first_match,
@@ -50,10 +50,7 @@ def extract(
 ) -> EventMeta | Challenge:
     obj = json_object(body)
     if obj.get("type") == "url_verification":
-        challenge = obj.get("challenge")
-        if not isinstance(challenge, str) or not challenge:
-            raise MalformedEvent("bad_challenge")
-        return Challenge(body=challenge.encode("utf-8"), content_type="text/plain")
+        return echo_challenge(obj.get("challenge"))
     event = obj.get("event")
     the_type = event.get("type") if isinstance(event, dict) else None
     if not isinstance(the_type, str) or not the_type:

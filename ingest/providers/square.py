@@ -18,16 +18,11 @@ from typing import Any
 from ingest.providers import urlsigned
 from ingest.providers.base import (
     AuthError,
-    Challenge,
-    EventMeta,
     Provider,
     Secrets,
-    event_id,
-    event_type,
     first_match,
     hmac_of,
-    json_object,
-    occurred_at,
+    json_fields,
     signature_header,
     unb64,
 )
@@ -44,15 +39,7 @@ def authenticate(
     return first_match(secrets, (decoded,), hmac_of("sha256", url, body)), None
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
-    obj = json_object(body)
-    return EventMeta(
-        event_id=event_id(obj.get("event_id")),
-        event_type=event_type(obj.get("type")),
-        occurred_at=occurred_at(obj.get("created_at")),
-    )
+extract = json_fields(id="event_id", type="type", time="created_at")
 
 
 PROVIDER = Provider(

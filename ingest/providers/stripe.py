@@ -9,18 +9,11 @@ Signature docs: https://docs.stripe.com/webhooks#verify-manually
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
 
 from ingest.providers.base import (
-    Challenge,
-    EventMeta,
     Provider,
-    event_id,
-    event_type,
-    json_object,
-    occurred_at,
+    json_fields,
     timestamped_header,
 )
 
@@ -29,15 +22,7 @@ from ingest.providers.base import (
 authenticate = timestamped_header("stripe-signature", timestamp_as_sent=False)
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
-    obj = json_object(body)
-    return EventMeta(
-        event_id=event_id(obj.get("id")),
-        event_type=event_type(obj.get("type")),
-        occurred_at=occurred_at(obj.get("created")),
-    )
+extract = json_fields(id="id", type="type", time="created")
 
 
 PROVIDER = Provider(

@@ -27,10 +27,10 @@ from ingest.providers.base import (
     AuthError,
     Challenge,
     EventMeta,
-    MalformedEvent,
     Provider,
     Secrets,
     dig,
+    echo_challenge,
     event_id,
     event_type,
     first_match,
@@ -74,10 +74,7 @@ def extract(
     obj = json_object(body)
     kind = headers.get("twitch-eventsub-message-type")
     if kind == "webhook_callback_verification":
-        challenge = obj.get("challenge")
-        if not isinstance(challenge, str) or not challenge:
-            raise MalformedEvent("bad_challenge")
-        return Challenge(body=challenge.encode("utf-8"), content_type="text/plain")
+        return echo_challenge(obj.get("challenge"))
     the_id = event_id(headers.get("twitch-eventsub-message-id"))
     when = _timestamp(headers.get("twitch-eventsub-message-timestamp", ""))
     if kind == "revocation":

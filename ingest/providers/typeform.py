@@ -10,35 +10,19 @@ Signature: https://www.typeform.com/developers/webhooks/secure-your-webhooks/
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
 
 from ingest.providers.base import (
-    Challenge,
-    EventMeta,
     Provider,
     body_hmac,
-    dig,
-    event_id,
-    event_type,
-    json_object,
-    occurred_at,
+    json_fields,
     unb64,
 )
 
 authenticate = body_hmac("typeform-signature", scheme="sha256", decode=unb64)
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
-    obj = json_object(body)
-    return EventMeta(
-        event_id=event_id(obj.get("event_id")),
-        event_type=event_type(obj.get("event_type")),
-        occurred_at=occurred_at(dig(obj, ("form_response", "submitted_at"))),
-    )
+extract = json_fields(id="event_id", type="event_type", time=("form_response", "submitted_at"))
 
 
 PROVIDER = Provider(
