@@ -376,6 +376,31 @@ def timestamped_header(
     return authenticate
 
 
+def versioned_timestamp_hmac(signature: str, timestamp: str, *, version: str = "v0") -> AuthFn:
+    """The :data:`AuthFn` of ``<signature>: v0=<hex>`` with unix seconds in ``<timestamp>``,
+    signed as ``v0:<timestamp as sent>:<body>`` with HMAC-SHA256 (Slack, Zoom).
+
+    Reasons, in this order: missing_signature, missing_timestamp, malformed_timestamp,
+    malformed_signature (another version, or not hex), bad_signature.
+    """
+    tag = version.encode("ascii")
+
+    def authenticate(
+        headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Config
+    ) -> tuple[str, int | None]:
+        value = header(headers, signature)
+        ts_text = header(headers, timestamp, "missing_timestamp")
+        ts = unix(ts_text)
+        found, _, value = value.partition("=")
+        decoded = unhex(value) if found == version else None
+        if decoded is None:
+            raise AuthError("malformed_signature")
+        prefix = tag + b":" + ts_text.encode("ascii") + b":"
+        return first_match(secrets, (decoded,), hmac_of("sha256", prefix, body)), ts
+
+    return authenticate
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers for extraction
 # --------------------------------------------------------------------------------------------
@@ -489,3 +514,16 @@ def echo_challenge(value: object) -> Challenge:
     if not isinstance(value, str) or not value:
         raise MalformedEvent("bad_challenge")
     return Challenge(body=value.encode("utf-8"), content_type="text/plain")
+
+
+def millis_time(value: object) -> datetime | None:
+    """An integer of unix milliseconds in a body (HubSpot, Zoom); None when absent, bad_time
+    when it is anything else or out of range."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise MalformedEvent("bad_time")
+    try:
+        return datetime.fromtimestamp(value / 1000, UTC)
+    except (OverflowError, OSError, ValueError):
+        raise MalformedEvent("bad_time") from None

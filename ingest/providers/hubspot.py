@@ -15,7 +15,7 @@ spread over the next 24 hours, 5 s timeout: https://developers.hubspot.com/docs/
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any, Final
 
 import orjson
@@ -36,6 +36,7 @@ from ingest.providers.base import (
     first_match,
     header,
     hmac_of,
+    millis_time,
     unb64,
 )
 
@@ -71,17 +72,6 @@ def authenticate(
     return first_match(secrets, (decoded,), digest), millis // 1000
 
 
-def _millis(value: object) -> datetime | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise MalformedEvent("bad_time")
-    try:
-        return datetime.fromtimestamp(value / 1000, UTC)
-    except (OverflowError, OSError, ValueError):
-        raise MalformedEvent("bad_time") from None
-
-
 def extract(
     headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
 ) -> EventMeta | Challenge | Batch:
@@ -99,7 +89,7 @@ def extract(
             EventMeta(
                 event_id=event_id(item.get("eventId")),
                 event_type=event_type(item.get("subscriptionType")),
-                occurred_at=_millis(item.get("occurredAt")),
+                occurred_at=millis_time(item.get("occurredAt")),
                 payload=orjson.dumps(item),
                 content_type="application/json",
             )

@@ -13,36 +13,18 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     Provider,
-    Secrets,
     echo_challenge,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
     occurred_at,
-    unhex,
-    unix,
+    versioned_timestamp_hmac,
 )
 
-
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    signature = header(headers, "x-slack-signature")
-    ts_text = header(headers, "x-slack-request-timestamp", "missing_timestamp")
-    timestamp = unix(ts_text)
-    version, _, value = signature.partition("=")
-    decoded = unhex(value) if version == "v0" else None
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    prefix = b"v0:" + ts_text.encode("ascii") + b":"
-    return first_match(secrets, (decoded,), hmac_of("sha256", prefix, body)), timestamp
+authenticate = versioned_timestamp_hmac("x-slack-signature", "x-slack-request-timestamp")
 
 
 def extract(

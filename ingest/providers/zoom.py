@@ -19,43 +19,26 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import orjson
 
 from ingest.providers.base import (
     FIVE_MINUTES,
-    AuthError,
     Challenge,
     EventMeta,
     MalformedEvent,
     Provider,
-    Secrets,
     dig,
     event_id,
     event_type,
-    first_match,
-    header,
-    hmac_of,
     json_object,
-    unhex,
-    unix,
+    millis_time,
+    versioned_timestamp_hmac,
 )
 
-
-def authenticate(
-    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
-) -> tuple[str, int | None]:
-    signature = header(headers, "x-zm-signature")
-    ts_text = header(headers, "x-zm-request-timestamp", "missing_timestamp")
-    timestamp = unix(ts_text)
-    version, _, value = signature.partition("=")
-    decoded = unhex(value) if version == "v0" else None
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    prefix = b"v0:" + ts_text.encode("ascii") + b":"
-    return first_match(secrets, (decoded,), hmac_of("sha256", prefix, body)), timestamp
+authenticate = versioned_timestamp_hmac("x-zm-signature", "x-zm-request-timestamp")
 
 
 def _validation(plain: str) -> Challenge:
@@ -64,17 +47,6 @@ def _validation(plain: str) -> Challenge:
         return orjson.dumps({"plainToken": plain, "encryptedToken": token.hexdigest()})
 
     return Challenge(body=b"", content_type="application/json", sign=answer)
-
-
-def _millis(value: object) -> datetime | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise MalformedEvent("bad_time")
-    try:
-        return datetime.fromtimestamp(value / 1000, UTC)
-    except (OverflowError, OSError, ValueError):
-        raise MalformedEvent("bad_time") from None
 
 
 def extract(
@@ -90,7 +62,7 @@ def extract(
     return EventMeta(
         event_id=event_id("sha256:" + hashlib.sha256(body).hexdigest()),
         event_type=event_type(kind),
-        occurred_at=_millis(obj.get("event_ts")),
+        occurred_at=millis_time(obj.get("event_ts")),
     )
 
 
