@@ -18,24 +18,17 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-import orjson
-
 from ingest.providers import urlsigned
 from ingest.providers.base import (
     FIVE_MINUTES,
     MAX_UNIX_DIGITS,
     AuthError,
-    Batch,
-    Challenge,
-    EventMeta,
-    MalformedEvent,
     Provider,
     Secrets,
-    event_id,
-    event_type,
     first_match,
     header,
     hmac_of,
+    json_batch,
     millis_time,
     unb64,
 )
@@ -72,29 +65,9 @@ def authenticate(
     return first_match(secrets, (decoded,), digest), millis // 1000
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge | Batch:
-    try:
-        items = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise MalformedEvent("bad_json") from None
-    if not isinstance(items, list) or not items:
-        raise MalformedEvent("bad_json")
-    events = []
-    for item in items:
-        if not isinstance(item, dict):
-            raise MalformedEvent("bad_json")
-        events.append(
-            EventMeta(
-                event_id=event_id(item.get("eventId")),
-                event_type=event_type(item.get("subscriptionType")),
-                occurred_at=millis_time(item.get("occurredAt")),
-                payload=orjson.dumps(item),
-                content_type="application/json",
-            )
-        )
-    return Batch(events=tuple(events))
+extract = json_batch(
+    id="eventId", type="subscriptionType", time="occurredAt", read_time=millis_time
+)
 
 
 PROVIDER = Provider(

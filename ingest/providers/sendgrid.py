@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-import orjson
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -29,16 +28,10 @@ from cryptography.hazmat.primitives.serialization import load_der_public_key
 
 from ingest.providers.base import (
     AuthError,
-    Batch,
-    Challenge,
-    EventMeta,
-    MalformedEvent,
     Provider,
     Secrets,
-    event_id,
-    event_type,
     header,
-    occurred_at,
+    json_batch,
     unb64,
     unix,
 )
@@ -100,29 +93,7 @@ def authenticate(
     raise AuthError("bad_signature")
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge | Batch:
-    try:
-        items = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise MalformedEvent("bad_json") from None
-    if not isinstance(items, list) or not items:
-        raise MalformedEvent("bad_json")
-    events = []
-    for item in items:
-        if not isinstance(item, dict):
-            raise MalformedEvent("bad_json")
-        events.append(
-            EventMeta(
-                event_id=event_id(item.get("sg_event_id")),
-                event_type=event_type(item.get("event")),
-                occurred_at=occurred_at(item.get("timestamp")),
-                payload=orjson.dumps(item),
-                content_type="application/json",
-            )
-        )
-    return Batch(events=tuple(events))
+extract = json_batch(id="sg_event_id", type="event", time="timestamp")
 
 
 PROVIDER = Provider(
