@@ -1060,13 +1060,20 @@ def sign_discord(
     raw_body: bytes | None = None,
     timestamp: Timestamp = None,
 ) -> tuple[Headers, bytes]:
-    """Ed25519 over timestamp + body with PyNaCl (what Discord's docs use in Python)."""
+    """Ed25519 over timestamp + body with PyNaCl (what Discord's docs use in Python). The
+    default body carries a random user id, as a real authorization does: the receiver's id is
+    the body's digest, so two deliveries signed in the same second must still differ."""
     ts = str(unix(timestamp))
+    user = {"id": str(_secrets.randbelow(10**18))}
     default = {
         "version": 1,
         "application_id": "1234560123453231555",
         "type": 1,
-        "event": {"type": event_type, "timestamp": iso(int(ts)), "data": {"scopes": ["bot"]}},
+        "event": {
+            "type": event_type,
+            "timestamp": iso(int(ts)),
+            "data": {"scopes": ["bot"], "user": user},
+        },
     }
     body = _body(raw_body, body_obj, default)
     signature = signing_key.sign(ts.encode() + body).signature.hex()
