@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import orjson
+from cryptography.exceptions import InvalidSignature
 
 # Every reason the built-in schemes raise, so metrics can pre-register their labels.
 AUTH_REASONS: Final = frozenset(
@@ -190,6 +192,7 @@ class Provider:
 # Keyed HMAC objects per secret: copying a keyed HMAC skips the key schedule. Small, and
 # cleared when full.
 _MAX_CACHED_KEYS: Final = 1024
+_Key = TypeVar("_Key")
 _MACS: dict[tuple[str, bytes], hmac.HMAC] = {}
 
 
@@ -261,6 +264,24 @@ def first_match(
         for candidate in offered:
             if hmac.compare_digest(expected, candidate):
                 return secret_id
+    raise AuthError("bad_signature")
+
+
+def first_verified(
+    secrets: Secrets, public_key: Callable[[str], _Key | None], verify: Callable[[_Key], None]
+) -> str:
+    """Id of the first secret, a public key here (Discord, SendGrid), that verifies: empty
+    or unusable keys (``public_key`` gives None) are skipped, ``verify`` raises
+    InvalidSignature to refuse; AuthError("bad_signature") when none verifies."""
+    for secret_id, key in secrets:
+        public = public_key(key) if key else None
+        if public is None:
+            continue
+        try:
+            verify(public)
+        except InvalidSignature:
+            continue
+        return secret_id
     raise AuthError("bad_signature")
 
 
@@ -404,6 +425,12 @@ def versioned_timestamp_hmac(signature: str, timestamp: str, *, version: str = "
 # --------------------------------------------------------------------------------------------
 # Helpers for extraction
 # --------------------------------------------------------------------------------------------
+
+
+def body_id(body: bytes) -> str:
+    """An event id derived from the signed body, for senders whose id is not signed or absent:
+    ``sha256:`` + the body's SHA-256 in hex (a retry repeats the body, so it dedups)."""
+    return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
 def json_object(body: bytes) -> dict[str, Any]:

@@ -21,12 +21,10 @@ https://discord.com/developers/docs/events/webhook-events
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ingest.providers.base import (
@@ -35,9 +33,11 @@ from ingest.providers.base import (
     EventMeta,
     Provider,
     Secrets,
+    body_id,
     dig,
     event_id,
     event_type,
+    first_verified,
     header,
     json_object,
     occurred_at,
@@ -76,16 +76,10 @@ def authenticate(
     if signature is None or len(signature) != 64:
         raise AuthError("malformed_signature")
     message = ts_text.encode("ascii") + body
-    for secret_id, key in secrets:
-        public = _public_key(key) if key else None
-        if public is None:
-            continue
-        try:
-            public.verify(signature, message)
-        except InvalidSignature:
-            continue
-        return secret_id, timestamp
-    raise AuthError("bad_signature")
+    secret_id = first_verified(
+        secrets, _public_key, lambda public: public.verify(signature, message)
+    )
+    return secret_id, timestamp
 
 
 def extract(
@@ -97,7 +91,7 @@ def extract(
         if kind == 0:
             return Challenge(body=b"", content_type="text/plain", status=204)
         return EventMeta(
-            event_id=event_id("sha256:" + hashlib.sha256(body).hexdigest()),
+            event_id=event_id(body_id(body)),
             event_type=event_type(dig(obj, ("event", "type"))),
             occurred_at=occurred_at(dig(obj, ("event", "timestamp"))),
         )

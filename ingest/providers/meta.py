@@ -16,7 +16,6 @@ page says unacknowledged notifications are dropped after 36 hours): 7 days is us
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Mapping
 from datetime import timedelta
@@ -29,6 +28,7 @@ from ingest.providers.base import (
     MalformedEvent,
     Provider,
     body_hmac,
+    body_id,
     dig,
     event_id,
     event_type,
@@ -85,7 +85,7 @@ def extract(
     if not isinstance(kind, str) or not kind:
         raise MalformedEvent("missing_type")
     return EventMeta(
-        event_id=event_id("sha256:" + hashlib.sha256(body).hexdigest()),
+        event_id=event_id(body_id(body)),
         event_type=event_type(f"{kind}.{field}" if isinstance(field, str) and field else kind),
         occurred_at=occurred_at(first.get("time")),
     )

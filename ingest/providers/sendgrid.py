@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_der_public_key
@@ -30,6 +30,7 @@ from ingest.providers.base import (
     AuthError,
     Provider,
     Secrets,
+    first_verified,
     header,
     json_batch,
     unb64,
@@ -81,16 +82,11 @@ def authenticate(
     if signature is None:
         raise AuthError("malformed_signature")
     message = ts_text.encode("ascii") + body
-    for secret_id, key in secrets:
-        public = _public_key(key) if key else None
-        if public is None:
-            continue
-        try:
-            public.verify(signature, message, ec.ECDSA(hashes.SHA256()))
-        except InvalidSignature:
-            continue
-        return secret_id, timestamp
-    raise AuthError("bad_signature")
+    ecdsa = ec.ECDSA(hashes.SHA256())
+    secret_id = first_verified(
+        secrets, _public_key, lambda key: key.verify(signature, message, ecdsa)
+    )
+    return secret_id, timestamp
 
 
 extract = json_batch(id="sg_event_id", type="event", time="timestamp")

@@ -13,7 +13,6 @@ assumed (override per source). Docs: https://docs.sentry.io/integrations/integra
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -23,6 +22,7 @@ from ingest.providers.base import (
     EventMeta,
     Provider,
     body_hmac,
+    body_id,
     event_type,
     json_object,
 )
@@ -37,7 +37,7 @@ def extract(
     resource = headers.get("sentry-hook-resource")
     parts = [p for p in (resource, action) if isinstance(p, str) and p]
     return EventMeta(
-        event_id="sha256:" + hashlib.sha256(body).hexdigest(),
+        event_id=body_id(body),
         event_type=event_type(".".join(parts) or None),
         occurred_at=None,
     )

@@ -20,7 +20,6 @@ connection-overrides ; one hour is used (Event Streams, a separate product, retr
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -34,6 +33,7 @@ from ingest.providers.base import (
     MalformedEvent,
     Provider,
     Secrets,
+    body_id,
     event_id,
     event_type,
     first_match,
@@ -105,7 +105,7 @@ def extract(
     elif sid is not None:
         the_id = event_id(f"{sid}:{status}")
     else:  # no SID: the parameters themselves (a retry repeats them)
-        the_id = event_id("sha256:" + hashlib.sha256(body).hexdigest())
+        the_id = event_id(body_id(body))
     return EventMeta(
         event_id=the_id,
         event_type=event_type(f"{kind}.{(status or 'received').lower()}"),

@@ -30,6 +30,7 @@ from ingest.providers.base import (
     EventMeta,
     MalformedEvent,
     Provider,
+    body_id,
     dig,
     event_id,
     event_type,
@@ -60,7 +61,7 @@ def extract(
             raise MalformedEvent("bad_challenge")
         return _validation(plain)
     return EventMeta(
-        event_id=event_id("sha256:" + hashlib.sha256(body).hexdigest()),
+        event_id=event_id(body_id(body)),
         event_type=event_type(kind),
         occurred_at=millis_time(obj.get("event_ts")),
     )
