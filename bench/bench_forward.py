@@ -415,11 +415,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--bare-pool", default="threads")
     parser.add_argument("--bare-concurrency", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=None, help="WEBHOOKS_DELIVERY_BATCH")
+    parser.add_argument("--linger", type=float, default=None, help="WEBHOOKS_PUBLISH_LINGER")
     parser.add_argument("--redis-port", type=int, default=6394)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_forward.txt")
     args = parser.parse_args()
 
     env = base_env(args.redis_port)
+    if args.batch is not None:
+        env["WEBHOOKS_DELIVERY_BATCH"] = str(args.batch)
+    if args.linger is not None:
+        env["WEBHOOKS_PUBLISH_LINGER"] = str(args.linger)
     os.environ.update(env)
     source, secret = setup(env)
     logdir = Path(tempfile.mkdtemp(prefix="bench-forward-"))

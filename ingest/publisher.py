@@ -1,19 +1,22 @@
 """Publishing delivery ids to Celery after the commit (never before).
 
 The receiver hands committed delivery ids to :meth:`Publisher.submit` and answers at once; a
-background thread publishes whatever has accumulated, with a Redis broker as one LPUSH for
-the whole batch. A publish failure is counted and logged: the
-delivery rows are already durable and pending, and the sweeper publishes them after
-``publish_grace``. So the 202 never depends on the broker, and a crash between the commit and
-the publish costs latency, never an event.
+background thread publishes whatever has accumulated, packed into messages of up to
+``WEBHOOKS_DELIVERY_BATCH`` delivery ids (one id when it found one: light load keeps one
+message per delivery), with a Redis broker as one LPUSH for the whole lot. A publish failure
+is counted and logged: the delivery rows are already durable and pending, and the sweeper
+publishes them after ``publish_grace``. So the 202 never depends on the broker, and a crash
+between the commit and the publish costs latency, never an event.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +24,7 @@ from typing import Any
 import redis
 from kombu.utils import json as kombu_json
 
-from tasks.config import DELIVER_TASK, DELIVERIES_QUEUE, Dispatch, create_app
+from tasks.config import DELIVER_TASK, DELIVERIES_QUEUE, Dispatch, batches, create_app, message
 from webhooks import metrics
 from webhooks.logs import get_logger
 from webhooks.settings import Settings
@@ -49,6 +52,11 @@ class Publisher:
             broker_transport_options=transport,
         )
         self.timeout = settings.publish_timeout
+        self.settings = settings
+        # Deliveries found queued together go out as messages of up to this many ids.
+        self.batch = settings.delivery_batch
+        self.linger = settings.publish_linger
+        self._last_taken = -math.inf
         self._queue: queue.SimpleQueue[tuple[str, Dispatch]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._producer: Any = None
@@ -72,11 +80,24 @@ class Publisher:
     def _run(self) -> None:
         while True:
             batch = [self._queue.get()]
+            # Linger, under load only: when deliveries arrive this close together, the next
+            # ones (the rest of a group commit) are a few requests behind; a lone delivery
+            # after a quiet spell goes out at once.
+            now = time.monotonic()
+            deadline = now + self.linger if now - self._last_taken < self.linger else now
             while len(batch) < MAX_BATCH:
                 try:
                     batch.append(self._queue.get_nowait())
+                    continue
+                except queue.Empty:
+                    left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    batch.append(self._queue.get(timeout=left))
                 except queue.Empty:
                     break
+            self._last_taken = time.monotonic()
             stopping = _STOP in batch
             batch = [item for item in batch if item != _STOP]
             if batch:
@@ -100,14 +121,10 @@ class Publisher:
             self._lpush(dispatches)
             return
         producer = self._get_producer()
-        for dispatch in dispatches:
-            options: dict[str, Any] = dispatch.reprs()
+        for group in batches(dispatches, self.batch):
+            args, options = message(group, self.settings)
             self.app.send_task(
-                DELIVER_TASK,
-                args=(dispatch.delivery_id,),
-                queue=DELIVERIES_QUEUE,
-                producer=producer,
-                **options,
+                DELIVER_TASK, args=args, queue=DELIVERIES_QUEUE, producer=producer, **options
             )
 
     def _lpush(self, dispatches: Sequence[Dispatch]) -> None:
@@ -122,17 +139,12 @@ class Publisher:
         channel = self._get_producer().channel
         amqp = self.app.amqp
         wire = []
-        for dispatch in dispatches:
-            task_id = str(uuid.uuid4())
-            reprs = dispatch.reprs()
+        for group in batches(dispatches, self.batch):
+            args, options = message(group, self.settings)
             headers, properties, body, _ = amqp.as_task_v2(
-                task_id,
-                DELIVER_TASK,
-                args=(dispatch.delivery_id,),
-                argsrepr=reprs["argsrepr"],
-                kwargsrepr=reprs["kwargsrepr"],
+                str(uuid.uuid4()), DELIVER_TASK, args=args, **options
             )
-            message = channel.prepare_message(
+            wire_message = channel.prepare_message(
                 json.dumps(body),
                 0,
                 "application/json",
@@ -140,8 +152,8 @@ class Publisher:
                 headers,
                 {**properties, "delivery_mode": 2},
             )
-            channel._inplace_augment_message(message, "", DELIVERIES_QUEUE)  # noqa: SLF001
-            wire.append(kombu_json.dumps(message))
+            channel._inplace_augment_message(wire_message, "", DELIVERIES_QUEUE)  # noqa: SLF001
+            wire.append(kombu_json.dumps(wire_message))
         self._redis().lpush(channel._q_for_pri(DELIVERIES_QUEUE, 0), *wire)  # noqa: SLF001
 
     def _redis(self) -> redis.Redis:

@@ -309,6 +309,171 @@ def claim_with_event(
     return Claim(*row[:14]), ClaimedEvent(*row[14:35])
 
 
+# The worker's claim of several deliveries at once (a message carrying several ids): the same
+# guarded transition, per row, for the (id, generation, expires_at) triples the worker read.
+# Rows are joined in id order, so two such statements over the same ids lock them in one order.
+_CLAIM_MANY_SQL = """
+    WITH want AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:generations AS integer[]),
+                             CAST(:expiries AS timestamptz[])) AS w(id, generation, expires_at)
+        ORDER BY id
+    ), claimed AS (
+        UPDATE {deliveries} SET
+            redeliveries = redeliveries + CASE WHEN status = 'processing' THEN 1 ELSE 0 END,
+            status = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries THEN 'dead'
+                ELSE 'processing' END,
+            dead_reason = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN 'crashed' ELSE dead_reason END,
+            dead_at = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN :now ELSE dead_at END,
+            attempts = attempts + CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN 0 ELSE 1 END,
+            lease_until = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN NULL ELSE :now + :lease END,
+            next_attempt_at = CASE
+                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
+                THEN NULL ELSE :now + :lease END,
+            first_attempt_at = coalesce(first_attempt_at, :now),
+            updated_at = :now
+        FROM want
+        WHERE deliveries.id = want.id AND deliveries.expires_at = want.expires_at
+          AND deliveries.generation = want.generation
+          AND (status = 'pending'
+               OR (status = 'retrying' AND next_attempt_at <= :now)
+               OR (status = 'processing' AND lease_until <= :now))
+        RETURNING deliveries.id, deliveries.expires_at, receipt_id, source_id, route_id,
+                  attempts, redeliveries, deliveries.generation, created_at, first_attempt_at,
+                  lease_until, status, attempt_base, :now AS at
+    ), crashed AS (
+        UPDATE {attempts} SET outcome = 'crashed', ended_at = :now,
+            error_class = 'WorkerLost', error_message = 'lease expired while processing'
+        FROM claimed
+        WHERE attempts.delivery_id = claimed.id AND attempts.expires_at = claimed.expires_at
+          AND attempts.ended_at IS NULL
+    ), started AS (
+        INSERT INTO {attempts} (expires_at, delivery_id, number, generation, worker, started_at)
+        SELECT expires_at, id, attempts, generation, :worker, :now
+        FROM claimed WHERE status = 'processing'
+    )
+    SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
+           c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
+           c.status, c.attempt_base, c.at,
+           rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
+           rt.max_age_s, rt.active, s.public_id, s.name, s.provider, s.retry_window_s,
+           s.queue_lag_s, s.clock_skew_s, s.replay_grace_s,
+           r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
+           r.content_type, r.payload,
+           set_config('synchronous_commit', 'off', true)
+    FROM claimed c
+    LEFT JOIN routes rt ON rt.id = c.route_id
+    LEFT JOIN sources s ON s.id = rt.source_id
+    LEFT JOIN {receipts} r ON r.id = c.receipt_id AND r.expires_at = c.expires_at
+    ORDER BY c.id
+    """
+
+
+class Wanted(NamedTuple):
+    """A delivery a worker asks to claim: its id and what it read of it."""
+
+    id: int
+    generation: int
+    expires_at: datetime
+
+
+def claim_many_with_event(
+    conn: psycopg.Connection[Any],
+    wanted: list[Wanted],
+    *,
+    now: datetime | None,
+    lease: timedelta,
+    max_redeliveries: int,
+    worker: str,
+    leaf: str | None = None,
+) -> list[tuple[Claim, ClaimedEvent]]:
+    """:func:`claim_with_event` for several deliveries in one statement (one round trip, its
+    commit asynchronous, as there): each row is claimed or not on its own guard; the claimed
+    ones come back, in id order, each with its route, source and receipt."""
+    sql = _claim_many_sql(_leaf(leaf))
+    rows = conn.execute(
+        sql,
+        {
+            "ids": [w.id for w in wanted],
+            "generations": [w.generation for w in wanted],
+            "expiries": [w.expires_at for w in wanted],
+            "now": now,
+            "lease": lease,
+            "max_redeliveries": max_redeliveries,
+            "worker": worker,
+        },
+    ).fetchall()
+    return [(Claim(*row[:14]), ClaimedEvent(*row[14:35])) for row in rows]
+
+
+@functools.cache
+def _claim_many_sql(leaf: str | None) -> str:
+    return _placeholders(_CLAIM_MANY_SQL.format(**_tables(leaf)))
+
+
+# Several successes in one statement (a message's handlers that wrote nothing through their
+# sessions), each guarded like :func:`succeed` and each at its own instant.
+_SUCCEED_MANY_SQL = """
+    WITH want AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:expiries AS timestamptz[]),
+                             CAST(:attempts AS integer[]), CAST(:generations AS integer[]),
+                             CAST(:ats AS timestamptz[]))
+                 AS w(id, expires_at, attempt, generation, at)
+        ORDER BY id
+    ), done AS (
+        UPDATE {deliveries} SET status = 'succeeded', succeeded_at = want.at,
+            next_attempt_at = NULL, last_error = NULL, last_error_class = NULL,
+            lease_until = NULL, updated_at = want.at
+        FROM want
+        WHERE deliveries.id = want.id AND deliveries.expires_at = want.expires_at
+          AND deliveries.status = 'processing' AND deliveries.attempts = want.attempt
+          AND deliveries.generation = want.generation
+        RETURNING deliveries.id, deliveries.expires_at, want.attempt, want.generation, want.at
+    ), ended AS (
+        UPDATE {attempts} SET ended_at = done.at, outcome = 'succeeded',
+            error_class = NULL, error_message = NULL
+        FROM done
+        WHERE attempts.delivery_id = done.id AND attempts.expires_at = done.expires_at
+          AND attempts.number = done.attempt AND attempts.generation = done.generation
+          AND attempts.ended_at IS NULL
+    )
+    SELECT id FROM done
+    """
+
+
+@functools.cache
+def _succeed_many_sql(leaf: str | None) -> str:
+    return _placeholders(_SUCCEED_MANY_SQL.format(**_tables(leaf)))
+
+
+def succeed_many(
+    conn: psycopg.Connection[Any], done: list[tuple[Claim, datetime]], *, leaf: str | None = None
+) -> set[int]:
+    """processing (each one's attempt) -> succeeded, for several deliveries in one statement
+    (run it in autocommit: one round trip, one synchronous commit). Returns the ids that
+    moved; a delivery missing from it lost its lease (the caller's :class:`IllegalTransition`
+    of :func:`succeed`)."""
+    rows = conn.execute(
+        _succeed_many_sql(_leaf(leaf)),
+        {
+            "ids": [found.id for found, _ in done],
+            "expiries": [found.expires_at for found, _ in done],
+            "attempts": [found.attempt for found, _ in done],
+            "generations": [found.generation for found, _ in done],
+            "ats": [at for _, at in done],
+        },
+    ).fetchall()
+    return {int(row[0]) for row in rows}
+
+
 @functools.cache
 def _finish_sql(assignments: str, leaf: str | None = None) -> str:
     """The finishing statement for one transition's assignments (built once per transition

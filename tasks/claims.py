@@ -96,6 +96,57 @@ class ClaimStore:
         CLAIMS.labels(result="first" if won else "duplicate").inc()
         return FastClaim(key, token, first=bool(won), degraded=False)
 
+    def acquire_many(self, wanted: list[tuple[int, int]]) -> list[FastClaim]:
+        """:meth:`acquire` for several (delivery id, generation) pairs in one round trip (a
+        pipeline, not a transaction: each SET NX wins or loses on its own)."""
+        keys = [claim_key(delivery_id, generation) for delivery_id, generation in wanted]
+        tokens = [secrets.token_hex(8) for _ in keys]
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, token in zip(keys, tokens, strict=True):
+                pipe.set(key, token, nx=True, px=self._ttl_ms)
+            won = pipe.execute()
+        except _REDIS_DOWN as exc:
+            CLAIMS.labels(result="degraded").inc(len(keys))
+            DEGRADED.inc(len(keys))
+            log.warning(
+                "claim.degraded",
+                delivery_ids=[delivery_id for delivery_id, _ in wanted],
+                error_class=type(exc).__name__,
+                tier="durable_only",
+            )
+            return [
+                FastClaim(k, t, first=True, degraded=True)
+                for k, t in zip(keys, tokens, strict=True)
+            ]
+        claims = [
+            FastClaim(key, token, first=bool(w), degraded=False)
+            for key, token, w in zip(keys, tokens, won, strict=True)
+        ]
+        first = sum(c.first for c in claims)
+        if first:
+            CLAIMS.labels(result="first").inc(first)
+        if len(claims) - first:
+            CLAIMS.labels(result="duplicate").inc(len(claims) - first)
+        return claims
+
+    def confirm_many(self, confirmed: list[tuple[FastClaim, timedelta]]) -> None:
+        """:meth:`confirm` for several keys in one round trip."""
+        confirmed = [(claim, ttl) for claim, ttl in confirmed if not claim.degraded]
+        if not confirmed:
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for claim, ttl in confirmed:
+                pipe.set(claim.key, claim.token, px=max(1, int(ttl.total_seconds() * 1000)))
+            pipe.execute()
+        except _REDIS_DOWN as exc:
+            log.warning(
+                "claim.confirm_failed",
+                keys=[claim.key for claim, _ in confirmed],
+                error_class=type(exc).__name__,
+            )
+
     def note_stale(self, claim: FastClaim, delivery_id: int) -> None:
         """The key is held but Postgres shows its row overdue: count it; the durable claim
         decides, and on success :meth:`confirm` overwrites the key with ours."""

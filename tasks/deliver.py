@@ -109,6 +109,7 @@ from webhooks.clock import pinned
 from webhooks.crypto import SecretDecryptError
 from webhooks.logs import get_logger
 from webhooks.metrics import DEAD_LETTERS, DELIVERIES, RECEIPT_TO_SUCCESS, RETRIES
+from webhooks.settings import MAX_DELIVERY_BATCH
 from webhooks.ttl import TtlConfigError, TtlOverrides, effective_ttl
 
 log = get_logger(__name__)
@@ -338,24 +339,29 @@ def _claim(
         return _quiet(delivery_id, "skipped")
     found, row = claimed
     if found.crashed_too_often:
-        rt.claims.release(fast)
-        DEAD_LETTERS.labels(reason=DEAD_CRASHED).inc()
-        DELIVERIES.labels(outcome="dead").inc()
-        log.warning(
-            "delivery.dead",
-            delivery_id=delivery_id,
-            reason=DEAD_CRASHED,
-            redeliveries=found.redeliveries,
-        )
-        return Report(
-            "dead",
-            delivery_id,
-            found.attempt,
-            row.event_id,
-            row.public_id,
-            f"{DEAD_CRASHED}: its worker died {found.redeliveries} times holding the lease",
-        )
+        return _crash_looped(rt, found, row, fast)
     return _Claimed(found, row, fast, leaf, started)
+
+
+def _crash_looped(rt: Runtime, found: Claim, row: ClaimedEvent, fast: FastClaim) -> Report:
+    """The claim found one crash too many and made the delivery dead instead (crash loop)."""
+    rt.claims.release(fast)
+    DEAD_LETTERS.labels(reason=DEAD_CRASHED).inc()
+    DELIVERIES.labels(outcome="dead").inc()
+    log.warning(
+        "delivery.dead",
+        delivery_id=found.id,
+        reason=DEAD_CRASHED,
+        redeliveries=found.redeliveries,
+    )
+    return Report(
+        "dead",
+        found.id,
+        found.attempt,
+        row.event_id,
+        row.public_id,
+        f"{DEAD_CRASHED}: its worker died {found.redeliveries} times holding the lease",
+    )
 
 
 def _now(rt: Runtime, found: Claim, started: float) -> datetime:
@@ -394,14 +400,60 @@ def _quiet(delivery_id: int, outcome: str) -> Report:
     return Report(outcome, delivery_id)
 
 
+@dataclass(frozen=True)
+class _Done:
+    """A handler that returned without writing through ``ctx.session``: its success is still
+    to be recorded (alone: one autocommit statement; in a batch: one for the batch)."""
+
+    claimed: _Claimed
+    loaded: Loaded
+    at: datetime
+
+
 def _run(rt: Runtime, session: Session, claimed: _Claimed, publish_retry: PublishRetry) -> Report:
-    found, row, fast, leaf, started = (
-        claimed.found,
-        claimed.row,
-        claimed.fast,
-        claimed.leaf,
-        claimed.started,
-    )
+    outcome = _attempt(rt, session, claimed, publish_retry)
+    if isinstance(outcome, Report):
+        return outcome
+    found = claimed.found
+    try:
+        # Nothing of the handler's to commit: the success alone, one round trip.
+        with rt.engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            with _autocommit(raw):
+                _on_leaf(
+                    claimed.leaf,
+                    lambda on: transitions.succeed(raw, found, now=outcome.at, leaf=on),
+                )
+    except IllegalTransition:
+        return _lost(rt, found, claimed.fast, claimed.row)
+    except Exception as exc:  # noqa: BLE001 (as a handler error: the attempt failed)
+        return _fail_done(rt, outcome, exc, publish_retry)
+    return _succeeded(rt, outcome)
+
+
+def _fail_done(rt: Runtime, done: _Done, exc: Exception, publish_retry: PublishRetry) -> Report:
+    """Recording the success failed (the database went away): a failed attempt, like any."""
+    with rt.sessions() as session:
+        return _fail(
+            rt,
+            session,
+            done.claimed.found,
+            fast=done.claimed.fast,
+            exc=exc,
+            policy=done.loaded.policy,
+            publish_retry=publish_retry,
+            now=_now(rt, done.claimed.found, done.claimed.started),
+            row=done.claimed.row,
+        )
+
+
+def _attempt(
+    rt: Runtime, session: Session, claimed: _Claimed, publish_retry: PublishRetry
+) -> Report | _Done:
+    """Run the handler of a claimed delivery: its report, or :class:`_Done` when the success
+    is still to be recorded."""
+    found, row, fast, started = claimed.found, claimed.row, claimed.fast, claimed.started
     loaded: Loaded | None = None
     try:
         loaded = load(rt, found, row)
@@ -423,17 +475,11 @@ def _run(rt: Runtime, session: Session, claimed: _Claimed, publish_retry: Publis
             handler(loaded.event, ctx)
         session.flush()
         done_at = _now(rt, found, started)
-        if session.in_transaction():
-            # The handler used ctx.session: its writes and the success commit together.
-            transitions.succeed(session, found, now=done_at)
-            session.commit()
-        else:
-            # Nothing of the handler's to commit: the success alone, one round trip.
-            with rt.engine.connect() as conn:
-                raw = conn.connection.driver_connection
-                assert raw is not None
-                with _autocommit(raw):
-                    _on_leaf(leaf, lambda on: transitions.succeed(raw, found, now=done_at, leaf=on))
+        if not session.in_transaction():
+            return _Done(claimed, loaded, done_at)
+        # The handler used ctx.session: its writes and the success commit together.
+        transitions.succeed(session, found, now=done_at)
+        session.commit()
     except IllegalTransition:
         session.rollback()
         return _lost(rt, found, fast, row)
@@ -473,11 +519,17 @@ def _run(rt: Runtime, session: Session, claimed: _Claimed, publish_retry: Publis
             now=_now(rt, found, started),
             row=row,
         )
-    assert loaded is not None
-    if loaded.dedup_ttl is not None:
+    return _succeeded(rt, _Done(claimed, loaded, done_at))
+
+
+def _succeeded(rt: Runtime, done: _Done, *, confirm: bool = True) -> Report:
+    """The success is committed: promote the fast claim (unless the caller does it for a
+    whole batch), count and log it."""
+    found, loaded, fast = done.claimed.found, done.loaded, done.claimed.fast
+    if confirm and loaded.dedup_ttl is not None:
         rt.claims.confirm(fast, loaded.dedup_ttl)
     DELIVERIES.labels(outcome="succeeded").inc()
-    RECEIPT_TO_SUCCESS.observe(max(0.0, (done_at - loaded.event.meta.received_at).total_seconds()))
+    RECEIPT_TO_SUCCESS.observe(max(0.0, (done.at - loaded.event.meta.received_at).total_seconds()))
     log.info(
         "delivery.succeeded",
         delivery_id=found.id,
@@ -486,6 +538,7 @@ def _run(rt: Runtime, session: Session, claimed: _Claimed, publish_retry: Publis
         attempt=found.attempt,
         degraded=fast.degraded,
     )
+    row = done.claimed.row
     return Report("succeeded", found.id, found.attempt, row.event_id, row.public_id)
 
 
@@ -634,15 +687,54 @@ def celery_state(report: Report) -> str:
     }.get(report.outcome, report.outcome)
 
 
+def celery_batch_state(reports: list[Report]) -> str:
+    """A message of several deliveries: its Celery state is its worst delivery's (FAILURE if
+    one went dead, RETRY if one will be retried, SUCCESS otherwise), and its text, what
+    Flower shows, names every delivery it carried with its own outcome."""
+    lines = []
+    for report in reports:
+        try:
+            lines.append(f"{report.delivery_id}: {celery_state(report)}")
+        except (Retry, DeadLetter) as exc:
+            lines.append(f"{report.delivery_id}: {report.outcome}: {report.detail}"[:300])
+            del exc
+    counts: dict[str, int] = {}
+    for report in reports:
+        counts[report.outcome] = counts.get(report.outcome, 0) + 1
+    summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+    text = f"{len(reports)} deliveries ({summary}): " + "; ".join(lines)
+    if counts.get("dead"):
+        raise DeadLetter(text)
+    if counts.get("retry"):
+        raise Retry(text, exc=AttemptFailed(text))
+    return text
+
+
+def message_ids(argument: object) -> list[int] | None:
+    """The delivery ids a message carries: one id, or a non-empty list of at most
+    ``MAX_DELIVERY_BATCH``; None for anything else."""
+    values = argument if isinstance(argument, list) else [argument]
+    if not 0 < len(values) <= MAX_DELIVERY_BATCH:
+        return None
+    ids = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return ids if len(ids) == len(values) else None
+
+
 @shared_task(bind=True, name=DELIVER_TASK, ignore_result=True, throws=(DeadLetter,))
-def deliver(self: Task[Any, Any], delivery_id: int) -> str:
-    """Celery entry point; the work is :func:`run_delivery`."""
-    if isinstance(delivery_id, bool) or not isinstance(delivery_id, int):
+def deliver(self: Task[Any, Any], delivery_id: int | list[int]) -> str:
+    """Celery entry point: one delivery id (:func:`run_delivery`), or a list of them
+    (:func:`tasks.batch.run_batch`)."""
+    ids = message_ids(delivery_id)
+    if ids is None:
         log.error("delivery.bad_message", error_class=type(delivery_id).__name__)
-        return "rejected: not a delivery id"
+        return "rejected: not a delivery id or a list of them"
 
     def publish_retry(dispatch: Dispatch, countdown: float) -> None:
         options: dict[str, Any] = {"countdown": countdown, **dispatch.reprs()}
         self.apply_async(args=(dispatch.delivery_id,), **options)
 
-    return celery_state(run_delivery(get_runtime(), delivery_id, publish_retry=publish_retry))
+    if not isinstance(delivery_id, list):
+        return celery_state(run_delivery(get_runtime(), ids[0], publish_retry=publish_retry))
+    from tasks.batch import run_batch  # noqa: PLC0415 (it imports this module)
+
+    return celery_batch_state(run_batch(get_runtime(), ids, publish_retry=publish_retry))

@@ -15,7 +15,9 @@ gevent
     timeout. Both need the handler to yield (any socket, ``time.sleep``, a query): a handler
     that spins on the CPU freezes every greenlet of the process, so :func:`start_watchdog`
     kills the process once its event loop has not run for the hard limit, which is then
-    exactly prefork's crash path (lease, sweeper, ``max_redeliveries``).
+    exactly prefork's crash path (lease, sweeper, ``max_redeliveries``). Each handler of a
+    batch (:mod:`tasks.batch`) runs in a greenlet of its own under the same soft limit and a
+    hard ``Timeout`` of its own.
 threads
     Celery's thread pool enforces neither limit (``celery.concurrency.thread`` takes no
     timeout). :func:`time_limits` does: a watchdog thread raises ``SoftTimeLimitExceeded``
@@ -26,6 +28,12 @@ threads
     a socket read without timeout) does not see it, so at ``1.5 x`` the hard limit the
     watchdog kills the process (prefork's crash path again; ``forward``'s own I/O timeouts,
     below the soft limit, keep it from ever getting there).
+
+A message carrying several deliveries (:mod:`tasks.batch`) runs each handler in a thread of
+its own (a greenlet under gevent), under every pool, prefork included: each handler gets the
+soft and hard limits above and a stuck one fails its own delivery, not its batch-mates.
+Celery's limits on such a message are a backstop at twice the hard limit
+(:func:`tasks.config.batch_time_limits`), under the processing TTL (4 x hard).
 """
 
 from __future__ import annotations
@@ -188,7 +196,11 @@ def time_limits(soft: float, hard: float) -> Iterator[None]:
     """Around a handler: the soft and hard limits the pool itself does not enforce (see the
     module's docstring). Prefork: nothing (Celery does it all)."""
     if is_green():
-        with soft_limit(soft):
+        from gevent import Timeout  # noqa: PLC0415
+
+        # Celery's own Timeout covers a lone delivery's greenlet only; this one covers each
+        # handler of a batch too (the first to fire is a hard limit either way).
+        with Timeout(hard), soft_limit(soft):
             yield
         return
     if threading.current_thread() is threading.main_thread():

@@ -124,6 +124,28 @@ def spin(event: Event, ctx: HandlerContext) -> None:
     record_effect(event, ctx)
 
 
+@register("touch")
+def touch(event: Event, ctx: HandlerContext) -> None:
+    """An effect outside our database (as a downstream call is): writes nothing through
+    ``ctx.session`` (so its success is recorded with its batch-mates' in one statement) and
+    logs each call as a file ``<marker_dir>/<delivery>.<attempt>.<pid>`` holding the
+    idempotency key. Sleeps ``sleep`` seconds on its first attempt (default 0)."""
+    directory = Path(ctx.route.options["marker_dir"])
+    marker = directory / f"{ctx.delivery_id}.{ctx.attempt}.{os.getpid()}"
+    marker.write_text(ctx.idempotency_key)
+    if ctx.attempt == 1:
+        time.sleep(float(ctx.route.options.get("sleep", 0)))
+
+
+@register("hang_once")
+def hang_once(event: Event, ctx: HandlerContext) -> None:
+    """Like ``hang`` on its first attempt (never returns, swallows the soft limit); later
+    attempts record their effect."""
+    if ctx.attempt == 1:
+        hang(event, ctx)
+    record_effect(event, ctx)
+
+
 # Set in a worker's environment: its pool process kills itself (SIGKILL) right after a
 # delivery's success is committed, before the task returns and so before the broker ack
 # (acks_late), once per delivery (a marker file remembers).
@@ -135,9 +157,17 @@ def _kill_after_commit(
     args: tuple[object, ...] | None = None, retval: object = None, **_: object
 ) -> None:
     directory = os.environ.get(KILL_AFTER_COMMIT_DIR)
-    if not directory or retval != "succeeded" or not args:
+    if not directory or not args:
         return
-    marker = Path(directory) / f"{args[0]}.killed"
+    if isinstance(args[0], list):  # a batch: its text counts its deliveries by outcome
+        if not (isinstance(retval, str) and f"{len(args[0])} succeeded" in retval):
+            return
+        name = "-".join(map(str, args[0]))
+    elif retval == "succeeded":
+        name = str(args[0])
+    else:
+        return
+    marker = Path(directory) / f"{name}.killed"
     if marker.exists():
         return
     marker.write_text(str(os.getpid()))

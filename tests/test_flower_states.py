@@ -130,7 +130,8 @@ def test_task_states_tell_retry_failure_success_and_duplicate(
         running_flower(tmp_path) as flower,
         running_worker("flower-truth", tmp_path),
     ):
-        publisher.publish_sync(list(dispatches.values()))
+        for dispatch in dispatches.values():  # one message each (together: a batch, below)
+            publisher.publish_sync([dispatch])
         wait_status(engine, ids["retried"], "succeeded")
         wait_status(engine, ids["dead"], "dead")
         wait_status(engine, ids["ok"], "succeeded")
@@ -193,3 +194,67 @@ def test_task_states_tell_retry_failure_success_and_duplicate(
             assert event_id in row["kwargs"]
             assert source.public_id in row["kwargs"]
             assert '"data"' not in row["kwargs"]  # ids only, never the payload
+
+
+def test_a_batch_message_shows_each_delivery_and_its_outcome(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """Several deliveries published together travel in one message (tasks.batch): Flower's
+    row for it lists every delivery id, event id and source it carried, takes the state of
+    its worst outcome, and its text gives each delivery's own outcome; the retry of one of
+    them comes back as a row of its own."""
+    settings = worker_settings()
+    made = {
+        "retried": make_source(
+            sessions, settings, routes=[{"handler": "flaky_n", "options": {"failures": "1"}}]
+        ),
+        "dead": make_source(sessions, settings, routes=[{"handler": "permanent"}]),
+        "ok": make_source(sessions, settings, routes=[{"handler": "effect"}]),
+    }
+    dispatches = {}
+    for key, source in made.items():
+        event_id, outcome = accept_event(settings, source)
+        dispatches[key] = Dispatch(outcome.delivery_ids[0], event_id, source.public_id)
+    ids = {key: d.delivery_id for key, d in dispatches.items()}
+    publisher = Publisher(settings)
+    events = EventLog()
+    with (
+        events.listening(),
+        running_flower(tmp_path) as flower,
+        running_worker("flower-batch", tmp_path),
+    ):
+        publisher.publish_sync(list(dispatches.values()))  # one message of three
+        wait_status(engine, ids["retried"], "succeeded")
+        wait_status(engine, ids["dead"], "dead")
+        wait_status(engine, ids["ok"], "succeeded")
+
+        def flower_tasks() -> list[dict[str, Any]]:
+            answer = httpx.get(f"{flower}/api/tasks", auth=FLOWER_AUTH, timeout=10)
+            answer.raise_for_status()
+            rows = [t for t in answer.json().values() if t["name"] == DELIVER_TASK]
+            return rows if sorted(t["state"] for t in rows) == ["FAILURE", "SUCCESS"] else []
+
+        rows = wait_for(flower_tasks, timeout=30, what="Flower to show the batch and the retry")
+    publisher.close()
+
+    [batch] = [r for r in rows if r["state"] == "FAILURE"]
+    [retry] = [r for r in rows if r["state"] == "SUCCESS"]
+    carried = [ids["retried"], ids["dead"], ids["ok"]]
+    assert batch["args"] == f"({carried!r},)"
+    for key, dispatch in dispatches.items():
+        assert dispatch.event_id in batch["kwargs"]
+        assert dispatch.source in batch["kwargs"]
+        assert str(ids[key]) in batch["exception"]
+    assert '"data"' not in batch["kwargs"]  # ids only, never the payload
+    text_of = batch["exception"]
+    assert "DeadLetter" in text_of
+    assert "3 deliveries (1 dead, 1 retry, 1 succeeded)" in text_of
+    assert f"{ids['ok']}: succeeded" in text_of
+    assert f"{ids['retried']}: retry: planned" in text_of
+    assert f"{ids['dead']}: dead: " in text_of
+    assert "permanent" in text_of
+    # The retry went out as a message of its own: one row, one delivery.
+    assert retry["args"] == f"({ids['retried']},)"
+    assert retry["result"] == "'succeeded'"
+    [received] = [e for e in events.of("task-received") if e["args"].startswith("([")]
+    assert received["args"] == f"({carried!r},)"

@@ -31,6 +31,8 @@ from webhooks.durations import DurationError, parse_duration
 MIN_ADMIN_TOKEN_LENGTH = 32
 # Threads or greenlets per worker when WEBHOOKS_WORKER_CONCURRENCY is unset (bench_forward.py).
 IO_POOL_DEFAULT_CONCURRENCY = 50
+# The most delivery ids a task message may carry (WEBHOOKS_DELIVERY_BATCH's ceiling).
+MAX_DELIVERY_BATCH = 256
 ADMIN_TOKEN_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 # The name WEBHOOKS_ADMIN_TOKEN's one token goes by (in the audit, as the operator).
 DEFAULT_ADMIN_TOKEN_NAME = "admin"  # noqa: S105  (a name, not a secret)
@@ -82,6 +84,11 @@ class Settings(BaseSettings):
     default_tolerance: timedelta = timedelta(seconds=300)
     source_cache_ttl: timedelta = timedelta(seconds=30)
     publish_timeout: float = Field(default=2.0, gt=0)
+    # How long the receiver's publisher waits, once a delivery is ready, for more to publish
+    # with it (seconds), when deliveries arrive closer together than this (a lone delivery
+    # after a quiet spell goes out at once): messages of several ids cost the workers far
+    # less per delivery (tasks/batch.py, bench/results_forward.txt). 0: never wait.
+    publish_linger: float = Field(default=0.01, ge=0, le=1)
     # Group commit (ingest/store.py): accept batches in flight per receiver process, and the
     # most receipts one batch (one transaction) carries.
     accept_concurrency: int = Field(default=2, ge=1, le=64)
@@ -109,6 +116,12 @@ class Settings(BaseSettings):
     # 50 against 0.36x at 100 for a 100 ms downstream), one process per CPU for prefork.
     worker_pool: Literal["threads", "gevent", "prefork"] = "threads"
     worker_concurrency: int | None = Field(default=None, ge=1, le=2000)
+    # Most delivery ids in one task message (README "Workers", tasks/batch.py). The
+    # receiver's publisher packs the deliveries it finds queued together, up to this many per
+    # message; a worker claims them in one statement, runs their handlers concurrently and
+    # records their successes in one statement, each delivery keeping its own attempt, retry
+    # and dead-letter fate. 1: one delivery per message, as before.
+    delivery_batch: int = Field(default=16, ge=1, le=MAX_DELIVERY_BATCH)
 
     # Retry policy defaults (per-route overrides live on the route).
     # Derived from the providers' own schedules (PROVIDERS.md): Standard Webhooks and Svix
