@@ -398,7 +398,7 @@ def claim_many_with_event(
     """:func:`claim_with_event` for several deliveries in one statement (one round trip, its
     commit asynchronous, as there): each row is claimed or not on its own guard; the claimed
     ones come back, in id order, each with its route, source and receipt."""
-    sql = _claim_many_sql(_leaf(leaf))
+    sql = _claim_many_sql(leaf)
     rows = conn.execute(
         sql,
         {
@@ -416,7 +416,7 @@ def claim_many_with_event(
 
 @functools.cache
 def _claim_many_sql(leaf: str | None) -> str:
-    return _placeholders(_CLAIM_MANY_SQL.format(**_tables(leaf)))
+    return _placeholders(_CLAIM_MANY_SQL.format(**_tables(_leaf(leaf))))
 
 
 # Several successes in one statement (a message's handlers that wrote nothing through their
@@ -451,7 +451,7 @@ _SUCCEED_MANY_SQL = """
 
 @functools.cache
 def _succeed_many_sql(leaf: str | None) -> str:
-    return _placeholders(_SUCCEED_MANY_SQL.format(**_tables(leaf)))
+    return _placeholders(_SUCCEED_MANY_SQL.format(**_tables(_leaf(leaf))))
 
 
 def succeed_many(
@@ -462,7 +462,7 @@ def succeed_many(
     moved; a delivery missing from it lost its lease (the caller's :class:`IllegalTransition`
     of :func:`succeed`)."""
     rows = conn.execute(
-        _succeed_many_sql(_leaf(leaf)),
+        _succeed_many_sql(leaf),
         {
             "ids": [found.id for found, _ in done],
             "expiries": [found.expires_at for found, _ in done],

@@ -148,3 +148,61 @@ def test_postgres_unreachable_fails_the_task_and_leaves_nothing_behind(
         made.close()
         proxy.close()
     assert delivery(engine, delivery_id).status == "succeeded"
+
+
+def _batch(runtime: Runtime, ids: list[int]) -> list[str]:
+    from tasks.batch import run_batch  # noqa: PLC0415
+
+    return [r.outcome for r in run_batch(runtime, ids, publish_retry=_no_publish)]
+
+
+def test_a_batch_after_its_pooled_connections_died_costs_one_fresh_connection(
+    engine: Engine, sessions: sessionmaker[Session], runtime: Runtime
+) -> None:
+    """A message of several deliveries (tasks.batch) recovers the same way: its first read
+    finds the dead connection and the batch starts again once, on a fresh one."""
+    settings = worker_settings()
+    source = make_source(sessions, settings)
+    first = [accept_event(settings, source)[1].delivery_ids[0] for _ in range(3)]
+    assert _batch(runtime, first) == ["succeeded"] * 3
+    victims = _backend_pids(settings)
+    assert victims
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        for pid in victims:
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    second = [accept_event(settings, source)[1].delivery_ids[0] for _ in range(3)]
+    assert _batch(runtime, second) == ["succeeded"] * 3
+    for delivery_id in second:
+        assert [a.outcome for a in attempts(engine, delivery_id)] == ["succeeded"]
+
+
+def test_batch_statements_fall_back_to_the_parents_when_the_leaf_is_missing(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    settings = worker_settings(retention_mode="delete")
+    source = make_source(sessions, settings)
+    ids = [accept_event(settings, source)[1].delivery_ids[0] for _ in range(3)]
+    deliver_module._MISSING_LEAVES.discard("default")
+    made = build_runtime(settings, worker="leafless-batch")
+    try:
+        assert _batch(made, [*ids, ids[0], 10**12]) == ["succeeded"] * 3 + ["missing"]
+    finally:
+        made.close()
+    assert "default" in deliver_module._MISSING_LEAVES
+    deliver_module._MISSING_LEAVES.discard("default")
+    for delivery_id in ids:
+        assert delivery(engine, delivery_id).status == "succeeded"
+        assert [a.outcome for a in attempts(engine, delivery_id)] == ["succeeded"]
+
+
+def test_batch_leaf_statements_name_only_that_days_partitions() -> None:
+    from models.transitions import _claim_many_sql, _succeed_many_sql  # noqa: PLC0415
+
+    for sql in (_claim_many_sql("p20261204"), _succeed_many_sql("p20261204")):
+        assert "UPDATE deliveries_p20261204 AS deliveries SET" in sql
+        assert "UPDATE attempts_p20261204 AS attempts SET" in sql
+    assert "JOIN receipts_p20261204 r" in _claim_many_sql("p20261204")
+    assert "INSERT INTO attempts_p20261204 AS attempts" in _claim_many_sql("p20261204")
+    assert "_p2026" not in _claim_many_sql(None) + _succeed_many_sql(None)
+    with pytest.raises(ValueError, match="not a partition suffix"):
+        _claim_many_sql("x; DROP TABLE")
