@@ -263,3 +263,58 @@ def test_a_finished_delivery_has_no_next_attempt(
             text("SELECT next_attempt_at FROM deliveries WHERE id = :d"), {"d": dead}
         ).scalar_one()
     assert due == T0 + timedelta(seconds=30)  # a replay schedules it again
+
+
+@pytest.mark.parametrize("on_leaf", [True, False])
+def test_a_batch_claim_and_success_guard_every_row_on_its_own(
+    sessions: sessionmaker[Session], settings: Settings, on_leaf: bool
+) -> None:
+    """claim_many_with_event / succeed_many (a message of several deliveries): each row is
+    claimed, crashed-over or refused by the same guard as alone, and each success is fenced
+    by its own attempt."""
+    import dataclasses  # noqa: PLC0415
+
+    import psycopg  # noqa: PLC0415
+
+    from models.partitions import leaf_suffix  # noqa: PLC0415
+
+    pending, live, expired, done, stale = (new_delivery(sessions, settings) for _ in range(5))
+    assert claim(sessions, live, T0) is not None  # a live lease: refused
+    assert claim(sessions, expired, T0 - LEASE) is not None  # its worker died: crashed over
+    finished = claim(sessions, done, T0 - LEASE)
+    assert finished is not None
+    with sessions() as s, s.begin():
+        transitions.succeed(s, finished, now=T0 - LEASE)
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        wanted = []
+        for delivery_id in (pending, live, expired, done, stale):
+            row = conn.execute(
+                "SELECT generation, expires_at FROM deliveries WHERE id = %s", (delivery_id,)
+            ).fetchone()
+            assert row is not None
+            # ``stale``: the message was published before a re-run (another generation).
+            generation = row[0] + (1 if delivery_id == stale else 0)
+            wanted.append(transitions.Wanted(delivery_id, generation, row[1]))
+        leaf = leaf_suffix(wanted[0].expires_at, "partition") if on_leaf else None
+        claimed = transitions.claim_many_with_event(
+            conn, wanted, now=T0, lease=LEASE, max_redeliveries=3, worker="w", leaf=leaf
+        )
+        by_id = {found.id: (found, event) for found, event in claimed}
+        assert sorted(by_id) == sorted([pending, expired])
+        assert (by_id[pending][0].attempt, by_id[pending][0].redeliveries) == (1, 0)
+        assert (by_id[expired][0].attempt, by_id[expired][0].redeliveries) == (2, 1)
+        assert all(e.receipt_found and e.handler == "log" for _, e in claimed)
+        assert len({found.at for found, _ in claimed}) == 1  # one statement, one instant
+        # A fenced-out success (another attempt's number) moves nothing; the others do.
+        fenced = dataclasses.replace(by_id[expired][0], attempt=1)
+        won = transitions.succeed_many(
+            conn,
+            [(by_id[pending][0], T0 + timedelta(seconds=1)), (fenced, T0 + timedelta(seconds=1))],
+            leaf=leaf,
+        )
+        assert won == {pending}
+        assert transitions.succeed_many(conn, [(by_id[pending][0], T0)], leaf=leaf) == set()
+    assert attempts(sessions, pending) == [(1, "succeeded")]
+    assert attempts(sessions, expired) == [(1, "crashed"), (2, None)]
+    assert attempts(sessions, live) == [(1, None)]
+    assert attempts(sessions, stale) == []
