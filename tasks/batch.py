@@ -16,8 +16,10 @@ once per message instead of once per delivery (bench/results_forward.txt):
     idempotency key;
  4. the successes of handlers that wrote nothing through ``ctx.session`` in one guarded
     statement (:func:`models.transitions.succeed_many`, one synchronous commit), then their
-    fast claims promoted in one pipeline. A handler that wrote through ``ctx.session``
-    commits its writes and its success together in its own transaction, as alone;
+    fast claims promoted in one pipeline; while some handlers still run, those that returned
+    are recorded every :data:`FINISH_WINDOW`, so a slow one holds back no other. A handler
+    that wrote through ``ctx.session`` commits its writes and its success together in its
+    own transaction, as alone;
  5. each failure is recorded on its own (retry, dead, lost) exactly as for a lone delivery,
     and its retry is published as a message of its own.
 
@@ -25,7 +27,10 @@ Every guarantee of :mod:`tasks.deliver` holds per delivery: each claim and each 
 guarded by that delivery's status, attempt and generation, so a batch is only a way of
 sending several guarded statements in one round trip. A worker killed mid-batch is a crash
 for each delivery it held (lease, sweeper, ``max_redeliveries``); the successes it had
-committed stay committed and their redelivered copies are skipped.
+committed stay committed and their redelivered copies are skipped. A handler that kills its
+worker costs each batch-mate one redelivery, not a crash loop: a requeued copy of the batch
+finds their leases live and claims nothing, and the sweeper republishes lease-expired
+deliveries one per message, so each then runs alone.
 
 Time limits: a batch message carries Celery limits of twice the hard limit
 (:func:`tasks.config.batch_time_limits`), a backstop above the per-handler limits, which end
@@ -48,6 +53,7 @@ from sqlalchemy import Connection
 
 from models import transitions
 from models.transitions import Wanted
+from tasks.claims import FastClaim
 from tasks.deliver import (
     PublishRetry,
     Report,
@@ -160,7 +166,7 @@ def _claim_all(
             reports[delivery_id] = _quiet(delivery_id, "missing")
     present = [i for i in ids if i in found]
     fast = rt.claims.acquire_many([(i, found[i][0]) for i in present])
-    by_leaf: dict[str | None, list[tuple[Wanted, Any]]] = defaultdict(list)
+    by_leaf: dict[str | None, list[tuple[Wanted, FastClaim]]] = defaultdict(list)
     for delivery_id, claim in zip(present, fast, strict=True):
         generation, expires_at, overdue = found[delivery_id]
         if not claim.first:
@@ -180,7 +186,7 @@ def _claim_group(
     rt: Runtime,
     raw: psycopg.Connection[Any],
     leaf: str | None,
-    group: list[tuple[Wanted, Any]],
+    group: list[tuple[Wanted, FastClaim]],
     reports: dict[int, Report],
 ) -> list[_Claimed]:
     claims = {wanted.id: claim for wanted, claim in group}
@@ -229,7 +235,7 @@ def _finish_all(rt: Runtime, done: list[_Done], publish_retry: PublishRetry) -> 
     for d in done:
         by_leaf[d.claimed.leaf].append(d)
     reports: list[Report] = []
-    confirmed = []
+    confirmed: list[tuple[FastClaim, timedelta]] = []
     with rt.engine.connect() as conn:
         raw = conn.connection.driver_connection
         assert raw is not None

@@ -1,6 +1,7 @@
 """The ``webhooks.deliver`` task: run one delivery's handler so its effect happens once.
 
-Flow (the message carries the delivery id only):
+Flow (the message carries the delivery id only; a message of several ids runs the same
+steps with one statement for all of them, :mod:`tasks.batch`):
 
  0. read the delivery's key generation (it names the fast claim) and partition key;
  1. fast claim in Redis: ``SET claim:<id>:<generation> <token> NX`` with the processing TTL;
