@@ -294,7 +294,7 @@ def main() -> None:
     app = create_app(s)
     client = redis.Redis.from_url(BROKER)
     logdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
-    batch = args.batch or s.delivery_batch
+    batch = args.batch or s.deliveries_per_message
     ours_rates: list[float] = []
     single_rates: list[float] = []
     bare_rates: list[float] = []

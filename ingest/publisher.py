@@ -54,7 +54,7 @@ class Publisher:
         self.timeout = settings.publish_timeout
         self.settings = settings
         # Deliveries found queued together go out as messages of up to this many ids.
-        self.batch = settings.delivery_batch
+        self.batch = settings.deliveries_per_message
         self.linger = settings.publish_linger
         self._last_taken = -math.inf
         self._queue: queue.SimpleQueue[tuple[str, Dispatch]] = queue.SimpleQueue()

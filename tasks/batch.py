@@ -275,7 +275,7 @@ def _executor(rt: Runtime) -> ThreadPoolExecutor:
         with _EXECUTOR_LOCK:
             if _EXECUTOR is None or _EXECUTOR[0] != pid:
                 slots = 1 if rt.settings.worker_pool == "prefork" else rt.settings.worker_slots
-                size = slots * rt.settings.delivery_batch
+                size = slots * rt.settings.deliveries_per_message
                 _EXECUTOR = (pid, ThreadPoolExecutor(size, thread_name_prefix="handler"))
     return _EXECUTOR[1]
 

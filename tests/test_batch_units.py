@@ -149,7 +149,8 @@ def test_publishing_together_packs_up_to_the_batch_size_per_message() -> None:
 
 
 def test_the_batch_size_setting_is_bounded() -> None:
-    assert make_settings(delivery_batch=1).delivery_batch == 1
+    assert make_settings(delivery_batch=1).deliveries_per_message == 1
+    assert make_settings(worker_pool="prefork", delivery_batch=8).deliveries_per_message == 8
     for bad in (0, MAX_DELIVERY_BATCH + 1):
         with pytest.raises(ValueError, match="delivery_batch"):
             make_settings(delivery_batch=bad)

@@ -364,9 +364,14 @@ def test_the_default_pool_keeps_fifty_deliveries_in_flight_in_one_process() -> N
 def test_prefork_and_gevent_settings() -> None:
     prefork = make_settings(worker_pool="prefork")
     assert prefork.worker_slots == (os.cpu_count() or 1)
-    # A batch's handlers run at once, each may hold a connection: up to the pool setting.
-    assert engine_pool_size(prefork) == min(prefork.delivery_batch, prefork.db_pool_size) == 10
-    assert engine_pool_size(make_settings(worker_pool="prefork", delivery_batch=1)) == 2
+    # One delivery per message by default (CPU-bound handlers), so one task's connections.
+    assert prefork.deliveries_per_message == 1
+    assert engine_pool_size(prefork) == 2
+    # Batches asked for: their handlers run at once, each may hold a connection.
+    batched = make_settings(worker_pool="prefork", delivery_batch=16)
+    assert engine_pool_size(batched) == min(16, batched.db_pool_size) == 10
+    assert make_settings().deliveries_per_message == 16  # threads (and gevent)
+    assert make_settings(worker_pool="gevent").deliveries_per_message == 16
     check_pool("prefork", ["celery", "-A", "tasks", "worker", "-c", "2"])
     gevent = make_settings(worker_pool="gevent", worker_concurrency=300)
     assert celery_config(gevent)["worker_concurrency"] == 300

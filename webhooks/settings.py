@@ -31,8 +31,10 @@ from webhooks.durations import DurationError, parse_duration
 MIN_ADMIN_TOKEN_LENGTH = 32
 # Threads or greenlets per worker when WEBHOOKS_WORKER_CONCURRENCY is unset (bench_forward.py).
 IO_POOL_DEFAULT_CONCURRENCY = 50
-# The most delivery ids a task message may carry (WEBHOOKS_DELIVERY_BATCH's ceiling).
+# The most delivery ids a task message may carry (WEBHOOKS_DELIVERY_BATCH's ceiling), and
+# how many it carries by default under the threads and gevent pools (bench_workers.py).
 MAX_DELIVERY_BATCH = 256
+IO_POOL_DEFAULT_BATCH = 16
 ADMIN_TOKEN_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 # The name WEBHOOKS_ADMIN_TOKEN's one token goes by (in the audit, as the operator).
 DEFAULT_ADMIN_TOKEN_NAME = "admin"  # noqa: S105  (a name, not a secret)
@@ -120,8 +122,9 @@ class Settings(BaseSettings):
     # receiver's publisher packs the deliveries it finds queued together, up to this many per
     # message; a worker claims them in one statement, runs their handlers concurrently and
     # records their successes in one statement, each delivery keeping its own attempt, retry
-    # and dead-letter fate. 1: one delivery per message, as before.
-    delivery_batch: int = Field(default=16, ge=1, le=MAX_DELIVERY_BATCH)
+    # and dead-letter fate. 1: one delivery per message. Unset: 16 for the threads and gevent
+    # pools, 1 for prefork (see deliveries_per_message).
+    delivery_batch: int | None = Field(default=None, ge=1, le=MAX_DELIVERY_BATCH)
 
     # Retry policy defaults (per-route overrides live on the route).
     # Derived from the providers' own schedules (PROVIDERS.md): Standard Webhooks and Svix
@@ -258,6 +261,16 @@ class Settings(BaseSettings):
         if self.worker_pool == "prefork":
             return os.cpu_count() or 1
         return IO_POOL_DEFAULT_CONCURRENCY
+
+    @property
+    def deliveries_per_message(self) -> int:
+        """WEBHOOKS_DELIVERY_BATCH, or its default for the pool. Prefork is the pool for
+        CPU-bound handlers, and a batch's handlers run as threads of one process, sharing its
+        interpreter lock: sixteen handlers of five CPU seconds each would take eighty seconds
+        together and all miss the hard limit. So prefork gets one delivery per message."""
+        if self.delivery_batch is not None:
+            return self.delivery_batch
+        return 1 if self.worker_pool == "prefork" else IO_POOL_DEFAULT_BATCH
 
     @property
     def psycopg_dsn(self) -> str:
