@@ -74,6 +74,7 @@ from tasks.pools import is_green
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.logs import get_logger
+from webhooks.settings import MAX_DELIVERY_BATCH
 
 log = get_logger(__name__)
 
@@ -263,7 +264,8 @@ def _succeed_group(raw: psycopg.Connection[Any], leaf: str | None, group: list[_
 
 
 # Runs a batch's handlers; sized so that no handler ever waits for a thread (every slot's
-# message fully concurrent), threads made only as needed and then reused.
+# message fully concurrent, whatever batch size its publisher chose), threads made only as
+# needed and then reused.
 _EXECUTOR: tuple[int, ThreadPoolExecutor] | None = None
 _EXECUTOR_LOCK = threading.Lock()
 
@@ -275,7 +277,7 @@ def _executor(rt: Runtime) -> ThreadPoolExecutor:
         with _EXECUTOR_LOCK:
             if _EXECUTOR is None or _EXECUTOR[0] != pid:
                 slots = 1 if rt.settings.worker_pool == "prefork" else rt.settings.worker_slots
-                size = slots * rt.settings.deliveries_per_message
+                size = slots * MAX_DELIVERY_BATCH
                 _EXECUTOR = (pid, ThreadPoolExecutor(size, thread_name_prefix="handler"))
     return _EXECUTOR[1]
 
