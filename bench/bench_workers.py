@@ -1,8 +1,8 @@
 """Worker benchmark: events per second from a queued delivery to ``succeeded``, against a
 bare Celery no-op task drained by the same worker settings on the same broker.
 
-Both targets run as ``celery worker -P prefork -c 2`` (or ``--pool``/``--concurrency``) with
-the pipeline's Celery configuration (Redis broker, acks_late, prefetch 1, time limits, task
+Both targets run as ``celery worker -P threads -c 50``, the product's default (or
+``--pool``/``--concurrency``) with the pipeline's Celery configuration (Redis broker, acks_late, prefetch 1, time limits, task
 events) and the same log level:
 
   ours   ``celery -A tasks worker``: fast claim (Redis), durable claim (Postgres), a ``noop``
@@ -18,7 +18,7 @@ in one statement, as the receiver's group commit does) and handed to the receive
 publisher; p50/p99 of ``succeeded_at - received_at`` (both the database's clock).
 
 Usage: .venv/bin/python bench/bench_workers.py [--events 2000] [--rounds 2] [--seconds 10]
-       [--pool prefork --concurrency 2]   (both targets; BENCH_REDIS_PORT picks the Redis)
+       [--pool threads --concurrency 50]   (both targets; BENCH_REDIS_PORT picks the Redis)
        [--batch N]   (ids per message; default WEBHOOKS_DELIVERY_BATCH)
 Uses its own database and Redis DBs 8 (broker) and 9 (claims); drops them after.
 """
@@ -62,7 +62,7 @@ REDIS_PORT = os.environ.get("BENCH_REDIS_PORT", "6379")
 BROKER = f"redis://127.0.0.1:{REDIS_PORT}/8"
 CLAIMS = f"redis://127.0.0.1:{REDIS_PORT}/9"
 # Both targets run this pool and concurrency (--pool, --concurrency).
-POOL = {"pool": "prefork", "concurrency": "2"}
+POOL = {"pool": "threads", "concurrency": "50"}
 NOOP_TASK = "bench.noop"
 # Latency phase: events sent before the measured ones (a fresh worker opens its connections
 # and starts its threads); they are not in the percentiles.
@@ -279,8 +279,8 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--pool", default="prefork")
-    parser.add_argument("--concurrency", default="2")
+    parser.add_argument("--pool", default="threads")
+    parser.add_argument("--concurrency", default="50")
     parser.add_argument(
         "--batch", type=int, default=None, help="ids per message (default: the setting's)"
     )

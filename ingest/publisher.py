@@ -3,7 +3,10 @@
 The receiver hands committed delivery ids to :meth:`Publisher.submit` and answers at once; a
 background thread publishes whatever has accumulated, packed into messages of up to
 ``WEBHOOKS_DELIVERY_BATCH`` delivery ids (one id when it found one: light load keeps one
-message per delivery), with a Redis broker as one LPUSH for the whole lot. A publish failure
+message per delivery), with a Redis broker as one LPUSH for the whole lot. Under load it
+lingers ``WEBHOOKS_PUBLISH_LINGER`` for the rest of a burst, five times that while the queue
+holds messages no worker has taken (the LPUSH's reply tells): the workers are behind, and
+fewer, fuller messages are what lets them catch up. A publish failure
 is counted and logged: the delivery rows are already durable and pending, and the sweeper
 publishes them after ``publish_grace``. So the 202 never depends on the broker, and a crash
 between the commit and the publish costs latency, never an event.
@@ -32,6 +35,8 @@ from webhooks.settings import Settings
 log = get_logger("ingest.publisher")
 
 MAX_BATCH = 500
+# How much longer the publisher lingers while the workers have a backlog (see Publisher).
+BACKLOG_LINGER = 5
 _STOP = ("", Dispatch(-1))
 
 
@@ -57,6 +62,10 @@ class Publisher:
         self.batch = settings.deliveries_per_message
         self.linger = settings.publish_linger
         self._last_taken = -math.inf
+        # Messages found waiting in the queue by the last LPUSH (its reply is the list's
+        # length): the workers are not keeping up, so lingering longer costs no latency the
+        # queue does not already add, and bigger messages help them catch up.
+        self.backlog = 0
         self._queue: queue.SimpleQueue[tuple[str, Dispatch]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._producer: Any = None
@@ -84,7 +93,8 @@ class Publisher:
             # ones (the rest of a group commit) are a few requests behind; a lone delivery
             # after a quiet spell goes out at once.
             now = time.monotonic()
-            deadline = now + self.linger if now - self._last_taken < self.linger else now
+            linger = self.linger * (BACKLOG_LINGER if self.backlog else 1)
+            deadline = now + linger if now - self._last_taken < linger else now
             while len(batch) < MAX_BATCH:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -154,7 +164,8 @@ class Publisher:
             )
             channel._inplace_augment_message(wire_message, "", DELIVERIES_QUEUE)  # noqa: SLF001
             wire.append(kombu_json.dumps(wire_message))
-        self._redis().lpush(channel._q_for_pri(DELIVERIES_QUEUE, 0), *wire)  # noqa: SLF001
+        length = self._redis().lpush(channel._q_for_pri(DELIVERIES_QUEUE, 0), *wire)  # noqa: SLF001
+        self.backlog = max(0, int(length) - len(wire))
 
     def _redis(self) -> redis.Redis:
         if self._client is None:

@@ -154,3 +154,26 @@ def test_the_batch_size_setting_is_bounded() -> None:
     for bad in (0, MAX_DELIVERY_BATCH + 1):
         with pytest.raises(ValueError, match="delivery_batch"):
             make_settings(delivery_batch=bad)
+
+
+def test_the_publisher_reads_a_worker_backlog_from_each_push() -> None:
+    """The LPUSH reply is the queue's length: messages no worker took yet make the publisher
+    linger longer (fuller messages let the workers catch up); an empty queue, its usual
+    linger."""
+    flush_redis(BROKER_URL)
+    client = redis.Redis.from_url(BROKER_URL)
+    publisher = Publisher(make_settings(broker_url=BROKER_URL))
+    try:
+        first, second, third = _dispatches(3)
+        publisher.publish_sync([first])
+        assert publisher.backlog == 0  # the queue was empty: nobody is behind
+        publisher.publish_sync([second, third])
+        assert publisher.backlog == 1  # the first message is still waiting
+        client.delete(DELIVERIES_QUEUE)  # the workers took everything
+        publisher.publish_sync([first])
+        assert publisher.backlog == 0
+    finally:
+        publisher.close()
+        publisher.app.close()
+        flush_redis(BROKER_URL)
+        client.close()
