@@ -5,7 +5,7 @@ background thread publishes whatever has accumulated, packed into messages of up
 ``WEBHOOKS_DELIVERY_BATCH`` delivery ids (one id when it found one: light load keeps one
 message per delivery), with a Redis broker as one LPUSH for the whole lot. Under load it
 lingers ``WEBHOOKS_PUBLISH_LINGER`` for the rest of a burst, five times that while the queue
-holds messages no worker has taken (the LPUSH's reply tells): the workers are behind, and
+holds :data:`BACKLOG_MESSAGES` or more messages no worker has taken (the LPUSH's reply tells): the workers are behind, and
 fewer, fuller messages are what lets them catch up. A publish failure
 is counted and logged: the delivery rows are already durable and pending, and the sweeper
 publishes them after ``publish_grace``. So the 202 never depends on the broker, and a crash
@@ -35,8 +35,11 @@ from webhooks.settings import Settings
 log = get_logger("ingest.publisher")
 
 MAX_BATCH = 500
-# How much longer the publisher lingers while the workers have a backlog (see Publisher).
+# How much longer the publisher lingers while the workers have a backlog (see Publisher),
+# and how many messages waiting in the queue make one (fewer are the jitter of workers that
+# keep up: stretching the linger for them only added latency, bench/results_workers.txt).
 BACKLOG_LINGER = 5
+BACKLOG_MESSAGES = 16
 _STOP = ("", Dispatch(-1))
 
 
@@ -93,7 +96,7 @@ class Publisher:
             # ones (the rest of a group commit) are a few requests behind; a lone delivery
             # after a quiet spell goes out at once.
             now = time.monotonic()
-            linger = self.linger * (BACKLOG_LINGER if self.backlog else 1)
+            linger = self.linger * (BACKLOG_LINGER if self.backlog >= BACKLOG_MESSAGES else 1)
             deadline = now + linger if now - self._last_taken < linger else now
             while len(batch) < MAX_BATCH:
                 try:
