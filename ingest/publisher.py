@@ -5,11 +5,11 @@ background thread publishes whatever has accumulated, packed into messages of up
 ``WEBHOOKS_DELIVERY_BATCH`` delivery ids (one id when it found one: light load keeps one
 message per delivery), with a Redis broker as one LPUSH for the whole lot. Under load it
 lingers ``WEBHOOKS_PUBLISH_LINGER`` for the rest of a burst, five times that while the queue
-holds :data:`BACKLOG_MESSAGES` or more messages no worker has taken (the LPUSH's reply tells): the workers are behind, and
-fewer, fuller messages are what lets them catch up. A publish failure
-is counted and logged: the delivery rows are already durable and pending, and the sweeper
-publishes them after ``publish_grace``. So the 202 never depends on the broker, and a crash
-between the commit and the publish costs latency, never an event.
+holds :data:`BACKLOG_MESSAGES` or more messages no worker has taken (the LPUSH's reply
+tells): the workers are behind, and fewer, fuller messages are what lets them catch up. A
+publish failure is counted and logged: the delivery rows are already durable and pending,
+and the sweeper publishes them after ``publish_grace``. So the 202 never depends on the
+broker, and a crash between the commit and the publish costs latency, never an event.
 """
 
 from __future__ import annotations
