@@ -36,7 +36,15 @@ ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS_PORT = int(os.environ.get("WEBHOOKS_TEST_REDIS_PORT", "6379"))
 REDIS = f"redis://127.0.0.1:{REDIS_PORT}"
 
+# A developer's own .env (``make run`` writes one at the project root) must never reach the
+# tests: the pipeline's processes get this empty settings file instead, and Settings built
+# in this process read no file at all.
+EMPTY_ENV_FILE = ROOT / "tests" / "empty.env"
+Settings.model_config["env_file"] = None
+os.environ["WEBHOOKS_ENV_FILE"] = str(EMPTY_ENV_FILE)
+
 BASE_ENV = {
+    "WEBHOOKS_ENV_FILE": str(EMPTY_ENV_FILE),
     "WEBHOOKS_ENVIRONMENT": "test",
     "WEBHOOKS_DATABASE_URL": f"postgresql://postgres@127.0.0.1:5432/{TEST_DB}",
     "WEBHOOKS_BROKER_URL": f"{REDIS}/14",
