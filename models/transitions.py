@@ -104,12 +104,10 @@ class Claim:
         return self.status == "dead"
 
 
-# One statement: the guarded claim, the previous attempt marked crashed when its worker died
-# holding the lease, and this attempt's row. (All parts see one snapshot; a successful claim
-# leaves no live attempt behind it, so any attempt still open then belongs to a dead worker.)
-_CLAIM_SQL = """
-    WITH claimed AS (
-        UPDATE {deliveries} SET
+# The claim's assignments, shared by the one-delivery and the several-deliveries statements:
+# pending | retrying | processing (lease expired) -> processing, attempts + 1, or dead on one
+# crash too many (``status`` and ``redeliveries`` are the row's values before the update).
+_CLAIM_SET = """\
             redeliveries = redeliveries + CASE WHEN status = 'processing' THEN 1 ELSE 0 END,
             status = CASE
                 WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries THEN 'dead'
@@ -130,7 +128,33 @@ _CLAIM_SQL = """
                 WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
                 THEN NULL ELSE :now + :lease END,
             first_attempt_at = coalesce(first_attempt_at, :now),
-            updated_at = :now
+            updated_at = :now"""
+
+# What the worker's claims return: the claim, its route and source, the receipt's event (the
+# caller adds the receipt join), and the claim's commit made asynchronous (see below).
+_CLAIMED_EVENT = """\
+    SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
+           c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
+           c.status, c.attempt_base, c.at,
+           rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
+           rt.max_age_s, rt.active, s.public_id, s.name, s.provider, s.retry_window_s,
+           s.queue_lag_s, s.clock_skew_s, s.replay_grace_s,
+           r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
+           r.content_type, r.payload,
+           set_config('synchronous_commit', 'off', true)
+    FROM claimed c
+    LEFT JOIN routes rt ON rt.id = c.route_id
+    LEFT JOIN sources s ON s.id = rt.source_id
+"""
+
+
+# One statement: the guarded claim, the previous attempt marked crashed when its worker died
+# holding the lease, and this attempt's row. (All parts see one snapshot; a successful claim
+# leaves no live attempt behind it, so any attempt still open then belongs to a dead worker.)
+_CLAIM_SQL = """
+    WITH claimed AS (
+        UPDATE {deliveries} SET
+{claim_set}
         WHERE id = :id {expires_match} {generation_match}
           AND (status = 'pending'
                OR (status = 'retrying' AND next_attempt_at <= :now)
@@ -162,19 +186,7 @@ _SELECT_CLAIM = "SELECT * FROM claimed"
 # naming it by the parameter (not the claimed row's column) lets the generic plan prune the
 # receipts partitions when it starts, instead of opening every partition's scan each time.
 _SELECT_CLAIM_AND_EVENT = """
-    SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
-           c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
-           c.status, c.attempt_base, c.at,
-           rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
-           rt.max_age_s, rt.active, s.public_id, s.name, s.provider, s.retry_window_s,
-           s.queue_lag_s, s.clock_skew_s, s.replay_grace_s,
-           r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
-           r.content_type, r.payload,
-           set_config('synchronous_commit', 'off', true)
-    FROM claimed c
-    LEFT JOIN routes rt ON rt.id = c.route_id
-    LEFT JOIN sources s ON s.id = rt.source_id
-    LEFT JOIN {receipts} r ON r.id = c.receipt_id AND r.expires_at = :expires_at
+{claimed_event}    LEFT JOIN {receipts} r ON r.id = c.receipt_id AND r.expires_at = :expires_at
     """
 
 
@@ -210,7 +222,10 @@ def _claim_sql(*, worker: bool, leaf: str | None = None) -> str:
             expires_match="AND expires_at = :expires_at" if worker else "",
             attempt_expiry=":expires_at" if worker else "(SELECT expires_at FROM claimed)",
             generation_match="AND generation = :generation" if worker else "",
-            select=(_SELECT_CLAIM_AND_EVENT if worker else _SELECT_CLAIM).format(**tables),
+            select=(_SELECT_CLAIM_AND_EVENT if worker else _SELECT_CLAIM).format(
+                claimed_event=_CLAIMED_EVENT, **tables
+            ),
+            claim_set=_CLAIM_SET,
             **tables,
         )
     )
@@ -319,27 +334,7 @@ _CLAIM_MANY_SQL = """
         ORDER BY id
     ), claimed AS (
         UPDATE {deliveries} SET
-            redeliveries = redeliveries + CASE WHEN status = 'processing' THEN 1 ELSE 0 END,
-            status = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries THEN 'dead'
-                ELSE 'processing' END,
-            dead_reason = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN 'crashed' ELSE dead_reason END,
-            dead_at = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN :now ELSE dead_at END,
-            attempts = attempts + CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN 0 ELSE 1 END,
-            lease_until = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN NULL ELSE :now + :lease END,
-            next_attempt_at = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN NULL ELSE :now + :lease END,
-            first_attempt_at = coalesce(first_attempt_at, :now),
-            updated_at = :now
+{claim_set}
         FROM want
         WHERE deliveries.id = want.id AND deliveries.expires_at = want.expires_at
           AND deliveries.generation = want.generation
@@ -360,19 +355,7 @@ _CLAIM_MANY_SQL = """
         SELECT expires_at, id, attempts, generation, :worker, :now
         FROM claimed WHERE status = 'processing'
     )
-    SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
-           c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
-           c.status, c.attempt_base, c.at,
-           rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
-           rt.max_age_s, rt.active, s.public_id, s.name, s.provider, s.retry_window_s,
-           s.queue_lag_s, s.clock_skew_s, s.replay_grace_s,
-           r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
-           r.content_type, r.payload,
-           set_config('synchronous_commit', 'off', true)
-    FROM claimed c
-    LEFT JOIN routes rt ON rt.id = c.route_id
-    LEFT JOIN sources s ON s.id = rt.source_id
-    LEFT JOIN {receipts} r ON r.id = c.receipt_id AND r.expires_at = c.expires_at
+{claimed_event}    LEFT JOIN {receipts} r ON r.id = c.receipt_id AND r.expires_at = c.expires_at
     ORDER BY c.id
     """
 
@@ -416,7 +399,11 @@ def claim_many_with_event(
 
 @functools.cache
 def _claim_many_sql(leaf: str | None) -> str:
-    return _placeholders(_CLAIM_MANY_SQL.format(**_tables(_leaf(leaf))))
+    return _placeholders(
+        _CLAIM_MANY_SQL.format(
+            claim_set=_CLAIM_SET, claimed_event=_CLAIMED_EVENT, **_tables(_leaf(leaf))
+        )
+    )
 
 
 # Several successes in one statement (a message's handlers that wrote nothing through their
