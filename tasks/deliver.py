@@ -692,13 +692,12 @@ def celery_batch_state(reports: list[Report]) -> str:
     """A message of several deliveries: its Celery state is its worst delivery's (FAILURE if
     one went dead, RETRY if one will be retried, SUCCESS otherwise), and its text, what
     Flower shows, names every delivery it carried with its own outcome."""
-    lines = []
-    for report in reports:
-        try:
-            lines.append(f"{report.delivery_id}: {celery_state(report)}")
-        except (Retry, DeadLetter) as exc:
-            lines.append(f"{report.delivery_id}: {report.outcome}: {report.detail}"[:300])
-            del exc
+    lines = [
+        f"{r.delivery_id}: {r.outcome}: {r.detail}"[:300]
+        if r.outcome in ("retry", "dead")
+        else f"{r.delivery_id}: {celery_state(r)}"
+        for r in reports
+    ]
     counts: dict[str, int] = {}
     for report in reports:
         counts[report.outcome] = counts.get(report.outcome, 0) + 1
