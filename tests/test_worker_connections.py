@@ -206,3 +206,33 @@ def test_batch_leaf_statements_name_only_that_days_partitions() -> None:
     assert "_p2026" not in _claim_many_sql(None) + _succeed_many_sql(None)
     with pytest.raises(ValueError, match="not a partition suffix"):
         _claim_many_sql("x; DROP TABLE")
+
+
+def test_postgres_unreachable_fails_a_batch_and_leaves_nothing_behind(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    base = worker_settings()
+    source = make_source(sessions, base)
+    ids = [accept_event(base, source)[1].delivery_ids[0] for _ in range(3)]
+    proxy = CuttableProxy(5432)
+    settings = worker_settings(
+        database_url=f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{base.database_name()}",
+        db_connect_timeout=1.0,
+    )
+    made = build_runtime(settings, worker="cut-off-batch")
+    try:
+        warm = [accept_event(base, source)[1].delivery_ids[0] for _ in range(2)]
+        assert _batch(made, warm) == ["succeeded"] * 2  # pooled connections
+        proxy.cut()
+        with pytest.raises((psycopg.OperationalError, sqlalchemy.exc.OperationalError)):
+            _batch(made, ids)
+        # Nothing changed: all still pending, no attempt, no fast-claim key to block a retry.
+        for delivery_id in ids:
+            assert delivery(engine, delivery_id).status == "pending"
+            assert attempts(engine, delivery_id) == []
+            assert made.redis.keys(f"claim:{delivery_id}:*") == []
+        proxy.restore()
+        assert _batch(made, ids) == ["succeeded"] * 3
+    finally:
+        made.close()
+        proxy.close()
