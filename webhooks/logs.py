@@ -78,7 +78,9 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
             *tail,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (print() writes the line and its newline apart, and another
+        # thread, Celery's logging, could land between them: tests/test_log_lines.py).
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
 
