@@ -8,7 +8,9 @@
 2. body size limit (per-source override) -> 413, never reading past the limit; a sender
    that goes away mid-body (or is closed by the body timeout, :mod:`ingest.server`) is one
    counted warning line, and nothing is written
-3. signature and freshness against the source's active secrets -> 401
+3. signature and freshness against the source's active secrets -> 401; a body that would be
+   costly to parse before its signature is known (Twilio: too many form parameters) -> 400,
+   refused before any signature work
 4. event id, type and time from the provider's own fields -> 400
 5. one transaction: receipt + deliveries (duplicate -> 200, conflict -> 200, recorded)
 6. after the commit, one Celery message per delivery, published by a background thread in
@@ -49,6 +51,7 @@ from ingest.providers import (
     Challenge,
     EventMeta,
     MalformedEvent,
+    UnsafeBody,
     authenticate,
     extract,
     get_provider,
@@ -197,6 +200,10 @@ class Receiver:
         except AuthError as exc:
             return self._answer(
                 label, f"unauthenticated:{exc.reason}", 401, {"error": "unauthenticated"}
+            )
+        except UnsafeBody as exc:  # refused before any signature work
+            return self._answer(
+                label, f"refused:{exc.reason}", 400, {"error": f"body refused: {exc.reason}"}
             )
 
         try:

@@ -483,3 +483,37 @@ def test_a_handler_reads_a_twilio_form_with_its_content_type(
     assert form["MessageSid"] == ["SMform1"]
     assert form["Body"] == ["Hello & welcome = 100%"]
     assert "read event.form" in json_error
+
+
+def test_twilio_forms_of_too_many_parameters_are_refused_before_any_signature_work(
+    rcv: Receiver,
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    """Issue 18: a form of more than MAX_PARAMS parameters is 400 and writes nothing, even
+    correctly signed (the count is checked before the body is parsed); one at the cap, signed,
+    is accepted and stored whole."""
+    from ingest.providers.twilio import MAX_PARAMS  # noqa: PLC0415
+
+    spec = BY_NAME["twilio"]
+    source, key, config = new_source(sessions, settings, spec)
+    url = config["public_url"]
+
+    def form(count: int) -> list[tuple[str, str]]:
+        base = [("MessageSid", f"SM{pysecrets.token_hex(16)}"), ("MessageStatus", "delivered")]
+        return base + [(f"P{i}", str(i)) for i in range(count - len(base))]
+
+    over, body_over = signing.sign_twilio(key, url=url, params=form(MAX_PARAMS + 1))
+    response = post(client, rcv, source, over, body_over)
+    assert response.status_code == 400, response.text
+    assert response.json() == {"error": "body refused: too_many_parameters"}
+    assert receipts(engine, source) == []
+
+    at_cap, body_cap = signing.sign_twilio(key, url=url, params=form(MAX_PARAMS))
+    response = post(client, rcv, source, at_cap, body_cap)
+    assert response.status_code == 202, response.text
+    stored = receipts(engine, source)
+    assert len(stored) == 1
+    assert stored[0][3] == body_cap

@@ -716,6 +716,105 @@ def test_valid_event_still_accepted_after_fuzzing(
     assert after == {"receipts": before["receipts"] + 1, "conflicts": before["conflicts"]}
 
 
+# ------------------------------------------------------------------------------------------
+# Budgeted case: a 1 MiB adversarial body costs the receiver a bounded, small CPU time
+# ------------------------------------------------------------------------------------------
+
+# CPU the receiver process may spend answering one adversarial 1 MiB request (issue 18: a
+# Twilio form of 20,000 parameters used to cost 14 s; reading, hashing and refusing 1 MiB
+# costs a few milliseconds).
+CPU_BUDGET_MS = 50
+ONE_MIB = 1024 * 1024
+
+
+def _fill(first: bytes, item: bytes, last: bytes, sep: bytes = b",") -> bytes:
+    count = (ONE_MIB - len(first) - len(last)) // (len(item) + len(sep))
+    return first + sep.join([item] * count) + last
+
+
+def _numbered(first: bytes, pattern: bytes, last: bytes, sep: bytes) -> bytes:
+    parts: list[bytes] = []
+    size = len(first) + len(last)
+    for i in range(ONE_MIB):
+        part = pattern % i
+        if size + len(part) + len(sep) > ONE_MIB:
+            break
+        parts.append(part)
+        size += len(part) + len(sep)
+    return first + sep.join(parts) + last
+
+
+def adversarial_bodies() -> dict[str, bytes]:
+    """1 MiB bodies that are cheap to send and were, or could be, costly to parse: forms of
+    many distinct or repeated parameters, JSON arrays of many events, deep nesting, wide
+    objects."""
+    depth = ONE_MIB // 2
+    return {
+        "form_distinct": _numbered(b"", b"%d=", b"", b"&"),
+        "form_repeated": _numbered(b"", b"a=%d", b"", b"&"),
+        "json_array": _fill(b"[", b"{}", b"]"),
+        "json_events": _numbered(b"[", b'{"id":"e%d","type":"t","eventId":1}', b"]", b","),
+        "json_nested": b"[" * depth + b"]" * depth,
+        "json_wide": _numbered(b"{", b'"k%d":0', b"}", b","),
+    }
+
+
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds on CPU of every thread of a process and of its children (schedstat)."""
+    pids = [pid]
+    children = f"/proc/{pid}/task/{pid}/children"
+    if os.path.exists(children):
+        with open(children) as fh:
+            pids += [int(p) for p in fh.read().split()]
+    total = 0
+    for p in pids:
+        for task in os.listdir(f"/proc/{p}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError),
+                open(f"/proc/{p}/task/{task}/schedstat") as fh,
+            ):
+                total += int(fh.read().split()[0])
+    return total
+
+
+@pytest.mark.parametrize("provider", PROVIDER_NAMES)
+def test_adversarial_body_cpu_budget(
+    provider: str,
+    rcv: Receiver,
+    client: httpx.Client,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    """Each adversarial 1 MiB body, sent with headers that pass every check but the MAC (the
+    signer's own, for another body), plus a request with many headers, is refused (4xx,
+    nothing written; a provider whose token does not cover the body: never a 5xx) within
+    CPU_BUDGET_MS of the receiver's CPU time. The least of three
+    tries is taken: the receiver's idle threads (timers, the admin plane) add noise, never
+    savings."""
+    target = target_for(provider, sessions, settings)
+    headers, _ = sign_for(provider, target.source.secret, event_id=f"evt_{uuid.uuid4().hex}")
+    many = {**headers, **{f"x-pad-{i}": "p" * 200 for i in range(80)}}
+    cases = [(name, headers, body) for name, body in adversarial_bodies().items()]
+    cases.append(("many_headers", many, adversarial_bodies()["json_events"]))
+    fuzzer = Fuzzer(rcv, client, engine, target)
+    spent: dict[str, float] = {}
+    for name, wire_headers, body in cases:
+        assert len(body) <= ONE_MIB
+        wire = [(k.encode(), v.encode()) for k, v in wire_headers.items()]
+        tries = []
+        for _ in range(3):
+            before = cpu_ns(rcv.proc.pid)
+            if target.body_covered:
+                fuzzer.refused(wire, body, f"adversarial body {name} without its signature")
+            else:  # a token, not a MAC (GitLab's): authenticated, then parsed or refused
+                fuzzer.post(wire, body)
+            tries.append((cpu_ns(rcv.proc.pid) - before) / 1e6)
+        spent[name] = min(tries)
+    over = {name: round(ms, 1) for name, ms in spent.items() if ms >= CPU_BUDGET_MS}
+    assert not over, f"{provider}: over {CPU_BUDGET_MS} ms of CPU: {over} (all: {spent})"
+
+
 def test_receiver_memory_bounded_and_no_error_logged(
     rcv: Receiver, baseline: dict[str, int]
 ) -> None:

@@ -4,8 +4,9 @@ How to add a provider (here, or in a package of your own):
 
 1. Write a module with ``authenticate(headers, body, secrets, config) -> (secret_id, ts)`` and
    ``extract(headers, body, config) -> EventMeta | Challenge``; raise ``AuthError(reason)``
-   (answered 401, nothing stored) or ``MalformedEvent(reason)`` (400). Use the helpers in
-   :mod:`ingest.providers.base` (``first_match`` compares in constant time).
+   (answered 401, nothing stored) or ``MalformedEvent(reason)`` (400); a body too costly to
+   parse safely is refused before any signature work with ``UnsafeBody(reason)`` (400). Use
+   the helpers in :mod:`ingest.providers.base` (``first_match`` compares in constant time).
 2. Define ``PROVIDER = Provider(name=..., authenticate=..., extract=..., retry_window=...,
    citation=<URL of the documented retry window>, signed=<what the signature covers and what a
    capture replays>, tolerance=<None if no timestamp is signed>, ...)``. Beyond a signature:
@@ -33,6 +34,7 @@ from ingest.providers import registry
 from ingest.providers.base import (
     AUTH_REASONS,
     MALFORMED_REASONS,
+    REFUSED_REASONS,
     AuthError,
     Batch,
     Challenge,
@@ -40,6 +42,7 @@ from ingest.providers.base import (
     MalformedEvent,
     Provider,
     ProviderError,
+    UnsafeBody,
     check_fresh,
 )
 from ingest.providers.registry import ProviderPluginError, UnknownProvider
@@ -51,6 +54,7 @@ __all__ = [
     "AUTH_REASONS",
     "BUILTIN_PROVIDERS",
     "MALFORMED_REASONS",
+    "REFUSED_REASONS",
     "AuthError",
     "Batch",
     "Challenge",
@@ -60,6 +64,7 @@ __all__ = [
     "ProviderError",
     "ProviderPluginError",
     "UnknownProvider",
+    "UnsafeBody",
     "authenticate",
     "default_tolerance",
     "extract",

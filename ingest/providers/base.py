@@ -38,6 +38,7 @@ AUTH_REASONS: Final = frozenset(
 MALFORMED_REASONS: Final = frozenset(
     {"bad_json", "missing_id", "bad_id", "missing_type", "bad_type", "bad_time", "bad_challenge"}
 )
+REFUSED_REASONS: Final = frozenset({"too_many_parameters"})
 
 FIVE_MINUTES: Final = timedelta(seconds=300)
 MAX_TYPE_LEN: Final = 255
@@ -79,6 +80,14 @@ class MalformedEvent(ProviderError):  # noqa: N818 - the name is the agreed API
     """
 
     _prefix = "malformed webhook event"
+
+
+class UnsafeBody(ProviderError):
+    """A body refused before any signature work because parsing it could cost more than any
+    real delivery needs (answer 400, store nothing): an unauthenticated request must not be
+    able to buy CPU time. Reasons: see :data:`REFUSED_REASONS`."""
+
+    _prefix = "webhook body refused"
 
 
 @dataclass(frozen=True, slots=True)
