@@ -58,7 +58,6 @@ from tasks.deliver import (
     PublishRetry,
     Report,
     _attempt,
-    _autocommit,
     _Claimed,
     _crash_looped,
     _Done,
@@ -67,9 +66,13 @@ from tasks.deliver import (
     _lost,
     _on_leaf,
     _quiet,
+    _recorded,
     _StaleConnection,
     _succeeded,
+    _unrecorded,
 )
+from tasks.durable import Unrecorded, discard_pooled, on_connection, record
+from tasks.durable import autocommit as _autocommit
 from tasks.pools import is_green
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
@@ -110,6 +113,7 @@ def run_batch(
                 assert raw is not None
                 claimed = _claim_all(rt, conn, raw, ids, fresh, reports)
         except _StaleConnection:
+            discard_pooled(rt.engine)
             log.warning("delivery.stale_connection", delivery_ids=ids)
             continue
         break
@@ -229,7 +233,8 @@ def _claim_group(
 
 
 def _finish_all(rt: Runtime, done: list[_Done], publish_retry: PublishRetry) -> list[Report]:
-    """Step 4: the successes still to record, one statement per partition."""
+    """Step 4: the successes still to record, one statement per partition, each retried
+    through database faults (:mod:`tasks.durable`): these handlers' effects already happened."""
     if not done:
         return []
     by_leaf: dict[str | None, list[_Done]] = defaultdict(list)
@@ -237,30 +242,39 @@ def _finish_all(rt: Runtime, done: list[_Done], publish_retry: PublishRetry) -> 
         by_leaf[d.claimed.leaf].append(d)
     reports: list[Report] = []
     confirmed: list[tuple[FastClaim, timedelta]] = []
-    with rt.engine.connect() as conn:
-        raw = conn.connection.driver_connection
-        assert raw is not None
-        for leaf, group in by_leaf.items():
-            try:
-                won = _succeed_group(raw, leaf, group)
-            except Exception as exc:  # noqa: BLE001 (each one's attempt failed, as alone)
-                reports += [_fail_done(rt, d, exc, publish_retry) for d in group]
-                continue
-            for d in group:
-                if d.claimed.found.id in won:
-                    reports.append(_succeeded(rt, d, confirm=False))
-                    if d.loaded.dedup_ttl is not None:
-                        confirmed.append((d.claimed.fast, d.loaded.dedup_ttl))
-                else:
-                    reports.append(_lost(rt, d.claimed.found, d.claimed.fast, d.claimed.row))
+    for leaf, group in by_leaf.items():
+        pairs = [(d.claimed.found, d.at) for d in group]
+        ids = [found.id for found, _ in pairs]
+
+        def succeed(leaf: str | None = leaf, pairs: list[Any] = pairs) -> set[int]:
+            return on_connection(
+                rt.engine,
+                lambda raw: _on_leaf(
+                    leaf, lambda on: transitions.succeed_many(raw, pairs, leaf=on)
+                ),
+            )
+
+        try:
+            won = record(
+                rt.engine, "succeed", ids, succeed, within=rt.settings.record_retry_seconds
+            )
+        except Unrecorded:
+            reports += [_unrecorded(d.claimed) for d in group]
+            continue
+        except Exception as exc:  # noqa: BLE001 (each one's attempt failed, as alone)
+            reports += [_fail_done(rt, d, exc, publish_retry) for d in group]
+            continue
+        if len(won) < len(group):  # a lease lost, or a commit retried after its answer was lost
+            won |= _recorded(rt, [d.claimed.found for d in group if d.claimed.found.id not in won])
+        for d in group:
+            if d.claimed.found.id in won:
+                reports.append(_succeeded(rt, d, confirm=False))
+                if d.loaded.dedup_ttl is not None:
+                    confirmed.append((d.claimed.fast, d.loaded.dedup_ttl))
+            else:
+                reports.append(_lost(rt, d.claimed.found, d.claimed.fast, d.claimed.row))
     rt.claims.confirm_many(confirmed)
     return reports
-
-
-def _succeed_group(raw: psycopg.Connection[Any], leaf: str | None, group: list[_Done]) -> set[int]:
-    pairs = [(d.claimed.found, d.at) for d in group]
-    with _autocommit(raw):
-        return _on_leaf(leaf, lambda on: transitions.succeed_many(raw, pairs, leaf=on))
 
 
 # Runs a batch's handlers; sized so that no handler ever waits for a thread (every slot's

@@ -82,8 +82,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -102,6 +101,8 @@ from tasks import get_runtime
 from tasks.claims import FastClaim
 from tasks.config import DELIVER_TASK, Dispatch
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo, idempotency_key
+from tasks.durable import Unrecorded, discard_pooled, on_connection, record
+from tasks.durable import autocommit as _autocommit
 from tasks.errors import HandlerError, PermanentError, RetryableError
 from tasks.policy import DEAD_CRASHED, RetryPolicy, decide
 from tasks.pools import is_hard_timeout, time_limits
@@ -136,22 +137,11 @@ class _StaleConnection(Exception):
     """The pooled connection died while idle (a Postgres restart): take a fresh one."""
 
 
-@contextmanager
-def _autocommit(raw: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
-    """Statements on ``raw`` each commit on their own: one round trip each, no BEGIN/COMMIT.
-    Only between transactions: the session never sees the connection in this mode."""
-    raw.autocommit = True
-    try:
-        yield raw
-    finally:
-        if not raw.closed:
-            raw.autocommit = False
-
-
 @dataclass(frozen=True)
 class Report:
     """What one run of the task did, for the task's Celery state (what Flower shows) and
-    the tests: the outcome (succeeded, retry, dead, duplicate, skipped, missing, lost), and
+    the tests: the outcome (succeeded, retry, dead, duplicate, skipped, missing, lost,
+    unrecorded: the database stayed away longer than WEBHOOKS_RECORD_RETRY_SECONDS), and
     for a claimed delivery its attempt, event, source and the reason of a retry or death
     (payload-free, as stored)."""
 
@@ -278,6 +268,7 @@ def run_delivery(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) 
                 assert raw is not None
                 claimed = _claim(rt, conn, raw, delivery_id, fresh)
         except _StaleConnection:
+            discard_pooled(rt.engine)  # a restart killed them all: replace every one
             log.warning("delivery.stale_connection", delivery_id=delivery_id)
             continue
         if isinstance(claimed, Report):
@@ -416,21 +407,70 @@ def _run(rt: Runtime, session: Session, claimed: _Claimed, publish_retry: Publis
     if isinstance(outcome, Report):
         return outcome
     found = claimed.found
+
+    def succeed() -> None:
+        on_connection(
+            rt.engine,
+            lambda raw: _on_leaf(
+                claimed.leaf, lambda on: transitions.succeed(raw, found, now=outcome.at, leaf=on)
+            ),
+        )
+
     try:
-        # Nothing of the handler's to commit: the success alone, one round trip.
-        with rt.engine.connect() as conn:
-            raw = conn.connection.driver_connection
-            assert raw is not None
-            with _autocommit(raw):
-                _on_leaf(
-                    claimed.leaf,
-                    lambda on: transitions.succeed(raw, found, now=outcome.at, leaf=on),
-                )
+        # Nothing of the handler's to commit: the success alone, one round trip; retried
+        # through database faults, since the handler's effect already happened.
+        record(rt.engine, "succeed", [found.id], succeed, within=rt.settings.record_retry_seconds)
     except IllegalTransition:
-        return _lost(rt, found, claimed.fast, claimed.row)
+        if found.id not in _recorded(rt, [found]):
+            return _lost(rt, found, claimed.fast, claimed.row)
+    except Unrecorded:
+        return _unrecorded(outcome.claimed)
     except Exception as exc:  # noqa: BLE001 (as a handler error: the attempt failed)
         return _fail_done(rt, outcome, exc, publish_retry)
     return _succeeded(rt, outcome)
+
+
+# Which of these attempts' successes are committed: asked only when a success statement
+# matched no row, which is either a lease lost to another attempt or a commit whose answer
+# was lost to a connection error and that was tried again.
+_RECORDED = """
+    SELECT id FROM deliveries
+    WHERE id = ANY(%(ids)s::bigint[]) AND status = 'succeeded'
+      AND (id, attempts, generation) IN (
+          SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(generations)s::int[]))
+"""
+
+
+def _recorded(rt: Runtime, found: Sequence[Claim]) -> set[int]:
+    params = {
+        "ids": [f.id for f in found],
+        "attempts": [f.attempt for f in found],
+        "generations": [f.generation for f in found],
+    }
+    rows = record(
+        rt.engine,
+        "check",
+        params["ids"],
+        lambda: on_connection(rt.engine, lambda raw: raw.execute(_RECORDED, params).fetchall()),
+        within=rt.settings.record_retry_seconds,
+    )
+    return {int(r[0]) for r in rows}
+
+
+def _unrecorded(claimed: _Claimed) -> Report:
+    """The outcome could not be recorded within WEBHOOKS_RECORD_RETRY_SECONDS: the delivery
+    keeps its lease (and its fast claim, which expires with it) and is taken over once the
+    lease runs out, as after a crash."""
+    found, row = claimed.found, claimed.row
+    DELIVERIES.labels(outcome="unrecorded").inc()
+    return Report(
+        "unrecorded",
+        found.id,
+        found.attempt,
+        row.event_id,
+        row.public_id,
+        "the database stayed unreachable: the lease hands the delivery on when it ends",
+    )
 
 
 def _fail_done(rt: Runtime, done: _Done, exc: Exception, publish_retry: PublishRetry) -> Report:
@@ -580,29 +620,42 @@ def _fail(
         rng=rt.rng,
     )
     error_class, error = type(exc).__name__, describe_error(exc)
+
+    def transition(on: Session) -> None:
+        if decision.retry:
+            assert decision.next_attempt_at is not None
+            transitions.retry_later(
+                on,
+                found,
+                now=now,
+                next_attempt_at=decision.next_attempt_at,
+                error_class=error_class,
+                error=error,
+            )
+        else:
+            transitions.kill(
+                on, found, now=now, reason=decision.reason, error_class=error_class, error=error
+            )
+
+    handler_session = [session]
+
+    def write() -> None:
+        # The handler's session first; after a connection error, a fresh one each time.
+        if handler_session:
+            first = handler_session.pop()
+            with first.begin():
+                transition(first)
+            return
+        with rt.sessions() as fresh, fresh.begin():
+            transition(fresh)
+
+    action = "retry" if decision.retry else "dead"
     try:
-        with session.begin():
-            if decision.retry:
-                assert decision.next_attempt_at is not None
-                transitions.retry_later(
-                    session,
-                    found,
-                    now=now,
-                    next_attempt_at=decision.next_attempt_at,
-                    error_class=error_class,
-                    error=error,
-                )
-            else:
-                transitions.kill(
-                    session,
-                    found,
-                    now=now,
-                    reason=decision.reason,
-                    error_class=error_class,
-                    error=error,
-                )
+        record(rt.engine, action, [found.id], write, within=rt.settings.record_retry_seconds)
     except IllegalTransition:
         return _lost(rt, found, fast, row)
+    except Unrecorded:
+        return _unrecorded(_Claimed(found, row, fast, None, 0.0))
     # The state is committed: now the next copy may come.
     rt.claims.release(fast)
     fields = {
@@ -681,6 +734,8 @@ def celery_state(report: Report) -> str:
         return "succeeded"
     if report.outcome == "lost":
         return f"lost: {report.detail}"
+    if report.outcome == "unrecorded":
+        return f"unrecorded: {report.detail}"
     return {
         "duplicate": "duplicate: another copy holds or completed this delivery",
         "skipped": "skipped: done, dead, not due yet or owned by a live lease",

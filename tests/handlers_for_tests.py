@@ -137,6 +137,19 @@ def touch(event: Event, ctx: HandlerContext) -> None:
         time.sleep(float(ctx.route.options.get("sleep", 0)))
 
 
+@register("gate")
+def gate(event: Event, ctx: HandlerContext) -> None:
+    """An effect outside our database, then a wait: logs the call as ``touch`` does (the
+    effect has happened), then waits until the file ``<marker_dir>/open`` exists. The window
+    between a downstream call and the commit of its success, held open for the tests to break
+    the database in."""
+    directory = Path(ctx.route.options["marker_dir"])
+    (directory / f"{ctx.delivery_id}.{ctx.attempt}.{os.getpid()}").write_text(ctx.idempotency_key)
+    deadline = time.monotonic() + 60
+    while not (directory / "open").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 @register("hang_once")
 def hang_once(event: Event, ctx: HandlerContext) -> None:
     """Like ``hang`` on its first attempt (never returns, swallows the soft limit); later

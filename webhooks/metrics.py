@@ -83,6 +83,11 @@ RECEIPT_TO_SUCCESS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600, 86400),
 )
 SWEPT = Counter("webhooks_swept_total", "Deliveries re-published by the sweeper")
+RECORD_RETRIES = Counter(
+    "webhooks_record_retries_total",
+    "Outcome records (succeed, retry, dead) tried again after a database connection error",
+    ["action"],
+)
 RETRY_AFTER_IGNORED = Counter(
     "webhooks_retry_after_ignored_total",
     "Retry-After headers from downstreams that were neither seconds nor an HTTP date",

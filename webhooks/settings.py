@@ -111,6 +111,11 @@ class Settings(BaseSettings):
     hard_time_limit: float = Field(default=60.0, gt=0)
     visibility_timeout: float = Field(default=3600.0, gt=0)
     max_redeliveries: int = Field(default=3, ge=1)
+    # How long a worker keeps trying to record an outcome that already happened (a handler's
+    # success, or a failure's retry or dead state) through database faults before it leaves
+    # the delivery to its lease (tasks/durable.py): longer than a Postgres restart, well
+    # under the lease (4 x the hard time limit).
+    record_retry_seconds: float = Field(default=30.0, ge=0, le=3600)
     # Worker pool (README "Workers"; time limits per pool: tasks/pools.py): threads or gevent
     # keep many I/O-bound handlers in flight in one process (threads measured faster,
     # bench/results_forward.txt); prefork runs CPU-bound handlers in parallel. Concurrency
