@@ -71,7 +71,7 @@ from tasks.deliver import (
     _succeeded,
     _unrecorded,
 )
-from tasks.durable import Unrecorded, discard_pooled, on_connection, record
+from tasks.durable import CONNECTION_ERRORS, Unrecorded, discard_pooled, on_connection, record
 from tasks.durable import autocommit as _autocommit
 from tasks.pools import is_green
 from tasks.runtime import Runtime
@@ -183,7 +183,21 @@ def _claim_all(
         by_leaf[_leaf_for(rt, expires_at)].append((wanted, claim))
     out: list[_Claimed] = []
     for leaf, group in by_leaf.items():
-        out += _claim_group(rt, raw, leaf, group, reports)
+        try:
+            out += _claim_group(rt, raw, leaf, group, reports)
+        except CONNECTION_ERRORS as exc:
+            if not out:
+                raise  # nothing claimed yet: the message fails whole, nothing left behind
+            # Earlier partitions' claims are committed: their handlers run and their outcomes
+            # are recorded. This group claimed nothing (its fast claims were released); its
+            # rows are as they were, for the sweeper or another copy.
+            log.warning(
+                "delivery.claim_failed",
+                delivery_ids=[wanted.id for wanted, _ in group],
+                error_class=type(exc).__name__,
+            )
+            for wanted, _ in group:
+                reports[wanted.id] = _quiet(wanted.id, "unclaimed")
     return out
 
 

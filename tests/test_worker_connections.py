@@ -5,6 +5,8 @@ leaf partitions, and on the parents when that leaf does not exist."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -236,3 +238,38 @@ def test_postgres_unreachable_fails_a_batch_and_leaves_nothing_behind(
     finally:
         made.close()
         proxy.close()
+
+
+def test_a_later_partitions_claim_failing_leaves_no_earlier_claim_forgotten(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    """Issue 19: a batch spanning two days' partitions claims them group by group. When the
+    second group's claim fails (a real Postgres error: its row is locked by another
+    transaction past the worker's lock_timeout), the first group's committed claims still
+    run and succeed, and the second group is left as it was: pending, no attempt, no fast
+    claim held."""
+    from sqlalchemy import event  # noqa: PLC0415
+
+    settings = worker_settings()
+    source = make_source(sessions, settings)
+    first = accept_event(settings, source, ttl=timedelta(days=4))[1].delivery_ids[0]
+    second = accept_event(settings, source, ttl=timedelta(days=6))[1].delivery_ids[0]
+    made = build_runtime(settings, worker="partial-claim")
+
+    @event.listens_for(made.engine, "connect")
+    def _short_lock_wait(dbapi_conn: Any, record: Any) -> None:
+        dbapi_conn.execute("SET lock_timeout = '300ms'")
+        dbapi_conn.commit()
+
+    try:
+        with psycopg.connect(settings.psycopg_dsn) as locker:
+            locker.execute("SELECT 1 FROM deliveries WHERE id = %s FOR UPDATE", (second,))
+            outcomes = _batch(made, [first, second])
+        assert outcomes == ["succeeded", "unclaimed"]
+        assert delivery(engine, first).status == "succeeded"
+        assert delivery(engine, second).status == "pending"
+        assert attempts(engine, second) == []
+        assert made.redis.keys(f"claim:{second}:*") == []
+        assert _batch(made, [second]) == ["succeeded"]  # nothing holds it back afterwards
+    finally:
+        made.close()
