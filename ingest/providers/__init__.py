@@ -40,6 +40,7 @@ from ingest.providers.base import (
     MalformedEvent,
     Provider,
     ProviderError,
+    TooManyEvents,
     check_fresh,
 )
 from ingest.providers.registry import ProviderPluginError, UnknownProvider
@@ -59,6 +60,7 @@ __all__ = [
     "Provider",
     "ProviderError",
     "ProviderPluginError",
+    "TooManyEvents",
     "UnknownProvider",
     "authenticate",
     "default_tolerance",
@@ -126,6 +128,12 @@ def extract(
 
     Returns a :class:`Challenge` for a handshake, a :class:`Batch` for several events. Raises
     :class:`MalformedEvent` when the id (1..255 printable ASCII characters, no whitespace), the
-    type (1..255 printable characters) or a present time is missing or unusable.
+    type (1..255 printable characters) or a present time is missing or unusable, and
+    :class:`TooManyEvents` (one) for a batch over the provider's cap, checked here too, so a
+    plug-in that does not count is still bounded.
     """
-    return registry.get(provider).extract(headers, body, config)
+    found = registry.get(provider)
+    meta = found.extract(headers, body, config)
+    if isinstance(meta, Batch):
+        found.check_count(len(meta.events), config)
+    return meta
