@@ -10,8 +10,10 @@
    counted warning line, and nothing is written
 3. signature and freshness against the source's active secrets -> 401; a body that would be
    costly to parse before its signature is known (Twilio: too many form parameters) -> 400,
-   refused before any signature work
-4. event id, type and time from the provider's own fields -> 400
+   refused before any signature work; a batch with more events than its provider's cap ->
+   413 (Adyen counts its items before checking any HMAC)
+4. event id, type and time from the provider's own fields -> 400; more events than the
+   provider's cap -> 413
 5. one transaction: receipt + deliveries (duplicate -> 200, conflict -> 200, recorded)
 6. after the commit, one Celery message per delivery, published by a background thread in
    batches (failure counted; the sweeper publishes what was lost)
@@ -51,6 +53,7 @@ from ingest.providers import (
     Challenge,
     EventMeta,
     MalformedEvent,
+    TooManyEvents,
     UnsafeBody,
     authenticate,
     extract,
@@ -148,6 +151,16 @@ class Receiver:
             headers={"Retry-After": "5"},
         )
 
+    def _too_many(self, label: str, exc: TooManyEvents) -> Response:
+        # 413, as for a body over the size limit: the request is too large to accept whole,
+        # and accepting part of it would answer for events never recorded.
+        return self._answer(
+            label,
+            f"malformed:{exc.reason}",
+            413,
+            {"error": "too many events in one request", "limit": exc.limit},
+        )
+
     def _provider_missing(self, label: str) -> Response:
         # The source's provider is not installed here (a plug-in removed, or a receiver older
         # than the source): nothing can verify it, but the sender should keep its events and
@@ -201,6 +214,8 @@ class Receiver:
             return self._answer(
                 label, f"unauthenticated:{exc.reason}", 401, {"error": "unauthenticated"}
             )
+        except TooManyEvents as exc:
+            return self._too_many(label, exc)
         except UnsafeBody as exc:  # refused before any signature work
             return self._answer(
                 label, f"refused:{exc.reason}", 400, {"error": f"body refused: {exc.reason}"}
@@ -208,6 +223,8 @@ class Receiver:
 
         try:
             meta = extract(source.provider, headers, body, config=source.config)
+        except TooManyEvents as exc:
+            return self._too_many(label, exc)
         except MalformedEvent as exc:
             return self._answer(
                 label, f"malformed:{exc.reason}", 400, {"error": f"malformed event: {exc.reason}"}
@@ -267,15 +284,17 @@ class Receiver:
         now: Any,
     ) -> NewReceipt:
         """The receipt of one event: a batch item's own payload, else the body as received
-        (form-encoded, JSON, ...) with the request's content type."""
+        (form-encoded, JSON, ...) with the request's content type. An event time the
+        signature does not cover is stored but never anchors the expiry (the arrival does)."""
         payload = body if meta.payload is None else meta.payload
+        anchor = meta.occurred_at if meta.time_signed else None
         return NewReceipt(
             source_id=source.id,
             secret_id=secret_id,
             event_id=meta.event_id,
             event_type=meta.event_type,
             occurred_at=meta.occurred_at,
-            expires_at=expires_at(meta.occurred_at, now, source.ttl),
+            expires_at=expires_at(anchor, now, source.ttl),
             # Stamped by the accept statement on the database's clock (a test pins it).
             received_at=pinned(self.clock),
             digest=hashlib.sha256(payload).digest(),

@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.providers.adyen import split
 from tests import signing
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
@@ -122,8 +123,8 @@ def test_signed_delivery_is_accepted_and_stored(
 
 def _items(provider: str, body: bytes) -> list[Any]:
     obj = json.loads(body)
-    if provider == "adyen":
-        return [i["NotificationRequestItem"] for i in obj["notificationItems"]]
+    if provider == "adyen":  # stored split into its signed and unsigned fields
+        return [split(i["NotificationRequestItem"]) for i in obj["notificationItems"]]
     return list(obj)
 
 
@@ -315,7 +316,7 @@ def test_adyen_batch_is_one_receipt_per_item_each_deduplicated(
         ("psp1:AUTHORISATION:true", "AUTHORISATION", "application/json"),
         ("psp2:CAPTURE:true", "CAPTURE", "application/json"),
     ]
-    assert json.loads(stored[1][3])["pspReference"] == "psp2"
+    assert json.loads(stored[1][3])["signed"]["pspReference"] == "psp2"
     # A retry with one old and one new item: only the new one is added; the same answer.
     second = [signing.adyen_item("psp2", event_code="CAPTURE"), signing.adyen_item("psp3")]
     headers, body = signing.sign_adyen(key, second)

@@ -471,7 +471,9 @@ def test_batches_name_each_event_with_its_own_payload() -> None:
         ("psp1:AUTHORISATION:true", "AUTHORISATION"),
         ("psp2:REFUND:true", "REFUND"),
     ]
-    assert json.loads(found.events[1].payload or b"")["pspReference"] == "psp2"
+    stored = json.loads(found.events[1].payload or b"")
+    assert stored["signed"]["pspReference"] == "psp2"
+    assert stored["unsigned"]["eventDate"] == items[1]["eventDate"]
 
     private, public = signing.sendgrid_keypair()
     events = [signing.sendgrid_event("sg1", ts=TS), signing.sendgrid_event("sg2", "open", TS)]

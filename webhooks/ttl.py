@@ -189,13 +189,14 @@ def expires_at(occurred_at: datetime | None, received_at: datetime, ttl: timedel
 
     The anchor is the provider's event time when the format carries one (Stripe ``created``,
     Slack ``event_time``, a Standard Webhooks / Svix payload ``timestamp``, a generic source's
-    configured time field, all inside the signed body; Shopify's ``X-Shopify-Triggered-At``,
-    which retries repeat but which is not signed): every retry of the event carries the same
-    time, so every retry computes the same ``expires_at``, and the retry window, which
+    configured time field, all inside the signed body): every retry of the event carries the
+    same time, so every retry computes the same ``expires_at``, and the retry window, which
     providers count from the event, is measured from the same instant. Per-attempt times
-    (Stripe ``t``, ``webhook-timestamp``, Slack's request timestamp) are never the anchor.
+    (Stripe ``t``, ``webhook-timestamp``, Slack's request timestamp) are never the anchor, nor
+    is a time the signature does not cover (``EventMeta.time_signed``: the receiver passes
+    None, or a replay could back-date it so its receipt expires at once).
 
-    Otherwise (GitHub, Shopify without the header, a generic source without a time field)
+    Otherwise (GitHub, Shopify, Adyen, a generic source without a time field)
     the anchor is the first arrival: retries serialise on the receiver's
     per-(scope, event_id) lock, find that receipt live and keep it, so its ``expires_at`` is
     the one every retry sees. The first arrival is never earlier than the event, so this only

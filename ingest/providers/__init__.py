@@ -42,6 +42,7 @@ from ingest.providers.base import (
     MalformedEvent,
     Provider,
     ProviderError,
+    TooManyEvents,
     UnsafeBody,
     check_fresh,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "Provider",
     "ProviderError",
     "ProviderPluginError",
+    "TooManyEvents",
     "UnknownProvider",
     "UnsafeBody",
     "authenticate",
@@ -131,6 +133,12 @@ def extract(
 
     Returns a :class:`Challenge` for a handshake, a :class:`Batch` for several events. Raises
     :class:`MalformedEvent` when the id (1..255 printable ASCII characters, no whitespace), the
-    type (1..255 printable characters) or a present time is missing or unusable.
+    type (1..255 printable characters) or a present time is missing or unusable, and
+    :class:`TooManyEvents` (one) for a batch over the provider's cap, checked here too, so a
+    plug-in that does not count is still bounded.
     """
-    return registry.get(provider).extract(headers, body, config)
+    found = registry.get(provider)
+    meta = found.extract(headers, body, config)
+    if isinstance(meta, Batch):
+        found.check_count(len(meta.events), config)
+    return meta

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from types import MappingProxyType
 from typing import Any, Final, Literal, TypeVar
 
 import orjson
@@ -36,11 +37,29 @@ AUTH_REASONS: Final = frozenset(
     }
 )
 MALFORMED_REASONS: Final = frozenset(
-    {"bad_json", "missing_id", "bad_id", "missing_type", "bad_type", "bad_time", "bad_challenge"}
+    {
+        "bad_json",
+        "missing_id",
+        "bad_id",
+        "missing_type",
+        "bad_type",
+        "bad_time",
+        "bad_challenge",
+        "too_many_events",  # a batch over its provider's cap (answered 413, nothing written)
+    }
 )
 REFUSED_REASONS: Final = frozenset({"too_many_parameters"})
 
 FIVE_MINUTES: Final = timedelta(seconds=300)
+# Most events one request may carry when the sender documents no maximum (SendGrid, Adyen).
+# Every event of a request is accepted in one transaction holding one advisory lock per event
+# id, and Postgres's shared lock table holds about 6,400 entries by default
+# (max_locks_per_transaction 64 x max_connections 100): a bound well under it, and the largest
+# group commit a receiver runs (WEBHOOKS_ACCEPT_BATCH_MAX is at most 1000).
+DEFAULT_MAX_EVENTS: Final = 1000
+# The most a source's ``max_events`` option may allow. Above about 1,000, raise Postgres's
+# max_locks_per_transaction too (README "Batches").
+MAX_EVENTS_CEILING: Final = 5000
 MAX_TYPE_LEN: Final = 255
 # 1..255 printable ASCII characters without whitespace (0x21..0x7e): safe in URLs, logs and
 # as part of a unique key, and no provider documents anything wider.
@@ -90,6 +109,18 @@ class UnsafeBody(ProviderError):
     _prefix = "webhook body refused"
 
 
+class TooManyEvents(MalformedEvent):
+    """A batch carries more events than its provider's cap (answer 413, store nothing).
+
+    Raised after counting and before any per-event work (Adyen: before any item's HMAC), so
+    an oversized body costs one parse. ``limit`` is the cap, safe to show the sender.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__("too_many_events")
+        self.limit = limit
+
+
 @dataclass(frozen=True, slots=True)
 class EventMeta:
     """What the pipeline needs to know about an event before storing it."""
@@ -101,6 +132,23 @@ class EventMeta:
     # payload. None: the request's body and content type, as received.
     payload: bytes | None = None
     content_type: str | None = None
+    # False: ``occurred_at`` was read from a field the signature does not cover (Adyen's
+    # ``eventDate``, Shopify's ``X-Shopify-Triggered-At``). It is stored for information but
+    # never anchors the receipt's expiry: a replay could back-date it so that its receipt
+    # expires at once and the next replay is new work (the arrival is the anchor instead).
+    time_signed: bool = True
+
+
+#: The event fields a provider reports, and whether the signature covers where each comes
+#: from: ``signed``, ``unsigned``, or a short condition (GitLab: ``signed with the signing
+#: token``). A field a provider does not report (GitHub has no time) is absent.
+EVENT_FIELDS: Final = ("id", "type", "time")
+SIGNED_FIELD: Final = "signed"
+UNSIGNED_FIELD: Final = "unsigned"
+#: Id, type and time all from signed parts (most body-signing senders).
+ALL_SIGNED: Final[Mapping[str, str]] = MappingProxyType(
+    {"id": SIGNED_FIELD, "type": SIGNED_FIELD, "time": SIGNED_FIELD}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +205,43 @@ def no_options(config: Config) -> dict[str, Any]:
     return {}
 
 
+def events_cap(config: Config, default: int) -> int:
+    """The source's ``max_events`` option (validated by :func:`batch_options`), else
+    ``default``."""
+    value = config.get("max_events")
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def batch_options(default: int) -> ConfigFn:
+    """The config rule of a batched provider whose sender documents no maximum count per
+    request (SendGrid, Adyen): one option, ``max_events`` (1..MAX_EVENTS_CEILING; ``default``
+    when absent), for a sender whose real batches are larger than ``default``."""
+
+    def validate(config: Config) -> dict[str, Any]:
+        if not isinstance(config, Mapping):
+            raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
+        unknown = sorted(str(k) for k in config if k != "max_events")
+        if unknown:
+            raise ValueError(f"unknown option {unknown[0]!r}; the only option is 'max_events'")
+        if "max_events" not in config:
+            return {}
+        value = config["max_events"]
+        if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+            value = int(value.strip())  # --config max_events=2000 arrives as text
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 1 <= value <= MAX_EVENTS_CEILING
+        ):
+            raise ValueError(
+                f"option 'max_events' must be a whole number from 1 to {MAX_EVENTS_CEILING} "
+                f"(default {default})"
+            )
+        return {"max_events": value}
+
+    return validate
+
+
 @dataclass(frozen=True, slots=True)
 class Provider:
     """One sender's whole contract. A module defines one and the registry lists it.
@@ -185,13 +270,36 @@ class Provider:
     verify_get: VerifyGetFn | None = None  # a GET handshake on the webhook URL (Meta)
     check_secret: Callable[[str], None] | None = None  # ValueError: not a key of this format
     batched: bool = False  # one request may carry several events (extract returns a Batch)
+    # Batched: the most events one request may carry (the sender's documented maximum, or
+    # DEFAULT_MAX_EVENTS); more is refused with 413 and nothing is written.
+    max_events: int | None = None
     summary: str = ""  # one line for listings
     notes: tuple[str, ...] = field(default=())
+    # Where the event's id, type and time come from (see EVENT_FIELDS): what a captured
+    # request can change without breaking the signature. ``fields_rule`` replaces it when it
+    # depends on the source's options. Empty: not stated (a plug-in that does not say).
+    fields: Mapping[str, str] = field(default_factory=dict)
+    fields_rule: Callable[[Config], Mapping[str, str]] | None = None
 
     def default_tolerance(self, config: Config | None = None) -> timedelta | None:
         if self.tolerance_rule is not None:
             return self.tolerance_rule(config or {})
         return self.tolerance
+
+    def signed_fields(self, config: Config | None = None) -> Mapping[str, str]:
+        """For each event field this provider reports (id, type, time): ``signed``,
+        ``unsigned`` or the condition under which it is signed, under ``config``."""
+        if self.fields_rule is not None:
+            return self.fields_rule(config or {})
+        return self.fields
+
+    def check_count(self, count: int, config: Config | None = None) -> None:
+        """TooManyEvents when a batch of ``count`` events is over this provider's cap (the
+        source's ``max_events`` option where the provider takes one)."""
+        default = self.max_events if self.max_events is not None else DEFAULT_MAX_EVENTS
+        limit = events_cap(config or {}, default)
+        if count > limit:
+            raise TooManyEvents(limit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,11 +678,14 @@ def json_batch(
     id: FieldPath,
     type: FieldPath,
     time: FieldPath,
+    max_events: int,
     read_time: Callable[[object], datetime | None] = occurred_at,
 ) -> ExtractFn:
     """The :data:`ExtractFn` of a non-empty JSON array of event objects (HubSpot, SendGrid): a
     :class:`Batch`, each event with its own object re-serialised as its payload.
 
+    More than ``max_events`` items (or the source's ``max_events`` option, see
+    :func:`batch_options`) is :class:`TooManyEvents`, decided on the count alone.
     Items are checked in order, each fully before the next, so the first bad item decides the
     reason: bad_json (not a non-empty array, or an item that is not an object), then those
     of :func:`event_id`, :func:`event_type` and ``read_time``.
@@ -588,6 +699,9 @@ def json_batch(
             raise MalformedEvent("bad_json") from None
         if not isinstance(items, list) or not items:
             raise MalformedEvent("bad_json")
+        limit = events_cap(config, max_events)
+        if len(items) > limit:
+            raise TooManyEvents(limit)
         events = []
         for item in items:
             if not isinstance(item, dict):

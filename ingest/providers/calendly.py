@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     Challenge,
     EventMeta,
     MalformedEvent,
@@ -60,5 +61,6 @@ PROVIDER = Provider(
     signed="t + body (event and payload.uri, the id, inside): a capture replays only the same "
     "event, within the tolerance",
     tolerance=timedelta(minutes=3),
+    fields=ALL_SIGNED,
     summary="Calendly-Webhook-Signature t=,v1= (HMAC-SHA256 hex over t.body)",
 )

@@ -28,6 +28,7 @@ from typing import Any, Final
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     AuthError,
     Challenge,
     EventMeta,
@@ -116,5 +117,6 @@ PROVIDER = Provider(
     key_format="ed25519",
     check_secret=check_key,
     handshake='PING: {"type": 1} (interactions); 204 (webhook events)',
+    fields=ALL_SIGNED,
     summary="X-Signature-Ed25519 (Ed25519 hex over timestamp + body; key: the public key)",
 )

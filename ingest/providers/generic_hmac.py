@@ -30,6 +30,8 @@ from typing import Any, Final
 
 from ingest.providers.base import (
     FIVE_MINUTES,
+    SIGNED_FIELD,
+    UNSIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
@@ -288,6 +290,26 @@ def _scheme(config: Mapping[str, Any]) -> _Scheme:
     return scheme
 
 
+def fields(config: Mapping[str, Any]) -> Mapping[str, str]:
+    """Where id, type and time come from under these options (the body is always signed)."""
+    try:
+        opts = validate_config(config)
+    except ValueError:
+        return {}
+    covered = set(signed_headers(opts))
+
+    def source(header_option: str) -> str:
+        name = opts[header_option]
+        if name is None or name in covered:
+            return SIGNED_FIELD
+        return f"{UNSIGNED_FIELD} ({name}) unless absent"
+
+    out = {"id": source("id_header"), "type": source("type_header")}
+    if opts["time_field"] is not None:
+        out["time"] = SIGNED_FIELD
+    return out
+
+
 def tolerance(config: Mapping[str, Any]) -> timedelta | None:
     """Five minutes when a timestamp header is configured (and so signed); None otherwise."""
     return FIVE_MINUTES if _scheme(config).timestamp_header is not None else None
@@ -367,5 +389,6 @@ PROVIDER = Provider(
     "new id)",
     tolerance_rule=tolerance,
     validate_config=validate_config,
+    fields_rule=fields,
     summary="configurable HMAC of the body (header, algorithm, encoding, prefix)",
 )

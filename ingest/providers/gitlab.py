@@ -11,8 +11,13 @@ and the request is verified as the ``standard`` provider verifies it: id, timest
 are signed, and the timestamp must be within 5 minutes. Add the signing token as the source's
 secret (``webhooks secrets add``); a source can hold both during a switch.
 
-The dedup id is ``Idempotency-Key`` (a UUID GitLab keeps when it retries or resends a
-delivery), else ``webhook-id``, else ``X-Gitlab-Event-UUID``; the type is ``X-Gitlab-Event``.
+The dedup id comes from signed parts only, when anything is signed: a signing-token delivery's
+id is ``webhook-id`` (signed; GitLab sets it to the ``Idempotency-Key``), and the unsigned
+``Idempotency-Key`` header is ignored, so a captured delivery re-sent with new
+``Idempotency-Key`` values within the 5 minutes is a duplicate, not a new event. A secret-token
+delivery signs nothing: its id is ``Idempotency-Key`` (a UUID GitLab keeps when it retries or
+resends a delivery), else ``X-Gitlab-Event-UUID``. The type is ``X-Gitlab-Event``, unsigned in
+both modes.
 Retries: no fixed schedule is documented. A hook answering 5xx is disabled temporarily, with a
 back-off growing to at most 24 hours, and a delivery can be resent by hand from the hook's
 history (gitlab-org/gitlab#414893 tracks the unclear semantics). Three days is taken to cover
@@ -28,6 +33,7 @@ from typing import Any
 
 from ingest.providers.base import (
     FIVE_MINUTES,
+    UNSIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
@@ -42,10 +48,17 @@ from ingest.providers.standard import scheme
 _signed_auth, _ = scheme(("webhook",))
 
 
+def _signing_token(headers: Mapping[str, str]) -> bool:
+    """Whether the delivery is verified as a signing-token (Standard Webhooks) one: the one
+    test :func:`authenticate` and :func:`extract` share, so the id is read from what was
+    verified."""
+    return bool(headers.get("webhook-signature"))
+
+
 def authenticate(
     headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
 ) -> tuple[str, int | None]:
-    if headers.get("webhook-signature"):  # the signing token: Standard Webhooks
+    if _signing_token(headers):  # the signing token: Standard Webhooks
         signing = [(i, s) for i, s in secrets if s.startswith("whsec_")]
         return _signed_auth(headers, body, signing, config)
     offered = header(headers, "x-gitlab-token").encode("utf-8")
@@ -58,11 +71,10 @@ def authenticate(
 def extract(
     headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
 ) -> EventMeta | Challenge:
-    raw_id = (
-        headers.get("idempotency-key")
-        or headers.get("webhook-id")
-        or headers.get("x-gitlab-event-uuid")
-    )
+    if _signing_token(headers):
+        raw_id = headers.get("webhook-id")  # signed; Idempotency-Key is not
+    else:
+        raw_id = headers.get("idempotency-key") or headers.get("x-gitlab-event-uuid")
     return EventMeta(
         event_id=event_id(raw_id),
         event_type=event_type(headers.get("x-gitlab-event")),
@@ -81,5 +93,6 @@ PROVIDER = Provider(
     "signing token: id + timestamp + body, a capture replays only the same id within 5 min",
     # Applies to signing-token deliveries only: a secret-token delivery has no time.
     tolerance=FIVE_MINUTES,
+    fields={"id": "signed with the signing token", "type": UNSIGNED_FIELD},
     summary="X-Gitlab-Token shared token (constant-time compare), or the signing token",
 )

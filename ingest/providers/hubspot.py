@@ -22,6 +22,7 @@ from ingest.providers import urlsigned
 from ingest.providers.base import (
     FIVE_MINUTES,
     MAX_UNIX_DIGITS,
+    SIGNED_FIELD,
     AuthError,
     Provider,
     Secrets,
@@ -38,6 +39,9 @@ _DECODE: Final = {
     "%3A": ":", "%2F": "/", "%3F": "?", "%40": "@", "%21": "!", "%24": "$", "%27": "'",
     "%28": "(", "%29": ")", "%2A": "*", "%2C": ",", "%3B": ";",
 }  # fmt: skip
+# "Each request ... can contain up to 100 events" (batched by HubSpot):
+# https://developers.hubspot.com/docs/api/webhooks (#webhook-payloads; not re-verified here).
+MAX_EVENTS: Final = 100
 
 
 def signed_uri(url: str) -> str:
@@ -66,7 +70,11 @@ def authenticate(
 
 
 extract = json_batch(
-    id="eventId", type="subscriptionType", time="occurredAt", read_time=millis_time
+    id="eventId",
+    type="subscriptionType",
+    time="occurredAt",
+    max_events=MAX_EVENTS,
+    read_time=millis_time,
 )
 
 
@@ -83,5 +91,7 @@ PROVIDER = Provider(
     validate_config=urlsigned.validate,
     signs_url=True,
     batched=True,
+    max_events=MAX_EVENTS,
+    fields={"id": SIGNED_FIELD, "type": SIGNED_FIELD, "time": SIGNED_FIELD},
     summary="X-HubSpot-Signature-v3 (HMAC-SHA256 base64 over POST+URI+body+timestamp)",
 )

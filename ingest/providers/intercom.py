@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     Provider,
     body_hmac,
     json_fields,
@@ -32,5 +33,6 @@ PROVIDER = Provider(
     "after 7 days of errors; no schedule published)",
     signed="body (id inside): a capture replays only the same notification; no signed time",
     tolerance=None,
+    fields=ALL_SIGNED,
     summary="X-Hub-Signature sha1= (HMAC-SHA1 hex of the body)",
 )

@@ -21,6 +21,8 @@ from typing import Any
 import orjson
 
 from ingest.providers.base import (
+    SIGNED_FIELD,
+    UNSIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
@@ -81,5 +83,6 @@ PROVIDER = Provider(
     signed="body (webhookTimestamp inside); Linear-Delivery (the id) is unsigned: a capture "
     "replays under a new id only within the 60 s tolerance",
     tolerance=timedelta(seconds=60),
+    fields={"id": UNSIGNED_FIELD, "type": SIGNED_FIELD, "time": SIGNED_FIELD},
     summary="Linear-Signature (HMAC-SHA256 hex of the body), webhookTimestamp in the body",
 )

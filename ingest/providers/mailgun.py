@@ -19,13 +19,19 @@ Mailgun's form-encoded legacy webhooks are not supported (JSON only).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Final
 
 import orjson
 
 from ingest.providers.base import (
+    SIGNED_FIELD,
+    UNSIGNED_FIELD,
     AuthError,
+    Batch,
+    Challenge,
+    EventMeta,
     Provider,
     Secrets,
     first_match,
@@ -71,11 +77,20 @@ def authenticate(
     return first_match(secrets, (decoded,), digest), timestamp
 
 
-extract = json_fields(
+_fields = json_fields(
     id=("signature", "token"),
     type=("event-data", "event"),
     time=("event-data", "timestamp"),
 )
+
+
+def extract(
+    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
+) -> EventMeta | Challenge | Batch:
+    """The token (signed) is the id; ``event-data`` is not signed, so its time is stored but
+    never anchors the expiry."""
+    meta = _fields(headers, body, config)
+    return replace(meta, time_signed=False) if isinstance(meta, EventMeta) else meta
 
 
 PROVIDER = Provider(
@@ -87,5 +102,6 @@ PROVIDER = Provider(
     signed="timestamp + token only (in the body): the token is the dedup id, so a reused "
     "token is a duplicate or a recorded conflict, never a second delivery",
     tolerance=FIFTEEN_MINUTES,
+    fields={"id": SIGNED_FIELD, "type": UNSIGNED_FIELD, "time": UNSIGNED_FIELD},
     summary="body signature{timestamp,token,signature} (HMAC-SHA256 hex over ts+token)",
 )

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Final
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     AuthError,
     Challenge,
     EventMeta,
@@ -103,5 +104,6 @@ PROVIDER = Provider(
     validate_config=validate,
     verify_get=verify_get,
     handshake="GET hub.challenge when hub.verify_token matches (else 403)",
+    fields=ALL_SIGNED,
     summary="X-Hub-Signature-256 sha256= (HMAC-SHA256 hex over the body), GET verification",
 )

@@ -15,6 +15,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     Provider,
     json_fields,
     timestamped_header,
@@ -36,5 +37,6 @@ PROVIDER = Provider(
     citation="https://developer.paddle.com/webhooks/about/respond-to-webhooks",
     signed="ts + body (event_id inside): a capture replays only the same event, within 5 s",
     tolerance=timedelta(seconds=5),
+    fields=ALL_SIGNED,
     summary="Paddle-Signature ts=;h1= (HMAC-SHA256 hex over ts:body)",
 )

@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     AuthError,
     Provider,
     Secrets,
@@ -57,5 +58,6 @@ PROVIDER = Provider(
     signed="body (event.id inside): a capture replays only the same event; several v1= during "
     "a rotation",
     tolerance=None,
+    fields=ALL_SIGNED,
     summary="X-PagerDuty-Signature v1=,v1= (HMAC-SHA256 hex over the body)",
 )

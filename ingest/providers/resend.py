@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from ingest.providers.base import Provider
+from ingest.providers.base import ALL_SIGNED, Provider
 from ingest.providers.standard import SIGNED, scheme
 from ingest.providers.svix import SVIX_PREFIXES
 
@@ -25,5 +25,6 @@ PROVIDER = Provider(
     citation="https://resend.com/docs/webhooks/retries-and-replays",
     signed=SIGNED,
     key_format="whsec",
+    fields=ALL_SIGNED,
     summary="Svix scheme: svix-signature v1, (HMAC-SHA256 base64 over id.ts.body)",
 )

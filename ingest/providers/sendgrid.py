@@ -19,7 +19,7 @@ import base64
 import binascii
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
@@ -27,9 +27,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_der_public_key
 
 from ingest.providers.base import (
+    DEFAULT_MAX_EVENTS,
+    SIGNED_FIELD,
     AuthError,
     Provider,
     Secrets,
+    batch_options,
     first_verified,
     header,
     json_batch,
@@ -38,6 +41,12 @@ from ingest.providers.base import (
 )
 
 _KEYS: dict[str, ec.EllipticCurvePublicKey | None] = {}
+# SendGrid bounds a batch by time and size ("every 30 seconds or when the batch size reaches
+# 768 kilobytes", https://www.twilio.com/docs/sendgrid/for-developers/tracking-events/event),
+# not by count, so the receiver's own bound applies. A busy account's full batch of small
+# events can exceed it (413, and SendGrid retries the same batch): such a source sets
+# ``--config max_events=N`` (up to MAX_EVENTS_CEILING).
+MAX_EVENTS: Final = DEFAULT_MAX_EVENTS
 
 
 def _load(key: str) -> ec.EllipticCurvePublicKey:
@@ -89,7 +98,7 @@ def authenticate(
     return secret_id, timestamp
 
 
-extract = json_batch(id="sg_event_id", type="event", time="timestamp")
+extract = json_batch(id="sg_event_id", type="event", time="timestamp", max_events=MAX_EVENTS)
 
 
 PROVIDER = Provider(
@@ -103,5 +112,8 @@ PROVIDER = Provider(
     key_format="p256",
     check_secret=check_key,
     batched=True,
+    max_events=MAX_EVENTS,
+    validate_config=batch_options(MAX_EVENTS),
+    fields={"id": SIGNED_FIELD, "type": SIGNED_FIELD, "time": SIGNED_FIELD},
     summary="X-Twilio-Email-Event-Webhook-Signature (ECDSA P-256 over ts + body), batched",
 )

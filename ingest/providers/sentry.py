@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
+    SIGNED_FIELD,
     Challenge,
     EventMeta,
     Provider,
@@ -53,5 +54,6 @@ PROVIDER = Provider(
     signed="body only (the id is the body's SHA-256): a capture replays only as the same "
     "event; no signed time",
     tolerance=None,
+    fields={"id": SIGNED_FIELD, "type": "resource unsigned (Sentry-Hook-Resource), action signed"},
     summary="Sentry-Hook-Signature (HMAC-SHA256 hex of the body)",
 )

@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     Challenge,
     EventMeta,
     Provider,
@@ -53,5 +54,6 @@ PROVIDER = Provider(
     signed="timestamp + body (event_id inside): a capture replays only the same event, within "
     "the tolerance",
     handshake="url_verification: the challenge, text/plain",
+    fields=ALL_SIGNED,
     summary="X-Slack-Signature v0= (HMAC-SHA256 hex over v0:ts:body)",
 )

@@ -17,6 +17,7 @@ from typing import Any
 
 from ingest.providers import urlsigned
 from ingest.providers.base import (
+    ALL_SIGNED,
     AuthError,
     Provider,
     Secrets,
@@ -53,5 +54,6 @@ PROVIDER = Provider(
     tolerance=None,
     validate_config=urlsigned.validate,
     signs_url=True,
+    fields=ALL_SIGNED,
     summary="x-square-hmacsha256-signature (HMAC-SHA256 base64 over URL + body)",
 )

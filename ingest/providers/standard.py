@@ -18,6 +18,7 @@ from typing import Any, Final
 from standardwebhooks.webhooks import EmptyWebhookSecretError, Webhook
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     AuthError,
     AuthFn,
     Challenge,
@@ -145,5 +146,6 @@ PROVIDER = Provider(
     citation="standard-webhooks spec/standard-webhooks.md (retry schedule example)",
     signed=SIGNED,
     key_format="whsec",
+    fields=ALL_SIGNED,
     summary="webhook-signature v1, (HMAC-SHA256 base64 over id.ts.body)",
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     Provider,
     json_fields,
     timestamped_header,
@@ -34,5 +35,6 @@ PROVIDER = Provider(
     signed="t + body (id, type, created inside): a capture replays only the same event, "
     "within the tolerance",
     key_prefix="whsec_",
+    fields=ALL_SIGNED,
     summary="Stripe-Signature t=,v1= (HMAC-SHA256 hex)",
 )

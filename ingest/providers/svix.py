@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Final
 
-from ingest.providers.base import Provider
+from ingest.providers.base import ALL_SIGNED, Provider
 from ingest.providers.standard import SIGNED, scheme
 
 SVIX_PREFIXES: Final = ("svix", "webhook")
@@ -27,5 +27,6 @@ PROVIDER = Provider(
     citation=SVIX_CITATION,
     signed=SIGNED,
     key_format="whsec",
+    fields=ALL_SIGNED,
     summary="svix-signature v1, (HMAC-SHA256 base64 over id.ts.body)",
 )

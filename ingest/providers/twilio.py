@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl
 
 from ingest.providers import urlsigned
 from ingest.providers.base import (
+    SIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
@@ -146,5 +147,9 @@ PROVIDER = Provider(
     tolerance=None,
     validate_config=urlsigned.validate,
     signs_url=True,
+    fields={
+        "id": "unsigned when I-Twilio-Idempotency-Token is sent, else signed (SID:status)",
+        "type": SIGNED_FIELD,
+    },
     summary="X-Twilio-Signature (HMAC-SHA1 base64 over URL + sorted params), form bodies",
 )

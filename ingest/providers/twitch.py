@@ -24,6 +24,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from ingest.providers.base import (
+    SIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
@@ -97,5 +98,10 @@ PROVIDER = Provider(
     "the tolerance",
     tolerance=TEN_MINUTES,
     handshake="webhook_callback_verification: the raw challenge, text/plain",
+    fields={
+        "id": SIGNED_FIELD,
+        "type": "signed, except revocation (unsigned message-type header)",
+        "time": SIGNED_FIELD,
+    },
     summary="Twitch-Eventsub-Message-Signature sha256= (HMAC-SHA256 hex over id+ts+body)",
 )

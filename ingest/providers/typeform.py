@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     Provider,
     body_hmac,
     json_fields,
@@ -33,5 +34,6 @@ PROVIDER = Provider(
     citation="https://www.typeform.com/developers/webhooks/",
     signed="body (event_id inside): a capture replays only the same event; no signed time",
     tolerance=None,
+    fields=ALL_SIGNED,
     summary="Typeform-Signature sha256= (HMAC-SHA256 base64 of the body)",
 )

@@ -2,7 +2,9 @@
 
 Only the body is signed. The dedup id ``X-WC-Webhook-Delivery-ID`` and the topic
 (``X-WC-Webhook-Topic``, e.g. ``order.created``) are not: a captured request can be replayed
-under a new delivery id, forever (no timestamp). Mitigations: TLS, rotating the webhook secret,
+under a new delivery id, forever (no timestamp), and under another topic (``order.updated``
+fires those routes). The body (the resource) does not name the topic, so nothing signed can
+stand in. Mitigations: TLS, rotating the webhook secret,
 handlers idempotent on the resource's own ``id`` and ``date_modified``. When a webhook is
 saved, WooCommerce posts a signed ping (form body ``webhook_id=N``): answered 200, not stored.
 
@@ -20,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Final
 
 from ingest.providers.base import (
+    UNSIGNED_FIELD,
     Challenge,
     EventMeta,
     Provider,
@@ -54,9 +57,10 @@ PROVIDER = Provider(
     retry_window=timedelta(days=1),
     citation="https://github.com/woocommerce/woocommerce/blob/trunk/plugins/woocommerce/"
     "includes/class-wc-webhook.php (no retries documented: 1 d assumed)",
-    signed="body only: X-WC-Webhook-Delivery-ID (the id) is unsigned, so a capture replays "
-    "under a new id",
+    signed="body only: X-WC-Webhook-Delivery-ID (the id) and X-WC-Webhook-Topic (the type) "
+    "are unsigned, so a capture replays under a new id and another topic",
     tolerance=None,
     handshake="the ping on save (webhook_id=N): 200, empty",
+    fields={"id": UNSIGNED_FIELD, "type": UNSIGNED_FIELD},
     summary="X-WC-Webhook-Signature (HMAC-SHA256 base64 of the body)",
 )

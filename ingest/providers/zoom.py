@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from ingest.providers.base import (
+    ALL_SIGNED,
     FIVE_MINUTES,
     Challenge,
     EventMeta,
@@ -76,5 +77,6 @@ PROVIDER = Provider(
     signed="timestamp + body: a capture replays only the same body, within the tolerance",
     tolerance=FIVE_MINUTES,
     handshake="endpoint.url_validation: plainToken + encryptedToken (HMAC with the secret)",
+    fields=ALL_SIGNED,
     summary="x-zm-signature v0= (HMAC-SHA256 hex over v0:ts:body)",
 )

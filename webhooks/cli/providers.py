@@ -1,5 +1,6 @@
 """``webhooks providers list``: every registered provider (built-ins and plug-ins) with what its
-signature covers, its timestamp tolerance, its documented retry window and the dedup TTL that
+signature covers, which event fields (id, type, time) come from signed parts, its timestamp
+tolerance, its documented retry window and the dedup TTL that
 follows from it under this installation's settings."""
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def provider_views() -> list[dict[str, Any]]:
                 "builtin": provider.name in builtin,
                 "summary": provider.summary,
                 "signed": provider.signed,
+                # id/type/time -> "signed", "unsigned" or a condition; {} when not stated.
+                "signed_fields": dict(provider.signed_fields({})),
+                "max_events": provider.max_events if provider.batched else None,
                 "tolerance_s": None if tolerance is None else int(tolerance.total_seconds()),
                 "tolerance": _tolerance_text(provider, tolerance),
                 "retry_window_s": int(provider.retry_window.total_seconds()),
@@ -45,6 +49,14 @@ def provider_views() -> list[dict[str, Any]]:
             }
         )
     return views
+
+
+def fields_text(fields: dict[str, str]) -> str:
+    """``id: unsigned, type: unsigned`` (what a captured request can change); the provider's
+    default options (a source's own options may sign more: GitHub hook_event, ...)."""
+    if not fields:
+        return "not stated"
+    return ", ".join(f"{name}: {where}" for name, where in fields.items())
 
 
 def _tolerance_text(provider: Provider, tolerance: Any) -> str:
@@ -63,12 +75,14 @@ def providers_list(
     if as_json:
         print_json(views)
         return
-    table = Table("provider", "signed", "tolerance", "retry window", "dedup ttl", "citation")
+    table = Table(
+        "provider", "signed", "fields", "tolerance", "retry window", "dedup ttl", "citation"
+    )
     for v in views:
         name = v["name"] if v["builtin"] else f"{v['name']} (plug-in)"
         row(
-            table, name, v["signed"], v["tolerance"], v["retry_window"], v["dedup_ttl"],
-            v["citation"],
+            table, name, v["signed"], fields_text(v["signed_fields"]), v["tolerance"],
+            v["retry_window"], v["dedup_ttl"], v["citation"],
         )  # fmt: skip
     console.print(table)
 
