@@ -29,6 +29,16 @@ CONFLICTS = Counter("webhooks_conflicts_total", "Same event id, different body",
 PUBLISH_FAILURES = Counter(
     "webhooks_publish_failures_total", "Messages not published after commit", ["source"]
 )
+PUBLISH_DEFERRED = Counter(
+    "webhooks_publish_deferred_total",
+    "Deliveries left pending for the sweeper without a publish attempt: the publisher's queue "
+    "was full (queue_full) or its thread died holding them (publisher_died)",
+    ["source", "reason"],
+)
+PUBLISHER_DEATHS = Counter(
+    "webhooks_publisher_deaths_total",
+    "Times the receiver's publisher thread died (each one restarted; see the publisher_died log)",
+)
 ACCEPT_LATENCY = Histogram(
     "webhooks_accept_latency_seconds",
     "Time from request start to the durable 2xx",
@@ -102,6 +112,8 @@ RECEIVER_ONLY: tuple[Any, ...] = (
     DUPLICATES,
     CONFLICTS,
     PUBLISH_FAILURES,
+    PUBLISH_DEFERRED,
+    PUBLISHER_DEATHS,
     ACCEPT_LATENCY,
     ACCEPT_BATCH,
     TTL_RAISED,
