@@ -98,6 +98,30 @@ RETRY_AFTER_IGNORED = Counter(
     "Retry-After headers from downstreams that were neither seconds nor an HTTP date",
 )
 
+# Capacity (tasks/capacity.py): measured by each maintenance run, on a worker.
+FAST_TIER_KEYS = Gauge(
+    "webhooks_fast_tier_keys",
+    "Keys in the fast claim tier's Redis database (claim keys), from INFO keyspace",
+    multiprocess_mode="mostrecent",
+)
+FAST_TIER_USED_MEMORY = Gauge(
+    "webhooks_fast_tier_used_memory_bytes",
+    "Memory the fast claim tier's Redis uses (INFO memory used_memory)",
+    multiprocess_mode="mostrecent",
+)
+FAST_TIER_MAXMEMORY = Gauge(
+    "webhooks_fast_tier_maxmemory_bytes",
+    "The fast claim tier's Redis maxmemory (0: no limit)",
+    multiprocess_mode="mostrecent",
+)
+PARTITION_DAYS = Gauge(
+    "webhooks_partition_days",
+    "Daily partitions: whole days laid out beyond what a receipt accepted now can need "
+    "(state=ahead), and days wholly past still not dropped (state=past)",
+    ["state"],
+    multiprocess_mode="mostrecent",
+)
+
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
     "webhooks_dead_letters_discarded_total",
@@ -130,6 +154,10 @@ WORKER_ONLY: tuple[Any, ...] = (
     RECEIPT_TO_SUCCESS,
     SWEPT,
     RETRY_AFTER_IGNORED,
+    FAST_TIER_KEYS,
+    FAST_TIER_USED_MEMORY,
+    FAST_TIER_MAXMEMORY,
+    PARTITION_DAYS,
 )
 
 
