@@ -157,7 +157,8 @@ class Publisher:
     def _died(self, exc: BaseException) -> None:
         self._down = True
         try:
-            held, self._holding = self._holding, []
+            held = [item for item in self._holding if item != _STOP]
+            self._holding = []
             metrics.PUBLISHER_DEATHS.inc()
             for label, _ in held:
                 metrics.PUBLISH_DEFERRED.labels(label, "publisher_died").inc()
@@ -174,6 +175,7 @@ class Publisher:
     def _run(self) -> None:
         while True:
             batch = [self._queue.get()]
+            self._holding = batch  # grows in place while lingering
             # Linger, under load only: when deliveries arrive this close together, the next
             # ones (the rest of a group commit) are a few requests behind; a lone delivery
             # after a quiet spell goes out at once.
@@ -195,12 +197,12 @@ class Publisher:
             self._last_taken = time.monotonic()
             stopping = _STOP in batch
             batch = [item for item in batch if item != _STOP]
+            self._holding = batch
             if batch:
-                self._holding = batch
                 if self.before_publish is not None:
                     self.before_publish([dispatch for _, dispatch in batch])
                 self._publish_batch(batch)
-                self._holding = []
+            self._holding = []
             if stopping:
                 return
 
