@@ -481,6 +481,9 @@ class Receiver:
             checks["broker"] = "ok"
         except Exception:  # noqa: BLE001  (any broker failure means not ready)
             checks["broker"] = "unreachable"
+        # The publisher thread between a death and its restart: accepted events would wait for
+        # the sweeper, so this receiver is not ready.
+        checks["publisher"] = "ok" if self.publisher.running() else "down"
         ready = all(v == "ok" for v in checks.values())
         return _json(200 if ready else 503, {"status": "ready" if ready else "not ready", **checks})
 

@@ -10,6 +10,15 @@ tells): the workers are behind, and fewer, fuller messages are what lets them ca
 publish failure is counted and logged: the delivery rows are already durable and pending,
 and the sweeper publishes them after ``publish_grace``. So the 202 never depends on the
 broker, and a crash between the commit and the publish costs latency, never an event.
+
+The thread cannot die silently. Whatever ends its loop (an exception raised while handling a
+failure, a ``BaseException``) is one counted, logged death, and a new thread takes over
+after :data:`RESTART_DELAY` (a fault that repeats costs one line a second, not a busy loop);
+``/readyz`` is red in between (:meth:`Publisher.running`). The deliveries the dead thread
+held are left to the sweeper (counted): they may be what killed it. Its queue holds at most
+``WEBHOOKS_PUBLISH_QUEUE_LIMIT`` deliveries: past that (a broker slower than the receiver,
+a thread restarting) :meth:`Publisher.submit` leaves them pending for the sweeper, counted,
+instead of holding memory without limit.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -41,10 +50,21 @@ MAX_BATCH = 500
 BACKLOG_LINGER = 5
 BACKLOG_MESSAGES = 16
 _STOP = ("", Dispatch(-1))
+# Seconds between a publisher thread's death and the start of its replacement.
+RESTART_DELAY = 1.0
+
+# Called with each batch the thread is about to publish (tests inject a fault here).
+BeforePublish = Callable[[Sequence[Dispatch]], None]
 
 
 class Publisher:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        restart_delay: float = RESTART_DELAY,
+        before_publish: BeforePublish | None = None,
+    ) -> None:
         self.app = create_app(settings)
         transport = dict(self.app.conf.broker_transport_options or {})
         transport.update(
@@ -75,23 +95,87 @@ class Publisher:
         self._client: redis.Redis | None = None
         self._redis_broker = settings.broker_url.startswith(("redis://", "rediss://"))
         self._lock = threading.Lock()
+        self.queue_limit = settings.publish_queue_limit
+        self.restart_delay = restart_delay
+        self.before_publish = before_publish
+        # Taken off the queue and not yet published: what a dying thread leaves behind.
+        self._holding: list[tuple[str, Dispatch]] = []
+        # Between a death and the replacement's start (and set by close(): no restart).
+        self._down = False
+        self._closed = threading.Event()
 
     def submit(self, label: str, dispatches: Sequence[Dispatch]) -> None:
-        """Queue committed deliveries for publishing; never blocks on the broker."""
-        if self._thread is None:
+        """Queue committed deliveries for publishing; never blocks on the broker. Past the
+        queue's limit a delivery stays pending for the sweeper (counted, never queued)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
             self._start()
+        deferred = 0
         for dispatch in dispatches:
-            self._queue.put((label, dispatch))
+            # One producer (the event loop) in practice: the bound is exact; with several,
+            # it is exceeded by at most one delivery per concurrent caller.
+            if self._queue.qsize() >= self.queue_limit:
+                deferred += 1
+            else:
+                self._queue.put((label, dispatch))
+        if deferred:
+            metrics.PUBLISH_DEFERRED.labels(label, "queue_full").inc(deferred)
+            log.warning(
+                "publish_deferred", reason="queue_full", deliveries=deferred, limit=self.queue_limit
+            )
 
-    def _start(self) -> None:
+    def running(self) -> bool:
+        """False while the thread is dead and not yet replaced (``/readyz`` goes red). Not
+        started yet (nothing submitted) counts as running: it starts on the first submit."""
+        thread = self._thread
+        return not self._down and (thread is None or thread.is_alive())
+
+    def _start(self, replacing: threading.Thread | None = None) -> None:
+        """Start the thread: the first time, or in place of ``replacing`` (its dying self) or
+        of one found dead (a death even the supervision could not handle)."""
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
-                self._thread.start()
+            current = self._thread
+            if current is not None and current is not replacing and current.is_alive():
+                return
+            if current is not None and self._closed.is_set():
+                return
+            # A fresh thread starts quiet: its first delivery goes out at once.
+            self._last_taken = -math.inf
+            self._down = False
+            thread = threading.Thread(target=self._supervised, name="publisher", daemon=True)
+            thread.start()
+            self._thread = thread
+
+    def _supervised(self) -> None:
+        """The thread's body: the publishing loop; when it dies, one counted line and, after
+        :attr:`restart_delay`, a replacement."""
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001  (any death is counted and survived)
+            self._died(exc)
+
+    def _died(self, exc: BaseException) -> None:
+        self._down = True
+        try:
+            held = [item for item in self._holding if item != _STOP]
+            self._holding = []
+            metrics.PUBLISHER_DEATHS.inc()
+            for label, _ in held:
+                metrics.PUBLISH_DEFERRED.labels(label, "publisher_died").inc()
+            log.error(
+                "publisher_died",
+                error=exc.__class__.__name__,
+                deliveries=len(held),
+                restart_in=self.restart_delay,
+            )
+        finally:
+            if not self._closed.wait(self.restart_delay):
+                self._start(replacing=threading.current_thread())
 
     def _run(self) -> None:
         while True:
             batch = [self._queue.get()]
+            self._holding = batch  # grows in place while lingering
             # Linger, under load only: when deliveries arrive this close together, the next
             # ones (the rest of a group commit) are a few requests behind; a lone delivery
             # after a quiet spell goes out at once.
@@ -113,8 +197,12 @@ class Publisher:
             self._last_taken = time.monotonic()
             stopping = _STOP in batch
             batch = [item for item in batch if item != _STOP]
+            self._holding = batch
             if batch:
+                if self.before_publish is not None:
+                    self.before_publish([dispatch for _, dispatch in batch])
                 self._publish_batch(batch)
+            self._holding = []
             if stopping:
                 return
 
@@ -199,10 +287,14 @@ class Publisher:
             conn.ensure_connection(max_retries=1, timeout=max(1, int(self.timeout)))
 
     def close(self, timeout: float = 5.0) -> None:
-        """Publish what is queued, then stop the thread."""
-        if self._thread is not None:
+        """Publish what is queued, then stop the thread (a dead one is not replaced: what it
+        left queued is pending in Postgres, for the sweeper)."""
+        with self._lock:
+            self._closed.set()
+            thread = self._thread
+        if thread is not None:
             self._queue.put(_STOP)
-            self._thread.join(timeout)
+            thread.join(timeout)
 
 
 class CeleryPublisher:

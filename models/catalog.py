@@ -52,6 +52,8 @@ ConfigValidator = Callable[[str, Mapping[str, Any]], dict[str, Any]]
 MIN_WHSEC_BYTES = 24
 MIN_SECRET_CHARS = 16
 WEAK_SECRET_ACTION = "weak_secret"  # noqa: S105 (an audit action, not a secret)
+REVOKE_ACTION = "secret.revoke"  # noqa: S105 (an audit action, not a secret)
+REVOKE_REASON = "secret revoked"  # noqa: S105 (the audit's reason when none is given)
 WEAK_SECRET_REASON = "weak secret allowed"  # noqa: S105
 
 
@@ -335,7 +337,20 @@ def list_secrets(session: Session, source: Source) -> list[SourceSecret]:
     )
 
 
-def revoke_secret(session: Session, source: Source, secret_id: str, *, now: datetime) -> None:
+def revoke_secret(
+    session: Session,
+    source: Source,
+    secret_id: str,
+    *,
+    now: datetime,
+    operator: str | None = None,
+    reason: str | None = None,
+) -> int:
+    """Revoke one active secret and record who did it, which secret and when: an
+    ``audit_log`` row (action ``secret.revoke``) in the same transaction, so the revocation
+    and its record commit together. Returns the audit row's id. A revocation is often urgent
+    (a leak), so a reason is optional (:data:`REVOKE_REASON` when none is given);
+    ``operator`` defaults to this process's login name."""
     result = session.execute(
         update(SourceSecret)
         .where(
@@ -349,6 +364,13 @@ def revoke_secret(session: Session, source: Source, secret_id: str, *, now: date
         raise CatalogError(f"no active secret {secret_id!r} on source {source.public_id}")
     # Receivers may still hold the secret in their cache; the receipt transaction re-checks
     # that the matching secret is unrevoked, so revocation takes effect at once everywhere.
+    change = Change(
+        operator=(operator or "").strip() or _login(),
+        reason=(reason or "").strip() or REVOKE_REASON,
+        via="cli",
+    )
+    target = {"source": source.public_id, "provider": source.provider, "secret": secret_id}
+    return record_audit(session, change, REVOKE_ACTION, target, count=1, now=now)
 
 
 def add_route(

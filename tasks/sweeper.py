@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from models import retention, transitions
 from models.db import session_scope
-from tasks import get_runtime
+from tasks import capacity, get_runtime
 from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
 from tasks.deliver import deliver
 from tasks.runtime import Runtime
@@ -77,9 +77,15 @@ def sweep() -> int:
 @shared_task(name=MAINTENANCE_TASK, ignore_result=True)
 def maintenance() -> str:
     """Retention (:func:`models.retention.run_maintenance`): partitions laid out ahead,
-    expired ones dropped (or a batched delete), payloads past their retention cleared."""
+    expired ones dropped (or a batched delete), payloads past their retention cleared. Then
+    the capacity gauges (:mod:`tasks.capacity`), read even when retention failed: a failing
+    drop is what the past-days gauge is there to show."""
     rt = get_runtime()
-    report = retention.run_maintenance(rt.engine, rt.settings, pinned(rt.clock))
+    capacity.record_fast_tier(rt.redis)
+    try:
+        report = retention.run_maintenance(rt.engine, rt.settings, pinned(rt.clock))
+    finally:
+        capacity.record_partitions(rt.engine, rt.settings, pinned(rt.clock))
     log.info(
         "maintenance.done",
         mode=report.mode,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import uuid
+from typing import Any
 
 from sqlalchemy import Engine, text
 
@@ -81,6 +82,49 @@ def test_secret_rotation_commands(engine: Engine) -> None:
     again = webhooks("secrets", "revoke", view["id"], view["secret_id"])
     assert again.returncode == 1
     assert "no active secret" in again.stderr
+
+
+def _revocations(engine: Engine, secret_id: str) -> list[Any]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT operator, target, at, reason, via FROM audit_log"
+                    " WHERE action = 'secret.revoke' AND target->>'secret' = :s"
+                ),
+                {"s": secret_id},
+            ).all()
+        )
+
+
+def test_revoking_a_secret_is_audited_who_which_and_when(engine: Engine) -> None:
+    view = json.loads(
+        webhooks(
+            "sources", "add", f"rev-{uuid.uuid4().hex[:8]}", "--provider", "stripe", "--json"
+        ).stdout
+    )
+    remember(view["secret"])
+    assert webhooks("secrets", "add", view["id"]).returncode == 0
+    revoked = webhooks(
+        "secrets", "revoke", view["id"], view["secret_id"], "--operator", "alice",
+        "--reason", "leaked in a CI log",
+    )  # fmt: skip
+    assert revoked.returncode == 0, revoked.stderr
+    [(operator, target, at, reason, via)] = _revocations(engine, view["secret_id"])
+    assert operator == "alice"
+    assert target == {"source": view["id"], "provider": "stripe", "secret": view["secret_id"]}
+    assert reason == "leaked in a CI log"
+    assert via == "cli"
+    listed = json.loads(webhooks("secrets", "list", view["id"], "--json").stdout)
+    [revoked_at] = [s["revoked_at"] for s in listed if s["id"] == view["secret_id"]]
+    assert at.isoformat().replace("+00:00", "Z") == revoked_at.replace("+00:00", "Z")
+    shown = json.loads(webhooks("audit", "list", "--action", "secret", "--json").stdout)
+    assert any(a["target"].get("secret") == view["secret_id"] for a in shown)
+    assert view["secret"] not in revoked.stdout + json.dumps(shown)  # ids only, never the secret
+    # Refused (already revoked): nothing changes, no second audit row.
+    again = webhooks("secrets", "revoke", view["id"], view["secret_id"])
+    assert again.returncode == 1
+    assert len(_revocations(engine, view["secret_id"])) == 1
 
 
 def test_routes_add_with_glob_and_forward_options(engine: Engine) -> None:

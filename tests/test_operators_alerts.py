@@ -18,6 +18,9 @@ REQUIRED = {
     "WebhookOldestPendingTooOld": "webhooks_oldest_pending_seconds",
     "WebhookDegradedClaims": "webhooks_degraded_claims_total",
     "WebhookDuplicateRateCollapsed": "webhooks_duplicates_total",
+    "WebhookFastTierMemoryHigh": "webhooks_fast_tier_maxmemory_bytes",
+    "WebhookPartitionsAheadRunningOut": 'webhooks_partition_days{state="ahead"}',
+    "WebhookPartitionsNotDropped": 'webhooks_partition_days{state="past"}',
 }
 SUFFIXES = {
     "counter": ("_total",),

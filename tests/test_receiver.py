@@ -464,7 +464,7 @@ def test_health_and_readiness(receivers: list[Receiver], client: httpx.Client) -
     assert client.get(f"{receivers[0].url}/healthz").json() == {"status": "ok"}
     ready = client.get(f"{receivers[0].url}/readyz")
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ready", "database": "ok", "broker": "ok"}
+    assert ready.json() == {"status": "ready", "database": "ok", "broker": "ok", "publisher": "ok"}
 
 
 def test_logs_are_json_with_source_outcome_and_event_id(

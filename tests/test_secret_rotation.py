@@ -4,25 +4,34 @@ resumably and idempotently; receivers keep verifying throughout the rotation."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
 import subprocess
+import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
+import redis
 from cryptography.fernet import Fernet
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.app import create_app
 from models import keys
-from tests.conftest import BASE_ENV, BIN, make_settings, test_env
-from tests.factories import make_source
+from models.retention import ensure_partitions
+from tests.conftest import BASE_ENV, BIN, REDIS, make_settings, test_env
+from tests.factories import make_source, source_ttl
 from tests.leakcheck import remember
+from tests.operators_support import succeed
 from tests.processes import receiver
 from tests.signing import sign
+from webhooks.clock import FrozenClock
 from webhooks.crypto import SecretBox, SecretDecryptError
 from webhooks.settings import SettingsError, load_settings
 
@@ -185,3 +194,161 @@ def test_rotation_with_receivers_running_never_stops_verification(
     )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["rekeyed"] == 0
+
+
+# --- the leaked-key drill (issue 19, section 4) -------------------------------------------
+
+
+def _webhooks(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "webhooks"), *args], env=test_env(), capture_output=True, text=True, timeout=60
+    )
+
+
+def _account_state(engine: Engine, source_id: int) -> dict[str, Any]:
+    """Everything of one source an incident could touch: the source row, its secrets, its
+    routes, its receipts and their deliveries."""
+    queries = {
+        "source": "SELECT public_id, account, provider, active, config, tolerance_s"
+        " FROM sources WHERE id = :s",
+        "secrets": "SELECT id, ciphertext, revoked_at FROM source_secrets WHERE source_id = :s"
+        " ORDER BY id",
+        "routes": "SELECT id, handler, active FROM routes WHERE source_id = :s ORDER BY id",
+        "receipts": "SELECT id, event_id, body_digest, payload, expires_at FROM receipts"
+        " WHERE source_id = :s ORDER BY id",
+        "deliveries": "SELECT id, receipt_id, route_id, status, generation FROM deliveries"
+        " WHERE source_id = :s ORDER BY id",
+    }
+    with engine.connect() as conn:
+        return {
+            name: [tuple(r) for r in conn.execute(text(sql), {"s": source_id}).all()]
+            for name, sql in queries.items()
+        }
+
+
+def test_leaked_key_drill_rotates_one_account_and_leaves_the_other_untouched(
+    sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """Source A's secret leaks. The operator adds a new one, the sender switches, the leaked
+    one is revoked (audited), all with the CLI as an operator runs it, receivers running.
+    The leaked secret then opens nothing, on A or on account B, and B's source, secrets and
+    receipts are exactly as they were."""
+    settings = make_settings()
+    a = make_source(sessions, settings, provider="stripe", account="acct-a")
+    b = make_source(sessions, settings, provider="stripe", account="acct-b")
+    remember(a.secret)
+    remember(b.secret)
+    leaked = a.secret
+
+    def post(url: str, source: Any, secret: str, event_id: str | None = None) -> int:
+        headers, body = sign(
+            "stripe", secret, event_id=event_id or f"evt_{uuid.uuid4().hex}", event_type="a.b"
+        )
+        remember(body)
+        return httpx.post(
+            f"{url}/webhooks/{source.public_id}", headers=headers, content=body, timeout=10
+        ).status_code
+
+    with receiver() as rcv:
+        assert post(rcv.url, a, leaked) == 202
+        assert post(rcv.url, b, b.secret) == 202
+        assert post(rcv.url, b, b.secret) == 202
+        b_before = _account_state(engine, b.id)
+
+        added = _webhooks("secrets", "add", a.public_id)
+        assert added.returncode == 0, added.stderr
+        fresh = next(
+            line.split()[1] for line in added.stdout.splitlines() if line.startswith("secret:")
+        )
+        remember(fresh)
+        assert post(rcv.url, a, fresh) == 202  # the sender switched; both verify meanwhile
+        revoked = _webhooks(
+            "secrets", "revoke", a.public_id, a.secret_id, "--reason", "leaked: drill"
+        )
+        assert revoked.returncode == 0, revoked.stderr
+
+        a_after_rotation = _account_state(engine, a.id)
+        # The leaked secret opens nothing: not A (revoked), not B (never its secret).
+        assert post(rcv.url, a, leaked) == 401
+        assert post(rcv.url, b, leaked) == 401
+        assert _account_state(engine, a.id) == a_after_rotation  # nothing written
+        assert _account_state(engine, b.id) == b_before
+        # Both accounts keep working with their current secrets.
+        assert post(rcv.url, a, fresh) == 202
+        assert post(rcv.url, b, b.secret) == 202
+
+    b_after = _account_state(engine, b.id)
+    assert {k: v for k, v in b_after.items() if k not in ("receipts", "deliveries")} == {
+        k: v for k, v in b_before.items() if k not in ("receipts", "deliveries")
+    }
+    assert b_after["receipts"][: len(b_before["receipts"])] == b_before["receipts"]
+    assert len(b_after["receipts"]) == len(b_before["receipts"]) + 1
+    assert [s[2] for s in b_after["secrets"]] == [None]  # B's secret: never revoked
+    with engine.connect() as conn:
+        audits = conn.execute(
+            text("SELECT target FROM audit_log WHERE action = 'secret.revoke'")
+        ).scalars()
+        touching = [t for t in audits if t["source"] in (a.public_id, b.public_id)]
+    assert touching == [{"source": a.public_id, "provider": "stripe", "secret": a.secret_id}]
+
+
+# An old signed capture replayed once its receipt has expired (its dedup window is over):
+# refused by the signed timestamp where the scheme signs one. GitHub signs no timestamp: the
+# same replay is accepted as a new event (README, Security), which is what this drill shows
+# the timestamp is for.
+CAPTURE_BROKER = f"{REDIS}/8"
+T0 = datetime(2025, 9, 1, 12, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("provider", "replayed"),
+    [("stripe", 401), ("standard", 401), ("slack", 401), ("github", 202)],
+)
+def test_a_capture_replayed_after_retention_is_refused_by_its_timestamp(
+    provider: str, replayed: int, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    settings = make_settings(broker_url=CAPTURE_BROKER)
+    source = make_source(sessions, settings, provider=provider)
+    remember(source.secret)
+    ttl = source_ttl(sessions, settings, source.id)
+    after_retention = T0 + ttl + timedelta(days=1)
+    for at in (T0, after_retention):
+        ensure_partitions(engine, settings, at)
+    clock = FrozenClock(T0)
+    event_id = f"evt_{uuid.uuid4().hex}"
+    headers, body = sign(
+        provider, source.secret, event_id=event_id, event_type="invoice.paid", timestamp=T0
+    )
+    remember(body)
+    url = f"/webhooks/{source.public_id}"
+
+    async def scenario() -> list[httpx.Response]:
+        app = create_app(settings, clock)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://receiver"
+            ) as client,
+        ):
+            first = await client.post(url, headers=headers, content=body)
+            clock.set(T0 + timedelta(seconds=30))  # a replay inside the dedup window
+            again = await client.post(url, headers=headers, content=body)
+            # Its work was done long ago (a held receipt would still deduplicate), and now
+            # its receipt has expired: deduplication no longer stops a replay.
+            succeed(sessions, [d[0] for d in _account_state(engine, source.id)["deliveries"]])
+            clock.set(after_retention)
+            late = await client.post(url, headers=headers, content=body)
+            return [first, again, late]
+
+    try:
+        first, again, late = asyncio.run(scenario())
+        receipts = _account_state(engine, source.id)["receipts"]
+    finally:
+        redis.Redis.from_url(CAPTURE_BROKER).flushdb()
+    assert first.status_code == 202
+    assert again.status_code == 200  # a duplicate, within the window
+    assert late.status_code == replayed
+    assert len(receipts) == (1 if replayed == 401 else 2)  # refused: nothing written
+    if replayed == 401:  # refused by its timestamp, not by anything else
+        labels = {"source": source.public_id, "outcome": "unauthenticated:stale"}
+        assert REGISTRY.get_sample_value("webhooks_requests_total", labels) == 1

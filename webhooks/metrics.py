@@ -29,6 +29,16 @@ CONFLICTS = Counter("webhooks_conflicts_total", "Same event id, different body",
 PUBLISH_FAILURES = Counter(
     "webhooks_publish_failures_total", "Messages not published after commit", ["source"]
 )
+PUBLISH_DEFERRED = Counter(
+    "webhooks_publish_deferred_total",
+    "Deliveries left pending for the sweeper without a publish attempt: the publisher's queue "
+    "was full (queue_full) or its thread died holding them (publisher_died)",
+    ["source", "reason"],
+)
+PUBLISHER_DEATHS = Counter(
+    "webhooks_publisher_deaths_total",
+    "Times the receiver's publisher thread died (each one restarted; see the publisher_died log)",
+)
 ACCEPT_LATENCY = Histogram(
     "webhooks_accept_latency_seconds",
     "Time from request start to the durable 2xx",
@@ -93,6 +103,30 @@ RETRY_AFTER_IGNORED = Counter(
     "Retry-After headers from downstreams that were neither seconds nor an HTTP date",
 )
 
+# Capacity (tasks/capacity.py): measured by each maintenance run, on a worker.
+FAST_TIER_KEYS = Gauge(
+    "webhooks_fast_tier_keys",
+    "Keys in the fast claim tier's Redis database (claim keys), from INFO keyspace",
+    multiprocess_mode="mostrecent",
+)
+FAST_TIER_USED_MEMORY = Gauge(
+    "webhooks_fast_tier_used_memory_bytes",
+    "Memory the fast claim tier's Redis uses (INFO memory used_memory)",
+    multiprocess_mode="mostrecent",
+)
+FAST_TIER_MAXMEMORY = Gauge(
+    "webhooks_fast_tier_maxmemory_bytes",
+    "The fast claim tier's Redis maxmemory (0: no limit)",
+    multiprocess_mode="mostrecent",
+)
+PARTITION_DAYS = Gauge(
+    "webhooks_partition_days",
+    "Daily partitions: whole days laid out beyond what a receipt accepted now can need "
+    "(state=ahead), and days wholly past still not dropped (state=past)",
+    ["state"],
+    multiprocess_mode="mostrecent",
+)
+
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
     "webhooks_dead_letters_discarded_total",
@@ -107,6 +141,8 @@ RECEIVER_ONLY: tuple[Any, ...] = (
     DUPLICATES,
     CONFLICTS,
     PUBLISH_FAILURES,
+    PUBLISH_DEFERRED,
+    PUBLISHER_DEATHS,
     ACCEPT_LATENCY,
     ACCEPT_BATCH,
     TTL_RAISED,
@@ -123,6 +159,10 @@ WORKER_ONLY: tuple[Any, ...] = (
     RECEIPT_TO_SUCCESS,
     SWEPT,
     RETRY_AFTER_IGNORED,
+    FAST_TIER_KEYS,
+    FAST_TIER_USED_MEMORY,
+    FAST_TIER_MAXMEMORY,
+    PARTITION_DAYS,
 )
 
 

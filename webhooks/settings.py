@@ -91,6 +91,11 @@ class Settings(BaseSettings):
     # after a quiet spell goes out at once): messages of several ids cost the workers far
     # less per delivery (tasks/batch.py, bench/results_forward.txt). 0: never wait.
     publish_linger: float = Field(default=0.01, ge=0, le=1)
+    # The most deliveries waiting in a receiver process for its publisher thread. Past it (a
+    # broker slower than the receiver, the thread restarting) a delivery stays pending in
+    # Postgres and the sweeper publishes it after publish_grace (counted:
+    # webhooks_publish_deferred_total). Bounds the memory a slow broker can take.
+    publish_queue_limit: int = Field(default=10_000, ge=1, le=1_000_000)
     # Group commit (ingest/store.py): accept batches in flight per receiver process, and the
     # most receipts one batch (one transaction) carries.
     accept_concurrency: int = Field(default=2, ge=1, le=64)

@@ -466,12 +466,14 @@ def audit_list(
     limit: Annotated[int, typer.Option("--limit", help="Most recent first.")] = 20,
     action: Annotated[
         str | None,
-        typer.Option("--action", help="Only these: discard, route, source, route.disable, ..."),
+        typer.Option(
+            "--action", help="Only these: discard, route, source, secret, route.disable, ..."
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Who discarded dead letters, disabled, enabled or removed routes and sources, when and
-    why (replays have their own trail: webhooks replays list)."""
+    """Who discarded dead letters, disabled, enabled or removed routes and sources, revoked
+    secrets, when and why (replays have their own trail: webhooks replays list)."""
     e = env()
     with e.session() as session:
         entries = catalog.list_audit(session, limit=limit, action=action)

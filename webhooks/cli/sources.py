@@ -327,14 +327,27 @@ def secrets_list(source: str, as_json: JsonOpt = False) -> None:
 
 @secrets_app.command("revoke")
 @handle_errors
-def secrets_revoke(source: str, secret_id: str) -> None:
-    """Revoke a secret: it stops verifying at once, in every receiver."""
+def secrets_revoke(
+    source: str,
+    secret_id: str,
+    reason: Annotated[
+        str | None, typer.Option("--reason", help="Why (optional; recorded in the audit).")
+    ] = None,
+    operator: OperatorOpt = None,
+) -> None:
+    """Revoke a secret: it stops verifying at once, in every receiver (audited: who, which
+    secret, when; see `webhooks audit list --action secret`)."""
     e = env()
     with e.session() as session:
-        catalog.revoke_secret(
-            session, catalog.get_source(session, source), secret_id, now=e.clock.now()
+        audit_id = catalog.revoke_secret(
+            session,
+            catalog.get_source(session, source),
+            secret_id,
+            now=e.clock.now(),
+            operator=operator or login(),
+            reason=reason,
         )
-    console.print(f"revoked {secret_id}")
+    console.print(f"revoked {secret_id} (audit {audit_id})")
 
 
 @secrets_app.command("rekey")
