@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import OperationalError
@@ -19,6 +20,7 @@ from models.schema import (
     Source,
     SourceSecret,
 )
+from webhooks.addresses import allows_private, check_host
 from webhooks.crypto import SecretBox, check_key, generate_secret, key_format, public_id
 from webhooks.logs import get_logger
 from webhooks.metrics import SOURCES_TTL_RAISED
@@ -373,9 +375,7 @@ def add_route(
     signing_plain: str | None = None
     signing_ct: bytes | None = None
     if handler == "forward":
-        url = opts.get("url", "")
-        if not url.startswith(("http://", "https://")):
-            raise CatalogError("the forward handler needs --option url=http(s)://...")
+        _check_forward_target(opts)
         signing_plain = opts.pop("secret", None) or generate_secret("standard")
         _check_whsec(signing_plain)
         signing_ct = box.encrypt(signing_plain)
@@ -392,6 +392,25 @@ def add_route(
     session.add(route)
     session.flush()
     return route, signing_plain
+
+
+def _check_forward_target(options: Mapping[str, str]) -> None:
+    """A forward route's URL and ``allow_private``, judged as the worker will judge them
+    (:mod:`webhooks.addresses`) where no DNS is needed: a refused address literal, metadata
+    host or ``localhost`` fails here, not on every delivery."""
+    url = options.get("url", "")
+    if not url.startswith(("http://", "https://")):
+        raise CatalogError("the forward handler needs --option url=http(s)://...")
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        host = None
+    if not host:
+        raise CatalogError("the forward handler's url has no host")
+    try:
+        check_host(host, allow_private=allows_private(options))
+    except ValueError as exc:  # AddressRefused is one
+        raise CatalogError(str(exc)) from None
 
 
 def list_routes(session: Session, source: Source) -> list[Route]:
