@@ -21,7 +21,14 @@ from models.schema import (
     SourceSecret,
 )
 from webhooks.addresses import allows_private, check_host
-from webhooks.crypto import SecretBox, check_key, generate_secret, key_format, public_id
+from webhooks.crypto import (
+    SecretBox,
+    check_key,
+    generate_secret,
+    key_format,
+    key_prefix,
+    public_id,
+)
 from webhooks.logs import get_logger
 from webhooks.metrics import SOURCES_TTL_RAISED
 from webhooks.settings import Settings
@@ -48,7 +55,8 @@ ConfigValidator = Callable[[str, Mapping[str, Any]], dict[str, Any]]
 
 # Secret strength (checked before anything is written). Providers whose secret format is whsec
 # (Standard Webhooks, Svix and the senders using them) take secrets that are
-# ``whsec_`` + base64 of the key: their libraries generate 24 to 32 random bytes. Other
+# ``whsec_`` + base64 of the key: their libraries generate 24 to 32 random bytes; so does any
+# ``whsec_`` key of another provider (GitLab's signing token), Stripe's aside. Other
 # providers' secrets are used as given (the HMAC key is the string itself): at least 16
 # characters, unless the operator says the sender dictates a shorter one (audited).
 MIN_WHSEC_BYTES = 24
@@ -277,9 +285,9 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
     """Refuse (CatalogError) a secret too weak for ``provider``; True when it is weak but
     ``allow_weak`` lets it through (the caller audits that), False when it is strong enough.
 
-    Providers whose secret format is ``whsec`` (Standard Webhooks, Svix, ...): ``whsec_`` +
-    base64 decoding to at least
-    :data:`MIN_WHSEC_BYTES` bytes, always. Other providers: at least
+    Providers whose secret format is ``whsec`` (Standard Webhooks, Svix, ...), and any
+    ``whsec_`` key of another provider (GitLab's signing token) but Stripe's: ``whsec_`` +
+    base64 decoding to at least :data:`MIN_WHSEC_BYTES` bytes, always. Other secrets: at least
     :data:`MIN_SECRET_CHARS` characters, unless ``allow_weak``."""
     if not secret.strip():
         raise CatalogError("secret must not be empty")
@@ -287,7 +295,7 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
         check_key(provider, secret)  # the provider's key format (public keys, hex keys)
     except ValueError as exc:
         raise CatalogError(str(exc)) from None
-    if key_format(provider) == "whsec":
+    if _is_whsec(provider, secret):
         key = _check_whsec(secret)
         if len(key) < MIN_WHSEC_BYTES:
             raise CatalogError(
@@ -305,6 +313,16 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
         f"{len(secret)}): omit --secret to have one generated, or, if the sender dictates "
         "this secret, pass --allow-weak-secret (recorded in the audit trail)"
     )
+
+
+def _is_whsec(provider: str, secret: str) -> bool:
+    """Judged as a Standard Webhooks key (whsec_ + base64 of 24+ bytes): the provider's format
+    says so, or the key looks like one whatever the format (GitLab's is ``text``, and its
+    signing token is a whsec_ key), unless the provider's own keys are whsec_-prefixed text
+    (Stripe: the whole string is the HMAC key)."""
+    if key_format(provider) == "whsec":
+        return True
+    return secret.startswith("whsec_") and key_prefix(provider) != "whsec_"
 
 
 def _login() -> str:

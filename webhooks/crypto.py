@@ -110,6 +110,14 @@ def key_format(provider: str) -> str:
     return registry.get(provider).key_format
 
 
+def key_prefix(provider: str) -> str:
+    """What the provider's own keys start with (Stripe: ``whsec_``, its whole string being the
+    key), from the provider registry."""
+    from ingest.providers import registry  # noqa: PLC0415 (providers load on first use)
+
+    return registry.get(provider).key_prefix
+
+
 def generate_secret(provider: str) -> str:
     """A new random signing secret in the provider's format (its registry entry says which)."""
     from ingest.providers import registry  # noqa: PLC0415 (providers load on first use)
