@@ -435,7 +435,10 @@ def setup(env: dict[str, str]) -> tuple[str, str]:
 
     run("db", "upgrade")
     view = orjson.loads(run("sources", "add", "bench", "--provider", "standard", "--json"))
-    run("routes", "add", view["id"], "--handler", "forward", "--option", f"url={HOOK}")
+    run(
+        "routes", "add", view["id"], "--handler", "forward",
+        "--option", f"url={HOOK}", "--option", "allow_private=true",
+    )  # fmt: skip
     return view["id"], view["secret"]
 
 

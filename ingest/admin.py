@@ -62,6 +62,7 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ingest.publisher import CeleryPublisher
+from ingest.server import Limits, ReceiverProtocol
 from models import queries, replays
 from models.catalog import CatalogError
 from models.db import make_engine, make_sessionmaker
@@ -754,12 +755,11 @@ class AdminServer:
             access_log=False,
             lifespan="off",
             proxy_headers=False,
-            http="h11",
+            # The public port's protocol, so the same read timeouts apply here: without them
+            # 64 idle connections would hold every slot and answer /admin and /metrics 503.
+            http=admin_protocol(settings),
             loop="asyncio",
-            # An operators' port: few clients, small requests.
-            limit_concurrency=64,
-            timeout_keep_alive=5,
-            h11_max_incomplete_event_size=16 * 1024,
+            timeout_keep_alive=settings.keep_alive_timeout,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
@@ -773,6 +773,27 @@ class AdminServer:
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
+
+
+# An operators' port: few clients, small requests.
+ADMIN_MAX_CONNECTIONS = 64
+ADMIN_MAX_HEADER_BYTES = 16 * 1024
+
+
+def admin_protocol(settings: Settings) -> type[ReceiverProtocol]:
+    """The receiver's protocol (:mod:`ingest.server`) with the admin port's limits: the public
+    port's header, body and keep-alive timeouts, a 16 KiB head and at most
+    :data:`ADMIN_MAX_CONNECTIONS` connections. A connection that sends nothing is closed
+    ``WEBHOOKS_HEADER_TIMEOUT`` after it opened, so idle sockets cannot hold the port; its
+    refusals are counted under ``limit="admin_..."``."""
+    limits = Limits(
+        max_header_bytes=ADMIN_MAX_HEADER_BYTES,
+        max_headers=settings.max_headers,
+        header_timeout=settings.header_timeout,
+        body_timeout=settings.body_timeout,
+        max_connections=ADMIN_MAX_CONNECTIONS,
+    )
+    return type("AdminProtocol", (ReceiverProtocol,), {"limits": limits, "limit_prefix": "admin_"})
 
 
 def _bind(host: str, port: int) -> socket.socket:

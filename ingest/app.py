@@ -508,7 +508,10 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
     # Every provider, plug-ins included, now: a broken plug-in stops the receiver at start
     # (ProviderPluginError naming it) instead of failing requests.
     registry.providers()
-    store = Store(settings, SecretBox(settings.secret_key.get_secret_value()))
+    store = Store(
+        settings,
+        SecretBox(settings.secret_key.get_secret_value(), legacy=settings.secret_key_legacy),
+    )
     publisher = Publisher(settings)
     receiver = Receiver(settings, clock, store, publisher)
 

@@ -89,7 +89,8 @@ def _plain(status: int, extra: bytes = b"") -> bytes:
 class ReceiverProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with head-size limits, read timeouts and a connection cap."""
 
-    limits: Limits | None = None  # set by tests that build a server in-process
+    limits: Limits | None = None  # set by the admin server and by tests building one in-process
+    limit_prefix = ""  # the admin port's refusals are counted as "admin_<limit>"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -128,7 +129,7 @@ class ReceiverProtocol(HttpToolsProtocol):
             if isinstance(refused, _Refused):
                 self._refuse(refused.status, refused.limit)
             else:
-                metrics.RECEIVER_LIMITS.labels("malformed_request").inc()
+                metrics.RECEIVER_LIMITS.labels(self.limit_prefix + "malformed_request").inc()
                 self.send_400_response("Invalid HTTP request received.")
                 self._refused = True
             return
@@ -186,7 +187,7 @@ class ReceiverProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        metrics.RECEIVER_LIMITS.labels(limit).inc()
+        metrics.RECEIVER_LIMITS.labels(self.limit_prefix + limit).inc()
         self._refused = True
         if self.cycle is None or self.cycle.response_complete:
             # No request in progress: say why before closing (the head never completed).
@@ -196,7 +197,7 @@ class ReceiverProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _refuse(self, status: int, limit: str, extra: bytes = b"") -> None:
-        metrics.RECEIVER_LIMITS.labels(limit).inc()
+        metrics.RECEIVER_LIMITS.labels(self.limit_prefix + limit).inc()
         self._refused = True
         self._disarm()
         self.transport.write(_plain(status, extra))

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import OperationalError
@@ -19,7 +20,15 @@ from models.schema import (
     Source,
     SourceSecret,
 )
-from webhooks.crypto import SecretBox, check_key, generate_secret, key_format, public_id
+from webhooks.addresses import allows_private, check_host
+from webhooks.crypto import (
+    SecretBox,
+    check_key,
+    generate_secret,
+    key_format,
+    key_prefix,
+    public_id,
+)
 from webhooks.logs import get_logger
 from webhooks.metrics import SOURCES_TTL_RAISED
 from webhooks.settings import Settings
@@ -46,7 +55,8 @@ ConfigValidator = Callable[[str, Mapping[str, Any]], dict[str, Any]]
 
 # Secret strength (checked before anything is written). Providers whose secret format is whsec
 # (Standard Webhooks, Svix and the senders using them) take secrets that are
-# ``whsec_`` + base64 of the key: their libraries generate 24 to 32 random bytes. Other
+# ``whsec_`` + base64 of the key: their libraries generate 24 to 32 random bytes; so does any
+# ``whsec_`` key of another provider (GitLab's signing token), Stripe's aside. Other
 # providers' secrets are used as given (the HMAC key is the string itself): at least 16
 # characters, unless the operator says the sender dictates a shorter one (audited).
 MIN_WHSEC_BYTES = 24
@@ -277,9 +287,9 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
     """Refuse (CatalogError) a secret too weak for ``provider``; True when it is weak but
     ``allow_weak`` lets it through (the caller audits that), False when it is strong enough.
 
-    Providers whose secret format is ``whsec`` (Standard Webhooks, Svix, ...): ``whsec_`` +
-    base64 decoding to at least
-    :data:`MIN_WHSEC_BYTES` bytes, always. Other providers: at least
+    Providers whose secret format is ``whsec`` (Standard Webhooks, Svix, ...), and any
+    ``whsec_`` key of another provider (GitLab's signing token) but Stripe's: ``whsec_`` +
+    base64 decoding to at least :data:`MIN_WHSEC_BYTES` bytes, always. Other secrets: at least
     :data:`MIN_SECRET_CHARS` characters, unless ``allow_weak``."""
     if not secret.strip():
         raise CatalogError("secret must not be empty")
@@ -287,7 +297,7 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
         check_key(provider, secret)  # the provider's key format (public keys, hex keys)
     except ValueError as exc:
         raise CatalogError(str(exc)) from None
-    if key_format(provider) == "whsec":
+    if _is_whsec(provider, secret):
         key = _check_whsec(secret)
         if len(key) < MIN_WHSEC_BYTES:
             raise CatalogError(
@@ -305,6 +315,16 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
         f"{len(secret)}): omit --secret to have one generated, or, if the sender dictates "
         "this secret, pass --allow-weak-secret (recorded in the audit trail)"
     )
+
+
+def _is_whsec(provider: str, secret: str) -> bool:
+    """Judged as a Standard Webhooks key (whsec_ + base64 of 24+ bytes): the provider's format
+    says so, or the key looks like one whatever the format (GitLab's is ``text``, and its
+    signing token is a whsec_ key), unless the provider's own keys are whsec_-prefixed text
+    (Stripe: the whole string is the HMAC key)."""
+    if key_format(provider) == "whsec":
+        return True
+    return secret.startswith("whsec_") and key_prefix(provider) != "whsec_"
 
 
 def _login() -> str:
@@ -395,9 +415,7 @@ def add_route(
     signing_plain: str | None = None
     signing_ct: bytes | None = None
     if handler == "forward":
-        url = opts.get("url", "")
-        if not url.startswith(("http://", "https://")):
-            raise CatalogError("the forward handler needs --option url=http(s)://...")
+        _check_forward_target(opts)
         signing_plain = opts.pop("secret", None) or generate_secret("standard")
         _check_whsec(signing_plain)
         signing_ct = box.encrypt(signing_plain)
@@ -414,6 +432,25 @@ def add_route(
     session.add(route)
     session.flush()
     return route, signing_plain
+
+
+def _check_forward_target(options: Mapping[str, str]) -> None:
+    """A forward route's URL and ``allow_private``, judged as the worker will judge them
+    (:mod:`webhooks.addresses`) where no DNS is needed: a refused address literal, metadata
+    host or ``localhost`` fails here, not on every delivery."""
+    url = options.get("url", "")
+    if not url.startswith(("http://", "https://")):
+        raise CatalogError("the forward handler needs --option url=http(s)://...")
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        host = None
+    if not host:
+        raise CatalogError("the forward handler's url has no host")
+    try:
+        check_host(host, allow_private=allows_private(options))
+    except ValueError as exc:  # AddressRefused is one
+        raise CatalogError(str(exc)) from None
 
 
 def list_routes(session: Session, source: Source) -> list[Route]:

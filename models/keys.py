@@ -10,6 +10,7 @@ any point and be started again (resumable), and a second run finds nothing to do
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from sqlalchemy import text
@@ -39,7 +40,59 @@ class RekeyReport:
         return sum(self.rekeyed.values())
 
 
-def rekey(sessions: sessionmaker[Session], box: SecretBox, *, batch: int = 500) -> RekeyReport:
+class LegacyKeysInUseError(Exception):
+    """``rekey --drop-legacy`` while stored secrets still need the legacy derivation."""
+
+    reason = "legacy_in_use"
+
+    def __init__(self, count: int) -> None:
+        super().__init__(
+            f"{count} stored secrets are still encrypted under the legacy SHA-256 key"
+            " derivation: run `webhooks secrets rekey` first (nothing was changed, and"
+            " WEBHOOKS_SECRET_KEY_LEGACY must stay true until this passes)"
+        )
+        self.count = count
+
+
+def _ciphertexts(sessions: sessionmaker[Session], batch: int) -> Iterator[bytes]:
+    for table, key, column in _TARGETS:
+        after: object = None
+        while True:
+            with sessions() as session:
+                rows = session.execute(
+                    text(
+                        f"SELECT {key}, {column} FROM {table}"  # noqa: S608 (constants above)
+                        f" WHERE {column} IS NOT NULL"
+                        + ("" if after is None else f" AND {key} > :after")
+                        + f" ORDER BY {key} LIMIT :limit"
+                    ),
+                    {"after": after, "limit": batch},
+                ).all()
+            yield from (bytes(ciphertext) for _, ciphertext in rows)
+            if len(rows) < batch:
+                break
+            after = rows[-1][0]
+
+
+def legacy_in_use(sessions: sessionmaker[Session], box: SecretBox, *, batch: int = 500) -> int:
+    """How many stored secrets only the legacy derivation of a listed key decrypts."""
+    return sum(box.needs_legacy(c) for c in _ciphertexts(sessions, batch))
+
+
+def rekey(
+    sessions: sessionmaker[Session],
+    box: SecretBox,
+    *,
+    batch: int = 500,
+    drop_legacy: bool = False,
+) -> RekeyReport:
+    """Re-encrypt under the newest key. ``drop_legacy``: first confirm that no stored secret
+    needs the legacy derivation any more, else LegacyKeysInUseError before anything changes
+    (then WEBHOOKS_SECRET_KEY_LEGACY can be turned off everywhere)."""
+    if drop_legacy:
+        count = legacy_in_use(sessions, box, batch=batch)
+        if count:
+            raise LegacyKeysInUseError(count)
     report = RekeyReport()
     for table, key, column in _TARGETS:
         checked = rekeyed = undecryptable = 0

@@ -8,6 +8,7 @@ prometheus-client's multi-process mode must be chosen in the main process, *befo
 command we point ``PROMETHEUS_MULTIPROC_DIR`` at a directory of our own. Every child then
 writes its own ``<type>_<pid>.db`` files there (prometheus-client notices the new pid after
 the fork), and the main process serves ``/metrics`` on ``WEBHOOKS_WORKER_METRICS_PORT``
+(of ``WEBHOOKS_ADMIN_HOST``, the private address, never the public receiver's host)
 through a ``MultiProcessCollector`` that sums them, so counters of children that exited (pool
 recycling, ``--max-tasks-per-child``, a crash) still count.
 
@@ -126,7 +127,7 @@ def _serve_metrics(**_: Any) -> None:
     # The workers' own families only: the receiver's are defined in every process, at zero.
     registry = exposed("worker", summed)
     try:
-        start_http_server(settings.worker_metrics_port, addr=settings.host, registry=registry)
+        start_http_server(settings.worker_metrics_port, addr=settings.admin_host, registry=registry)
     except OSError as exc:
         # Another worker on this host has the port: keep working, say so.
         log.error("worker_metrics.unavailable", port=settings.worker_metrics_port, error=str(exc))

@@ -89,7 +89,7 @@ def build_runtime(
         redis=client,
         claims=ClaimStore(client, processing_ttl=settings.processing_ttl),
         registry=load_registry(settings.handler_modules),
-        box=SecretBox(settings.secret_key.get_secret_value()),
+        box=SecretBox(settings.secret_key.get_secret_value(), legacy=settings.secret_key_legacy),
         clock=clock or SystemClock(),
         # A seed makes retry delays reproducible (tests); None draws from the OS.
         rng=rng or random.Random(settings.retry_seed),  # noqa: S311 (jitter, not crypto)

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -254,6 +255,49 @@ def test_the_docs_and_schema_need_the_token(plane: Receiver) -> None:
     for operations in schema["paths"].values():
         for operation in operations.values():
             assert "422" not in operation["responses"]
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_idle_connections_cannot_hold_the_admin_port(ops: Settings) -> None:
+    """Issue 18, item 5: 70 idle sockets (more than the admin port's 64 connections) are
+    closed at the header timeout, and then the admin API and /metrics answer at once; before,
+    uvicorn's h11 server started no timer before a first request, so they answered 503 for as
+    long as the sockets stayed open."""
+    with (
+        ops_receiver(
+            None, WEBHOOKS_ADMIN_TOKENS=f"ops:{OPS_TOKEN}", WEBHOOKS_HEADER_TIMEOUT="1"
+        ) as rcv,
+        ExitStack() as stack,
+    ):
+        started = time.monotonic()
+        idle = []
+        for _ in range(70):
+            sock = stack.enter_context(socket.create_connection(("127.0.0.1", rcv.admin_port)))
+            sock.settimeout(10)
+            idle.append(sock)
+        for sock in idle:  # each one is answered (408 or, past the cap, 503) and closed
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+            assert answer.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503")), answer[:100]
+        listed = httpx.get(f"{rcv.admin_url}/admin/events", headers=bearer(OPS_TOKEN), timeout=5)
+        scraped = httpx.get(f"{rcv.admin_url}/metrics", timeout=5)
+        elapsed = time.monotonic() - started
+    assert listed.status_code == 200, listed.text
+    assert scraped.status_code == 200
+    assert elapsed < 6, elapsed
+    # Counted apart from the public port's refusals.
+    admin = 'webhooks_receiver_limits_total{limit="admin_%s"}'
+    closed = _metric(scraped.text, admin % "header_timeout")
+    capped = _metric(scraped.text, admin % "max_connections")
+    assert (closed + capped, closed > 0) == (70, True), (closed, capped)
+    assert _metric(scraped.text, 'webhooks_receiver_limits_total{limit="header_timeout"}') == 0
 
 
 # --- named tokens ----------------------------------------------------------------------------

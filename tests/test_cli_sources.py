@@ -147,16 +147,23 @@ def test_routes_add_with_glob_and_forward_options(engine: Engine) -> None:
         "forward",
         "--option",
         "url=http://127.0.0.1:9/hook",
+        "--option",
+        "allow_private=true",
         "--json",
     )
     assert forward.returncode == 0, forward.stderr
     created = json.loads(forward.stdout)
     remember(created["signing_secret"])
-    assert created["options"] == {"url": "http://127.0.0.1:9/hook"}
+    assert created["options"] == {"url": "http://127.0.0.1:9/hook", "allow_private": "true"}
     assert created["signing_secret"].startswith("whsec_")
     listed = webhooks("routes", "list", view["id"], "--json")
     assert created["signing_secret"] not in listed.stdout
     assert [r["handler"] for r in json.loads(listed.stdout)] == ["log", "forward"]
+
+
+def _forward(source: str, *options: str) -> tuple[str, ...]:
+    pairs = [arg for option in options for arg in ("--option", option)]
+    return ("routes", "add", source, "--handler", "forward", *pairs)
 
 
 def test_bad_input_is_a_clear_error_and_changes_nothing(engine: Engine) -> None:
@@ -188,6 +195,15 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(engine: Engine) -> None:
         ),
         (("sources", "add", "x", "--provider", "hmac", "--config", "algorithm=md5"), "algorithm"),
         (("routes", "add", view["id"], "--handler", "forward"), "url="),
+        # Issue 18, item 7: addresses a forward may not reach, refused when the route is made.
+        (_forward(view["id"], "url=http://127.0.0.1:8001/admin"), "allow_private=true"),
+        (_forward(view["id"], "url=https://10.1.2.3/h"), "a private address"),
+        (_forward(view["id"], "url=https://[fe80::1]/h", "allow_private=true"), "link-local"),
+        (
+            _forward(view["id"], "url=http://169.254.169.254/latest", "allow_private=true"),
+            "cloud metadata",
+        ),
+        (_forward(view["id"], "url=https://h.example/h", "allow_private=maybe"), "true or false"),
         (("routes", "add", view["id"], "--handler", "log", "--option", "novalue"), "KEY=VALUE"),
         (("routes", "add", "src_nope", "--handler", "log"), "no such source"),
         (("sources", "show", "src_nope"), "no such source"),

@@ -4,18 +4,25 @@ A real HTTP server on loopback; the handler runs in-process so its memory can be
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
+import socket
+import ssl
 import threading
 import tracemalloc
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo
 from tasks.errors import PermanentError, RetryableError
+from tasks.handlers import forward as forward_module
 from tasks.handlers.forward import (
     MAX_RESPONSE_BYTES,
     _http,
@@ -106,9 +113,10 @@ def ignored() -> float:
 
 
 def test_a_huge_error_answer_is_never_read_whole(huge: HugeAnswer) -> None:
-    event, ctx = context(huge.url)
+    event, ctx = context(huge.url, allow_private="true")
     before = ignored()
-    _http()  # the shared client (its TLS context) exists before the measurement
+    with _http(allow_private=True):  # the pooled client and its TLS context exist before
+        pass  # the measurement (a bare _http() call never entered it, so made neither)
     tracemalloc.start()
     try:
         with pytest.raises(RetryableError) as raised:
@@ -138,15 +146,278 @@ def test_retry_after_takes_seconds_or_an_http_date_and_ignores_the_rest() -> Non
 
 
 def test_plain_http_only_to_loopback_or_when_the_route_allows_it() -> None:
+    private = {"allow_private": "true"}
     assert check_url("https://billing.example/hook") == "https://billing.example/hook"
     for loopback in ("http://127.0.0.1:8080/h", "http://localhost/h", "http://[::1]:9/h"):
-        assert check_url(loopback) == loopback
+        assert check_url(loopback, private) == loopback
     with pytest.raises(PermanentError) as refused:
         check_url("http://billing.example/hook")
     assert refused.value.reason == "insecure_url"
     assert "allow_http=true" in str(refused.value)
     assert check_url("http://billing.example/hook", {"allow_http": "true"})
-    for broken in (None, "ftp://x/y", "billing.example/hook", "http:///nohost"):
+    for broken in (None, "ftp://x/y", "billing.example/hook", "http:///nohost", "https://[::1/"):
         with pytest.raises(PermanentError) as bad:
             check_url(broken)
         assert bad.value.reason == "misconfigured"
+
+
+# --- addresses a forward may not reach (issue 18, item 7) -------------------------------------
+
+
+def refused_reason(url: str, **options: str) -> str:
+    with pytest.raises(PermanentError) as refused:
+        check_url(url, dict(options))
+    assert refused.value.reason == "address_refused"
+    assert url not in str(refused.value)  # the class of address, never the URL
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://169.254.10.20/hook",
+        "https://[fe80::1]/hook",
+        "https://[::ffff:169.254.1.1]/hook",
+    ],
+)
+def test_link_local_is_refused_whatever_the_route_allows(url: str) -> None:
+    for options in ({}, {"allow_private": "true"}):
+        assert "link-local" in refused_reason(url, **options)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://169.254.169.254/latest/meta-data/",
+        "https://100.100.100.200/latest/meta-data/",
+        "https://[fd00:ec2::254]/latest",
+        "https://192.0.0.192/opc/v2/instance",
+        "http://metadata.google.internal/computeMetadata/v1/",
+        "http://[64:ff9b::a9fe:a9fe]/",  # NAT64 of 169.254.169.254
+    ],
+)
+def test_cloud_metadata_is_refused_whatever_the_route_allows(url: str) -> None:
+    for options in ({}, {"allow_private": "true"}):
+        assert "metadata" in refused_reason(url, **options)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://10.0.0.8/hook",
+        "https://172.16.5.4/hook",
+        "https://192.168.1.10/hook",
+        "https://100.64.0.1/hook",
+        "https://[fd12:3456::1]/hook",
+        "http://127.0.0.1:8001/admin/events",
+        "http://localhost:6379/",
+        "http://[::1]:5432/",
+        "http://0.0.0.0:5555/",
+        "http://2130706433:8001/",  # 127.0.0.1, as the resolver reads it
+    ],
+)
+def test_private_and_loopback_only_when_the_route_allows_them(url: str) -> None:
+    assert "--option allow_private=true" in refused_reason(url)
+    assert check_url(url, {"allow_private": "true", "allow_http": "true"}) == url
+
+
+def test_allow_private_must_say_true_or_false() -> None:
+    with pytest.raises(PermanentError) as bad:
+        check_url("https://billing.example/hook", {"allow_private": "ture"})
+    assert bad.value.reason == "misconfigured"
+    assert "true or false" in str(bad.value)
+
+
+class Recorder:
+    """A downstream on loopback that answers 204 and keeps each request's headers; over TLS
+    with a certificate for ``name`` only when ``tls`` is given (and records the SNI)."""
+
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.requests: list[dict[str, str]] = []
+        self.sni: list[str | None] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                recorder.requests.append({k.lower(): v for k, v in self.headers.items()})
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        if tls is not None:
+            tls.sni_callback = lambda _sock, name, _ctx: recorder.sni.append(name)  # type: ignore[assignment,misc]
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def downstream() -> Iterator[Recorder]:
+    server = Recorder()
+    yield server
+    server.close()
+
+
+def test_loopback_is_reached_only_when_the_route_allows_it(downstream: Recorder) -> None:
+    url = f"http://127.0.0.1:{downstream.port}/hook"
+    event, ctx = context(url)
+    with pytest.raises(PermanentError) as refused:
+        forward(event, ctx)
+    assert refused.value.reason == "address_refused"
+    assert downstream.requests == []
+    event, ctx = context(url, allow_private="true")
+    forward(event, ctx)
+    assert len(downstream.requests) == 1
+
+
+def _loopback_name() -> str:
+    """This machine's host name when it resolves to loopback or a private address only."""
+    name = socket.gethostname()
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(name, 80, type=socket.SOCK_STREAM)}
+    except OSError:
+        pytest.skip(f"{name} does not resolve")
+    if any(ipaddress.ip_address(str(a).partition("%")[0]).is_global for a in found):
+        pytest.skip(f"{name} resolves to a public address")
+    return name
+
+
+def test_a_name_that_resolves_to_loopback_is_refused_at_delivery(downstream: Recorder) -> None:
+    """A name passes when the route is made (no DNS then); the worker resolves it, judges every
+    address and refuses before connecting. The system resolver, not a stand-in."""
+    name = _loopback_name()
+    url = f"http://{name}:{downstream.port}/hook"
+    event, ctx = context(url, allow_http="true")
+    assert check_url(url, {"allow_http": "true"}) == url
+    with pytest.raises(PermanentError) as refused:
+        forward(event, ctx)
+    assert refused.value.reason == "address_refused"
+    assert downstream.requests == []
+    event, ctx = context(url, allow_http="true", allow_private="true")
+    forward(event, ctx)
+    assert [r["host"] for r in downstream.requests] == [f"{name}:{downstream.port}"]
+
+
+class OneAnswerDns:
+    """A DNS server standing in for an attacker's (a third party): answers ``first`` to the
+    first lookup and ``later`` to every other, as a rebinding name does."""
+
+    def __init__(self, first: str, later: str) -> None:
+        self.answers = [first, later]
+        self.lookups: list[str] = []
+
+    def __call__(self, host: str, port: int) -> list[ipaddress.IPv4Address]:
+        self.lookups.append(host)
+        answer = self.answers[0] if len(self.lookups) == 1 else self.answers[1]
+        return [ipaddress.IPv4Address(answer)]
+
+
+def test_the_connection_goes_to_the_address_that_was_checked(
+    downstream: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rebinding: the name is looked up once per connection, and that checked answer is where
+    the connection goes (a second lookup would say 127.0.0.2, where nothing listens). And the
+    other way round: a public first answer is never followed by a private connection."""
+    dns = OneAnswerDns("127.0.0.1", "127.0.0.2")
+    monkeypatch.setattr(forward_module, "resolve", dns)
+    monkeypatch.setattr(forward_module, "_idle", {False: [], True: []})
+    event, ctx = context(
+        f"http://rebind.test:{downstream.port}/hook", allow_http="true", allow_private="true"
+    )
+    forward(event, ctx)
+    assert dns.lookups == ["rebind.test"]
+    assert [r["host"] for r in downstream.requests] == [f"rebind.test:{downstream.port}"]
+    # Refused on the answer it checked: a private address without allow_private.
+    dns = OneAnswerDns("127.0.0.1", "93.184.215.14")
+    monkeypatch.setattr(forward_module, "resolve", dns)
+    event, ctx = context(f"http://rebind.test:{downstream.port}/hook", allow_http="true")
+    with pytest.raises(PermanentError) as refused:
+        forward(event, ctx)
+    assert refused.value.reason == "address_refused"
+    assert (dns.lookups, len(downstream.requests)) == (["rebind.test"], 1)
+
+
+def _certificate(name: str) -> tuple[bytes, bytes]:
+    """A self-signed certificate for ``name`` only (PEM certificate, PEM key)."""
+    from cryptography import x509  # noqa: PLC0415
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+    from cryptography.x509.oid import NameOID  # noqa: PLC0415
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem_key = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), pem_key
+
+
+def test_https_keeps_the_hosts_name_for_sni_and_verification(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connected to the checked address, TLS still names and verifies the URL's host: the
+    certificate is valid for ``hooks.test`` only, so connecting "to 127.0.0.1" would fail."""
+    cert, key = _certificate("hooks.test")
+    (tmp_path / "cert.pem").write_bytes(cert)
+    (tmp_path / "key.pem").write_bytes(key)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    client_tls = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+    monkeypatch.setattr(forward_module, "_tls", client_tls)
+    monkeypatch.setattr(forward_module, "_idle", {False: [], True: []})
+    monkeypatch.setattr(forward_module, "resolve", OneAnswerDns("127.0.0.1", "127.0.0.1"))
+    server = Recorder(server_tls)
+    try:
+        event, ctx = context(f"https://hooks.test:{server.port}/hook", allow_private="true")
+        forward(event, ctx)
+    finally:
+        server.close()
+    assert server.sni == ["hooks.test"]
+    assert [r["host"] for r in server.requests] == [f"hooks.test:{server.port}"]
+
+
+# --- header values (issue 18, item 8) -------------------------------------------------------
+
+
+def test_non_ascii_type_and_content_type_never_fail_an_attempt(downstream: Recorder) -> None:
+    """The type goes percent-encoded under a header saying so; a content type that is not
+    printable ASCII (stored as the sender's bytes read as Latin-1) becomes octet-stream.
+    Before, httpx refused to encode them, and every attempt failed until the delivery died."""
+    url = f"http://127.0.0.1:{downstream.port}/hook"
+    event, ctx = context(url, allow_private="true")
+    meta = dataclasses.replace(
+        event.meta, event_type="bestellung.geändert\r\nx: y", content_type="text/plain; ü"
+    )
+    forward(Event(meta, event.body), ctx)
+    (seen,) = downstream.requests
+    assert "x-webhooks-event-type" not in seen
+    assert "x" not in seen  # no header injection
+    assert unquote(seen["x-webhooks-event-type-utf8"]) == meta.event_type
+    assert seen["content-type"] == "application/octet-stream"
+    # An ASCII type and content type go as they are.
+    forward(event, ctx)
+    assert downstream.requests[1]["x-webhooks-event-type"] == "edge.case"
+    assert downstream.requests[1]["content-type"] == "application/json"

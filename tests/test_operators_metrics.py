@@ -3,6 +3,7 @@ and the main process's /metrics endpoint adds up every process's share."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,3 +115,36 @@ def test_worker_metrics_add_up_across_worker_processes(
         broker.close()
         worker.stop()
     assert not (root / f"worker-{worker.pid}").exists()  # removed at shutdown
+
+
+def test_worker_metrics_listen_on_the_admin_host_not_the_receivers(tmp_path: Path) -> None:
+    """Issue 18, item 8: the worker's /metrics binds WEBHOOKS_ADMIN_HOST (here 127.0.0.2), not
+    WEBHOOKS_HOST (127.0.0.3, the public receiver's address)."""
+    port = free_port()
+    cmd = [
+        str(BIN / "celery"), "-A", "tasks", "worker", "-Q", DELIVERIES_QUEUE,
+        "-P", "threads", "-c", "1", "-n", "metrics-host@%h",
+        "--without-mingle", "--without-gossip", "-l", "INFO",
+    ]  # fmt: skip
+    env = ops_env(
+        worker_metrics_port=port,
+        metrics_dir=str(tmp_path / "metrics"),
+        worker_pool="threads",
+        host="127.0.0.3",
+        admin_host="127.0.0.2",
+    )
+    worker = Worker("worker-metrics-host", cmd, env, tmp_path)
+    try:
+        worker.wait_ready()
+
+        def listening() -> bool | None:
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.2", port)) == 0 or None
+
+        wait_for(listening, timeout=20, what="worker metrics on 127.0.0.2")
+        scraped = httpx.get(f"http://127.0.0.2:{port}/metrics", timeout=10)
+        assert scraped.status_code == 200
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.3", port)) != 0
+    finally:
+        worker.stop()

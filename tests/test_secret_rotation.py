@@ -352,3 +352,56 @@ def test_a_capture_replayed_after_retention_is_refused_by_its_timestamp(
     if replayed == 401:  # refused by its timestamp, not by anything else
         labels = {"source": source.public_id, "outcome": "unauthenticated:stale"}
         assert REGISTRY.get_sample_value("webhooks_requests_total", labels) == 1
+
+
+def _legacy_ciphertext(key: str, plaintext: str) -> bytes:
+    """What SecretBox wrote before keys were stretched: Fernet under a SHA-256 of the key."""
+    digest = hashlib.sha256(b"webhooks-secret-box:" + key.encode()).digest()
+    return Fernet(base64.urlsafe_b64encode(digest)).encrypt(plaintext.encode())
+
+
+def test_drop_legacy_is_refused_while_a_secret_needs_it_then_retires_it(
+    sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """Issue 18, item 8: ``secrets rekey --drop-legacy`` refuses, changing nothing, while a
+    stored secret is only readable through the legacy SHA-256 derivation; after a plain rekey
+    it passes, and WEBHOOKS_SECRET_KEY_LEGACY=false takes the derivation out of the box."""
+    source = make_source(sessions, make_settings())
+    legacy = _legacy_ciphertext(OLD, source.secret)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE source_secrets SET ciphertext = :c WHERE source_id = :s"),
+            {"c": legacy, "s": source.id},
+        )
+
+    def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(BIN / "webhooks"), "secrets", "rekey", *args],
+            env=test_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    refused = cli("--drop-legacy")
+    assert refused.returncode == 1, refused.stdout
+    assert "still encrypted under the legacy SHA-256 key derivation" in refused.stderr
+    assert "run `webhooks secrets rekey` first" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert _stored_secret(engine, source.id)[0] == legacy  # nothing changed
+    # Without the legacy derivation the row cannot be read: that is what the refusal protects.
+    with pytest.raises(SecretDecryptError):
+        SecretBox(OLD, legacy=False).decrypt(legacy)
+    assert SecretBox(OLD).decrypt(legacy) == source.secret
+
+    assert cli().returncode == 0
+    moved = _stored_secret(engine, source.id)[0]
+    assert SecretBox(OLD, legacy=False).decrypt(moved) == source.secret
+    retired = cli("--drop-legacy")
+    assert retired.returncode == 0, retired.stderr
+    assert "WEBHOOKS_SECRET_KEY_LEGACY=false" in retired.stdout
+    off = cli("--drop-legacy", "--json", WEBHOOKS_SECRET_KEY_LEGACY="false")
+    assert off.returncode == 0, off.stderr
+    assert json.loads(off.stdout)["legacy_in_use"] == 0
+    assert load_settings(secret_key=OLD, secret_key_legacy="false").secret_key_legacy is False

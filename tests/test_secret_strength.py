@@ -110,6 +110,34 @@ def test_short_whsec_secret_is_refused_on_rotation_and_a_24_byte_one_is_accepted
     assert weak_audits(engine, source_id) == []
 
 
+def test_a_short_whsec_key_is_refused_whatever_the_providers_format(engine: Engine) -> None:
+    """Issue 18, item 8: GitLab's secret format is text, but a whsec_ key is its signing token
+    (Standard Webhooks): 10 characters of it were accepted. The whsec rule applies to it, with
+    or without --allow-weak-secret; a 24-byte one, and GitLab's plain token, still pass."""
+    name = f"gl-{uuid.uuid4().hex[:8]}"
+    before = counts(engine)
+    for extra in ((), ("--allow-weak-secret",)):
+        refused = webhooks(
+            "sources", "add", name, "--provider", "gitlab", "--secret", "whsec_abcd", *extra
+        )
+        assert refused.returncode == 1, refused.stdout
+        assert "at least 24 bytes" in refused.stderr, refused.stderr
+        assert "whsec_abcd" not in refused.stderr
+    assert counts(engine) == before
+    added = webhooks(
+        "sources", "add", name, "--provider", "gitlab", "--secret", STRONG_WHSEC, "--json"
+    )
+    assert added.returncode == 0, added.stderr
+    source_id = json.loads(added.stdout)["id"]
+    again = webhooks("secrets", "add", source_id, "--secret", "whsec_abcd")
+    assert (again.returncode, "at least 24 bytes" in again.stderr) == (1, True), again.stderr
+    plain = webhooks("secrets", "add", source_id, "--secret", "gitlab-plain-token-ok")
+    assert plain.returncode == 0, plain.stderr
+    assert len("whsec_abcd") == 10
+    # Stripe's keys are whsec_ + text (the whole string is the key): its own rule applies.
+    assert catalog.check_secret_strength("stripe", generate_secret("stripe")) is False
+
+
 def test_a_short_github_secret_is_refused_unless_allowed_and_then_audited(engine: Engine) -> None:
     name = f"gh-{uuid.uuid4().hex[:8]}"
     before = counts(engine)

@@ -118,7 +118,14 @@ def test_forward_sends_one_key_per_event_on_every_retry_signed_with_the_route_se
             sessions,
             settings,
             routes=[
-                {"handler": "forward", "options": {"url": downstream.url, "secret": ROUTE_SECRET}}
+                {
+                    "handler": "forward",
+                    "options": {
+                        "url": downstream.url,
+                        "secret": ROUTE_SECRET,
+                        "allow_private": "true",
+                    },
+                }
             ],
         )
         first = accept_event(

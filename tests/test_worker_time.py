@@ -239,7 +239,12 @@ def _forward_delivery(
     source = make_source(
         sessions,
         settings,
-        routes=[{"handler": "forward", "options": {"url": url, "secret": ROUTE_SECRET}}],
+        routes=[
+            {
+                "handler": "forward",
+                "options": {"url": url, "secret": ROUTE_SECRET, "allow_private": "true"},
+            }
+        ],
     )
     return accept_event(settings, source)[1].delivery_ids[0], settings
 

@@ -7,8 +7,21 @@ under NEW; resumable and idempotent), then deploy ``NEW`` alone.
 
 Each key is stretched with scrypt (N=2^15, r=8, p=1): a key may be a passphrase a person
 chose, and scrypt makes guessing one from a stolen ciphertext expensive; for a random key it
-costs only the derivation, once per process. Ciphertexts written before keys were stretched
-(a SHA-256 of the key) still decrypt, and ``rekey`` moves them to the stretched key.
+costs only the derivation, once per process.
+
+The salt is fixed (:data:`_SCRYPT_SALT`), on purpose. A salt defeats precomputation across many
+stored hashes; here there is one key per deployment, and every process must derive the same
+Fernet key from it without storing anything beside the ciphertexts (a random salt would have to
+be stored and shared, and losing it would lose every secret). What a fixed salt costs: an
+attacker can precompute scrypt over a dictionary of passphrases once for every deployment of
+this project, which is why keys are at least 32 characters and ``make .env`` writes random
+ones; the purpose-bound salt still keeps these derived keys apart from any other scrypt use
+of the same key material.
+
+Ciphertexts written before keys were stretched (a SHA-256 of the key, fast to guess from)
+still decrypt while ``WEBHOOKS_SECRET_KEY_LEGACY`` is true (the default), and ``rekey`` moves
+them to the stretched key. ``webhooks secrets rekey --drop-legacy`` confirms none is left
+(refused, changing nothing, while any is) so the setting can be turned off everywhere.
 """
 
 from __future__ import annotations
@@ -64,12 +77,14 @@ def _legacy(key: str) -> Fernet:
 
 
 class SecretBox:
-    def __init__(self, secret_key: str) -> None:
+    def __init__(self, secret_key: str, *, legacy: bool = True) -> None:
         keys = split_keys(secret_key)
         self._current = _stretched(keys[0])
-        fernets = [self._current, *(_stretched(k) for k in keys[1:])]
-        fernets += [_legacy(k) for k in keys]
-        self._fernet = MultiFernet(fernets)
+        stretched = [self._current, *(_stretched(k) for k in keys[1:])]
+        legacies = [_legacy(k) for k in keys]
+        self._stretched, self._legacy = MultiFernet(stretched), MultiFernet(legacies)
+        # WEBHOOKS_SECRET_KEY_LEGACY: the old derivation decrypts too (never encrypts).
+        self._fernet = MultiFernet(stretched + legacies if legacy else stretched)
         self._cache: dict[bytes, str] = {}
 
     def encrypt(self, plaintext: str) -> bytes:
@@ -96,6 +111,21 @@ class SecretBox:
             return False
         return True
 
+    def needs_legacy(self, ciphertext: bytes) -> bool:
+        """Readable only through the legacy SHA-256 derivation of a listed key (whether or not
+        this box uses it): what ``rekey --drop-legacy`` refuses to leave behind."""
+        try:
+            self._stretched.decrypt(ciphertext)
+        except InvalidToken:
+            pass
+        else:
+            return False
+        try:
+            self._legacy.decrypt(ciphertext)
+        except InvalidToken:
+            return False
+        return True
+
     def rekeyed(self, ciphertext: bytes) -> bytes:
         """The same secret encrypted under the newest key; SecretDecryptError if no listed
         key decrypts it."""
@@ -108,6 +138,14 @@ def key_format(provider: str) -> str:
     from ingest.providers import registry  # noqa: PLC0415 (providers load on first use)
 
     return registry.get(provider).key_format
+
+
+def key_prefix(provider: str) -> str:
+    """What the provider's own keys start with (Stripe: ``whsec_``, its whole string being the
+    key), from the provider registry."""
+    from ingest.providers import registry  # noqa: PLC0415 (providers load on first use)
+
+    return registry.get(provider).key_prefix
 
 
 def generate_secret(provider: str) -> str:

@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     # Secrets.
     # One key, or several newest first (rotation: webhooks/crypto.py), each >= 32 characters.
     secret_key: SecretStr = Field(min_length=32)
+    # Ciphertexts written before keys were stretched still decrypt (a SHA-256 of the key);
+    # false once `webhooks secrets rekey --drop-legacy` found none left (webhooks.crypto).
+    secret_key_legacy: bool = True
     admin_token: SecretStr | None = None
     # Named admin tokens, ``name:token,name2:token2``: the audit records the name (see
     # admin_tokens_by_name). WEBHOOKS_ADMIN_TOKEN is one more, named "admin".

@@ -16,6 +16,19 @@ needed: a downstream answering with a huge body cannot grow the worker's memory)
 ``Retry-After`` that is neither delta-seconds nor an HTTP date is ignored and counted.
 ``http://`` targets are refused (the event would travel in clear) unless the host is
 loopback or the route sets ``--option allow_http=true``.
+
+Addresses (:mod:`webhooks.addresses`): link-local and cloud metadata addresses are refused
+always; loopback and private ones unless the route sets ``--option allow_private=true``. The
+host is resolved once per connection, every address it resolves to is checked, and the
+connection goes to a checked address (a custom httpcore network backend), so DNS rebinding
+cannot switch the target; TLS still verifies, and SNI and ``Host`` still name, the URL's host.
+A refused address is a PermanentError (``address_refused``), never retried. Forwards connect
+directly: ``HTTP(S)_PROXY`` is not used (a proxy would resolve the host itself).
+
+Header values are ASCII: an event type with other characters goes as
+``X-Webhooks-Event-Type-UTF8`` (its UTF-8 percent-encoded) instead of
+``X-Webhooks-Event-Type``, and a stored content type that is not printable ASCII is replaced
+by ``application/octet-stream``; a delivery never fails on our own header encoding.
 """
 
 from __future__ import annotations
@@ -23,19 +36,22 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
+import httpcore
 import httpx
 from standardwebhooks.webhooks import Webhook
 
 from tasks.context import Event, HandlerContext
 from tasks.errors import PermanentError, RetryableError
 from tasks.handlers.registry import register
+from webhooks.addresses import AddressRefused, IPAddress, allows_private, check_address, check_host
 from webhooks.metrics import RETRY_AFTER_IGNORED
 
 USER_AGENT = "webhook-pipeline/0.1"
@@ -44,12 +60,16 @@ MAX_RESPONSE_BYTES = 64 * 1024
 # The longest Retry-After honoured as given (the retry policy caps it further).
 _MAX_RETRY_AFTER_S = 7 * 86400.0
 _DELTA_SECONDS = re.compile(r"[0-9]{1,12}")  # ASCII digits only: "²".isdigit() is True
+# What a header value may carry as it is: printable ASCII and spaces (no controls, no CR/LF).
+_HEADER_SAFE = re.compile(r"[\x20-\x7e]*")
 
-# Idle clients, most recently used last. Each running call borrows one (a gevent worker runs
-# ~100 at once): one client shared by them all spends its CPU in httpcore's pool, which checks
-# every pooled connection for expiry on each request (bench_forward.py measured it as most of
-# the worker's CPU). A borrowed client keeps its connections alive for the next call.
-_idle: list[httpx.Client] = []
+# Idle clients, most recently used last, apart by whether they may reach private addresses.
+# Each running call borrows one (a gevent worker runs ~100 at once): one client shared by them
+# all spends its CPU in httpcore's pool, which checks every pooled connection for expiry on
+# each request (bench_forward.py measured it as most of the worker's CPU). A borrowed client
+# keeps its connections alive for the next call (of a route with the same address policy: a
+# connection a private route opened is never reused for one that may not reach it).
+_idle: dict[bool, list[httpx.Client]] = {False: [], True: []}
 # One TLS context for every client: building one per client costs milliseconds.
 _tls: ssl.SSLContext | None = None
 
@@ -57,28 +77,81 @@ _tls: ssl.SSLContext | None = None
 def _reset_clients() -> None:
     # A pooled connection must not be shared across fork.
     global _tls  # noqa: PLW0603
-    _idle.clear()
+    for clients in _idle.values():
+        clients.clear()
     _tls = None
 
 
 os.register_at_fork(after_in_child=_reset_clients)
 
 
+def resolve(host: str, port: int) -> list[IPAddress]:
+    """Every address ``host`` resolves to (the system resolver, once)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in found]
+
+
+class _CheckedBackend(httpcore.SyncBackend):
+    """httpcore's socket backend, resolving the host itself: every address is checked, and
+    the connection goes to one of those checked addresses (never a second lookup). TLS is
+    started by httpcore afterwards with the URL's host as SNI and for verification."""
+
+    def __init__(self, allow_private: bool) -> None:
+        self.allow_private = allow_private
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.NetworkStream:
+        try:
+            addresses = resolve(host, port)
+        except (OSError, UnicodeError) as exc:
+            raise httpcore.ConnectError(type(exc).__name__) from None
+        for address in addresses:
+            check_address(address, allow_private=self.allow_private)  # AddressRefused
+        failure: Exception = httpcore.ConnectError("no address")
+        for address in addresses:
+            try:
+                return super().connect_tcp(
+                    str(address), port, timeout, local_address, socket_options
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                failure = exc
+        raise failure
+
+
+class _CheckedTransport(httpx.HTTPTransport):
+    """httpx's transport over a pool that connects through :class:`_CheckedBackend`."""
+
+    def __init__(self, tls: ssl.SSLContext, allow_private: bool) -> None:
+        super().__init__(verify=tls, trust_env=False)
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=tls, network_backend=_CheckedBackend(allow_private)
+        )
+
+
 @contextmanager
-def _http() -> Iterator[httpx.Client]:
+def _http(allow_private: bool = False) -> Iterator[httpx.Client]:
     global _tls  # noqa: PLW0603
-    if _idle:
-        client = _idle.pop()
+    idle = _idle[allow_private]
+    if idle:
+        client = idle.pop()
     else:
         if _tls is None:
             _tls = httpx.create_ssl_context()  # what httpx.Client() itself builds
         client = httpx.Client(
-            follow_redirects=False, headers={"user-agent": USER_AGENT}, verify=_tls
+            transport=_CheckedTransport(_tls, allow_private),
+            follow_redirects=False,
+            headers={"user-agent": USER_AGENT},
         )
     try:
         yield client
     finally:
-        _idle.append(client)
+        idle.append(client)
 
 
 def parse_retry_after(value: str | None, now: datetime) -> float | None:
@@ -100,14 +173,27 @@ def parse_retry_after(value: str | None, now: datetime) -> float | None:
     return min(max(0.0, (when - now).total_seconds()), _MAX_RETRY_AFTER_S)
 
 
-def check_url(url: object, options: dict[str, object] | None = None) -> str:
+def check_url(url: object, options: Mapping[str, object] | None = None) -> str:
     """The route's target, if it may be used: http(s) with a host; plain http only to a
-    loopback host or with ``allow_http=true``. Raises PermanentError (misconfigured)."""
+    loopback host or with ``allow_http=true``; not an address :mod:`webhooks.addresses`
+    refuses (judged here by what needs no DNS: a literal, ``localhost``, metadata names).
+    Raises PermanentError (``misconfigured``, ``insecure_url`` or ``address_refused``)."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise PermanentError("forward route has no http(s) url option", reason="misconfigured")
-    host = urlsplit(url).hostname
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        host = None
     if not host:
         raise PermanentError("forward route's url has no host", reason="misconfigured")
+    try:
+        allow_private = allows_private(options)
+    except ValueError as exc:
+        raise PermanentError(f"forward route: {exc}", reason="misconfigured") from None
+    try:
+        check_host(host, allow_private=allow_private)
+    except AddressRefused as exc:
+        raise PermanentError(str(exc), reason="address_refused") from None
     if url.startswith("http://") and not _loopback(host):
         allowed = str((options or {}).get("allow_http", "")).lower() in ("true", "1", "yes")
         if not allowed:
@@ -136,14 +222,24 @@ def signed_headers(event: Event, ctx: HandlerContext, secret: str, now: datetime
             "body is not UTF-8, cannot sign it as Standard Webhooks", reason="malformed_body"
         ) from None
     signature = Webhook(secret).sign(ctx.idempotency_key, now, text)
-    return {
-        "content-type": event.meta.content_type or "application/json",
+    headers = {
+        "content-type": _content_type(event.meta.content_type),
         "idempotency-key": ctx.idempotency_key,
         "webhook-id": ctx.idempotency_key,
         "webhook-timestamp": str(int(now.timestamp())),
         "webhook-signature": signature,
-        "x-webhooks-event-type": event.event_type,
     }
+    if _HEADER_SAFE.fullmatch(event.event_type):
+        headers["x-webhooks-event-type"] = event.event_type
+    else:  # not sendable as it is: its UTF-8, percent-encoded, under a name saying so
+        headers["x-webhooks-event-type-utf8"] = quote(event.event_type, safe="")
+    return headers
+
+
+def _content_type(stored: str | None) -> str:
+    if not stored:
+        return "application/json"
+    return stored if _HEADER_SAFE.fullmatch(stored) else "application/octet-stream"
 
 
 def _read_at_most(response: httpx.Response, limit: int) -> int:
@@ -159,14 +255,15 @@ def _read_at_most(response: httpx.Response, limit: int) -> int:
 
 @register("forward")
 def forward(event: Event, ctx: HandlerContext) -> None:
-    url = check_url(ctx.route.options.get("url"), dict(ctx.route.options))
+    options = dict(ctx.route.options)
+    url = check_url(options.get("url"), options)
     if not ctx.route.signing_secret:
         raise PermanentError("forward route has no signing secret", reason="misconfigured")
     now = ctx.clock.now()
     headers = signed_headers(event, ctx, ctx.route.signing_secret, now)
     try:
         with (
-            _http() as client,
+            _http(allows_private(options)) as client,
             client.stream(
                 "POST",
                 url,
@@ -176,6 +273,8 @@ def forward(event: Event, ctx: HandlerContext) -> None:
             ) as response,
         ):
             _read_at_most(response, MAX_RESPONSE_BYTES)
+    except AddressRefused as exc:  # the host resolved to an address the route may not reach
+        raise PermanentError(str(exc), reason="address_refused") from None
     except httpx.TimeoutException as exc:
         raise RetryableError(
             f"downstream timed out ({type(exc).__name__})", reason="timeout"

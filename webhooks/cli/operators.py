@@ -505,7 +505,7 @@ def _receiver_url(e: Env) -> str:
 
 def _demo_source(e: Env) -> tuple[str, str]:
     """The demo source (created on first use) and its newest secret."""
-    box = SecretBox(e.settings.secret_key.get_secret_value())
+    box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     with e.session() as session:
         source = session.scalars(
             select(Source).where(Source.account == DEMO_ACCOUNT, Source.name == DEMO_SOURCE)

@@ -324,7 +324,12 @@ def run(
     ports = [
         Port("receiver", "WEBHOOKS_PORT", settings.host, settings.port),
         Port("admin API", "WEBHOOKS_ADMIN_PORT", settings.admin_host, settings.admin_port),
-        Port("worker metrics", "WEBHOOKS_WORKER_METRICS_PORT", settings.host, worker_metrics_port),
+        Port(
+            "worker metrics",
+            "WEBHOOKS_WORKER_METRICS_PORT",
+            settings.admin_host,
+            worker_metrics_port,
+        ),
     ]
     if not no_flower:
         if settings.flower_password is None:
@@ -398,7 +403,7 @@ def _start(
                 "-P", settings.worker_pool, "-c", str(workers or settings.worker_slots),
                 "-n", "worker@%h", "--loglevel", "WARNING",
             ],
-            (f"http://{host}:{metrics_port}/metrics",),
+            (f"http://{_probe_host(settings.admin_host)}:{metrics_port}/metrics",),
         ),
         (
             "beat",
@@ -539,7 +544,9 @@ def _banner(e: Env, out: Output, metrics_port: int, no_flower: bool) -> None:
             f"  Flower    http://127.0.0.1:{settings.flower_port}  user {settings.flower_user}, "
             f"password: {_where(e, 'WEBHOOKS_FLOWER_PASSWORD')}"
         )
-    lines.append(f"  metrics   http://{host}:{metrics_port}/metrics (workers)")
+    lines.append(
+        f"  metrics   http://{_probe_host(settings.admin_host)}:{metrics_port}/metrics (workers)"
+    )
     settings_from = str(e.config.path) if e.config.path else "the environment"
     lines.append(
         f"  CLI       {cli_command()} demo  (from any directory; settings: {settings_from})"

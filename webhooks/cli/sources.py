@@ -61,7 +61,7 @@ def _lay_out_partitions(e: Env) -> None:
 
 
 def _box(e: Env) -> SecretBox:
-    return SecretBox(e.settings.secret_key.get_secret_value())
+    return SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
 
 
 def _source_view(e: Env, source: Source) -> dict[str, Any]:
@@ -352,21 +352,37 @@ def secrets_revoke(
 
 @secrets_app.command("rekey")
 @handle_errors
-def secrets_rekey(as_json: JsonOpt = False) -> None:
+def secrets_rekey(
+    as_json: JsonOpt = False,
+    drop_legacy: Annotated[
+        bool,
+        typer.Option(
+            "--drop-legacy",
+            help="First confirm no stored secret needs the legacy SHA-256 key derivation"
+            " (refused, changing nothing, while one does); then set"
+            " WEBHOOKS_SECRET_KEY_LEGACY=false everywhere.",
+        ),
+    ] = False,
+) -> None:
     """Re-encrypt every stored secret under the newest WEBHOOKS_SECRET_KEY.
 
     Rotation: set WEBHOOKS_SECRET_KEY=NEW,OLD on every process, run this, then set NEW
     alone. Resumable (each batch commits) and idempotent (a second run changes nothing).
     """
-    from models.keys import rekey  # noqa: PLC0415
+    from models.keys import LegacyKeysInUseError, rekey  # noqa: PLC0415
 
     e = env()
-    report = rekey(e.sessions, _box(e))
+    try:
+        report = rekey(e.sessions, _box(e), drop_legacy=drop_legacy)
+    except LegacyKeysInUseError as exc:
+        raise CliError(str(exc)) from None
     view = {
         "rekeyed": report.total_rekeyed,
         "checked": report.checked,
         "undecryptable": report.undecryptable,
     }
+    if drop_legacy:
+        view["legacy_in_use"] = 0
     if as_json:
         print_json(view)
     else:
@@ -380,6 +396,12 @@ def secrets_rekey(as_json: JsonOpt = False) -> None:
         raise CliError(
             f"{missing} stored secrets could not be decrypted with any listed key: add the key"
             " they were written with to WEBHOOKS_SECRET_KEY (after the newest) and run again"
+        )
+    if drop_legacy and not as_json:
+        console.print(
+            "no stored secret needs the legacy SHA-256 key derivation: set"
+            " WEBHOOKS_SECRET_KEY_LEGACY=false on every process to retire it",
+            highlight=False,
         )
 
 
