@@ -15,6 +15,7 @@ from kombu import Connection
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.installation import installation_id
 from tasks.claims import claim_key
 from tasks.config import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
 from tests.conftest import REDIS_PORT, free_port
@@ -91,17 +92,18 @@ def test_redis_flushed_between_two_deliveries_of_one_message_gives_no_second_eff
 ) -> None:
     delivery_id = _one_delivery(sessions, "effect")
     claims = redis.Redis.from_url(CLAIMS_URL)
+    key = claim_key(installation_id(engine), delivery_id, 0)
     with running_worker("flush", tmp_path) as worker:
         broker = Broker(worker_settings())
         broker.publish(delivery_id)
         wait_status(engine, delivery_id, "succeeded")
         # Success promoted the fast claim to the source's dedup TTL (days, not seconds).
-        wait_for(lambda: claims.ttl(claim_key(delivery_id, 0)) > 86400, timeout=10, what="confirm")
+        wait_for(lambda: claims.ttl(key) > 86400, timeout=10, what="confirm")
         broker.close()
         # Our pipeline's whole Redis state (claims and broker) is gone. FLUSHDB on our two
         # databases, not FLUSHALL: the server is shared with other test runs.
         flush_redis()
-        assert claims.exists(claim_key(delivery_id, 0)) == 0
+        assert claims.exists(key) == 0
         again = Broker(worker_settings())  # declares the queue bindings again
         again.publish(delivery_id)
         wait_for(

@@ -22,7 +22,6 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.claims import claim_key
 from tasks.deliver import deliver_one
 from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
@@ -158,7 +157,9 @@ def test_a_held_fast_claim_key_never_hides_an_overdue_row(
         ].delivery_ids[0]
         fresh = accept_event(settings, source)[1].delivery_ids[0]  # within its grace
         for delivery_id in (overdue, fresh):
-            client.set(claim_key(delivery_id, 0), "confirmed-by-a-lost-success", px=86_400_000)
+            client.set(
+                runtime.claims.key(delivery_id, 0), "confirmed-by-a-lost-success", px=86_400_000
+            )
 
         assert deliver_one(runtime, fresh, publish_retry=_no_publish) == "duplicate"
         assert delivery(engine, fresh).status == "pending"
@@ -166,7 +167,7 @@ def test_a_held_fast_claim_key_never_hides_an_overdue_row(
         assert delivery(engine, overdue).status == "succeeded"
         assert len(effects(engine, overdue)) == 1
         # The key now stands for the real success (ours), for the dedup TTL.
-        assert client.get(claim_key(overdue, 0)) != b"confirmed-by-a-lost-success"
+        assert client.get(runtime.claims.key(overdue, 0)) != b"confirmed-by-a-lost-success"
         assert deliver_one(runtime, overdue, publish_retry=_no_publish) == "duplicate"
         assert len(effects(engine, overdue)) == 1
     finally:
@@ -184,7 +185,7 @@ def test_the_same_holds_on_a_pinned_clock(engine: Engine, sessions: sessionmaker
         settings, clock=FrozenClock(datetime.now(UTC) + timedelta(hours=1)), worker="later"
     )
     try:
-        client.set(claim_key(delivery_id, 0), "held", px=86_400_000)
+        client.set(later.claims.key(delivery_id, 0), "held", px=86_400_000)
         assert deliver_one(later, delivery_id, publish_retry=_no_publish) == "succeeded"
     finally:
         later.close()
