@@ -192,6 +192,9 @@ class Delivery(Base):
     # Times the lease ran out while processing (the worker died): dead after max_redeliveries.
     redeliveries: Mapped[int] = mapped_column(Integer, server_default="0")
     generation: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Times the sweeper re-published it since it was last claimed: a pending row re-published
+    # twice is claimed through Postgres whatever its fast-claim key says (tasks.claims).
+    republished: Mapped[int] = mapped_column(Integer, server_default="0")
     lease_until: Mapped[datetime | None] = mapped_column()
     # pending: when the sweeper may re-publish; retrying: when the retry is due;
     # processing: equal to lease_until; NULL once finished (succeeded, dead, discarded).
@@ -279,6 +282,20 @@ class AuditEntry(Base):
     reason: Mapped[str] = mapped_column(Text)
     count: Mapped[int] = mapped_column(Integer, server_default="0")
     via: Mapped[str] = mapped_column(Text, server_default="cli")
+
+
+class Installation(Base):
+    """This database's identity: one row, a random id made by migration 0010. Fast-claim keys
+    carry it (tasks.claims), so a key from another database sharing the Redis, or from an
+    earlier life of this one (dropped and recreated, its ids starting again at 1), never
+    matches a row here."""
+
+    __tablename__ = "installation"
+    __table_args__ = (CheckConstraint("singleton", name="singleton"),)
+
+    singleton: Mapped[bool] = mapped_column(Boolean, primary_key=True, server_default=text("true"))
+    id: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
 class Subscription(Base):

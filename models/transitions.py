@@ -128,6 +128,7 @@ _CLAIM_SET = """\
                 WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
                 THEN NULL ELSE :now + :lease END,
             first_attempt_at = coalesce(first_attempt_at, :now),
+            republished = 0,
             updated_at = :now"""
 
 # What the worker's claims return: the claim, its route and source, the receipt's event (the
@@ -660,8 +661,11 @@ def due_for_publish(
       claim counts the redelivery.
 
     Each picked row's next_attempt_at moves ``grace`` ahead, so a backlog is re-published at
-    most once per grace period. The caller publishes after committing. Returns (delivery id,
-    event id, source public id) for each, so the message shows what it carries.
+    most once per grace period, and its ``republished`` count (reset by the claim) goes up: a
+    pending row re-published twice is claimed through Postgres whatever its fast-claim key
+    says (the worker's probe), since the moved next_attempt_at never looks overdue to it.
+    The caller publishes after committing. Returns (delivery id, event id, source public id)
+    for each, so the message shows what it carries.
     """
     rows = session.execute(
         _sql(
@@ -679,6 +683,7 @@ def due_for_publish(
                 UPDATE deliveries d SET
                     status = CASE WHEN d.status = 'retrying' THEN 'pending' ELSE d.status END,
                     next_attempt_at = :now + :grace,
+                    republished = d.republished + 1,
                     updated_at = :now
                 FROM due WHERE d.id = due.id AND d.expires_at = due.expires_at
                 RETURNING d.id, d.receipt_id, d.expires_at, d.source_id

@@ -92,8 +92,9 @@ FINISH_WINDOW = 0.25
 _PROBE_MANY = """
     SELECT d.id, d.generation, d.expires_at,
            d.status IN ('pending', 'retrying', 'processing')
-           AND CASE d.status WHEN 'processing' THEN d.lease_until
-                             ELSE d.next_attempt_at END <= t.now
+           AND (CASE d.status WHEN 'processing' THEN d.lease_until
+                              ELSE d.next_attempt_at END <= t.now
+                OR d.status = 'pending' AND d.republished >= 2)
     FROM deliveries d, (SELECT coalesce(%(now)s::timestamptz, now()) AS now) t
     WHERE d.id = ANY(%(ids)s::bigint[])
 """

@@ -1,12 +1,15 @@
 """The fast claim tier in Redis: a three-state key per delivery and key generation.
 
-    acquire  SET claim:<delivery>:<generation> <token> NX PX processing_ttl
-    confirm  SET claim:<delivery>:<generation> <token> PX dedup_ttl      (plain SET, always lands)
-    release  DEL claim:<delivery>:<generation> only while it holds our token (atomic script)
+    acquire  SET claim:<installation>:<delivery>:<generation> <token> NX PX processing_ttl
+    confirm  SET claim:<installation>:<delivery>:<generation> <token> PX dedup_ttl (always lands)
+    release  DEL claim:<installation>:<delivery>:<generation> only while it holds our token
 
 (PX: the TTLs in milliseconds, so that fractional time budgets keep their value.) The key
 generation is part of the key because an explicit re-run (generation + 1) of a succeeded
-delivery must not be stopped by the previous generation's confirmed key.
+delivery must not be stopped by the previous generation's confirmed key. The installation
+(:mod:`models.installation`, read once per process) is part of it because a delivery id names
+a row of one database only: a database dropped and recreated starts its ids again at 1, and
+two installations may share one Redis; a confirmed key lives for days.
 
 ``processing_ttl`` (4 x the hard time limit) is the crash floor: a worker killed mid-handler
 runs no code, so the short expiry alone lets the next copy through. A caught failure releases
@@ -17,7 +20,10 @@ Redis is an optimisation, never the authority: Postgres' guarded claim decides. 
 unreachable, slow beyond its small socket timeout, or refusing writes (out of memory, a
 read-only replica after a failover), the claim fails open: it reports
 ``degraded=True``, is counted and logged, and the durable tier alone decides. A flushed Redis
-behaves like a first delivery and Postgres refuses the second effect.
+behaves like a first delivery and Postgres refuses the second effect. A key held for a row
+Postgres shows overdue, or pending after two of the sweeper's re-publishes (a success whose
+commit was lost to a restore or failover), is stale: the worker asks Postgres anyway
+(:meth:`ClaimStore.note_stale`).
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ return 0
 _REDIS_DOWN = (redis.RedisError,)
 
 
-def claim_key(delivery_id: int, generation: int) -> str:
-    return f"claim:{delivery_id}:{generation}"
+def claim_key(installation: str, delivery_id: int, generation: int) -> str:
+    return f"claim:{installation}:{delivery_id}:{generation}"
 
 
 @dataclass(frozen=True)
@@ -73,13 +79,19 @@ def make_client(url: str, socket_timeout: float) -> redis.Redis:
 
 
 class ClaimStore:
-    def __init__(self, client: redis.Redis, *, processing_ttl: float) -> None:
+    """The claim keys of one installation (this database), through one Redis client."""
+
+    def __init__(self, client: redis.Redis, *, installation: str, processing_ttl: float) -> None:
         self._client = client
+        self.installation = installation
         self._ttl_ms = int(processing_ttl * 1000)
         self._release: Any = client.register_script(_RELEASE)
 
+    def key(self, delivery_id: int, generation: int) -> str:
+        return claim_key(self.installation, delivery_id, generation)
+
     def acquire(self, delivery_id: int, generation: int) -> FastClaim:
-        key = claim_key(delivery_id, generation)
+        key = self.key(delivery_id, generation)
         token = secrets.token_hex(8)
         try:
             won = self._client.set(key, token, nx=True, px=self._ttl_ms)
@@ -99,7 +111,7 @@ class ClaimStore:
     def acquire_many(self, wanted: list[tuple[int, int]]) -> list[FastClaim]:
         """:meth:`acquire` for several (delivery id, generation) pairs in one round trip (a
         pipeline, not a transaction: each SET NX wins or loses on its own)."""
-        keys = [claim_key(delivery_id, generation) for delivery_id, generation in wanted]
+        keys = [self.key(delivery_id, generation) for delivery_id, generation in wanted]
         tokens = [secrets.token_hex(8) for _ in keys]
         try:
             pipe = self._client.pipeline(transaction=False)
@@ -148,8 +160,9 @@ class ClaimStore:
             )
 
     def note_stale(self, claim: FastClaim, delivery_id: int) -> None:
-        """The key is held but Postgres shows its row overdue: count it; the durable claim
-        decides, and on success :meth:`confirm` overwrites the key with ours."""
+        """The key is held but Postgres shows its row overdue, or pending after two of the
+        sweeper's re-publishes: count it; the durable claim decides, and on success
+        :meth:`confirm` overwrites the key with ours."""
         CLAIMS.labels(result="stale_key").inc()
         log.warning("claim.stale_key", delivery_id=delivery_id, key=claim.key)
 

@@ -121,13 +121,15 @@ PublishRetry = Callable[[Dispatch, float], None]
 
 # The key generation (it names the fast claim), the partition key (the claim then touches
 # one partition), and whether Postgres shows the row claimable now and past its publish grace
-# or lease (a fast-claim key held for such a row is stale: see _deliver). On the database's
-# clock, like the claim.
+# or lease, or pending after two of the sweeper's re-publishes, which move its next_attempt_at
+# ahead each time (a fast-claim key held for such a row is stale: see _claim). On the
+# database's clock, like the claim.
 _PROBE = """
     SELECT d.generation, d.expires_at,
            d.status IN ('pending', 'retrying', 'processing')
-           AND CASE d.status WHEN 'processing' THEN d.lease_until
-                             ELSE d.next_attempt_at END <= t.now
+           AND (CASE d.status WHEN 'processing' THEN d.lease_until
+                              ELSE d.next_attempt_at END <= t.now
+                OR d.status = 'pending' AND d.republished >= 2)
     FROM deliveries d, (SELECT coalesce(%(now)s::timestamptz, now()) AS now) t
     WHERE d.id = %(id)s
 """

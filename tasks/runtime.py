@@ -18,6 +18,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.db import make_engine, make_sessionmaker
+from models.installation import installation_id
 from tasks.claims import ClaimStore, make_client
 from tasks.handlers.registry import HandlerRegistry, load_registry
 from webhooks.clock import Clock, SystemClock
@@ -81,13 +82,24 @@ def build_runtime(
 ) -> Runtime:
     engine = make_engine(settings, pool_size=engine_pool_size(settings), pre_ping=False)
     event.listen(engine, "do_connect", _generic_plans)
+    # Once per process: the claim keys' namespace (tasks.claims). A database dropped and
+    # recreated under a running worker is caught by the durable rule instead (a pending row
+    # re-published twice is claimed through Postgres), until the worker restarts. Postgres
+    # unreachable here fails the task, as its first statement would; the next one tries again.
+    try:
+        installation = installation_id(engine)
+    except BaseException:
+        engine.dispose()
+        raise
     client = make_client(settings.redis_url, settings.redis_socket_timeout)
     return Runtime(
         settings=settings,
         engine=engine,
         sessions=make_sessionmaker(engine),
         redis=client,
-        claims=ClaimStore(client, processing_ttl=settings.processing_ttl),
+        claims=ClaimStore(
+            client, installation=installation, processing_ttl=settings.processing_ttl
+        ),
         registry=load_registry(settings.handler_modules),
         box=SecretBox(settings.secret_key.get_secret_value(), legacy=settings.secret_key_legacy),
         clock=clock or SystemClock(),

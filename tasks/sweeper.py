@@ -6,6 +6,10 @@ publish) pending deliveries never published or whose message was lost, retries t
 but whose countdown message did not come (or that were too long for a countdown), and
 processing deliveries whose lease expired (the worker died); then publishes each id. A
 published id that turns out not to be claimable is dropped quietly by the delivery task.
+Each pick counts in the row's ``republished`` (reset by a claim): from the second, a pending
+row goes to Postgres' claim even while a fast-claim key says duplicate, so a stale key (a
+success whose commit was lost to a restore or failover) holds it for two grace periods at
+most, never for the key's days-long TTL.
 
 ``webhooks.maintenance`` runs the retention work of :mod:`models.retention`. Both use the
 worker's engine, so they run on any worker that consumes the maintenance queue.

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models.catalog import CatalogError, glob_to_like
 from models.db import make_engine, upgrade
+from models.installation import InstallationUnknown, installation_id
 from models.schema import Base, include_name
 from tests.conftest import ADMIN_DSN, BIN, make_settings, test_env
 from tests.factories import accept_event, make_source
@@ -41,6 +42,38 @@ def test_models_and_migrations_agree(engine: Engine) -> None:
             },
         )
         assert compare_metadata(context, Base.metadata) == []
+
+
+def test_each_life_of_a_database_has_its_own_installation_id() -> None:
+    """The claim keys' namespace: random, one row, and new when the database is dropped and
+    recreated (its delivery ids start again at 1, its keys must not match the old ones)."""
+    from alembic import command  # noqa: PLC0415
+
+    from models.db import alembic_config  # noqa: PLC0415
+
+    name = f"webhooks_inst_{uuid.uuid4().hex[:8]}"
+    settings = make_settings(database_url=f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}")
+    seen = []
+    try:
+        for _ in range(2):
+            upgrade(settings)
+            engine = make_engine(settings, pool_size=1)
+            try:
+                seen.append(installation_id(engine))
+                with engine.connect() as conn, pytest.raises(sqlalchemy.exc.IntegrityError):
+                    conn.execute(text("INSERT INTO installation (id) VALUES ('second')"))
+                command.downgrade(alembic_config(settings), "0009")
+                with pytest.raises(InstallationUnknown, match="webhooks db upgrade"):
+                    installation_id(engine)
+            finally:
+                engine.dispose()
+            with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    finally:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    assert all(len(i) == 16 and int(i, 16) >= 0 for i in seen), seen
+    assert seen[0] != seen[1]
 
 
 def test_db_upgrade_creates_a_missing_database() -> None:

@@ -4,8 +4,10 @@ flushed Redis, and a stopped Redis (broker on RabbitMQ so that only the claim ti
 from __future__ import annotations
 
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from kombu import Connection
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.installation import installation_id
 from tasks.claims import claim_key
 from tasks.config import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
 from tests.conftest import REDIS_PORT, free_port
@@ -24,10 +27,12 @@ from tests.workers import (
     AMQP_URL,
     CLAIMS_URL,
     Broker,
+    Worker,
     attempts,
     broker_idle,
     effects,
     flush_redis,
+    running_beat,
     running_worker,
     wait_for,
     wait_status,
@@ -91,17 +96,18 @@ def test_redis_flushed_between_two_deliveries_of_one_message_gives_no_second_eff
 ) -> None:
     delivery_id = _one_delivery(sessions, "effect")
     claims = redis.Redis.from_url(CLAIMS_URL)
+    key = claim_key(installation_id(engine), delivery_id, 0)
     with running_worker("flush", tmp_path) as worker:
         broker = Broker(worker_settings())
         broker.publish(delivery_id)
         wait_status(engine, delivery_id, "succeeded")
         # Success promoted the fast claim to the source's dedup TTL (days, not seconds).
-        wait_for(lambda: claims.ttl(claim_key(delivery_id, 0)) > 86400, timeout=10, what="confirm")
+        wait_for(lambda: claims.ttl(key) > 86400, timeout=10, what="confirm")
         broker.close()
         # Our pipeline's whole Redis state (claims and broker) is gone. FLUSHDB on our two
         # databases, not FLUSHALL: the server is shared with other test runs.
         flush_redis()
-        assert claims.exists(claim_key(delivery_id, 0)) == 0
+        assert claims.exists(key) == 0
         again = Broker(worker_settings())  # declares the queue bindings again
         again.publish(delivery_id)
         wait_for(
@@ -121,6 +127,53 @@ def test_redis_flushed_between_two_deliveries_of_one_message_gives_no_second_eff
     ]
     # The fast tier admitted the copy (its key was gone); the durable claim refused it.
     assert [line["outcome"] for line in refused] == ["skipped"]
+
+
+# The issue's short sweep settings: a sweep every 2 s, each pick re-published 3 s later at most.
+SWEEP: dict[str, Any] = {
+    "sweep_interval": timedelta(seconds=2),
+    "publish_grace": timedelta(seconds=3),
+}
+
+
+def test_a_stale_key_holds_a_pending_delivery_one_sweep_and_one_grace_at_most(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """A confirmed key (days long) for a delivery Postgres shows pending: a success whose
+    commit a restore or failover lost. Each sweep moves the row's next_attempt_at a grace
+    ahead as it re-publishes it, so the worker's probe never saw it overdue and the key held
+    it for days. From the sweeper's second re-publish, Postgres' claim decides."""
+    settings = worker_settings(**SWEEP)
+    source = make_source(sessions, settings, routes=[{"handler": "effect"}])
+    delivery_id = accept_event(settings, source)[1].delivery_ids[0]  # published by the sweeper
+    key = claim_key(installation_id(engine), delivery_id, 0)
+    claims = redis.Redis.from_url(CLAIMS_URL)
+    claims.set(key, "confirmed-by-a-lost-success", px=6 * 86_400_000)
+
+    def refused(worker: Worker) -> list[str]:
+        return [
+            line["outcome"]
+            for line in worker.json_lines()
+            if line.get("event") == "delivery.not_claimed"
+            and line.get("delivery_id") == delivery_id
+        ]
+
+    try:
+        with running_worker("stale", tmp_path, **SWEEP) as worker, running_beat(tmp_path, **SWEEP):
+            # The sweeper's first re-publish: the key still says duplicate.
+            wait_for(lambda: refused(worker), timeout=60, what="the first re-publish")
+            first_refusal = time.monotonic()
+            wait_status(engine, delivery_id, "succeeded", timeout=2 + 3 + 4)
+            took = time.monotonic() - first_refusal
+            assert claims.get(key) != b"confirmed-by-a-lost-success"  # ours, for the dedup TTL
+    finally:
+        claims.close()
+
+    assert took <= 2 + 3 + 4, took  # one sweep interval plus the grace, and 4 s of slack
+    assert refused(worker) == ["duplicate"]
+    assert len(effects(engine, delivery_id)) == 1
+    stale = [ln for ln in worker.json_lines() if ln.get("event") == "claim.stale_key"]
+    assert [ln["delivery_id"] for ln in stale] == [delivery_id]
 
 
 @pytest.fixture

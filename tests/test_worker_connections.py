@@ -143,7 +143,7 @@ def test_postgres_unreachable_fails_the_task_and_leaves_nothing_behind(
         # Nothing changed: still pending, no attempt, and no fast-claim key to block a retry.
         assert delivery(engine, delivery_id).status == "pending"
         assert attempts(engine, delivery_id) == []
-        assert made.redis.keys(f"claim:{delivery_id}:*") == []
+        assert made.redis.keys(made.claims.key(delivery_id, 0)) == []
         proxy.restore()
         assert deliver_one(made, delivery_id, publish_retry=_no_publish) == "succeeded"
     finally:
@@ -232,7 +232,7 @@ def test_postgres_unreachable_fails_a_batch_and_leaves_nothing_behind(
         for delivery_id in ids:
             assert delivery(engine, delivery_id).status == "pending"
             assert attempts(engine, delivery_id) == []
-            assert made.redis.keys(f"claim:{delivery_id}:*") == []
+            assert made.redis.keys(made.claims.key(delivery_id, 0)) == []
         proxy.restore()
         assert _batch(made, ids) == ["succeeded"] * 3
     finally:

@@ -15,7 +15,6 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks.webhooks import Webhook
 
-from tasks.claims import claim_key
 from tasks.context import Event, HandlerContext
 from tasks.deliver import deliver_one
 from tasks.errors import RetryableError
@@ -274,7 +273,7 @@ def overtaken(event: Event, ctx: HandlerContext) -> None:
     record_effect(event, ctx)
     runtime = _nested.pop("runtime", None)
     if runtime is not None:
-        runtime.redis.delete(claim_key(ctx.delivery_id, ctx.generation))  # its TTL ran out
+        runtime.redis.delete(runtime.claims.key(ctx.delivery_id, ctx.generation))  # its TTL ran out
         _nested["outcome"] = deliver_one(runtime, ctx.delivery_id, publish_retry=_no_publish)
 
 

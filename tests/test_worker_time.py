@@ -22,9 +22,11 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.claims import claim_key
+from tasks.batch import run_batch
+from tasks.config import Dispatch
 from tasks.deliver import deliver_one
 from tasks.runtime import Runtime, build_runtime
+from tasks.sweeper import sweep_once
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL, KILL_AFTER_COMMIT_DIR
 from tests.leakcheck import remember
@@ -158,7 +160,9 @@ def test_a_held_fast_claim_key_never_hides_an_overdue_row(
         ].delivery_ids[0]
         fresh = accept_event(settings, source)[1].delivery_ids[0]  # within its grace
         for delivery_id in (overdue, fresh):
-            client.set(claim_key(delivery_id, 0), "confirmed-by-a-lost-success", px=86_400_000)
+            client.set(
+                runtime.claims.key(delivery_id, 0), "confirmed-by-a-lost-success", px=86_400_000
+            )
 
         assert deliver_one(runtime, fresh, publish_retry=_no_publish) == "duplicate"
         assert delivery(engine, fresh).status == "pending"
@@ -166,7 +170,7 @@ def test_a_held_fast_claim_key_never_hides_an_overdue_row(
         assert delivery(engine, overdue).status == "succeeded"
         assert len(effects(engine, overdue)) == 1
         # The key now stands for the real success (ours), for the dedup TTL.
-        assert client.get(claim_key(overdue, 0)) != b"confirmed-by-a-lost-success"
+        assert client.get(runtime.claims.key(overdue, 0)) != b"confirmed-by-a-lost-success"
         assert deliver_one(runtime, overdue, publish_retry=_no_publish) == "duplicate"
         assert len(effects(engine, overdue)) == 1
     finally:
@@ -184,11 +188,55 @@ def test_the_same_holds_on_a_pinned_clock(engine: Engine, sessions: sessionmaker
         settings, clock=FrozenClock(datetime.now(UTC) + timedelta(hours=1)), worker="later"
     )
     try:
-        client.set(claim_key(delivery_id, 0), "held", px=86_400_000)
+        client.set(later.claims.key(delivery_id, 0), "held", px=86_400_000)
         assert deliver_one(later, delivery_id, publish_retry=_no_publish) == "succeeded"
     finally:
         later.close()
         client.close()
+
+
+def test_a_held_key_yields_to_postgres_from_the_sweepers_second_republish(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    """The sweeper moves next_attempt_at a grace ahead as it re-publishes, so the copy it
+    sends never finds its row overdue: after the first re-publish the key still decides (a
+    copy racing a live claim looks the same), after the second Postgres does. One delivery
+    alone and one in a message of several (the batch's probe)."""
+    settings = worker_settings()  # publish grace 1 s
+    source = make_source(sessions, settings, routes=[{"handler": "effect"}])
+    alone, in_batch = (accept_event(settings, source)[1].delivery_ids[0] for _ in range(2))
+    start = datetime.now(UTC)
+    first, second = (
+        build_runtime(settings, clock=FrozenClock(start + timedelta(seconds=s)), worker=f"at-{s}")
+        for s in (2, 4)
+    )
+    published: list[int] = []
+
+    def publish(dispatch: Dispatch) -> None:
+        published.append(dispatch.delivery_id)
+
+    client = redis.Redis.from_url(CLAIMS_URL)
+    try:
+        for delivery_id in (alone, in_batch):
+            client.set(first.claims.key(delivery_id, 0), "lost-success", px=86_400_000)
+        sweep_once(first, publish)  # 2 s on: past the grace, re-published once
+        assert deliver_one(first, alone, publish_retry=_no_publish) == "duplicate"
+        assert [r.outcome for r in run_batch(first, [in_batch], publish_retry=_no_publish)] == [
+            "duplicate"
+        ]
+        sweep_once(second, publish)  # a grace later: re-published twice
+        assert deliver_one(second, alone, publish_retry=_no_publish) == "succeeded"
+        assert [r.outcome for r in run_batch(second, [in_batch], publish_retry=_no_publish)] == [
+            "succeeded"
+        ]
+    finally:
+        client.close()
+        first.close()
+        second.close()
+    assert published.count(alone) == published.count(in_batch) == 2
+    for delivery_id in (alone, in_batch):
+        assert delivery(engine, delivery_id).republished == 0  # the claim starts it again
+        assert len(effects(engine, delivery_id)) == 1
 
 
 # -- kill -9 where an HTTP downstream can see it twice ------------------------------------

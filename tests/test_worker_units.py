@@ -290,19 +290,31 @@ def claims_redis() -> Iterator[redis.Redis]:
 
 
 def test_first_claim_wins_and_a_copy_is_a_duplicate(claims_redis: redis.Redis) -> None:
-    store = ClaimStore(claims_redis, processing_ttl=12)
+    store = ClaimStore(claims_redis, installation="inst-a", processing_ttl=12)
     first, copy = store.acquire(1, 0), store.acquire(1, 0)
     assert (first.first, first.degraded) == (True, False)
     assert (copy.first, copy.degraded) == (False, False)
-    assert 11_000 < claims_redis.pttl(claim_key(1, 0)) <= 12_000
+    assert 11_000 < claims_redis.pttl(claim_key("inst-a", 1, 0)) <= 12_000
     # Another key generation (an explicit re-run) is a different claim.
     assert store.acquire(1, 1).first
+
+
+def test_a_key_of_another_installation_never_matches(claims_redis: redis.Redis) -> None:
+    """Delivery 1 of a database dropped and recreated (or of another one sharing the Redis)
+    is not delivery 1 of this one: its confirmed key, days long, must not stop ours."""
+    old_life = ClaimStore(claims_redis, installation="inst-old", processing_ttl=12)
+    assert old_life.confirm(old_life.acquire(1, 0), timedelta(days=6))
+    store = ClaimStore(claims_redis, installation="inst-new", processing_ttl=12)
+    assert store.acquire(1, 0).first
+    assert [c.first for c in store.acquire_many([(1, 0), (2, 0)])] == [False, True]
+    assert old_life.key(1, 0) != store.key(1, 0)
+    assert store.key(1, 0) == "claim:inst-new:1:0"
 
 
 def test_confirm_promotes_the_key_to_the_dedup_ttl_with_a_plain_set(
     claims_redis: redis.Redis,
 ) -> None:
-    store = ClaimStore(claims_redis, processing_ttl=12)
+    store = ClaimStore(claims_redis, installation="inst-a", processing_ttl=12)
     claim = store.acquire(2, 0)
     assert store.confirm(claim, timedelta(days=6))
     assert claims_redis.get(claim.key) == claim.token.encode()
@@ -311,7 +323,7 @@ def test_confirm_promotes_the_key_to_the_dedup_ttl_with_a_plain_set(
 
 
 def test_release_deletes_only_our_own_claim(claims_redis: redis.Redis) -> None:
-    store = ClaimStore(claims_redis, processing_ttl=12)
+    store = ClaimStore(claims_redis, installation="inst-a", processing_ttl=12)
     ours = store.acquire(3, 0)
     assert store.release(ours)
     assert store.acquire(3, 0).first  # released: the next copy is a first delivery
@@ -328,7 +340,7 @@ def _sample(name: str, **labels: str) -> float:
 
 def test_unreachable_redis_fails_open_and_is_counted_as_degraded() -> None:
     dead = make_client(f"redis://127.0.0.1:{free_port()}/0", 0.2)
-    store = ClaimStore(dead, processing_ttl=12)
+    store = ClaimStore(dead, installation="inst-a", processing_ttl=12)
     before = _sample("webhooks_degraded_claims_total")
     before_label = _sample("webhooks_claims_total", result="degraded")
     claim = store.acquire(5, 0)

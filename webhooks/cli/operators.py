@@ -582,12 +582,76 @@ def _watch(
                 break
             if time.monotonic() > deadline:
                 raise CliError(
-                    f"deliveries did not get there within {timeout:g}s: is a worker running? "
-                    "(`webhooks run` starts receiver, worker and beat)"
+                    f"deliveries did not get there within {timeout:g}s: {_stalled(e, states)}"
                 )
             time.sleep(0.2)
     console.print()  # Live leaves the cursor on the table's last line when not a terminal
     return states
+
+
+def _workers_answering(e: Env) -> list[str]:
+    """The workers that answer a Celery ping within a second (none when the broker is
+    unreachable: that is no worker either, as far as the demo can tell)."""
+    from tasks.config import create_app  # noqa: PLC0415
+
+    app = create_app(e.settings)
+    try:
+        replies = app.control.ping(timeout=1.0)
+    except Exception:  # noqa: BLE001 (broker down or refusing: nobody answered)
+        return []
+    finally:
+        app.close()
+    return sorted(name for reply in replies or [] for name in reply)
+
+
+def _held_keys(e: Env, pending: list[queries.DeliveryState]) -> list[int]:
+    """The pending deliveries whose fast-claim key exists in Redis: a worker refuses each
+    copy of them as a duplicate until Postgres' claim takes over (tasks.claims)."""
+    import redis  # noqa: PLC0415
+
+    from models.installation import InstallationUnknown, installation_id  # noqa: PLC0415
+    from tasks.claims import claim_key, make_client  # noqa: PLC0415
+
+    try:
+        installation = installation_id(e.engine)
+    except InstallationUnknown:
+        return []  # no worker can claim on this database either (its runtime needs the id)
+    client = make_client(e.settings.redis_url, e.settings.redis_socket_timeout)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for st in pending:
+            pipe.exists(claim_key(installation, st.delivery_id, st.generation))
+        held = pipe.execute()
+    except redis.RedisError:
+        return []
+    finally:
+        client.close()
+    return [st.delivery_id for st, n in zip(pending, held, strict=True) if n]
+
+
+def _stalled(e: Env, states: list[queries.DeliveryState]) -> str:
+    """What holds the deliveries: no worker, keys that say duplicate, or something else."""
+    waiting = [st for st in states if st.status in ("pending", "retrying", "processing")]
+    workers = _workers_answering(e)
+    if not workers:
+        return (
+            "no worker answered a ping: is a worker running? "
+            "(`webhooks run` starts receiver, worker and beat)"
+        )
+    ids = ", ".join(str(st.delivery_id) for st in waiting) or "none"
+    held = _held_keys(e, [st for st in waiting if st.status == "pending"])
+    if held:
+        return (
+            f"deliveries {', '.join(map(str, held))} pending while a worker answered "
+            f"({', '.join(workers)}), and their fast-claim keys in Redis say duplicate "
+            "(the worker logs delivery.not_claimed outcome=duplicate): keys from a success "
+            "Postgres no longer shows, such as after a restore. The sweeper hands such a "
+            "delivery to Postgres' claim at its second re-publish (2 x WEBHOOKS_PUBLISH_GRACE)"
+        )
+    return (
+        f"deliveries {ids} unfinished while a worker answered ({', '.join(workers)}): "
+        "see the worker's log"
+    )
 
 
 @handle_errors
