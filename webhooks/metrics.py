@@ -92,6 +92,17 @@ RETRY_AFTER_IGNORED = Counter(
     "webhooks_retry_after_ignored_total",
     "Retry-After headers from downstreams that were neither seconds nor an HTTP date",
 )
+BREAKER_CHANGES = Counter(
+    "webhooks_route_breaker_changes_total",
+    "Circuit breaker and pause state changes by route and the state entered",
+    ["route", "state"],
+)
+BREAKER_STATE = Gauge(
+    "webhooks_route_breaker_state",
+    "A route's circuit breaker: 0 closed, 1 half-open, 2 open (paused routes: 3)",
+    ["route"],
+    multiprocess_mode="mostrecent",
+)
 
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
@@ -123,6 +134,8 @@ WORKER_ONLY: tuple[Any, ...] = (
     RECEIPT_TO_SUCCESS,
     SWEPT,
     RETRY_AFTER_IGNORED,
+    BREAKER_CHANGES,
+    BREAKER_STATE,
 )
 
 
