@@ -4,6 +4,7 @@ workers, a real local downstream for ``forward``."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import breaker, catalog, transitions
 from models.breaker import Thresholds
 from tests.factories import accept_event, make_source
+from tests.operators_support import cli, ops_env
 from tests.workers import (
     Broker,
     attempts,
@@ -313,4 +315,41 @@ def test_a_paused_route_makes_no_attempt_until_resumed_and_both_are_audited(
     assert [(a.action, a.operator, a.reason) for a in audit[:2]] == [
         ("route.resume", "bob", "maintenance over"),
         ("route.pause", "alice", "downstream maintenance until 14:00"),
+    ]
+
+
+def test_routes_pause_show_list_and_resume_from_the_cli(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    source = make_source(sessions, settings)
+    (route_id,) = source.route_ids
+    env = {**ops_env(), "COLUMNS": "250"}
+
+    def run(*args: str) -> Any:
+        done = cli(*args, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    refused = cli("routes", "pause", str(route_id), env=env)
+    assert refused.returncode == 1
+    assert "--reason is required" in refused.stderr
+    assert _route(engine, route_id).paused_at is None  # nothing changed
+    run("routes", "pause", str(route_id), "--reason", "downstream migration", "--as", "alice")
+    shown = json.loads(run("routes", "show", str(route_id), "--json").stdout)
+    assert shown["paused"] is True
+    assert shown["pause_reason"] == "downstream migration"
+    assert shown["breaker"]["state"] == "closed"
+    (listed,) = json.loads(run("routes", "list", source.public_id, "--json").stdout)
+    assert listed["paused"] is True
+    assert "paused, closed" in run("routes", "list", source.public_id).stdout
+    run("routes", "resume", str(route_id), "--as", "bob")
+    again = cli("routes", "resume", str(route_id), env=env)
+    assert again.returncode == 1
+    assert "not paused" in again.stderr
+    assert json.loads(run("routes", "show", str(route_id), "--json").stdout)["paused"] is False
+    with sessions() as s:
+        audit = catalog.list_audit(s, action="route.")
+    assert [(a.action, a.operator, a.via) for a in audit[:2]] == [
+        ("route.resume", "bob", "cli"),
+        ("route.pause", "alice", "cli"),
     ]
