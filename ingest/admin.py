@@ -63,8 +63,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ingest.publisher import CeleryPublisher
 from ingest.server import Limits, ReceiverProtocol
-from models import queries, replays
-from models.catalog import CatalogError
+from models import breaker, queries, replays
+from models.catalog import CatalogError, Change
 from models.db import make_engine, make_sessionmaker
 from models.queries import (
     Candidate,
@@ -105,6 +105,14 @@ operator (these docs: the token as the password of HTTP Basic, any user name). B
 most 64 KiB. Bad input answers 400 naming the field. Times are ISO 8601 UTC (`...Z`).
 Responses never contain a secret or a payload.
 """
+
+
+class PauseIn(BaseModel):
+    """Pause or resume a route (audited, the token's name as the operator)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1, description="Why (required; recorded in the audit).")
 
 
 class ReplayIn(BaseModel):
@@ -678,6 +686,67 @@ def create_api(settings: Settings, *, clock: Clock | None = None) -> FastAPI:
         """The audit row: `planned`, `replayed` and `skipped` grow as the run goes; `status`
         is `running`, then `done`, `failed` or `interrupted`."""
         return replays.get_replay(session, replay_id)
+
+    def _route_state(session: Session, route_id: int) -> dict[str, Any]:
+        try:
+            return {"route": route_id, **breaker.route_state(session, route_id).view()}
+        except CatalogError as exc:
+            raise queries.NotFoundError(str(exc)) from None
+
+    @router.get(
+        "/routes/{route_id}",
+        tags=["routes"],
+        summary="A route's pause and circuit breaker state",
+        responses={404: {"model": ErrorOut}},
+    )
+    def show_route(
+        route_id: Annotated[int, Path(ge=1, le=queries.MAX_ID)], session: Db
+    ) -> dict[str, Any]:
+        """Whether the route is paused (since when, why) and its breaker: `closed`, `open` or
+        `half_open`, when it opened, the next probe, trips, and the failure window."""
+        return _route_state(session, route_id)
+
+    def _set_paused(
+        session: Session, route_id: int, paused: bool, body: PauseIn, operator: str
+    ) -> Any:
+        _route_state(session, route_id)  # 404 for an unknown route
+        try:
+            breaker.set_paused(
+                session, route_id, paused, Change(operator, body.reason, via="api"), now=None
+            )
+        except CatalogError as exc:
+            return _error(409, str(exc), "already" if paused else "not_paused")
+        return _route_state(session, route_id)
+
+    @router.post(
+        "/routes/{route_id}/pause",
+        tags=["routes"],
+        summary="Pause a route: hold its deliveries without attempting them",
+        responses={404: {"model": ErrorOut}, 409: {"model": ErrorOut}},
+    )
+    def pause_route(
+        route_id: Annotated[int, Path(ge=1, le=queries.MAX_ID)],
+        body: PauseIn,
+        session: Db,
+        operator: Operator,
+    ) -> Any:
+        """New events are still accepted and stored; nothing is attempted until resumed."""
+        return _set_paused(session, route_id, True, body, operator)
+
+    @router.post(
+        "/routes/{route_id}/resume",
+        tags=["routes"],
+        summary="Resume a paused route: its held deliveries go out again",
+        responses={404: {"model": ErrorOut}, 409: {"model": ErrorOut}},
+    )
+    def resume_route(
+        route_id: Annotated[int, Path(ge=1, le=queries.MAX_ID)],
+        body: PauseIn,
+        session: Db,
+        operator: Operator,
+    ) -> Any:
+        """The sweeper publishes the held deliveries on its next runs."""
+        return _set_paused(session, route_id, False, body, operator)
 
     app.include_router(router)
     app.state.admin = state

@@ -101,6 +101,9 @@ class Route(Base):
     """Binds a handler to a source, optionally for matching event types only."""
 
     __tablename__ = "routes"
+    __table_args__ = (
+        CheckConstraint("breaker_state IN ('closed', 'open', 'half_open')", name="breaker_state"),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     source_id: Mapped[int] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"), index=True)
@@ -115,6 +118,18 @@ class Route(Base):
     max_age_s: Mapped[int | None] = mapped_column(BigInteger)
     active: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # Paused by hand (models/breaker.py): deliveries held, not attempted, until resumed.
+    paused_at: Mapped[datetime | None] = mapped_column()
+    pause_reason: Mapped[str | None] = mapped_column(Text)
+    # The circuit breaker and its failure window (models/breaker.py, migration 0010).
+    breaker_state: Mapped[str] = mapped_column(Text, server_default="closed")
+    breaker_opened_at: Mapped[datetime | None] = mapped_column()
+    breaker_probe_at: Mapped[datetime | None] = mapped_column()
+    probe_delivery: Mapped[int | None] = mapped_column(BigInteger)
+    breaker_trips: Mapped[int] = mapped_column(Integer, server_default="0")
+    window_started_at: Mapped[datetime | None] = mapped_column()
+    window_requests: Mapped[int] = mapped_column(Integer, server_default="0")
+    window_failures: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
 receipt_id_seq = Sequence("receipts_id_seq", metadata=Base.metadata)

@@ -131,6 +131,17 @@ _CLAIM_SET = """\
             republished = 0,
             updated_at = :now"""
 
+# The route's gate (models/breaker.py): a delivery is held, not claimed, while its route is
+# paused or its breaker is open, or half-open and this is not the probe. One primary-key
+# lookup of the route inside the claim; a route that is gone holds nothing (the worker
+# turns its delivery into a dead letter, route_gone).
+_GATE = """\
+          AND NOT EXISTS (
+              SELECT 1 FROM routes g WHERE g.id = deliveries.route_id
+                AND (g.paused_at IS NOT NULL
+                     OR (g.breaker_state <> 'closed'
+                         AND g.probe_delivery IS DISTINCT FROM deliveries.id)))"""
+
 # What the worker's claims return: the claim, its route and source, the receipt's event (the
 # caller adds the receipt join), and the claim's commit made asynchronous (see below).
 _CLAIMED_EVENT = """\
@@ -138,8 +149,9 @@ _CLAIMED_EVENT = """\
            c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
            c.status, c.attempt_base, c.at,
            rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
-           rt.max_age_s, rt.active, s.public_id, s.name, s.provider, s.retry_window_s,
-           s.queue_lag_s, s.clock_skew_s, s.replay_grace_s,
+           rt.max_age_s, rt.active, rt.breaker_state, rt.window_failures,
+           s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s, s.clock_skew_s,
+           s.replay_grace_s,
            r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
            r.content_type, r.payload,
            set_config('synchronous_commit', 'off', true)
@@ -160,6 +172,7 @@ _CLAIM_SQL = """
           AND (status = 'pending'
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
+{gate}
         RETURNING id, expires_at, receipt_id, source_id, route_id, attempts, redeliveries,
                   generation, created_at, first_attempt_at, lease_until, status, attempt_base,
                   :now AS at
@@ -227,6 +240,7 @@ def _claim_sql(*, worker: bool, leaf: str | None = None) -> str:
                 claimed_event=_CLAIMED_EVENT, **tables
             ),
             claim_set=_CLAIM_SET,
+            gate=_GATE,
             **tables,
         )
     )
@@ -243,6 +257,8 @@ class ClaimedEvent(NamedTuple):
     max_attempts: int | None
     max_age_s: int | None
     active: bool | None
+    breaker_state: str | None  # closed | open | half_open (models/breaker.py)
+    window_failures: int | None  # failures in the route's open window: successes count too
     public_id: str | None
     name: str | None
     provider: str | None
@@ -322,7 +338,7 @@ def claim_with_event(
     )
     if row is None:
         return None
-    return Claim(*row[:14]), ClaimedEvent(*row[14:35])
+    return Claim(*row[:14]), ClaimedEvent(*row[14:37])
 
 
 # The worker's claim of several deliveries at once (a message carrying several ids): the same
@@ -342,6 +358,7 @@ _CLAIM_MANY_SQL = """
           AND (status = 'pending'
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
+{gate}
         RETURNING deliveries.id, deliveries.expires_at, receipt_id, source_id, route_id,
                   attempts, redeliveries, deliveries.generation, created_at, first_attempt_at,
                   lease_until, status, attempt_base, :now AS at
@@ -395,14 +412,14 @@ def claim_many_with_event(
             "worker": worker,
         },
     ).fetchall()
-    return [(Claim(*row[:14]), ClaimedEvent(*row[14:35])) for row in rows]
+    return [(Claim(*row[:14]), ClaimedEvent(*row[14:37])) for row in rows]
 
 
 @functools.cache
 def _claim_many_sql(leaf: str | None) -> str:
     return _placeholders(
         _CLAIM_MANY_SQL.format(
-            claim_set=_CLAIM_SET, claimed_event=_CLAIMED_EVENT, **_tables(_leaf(leaf))
+            claim_set=_CLAIM_SET, claimed_event=_CLAIMED_EVENT, gate=_GATE, **_tables(_leaf(leaf))
         )
     )
 
@@ -546,14 +563,18 @@ def retry_later(
     next_attempt_at: datetime,
     error_class: str,
     error: str,
+    uncounted: bool = False,
 ) -> None:
-    """processing (this attempt) -> retrying, due at ``next_attempt_at``."""
+    """processing (this attempt) -> retrying, due at ``next_attempt_at``. ``uncounted``: a
+    failed breaker probe (models/breaker.py), which the retry policy does not count
+    (``attempt_base`` + 1), so an outage never spends a delivery's ``max_attempts``."""
     _guarded_finish(
         session,
         found,
         "retry",
         "status = 'retrying', next_attempt_at = :next_at, "
-        "last_error_class = :error_class, last_error = :error",
+        "last_error_class = :error_class, last_error = :error"
+        + (", attempt_base = attempt_base + 1" if uncounted else ""),
         now=now,
         outcome="retry",
         error_class=error_class,
@@ -676,6 +697,11 @@ def due_for_publish(
                   AND (status = 'pending'
                        OR (status = 'retrying' AND next_attempt_at <= :now - :grace)
                        OR (status = 'processing' AND lease_until <= :now))
+                  -- held: the route is paused or its breaker not closed (its probe is
+                  -- picked by models.breaker.pick_probes, not here)
+                  AND NOT EXISTS (
+                      SELECT 1 FROM routes g WHERE g.id = deliveries.route_id
+                        AND (g.paused_at IS NOT NULL OR g.breaker_state <> 'closed'))
                 ORDER BY next_attempt_at
                 LIMIT :limit
                 FOR UPDATE SKIP LOCKED

@@ -64,6 +64,7 @@ from tasks.deliver import (
     _fail_done,
     _leaf_for,
     _lost,
+    _not_claimed,
     _on_leaf,
     _quiet,
     _recorded,
@@ -241,9 +242,10 @@ def _claim_group(
             reports[found.id] = _crash_looped(rt, found, row, claim)
         else:
             out.append(_Claimed(found, row, claim, leaf, started))
+    why = _not_claimed(raw, list(claims)) if claims else {}
     for delivery_id, claim in claims.items():
         rt.claims.release(claim)
-        reports[delivery_id] = _quiet(delivery_id, "skipped")
+        reports[delivery_id] = _quiet(delivery_id, why[delivery_id])
     return out
 
 

@@ -80,6 +80,7 @@ Logs carry ids, outcomes and error classes, never payloads or secrets.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -95,15 +96,16 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from models import transitions
+from models.breaker import held
 from models.partitions import leaf_suffix
 from models.transitions import Claim, ClaimedEvent, IllegalTransition
-from tasks import get_runtime
+from tasks import breaker, get_runtime
 from tasks.claims import FastClaim
 from tasks.config import DELIVER_TASK, Dispatch
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo, idempotency_key
 from tasks.durable import Unrecorded, discard_pooled, on_connection, record
 from tasks.durable import autocommit as _autocommit
-from tasks.errors import HandlerError, PermanentError, RetryableError
+from tasks.errors import DownstreamError, HandlerError, PermanentError, RetryableError
 from tasks.policy import DEAD_CRASHED, RetryPolicy, decide
 from tasks.pools import is_hard_timeout, time_limits
 from tasks.runtime import Runtime
@@ -240,7 +242,8 @@ def load(rt: Runtime, found: Claim, row: ClaimedEvent) -> Loaded:
 
 def deliver_one(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) -> str:
     """Run one delivery. Returns the outcome: succeeded, retry, dead, duplicate (fast tier),
-    skipped (durable tier: done, dead, not due or owned), missing, or lost (our lease was
+    skipped (durable tier: done, dead, not due or owned), held (its route is paused or its
+    breaker open: no attempt), missing, or lost (our lease was
     taken over)."""
     return run_delivery(rt, delivery_id, publish_retry=publish_retry).outcome
 
@@ -330,11 +333,20 @@ def _claim(
         raise
     if claimed is None:
         rt.claims.release(fast)
-        return _quiet(delivery_id, "skipped")
+        return _quiet(delivery_id, _not_claimed(raw, [delivery_id])[delivery_id])
     found, row = claimed
     if found.crashed_too_often:
         return _crash_looped(rt, found, row, fast)
     return _Claimed(found, row, fast, leaf, started)
+
+
+def _not_claimed(raw: psycopg.Connection[Any], ids: list[int]) -> dict[int, str]:
+    """Why the claim took none of these: "held" (its route is paused or its breaker open:
+    not an attempt, :mod:`models.breaker`) or "skipped" (done, dead, not due or owned). One
+    more statement, on this path only."""
+    with _autocommit(raw):
+        holding = held(raw, ids)
+    return {i: "held" if i in holding else "skipped" for i in ids}
 
 
 def _crash_looped(rt: Runtime, found: Claim, row: ClaimedEvent, fast: FastClaim) -> Report:
@@ -571,6 +583,7 @@ def _succeeded(rt: Runtime, done: _Done, *, confirm: bool = True) -> Report:
     found, loaded, fast = done.claimed.found, done.loaded, done.claimed.fast
     if confirm and loaded.dedup_ttl is not None:
         rt.claims.confirm(fast, loaded.dedup_ttl)
+    breaker.after_success(rt, found, done.claimed.row)
     DELIVERIES.labels(outcome="succeeded").inc()
     RECEIPT_TO_SUCCESS.observe(max(0.0, (done.at - loaded.event.meta.received_at).total_seconds()))
     log.info(
@@ -612,6 +625,11 @@ def _fail(
     now: datetime,
     row: ClaimedEvent,
 ) -> Report:
+    # A failed probe of a half-open route is the outage going on, not this delivery's
+    # budget: never its last attempt, and not counted by the next ones (models/breaker.py).
+    probe = row.breaker_state == "half_open" and isinstance(exc, DownstreamError)
+    if probe:
+        policy = dataclasses.replace(policy, max_attempts=found.attempts_in_run + 1)
     decision = decide(
         policy,
         attempt=found.attempts_in_run,
@@ -633,6 +651,7 @@ def _fail(
                 next_attempt_at=decision.next_attempt_at,
                 error_class=error_class,
                 error=error,
+                uncounted=probe,
             )
         else:
             transitions.kill(
@@ -660,6 +679,7 @@ def _fail(
         return _unrecorded(_Claimed(found, row, fast, None, 0.0))
     # The state is committed: now the next copy may come.
     rt.claims.release(fast)
+    breaker.after_failure(rt, found, exc)
     fields = {
         "delivery_id": found.id,
         "attempt": found.attempt,
@@ -741,6 +761,7 @@ def celery_state(report: Report) -> str:
     return {
         "duplicate": "duplicate: another copy holds or completed this delivery",
         "skipped": "skipped: done, dead, not due yet or owned by a live lease",
+        "held": "held: its route is paused or its circuit breaker is open (not an attempt)",
         "missing": "missing: no such delivery",
     }.get(report.outcome, report.outcome)
 

@@ -33,6 +33,15 @@ class RetryableError(HandlerError):
         self.delay = delay
 
 
+class DownstreamError(RetryableError):
+    """The downstream itself failed (5xx, timeout, connection error): retried like any
+    :class:`RetryableError`, and counted by the route's circuit breaker (models/breaker.py).
+    A handler calling a service raises it for the same failures; 408, 429 and 4xx are not
+    the downstream failing and never count."""
+
+    reason = "downstream"
+
+
 class PermanentError(HandlerError):
     """Retrying cannot help (bad request, gone resource): the delivery goes dead at once."""
 

@@ -4,7 +4,9 @@ missing a run only changes when, never whether, work is published.
 ``webhooks.sweep`` picks (``transitions.due_for_publish``, SKIP LOCKED, committed before any
 publish) pending deliveries never published or whose message was lost, retries that are due
 but whose countdown message did not come (or that were too long for a countdown), and
-processing deliveries whose lease expired (the worker died); then publishes each id. A
+processing deliveries whose lease expired (the worker died), skipping deliveries their route
+holds (paused, breaker open), and one probe delivery per open route whose probe is due
+(:func:`models.breaker.pick_probes`); then publishes each id. A
 published id that turns out not to be claimable is dropped quietly by the delivery task.
 Each pick counts in the row's ``republished`` (reset by a claim): from the second, a pending
 row goes to Postgres' claim even while a fast-claim key says duplicate, so a stale key (a
@@ -23,7 +25,7 @@ from typing import Any
 from celery import shared_task
 from sqlalchemy import text
 
-from models import retention, transitions
+from models import breaker, retention, transitions
 from models.db import session_scope
 from tasks import capacity, get_runtime
 from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
@@ -31,7 +33,7 @@ from tasks.deliver import deliver
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.logs import get_logger
-from webhooks.metrics import OLDEST_PENDING, SWEPT
+from webhooks.metrics import BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
 
 log = get_logger(__name__)
 
@@ -51,7 +53,14 @@ def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
         picked = transitions.due_for_publish(
             session, now=now, grace=rt.settings.publish_grace, limit=rt.settings.sweep_batch
         )
+        probes = breaker.pick_probes(
+            session,
+            now=now,
+            interval=rt.settings.breaker_probe_interval,
+            grace=rt.settings.publish_grace,
+        )
         oldest = session.execute(_OLDEST_UNFINISHED, {"now": now}).scalar_one_or_none()
+    picked += probed(probes)
     OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, float(oldest)))
     published = []
     for delivery_id, event_id, source in picked:
@@ -67,6 +76,20 @@ def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
     if picked:
         log.info("sweep.published", count=len(published), picked=len(picked))
     return published
+
+
+def probed(probes: list[breaker.Probe]) -> list[tuple[int, str | None, str | None]]:
+    """The probe deliveries to publish (one per open route whose probe is due, at most one
+    per probe interval: :func:`models.breaker.pick_probes`), each change logged and counted."""
+    out = []
+    for probe in probes:
+        state = breaker.OPEN if probe.delivery_id is None else breaker.HALF_OPEN
+        BREAKER_CHANGES.labels(route=str(probe.route_id), state=state).inc()
+        BREAKER_STATE.labels(route=str(probe.route_id)).set(breaker.STATE_VALUES[state])
+        log.info("route.breaker_probe", route_id=probe.route_id, delivery_id=probe.delivery_id)
+        if probe.delivery_id is not None:
+            out.append((probe.delivery_id, probe.event_id, probe.source))
+    return out
 
 
 @shared_task(name=SWEEP_TASK, ignore_result=True)

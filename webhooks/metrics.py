@@ -102,6 +102,17 @@ RETRY_AFTER_IGNORED = Counter(
     "webhooks_retry_after_ignored_total",
     "Retry-After headers from downstreams that were neither seconds nor an HTTP date",
 )
+BREAKER_CHANGES = Counter(
+    "webhooks_route_breaker_changes_total",
+    "Circuit breaker and pause state changes by route and the state entered",
+    ["route", "state"],
+)
+BREAKER_STATE = Gauge(
+    "webhooks_route_breaker_state",
+    "A route's circuit breaker: 0 closed, 1 half-open, 2 open (paused routes: 3)",
+    ["route"],
+    multiprocess_mode="mostrecent",
+)
 
 # Capacity (tasks/capacity.py): measured by each maintenance run, on a worker.
 FAST_TIER_KEYS = Gauge(
@@ -163,6 +174,8 @@ WORKER_ONLY: tuple[Any, ...] = (
     FAST_TIER_USED_MEMORY,
     FAST_TIER_MAXMEMORY,
     PARTITION_DAYS,
+    BREAKER_CHANGES,
+    BREAKER_STATE,
 )
 
 

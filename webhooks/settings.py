@@ -146,6 +146,14 @@ class Settings(BaseSettings):
     retry_cap: timedelta = timedelta(hours=6)
     max_attempts: int = Field(default=12, ge=1)
     max_age: timedelta = timedelta(days=3)
+    # Circuit breaker per route (models/breaker.py; Convoy's defaults): it opens when at least
+    # breaker_failure_ratio of at least breaker_min_requests requests failed downstream (5xx,
+    # timeout, connection) within breaker_window of the route's first counted failure; while
+    # open one probe delivery goes out every breaker_probe_interval.
+    breaker_window: timedelta = timedelta(minutes=5)
+    breaker_min_requests: int = Field(default=10, ge=1)
+    breaker_failure_ratio: float = Field(default=0.7, gt=0, le=1)
+    breaker_probe_interval: timedelta = timedelta(seconds=30)
     # Seed of the workers' jitter source: reproducible retry delays in tests; None = OS entropy.
     retry_seed: int | None = None
 
@@ -242,6 +250,13 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:
         self.check_budgets()
+        return self
+
+    @model_validator(mode="after")
+    def _check_breaker(self) -> Settings:
+        for name in ("breaker_window", "breaker_probe_interval"):
+            if getattr(self, name) <= timedelta():
+                raise ValueError(f"WEBHOOKS_{name.upper()} must be positive")
         return self
 
     @model_validator(mode="after")

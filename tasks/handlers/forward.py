@@ -8,8 +8,9 @@ of one event), and Standard Webhooks headers (``webhook-id`` = that key,
 the downstream verifies us with any Standard Webhooks library. Connect and read timeouts are
 ``WEBHOOKS_HANDLER_IO_TIMEOUT`` (below the soft time limit). 2xx succeeds; 408, 429, 5xx,
 timeouts and connection errors retry, honouring ``Retry-After`` within the policy's cap;
-redirects and other 4xx are permanent. Errors name the status, never the URL (it may carry
-a token) nor the body.
+redirects and other 4xx are permanent. 5xx, timeouts and connection errors raise
+:class:`~tasks.errors.DownstreamError`, which the route's circuit breaker counts. Errors name
+the status, never the URL (it may carry a token) nor the body.
 
 The response is streamed and at most :data:`MAX_RESPONSE_BYTES` of it read (nothing of it is
 needed: a downstream answering with a huge body cannot grow the worker's memory). A
@@ -49,7 +50,7 @@ import httpx
 from standardwebhooks.webhooks import Webhook
 
 from tasks.context import Event, HandlerContext
-from tasks.errors import PermanentError, RetryableError
+from tasks.errors import DownstreamError, PermanentError, RetryableError
 from tasks.handlers.registry import register
 from webhooks.addresses import AddressRefused, IPAddress, allows_private, check_address, check_host
 from webhooks.metrics import RETRY_AFTER_IGNORED
@@ -276,17 +277,23 @@ def forward(event: Event, ctx: HandlerContext) -> None:
     except AddressRefused as exc:  # the host resolved to an address the route may not reach
         raise PermanentError(str(exc), reason="address_refused") from None
     except httpx.TimeoutException as exc:
-        raise RetryableError(
+        raise DownstreamError(
             f"downstream timed out ({type(exc).__name__})", reason="timeout"
         ) from None
     except httpx.TransportError as exc:
-        raise RetryableError(
+        raise DownstreamError(
             f"downstream unreachable ({type(exc).__name__})", reason="connection"
         ) from None
     status = response.status_code
     if 200 <= status < 300:
         return
-    if status in (408, 429) or status >= 500:
+    if status >= 500:  # the downstream failing: its route's breaker counts it
+        raise DownstreamError(
+            f"downstream answered HTTP {status}",
+            delay=parse_retry_after(response.headers.get("retry-after"), now),
+            reason="http_retryable",
+        )
+    if status in (408, 429):
         raise RetryableError(
             f"downstream answered HTTP {status}",
             delay=parse_retry_after(response.headers.get("retry-after"), now),

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ingest.providers import registry, validate_config
-from models import catalog
+from models import breaker, catalog
 from models.schema import Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
 from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say
@@ -284,7 +284,14 @@ def _route_view(r: Any) -> dict[str, Any]:
         "max_attempts": r.max_attempts,
         "max_age_s": r.max_age_s,
         "active": r.active,
+        **breaker.state_of(r).view(),
     }
+
+
+def _breaker_cell(v: dict[str, Any]) -> str:
+    """``paused`` or the breaker state, for the routes table."""
+    state = str(v["breaker"]["state"])
+    return f"paused, {state}" if v["paused"] else state
 
 
 @secrets_app.command("add")
@@ -458,9 +465,9 @@ def routes_list(source: str, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(views)
         return
-    table = Table("id", "handler", "events", "options", "active")
+    table = Table("id", "handler", "events", "options", "active", "breaker")
     for v in views:
-        row(table, v["id"], v["handler"], v["events"], v["options"], v["active"])
+        row(table, v["id"], v["handler"], v["events"], v["options"], v["active"], _breaker_cell(v))
     console.print(table)
 
 
@@ -523,6 +530,56 @@ def routes_enable(
             session, route_id, True, _change(operator, reason), now=None
         )
     _say_route("enabled", changed)
+
+
+@routes_app.command("show")
+@handle_errors
+def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
+    """One route: its handler, and whether it is paused and its circuit breaker's state."""
+    e = env()
+    with e.session() as session:
+        view = _route_view(catalog.get_route(session, route_id))
+    if as_json:
+        print_json(view)
+        return
+    b = view["breaker"]
+    say(escape(f"route {view['id']}: {view['handler']} for {view['events']}"))
+    if view["paused"]:
+        say(escape(f"paused since {view['paused_at']}: {view['pause_reason']}"))
+    say(
+        escape(
+            f"breaker {b['state']} (trips {b['trips']}, opened {b['opened_at']}, next probe "
+            f"{b['probe_at']}); window since {b['window_started_at']}: "
+            f"{b['window_failures']} failures of {b['window_requests']} requests"
+        )
+    )
+
+
+@routes_app.command("pause")
+@handle_errors
+def routes_pause(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Hold this route's deliveries without attempting them (audited): new events are still
+    accepted and stored; `routes resume` delivers them."""
+    e = env()
+    with e.session() as session:
+        changed = breaker.set_paused(session, route_id, True, _change(operator, reason), now=None)
+    _say_route(f"paused: {changed.unfinished} deliveries held", changed)
+
+
+@routes_app.command("resume")
+@handle_errors
+def routes_resume(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Deliver a paused route's held deliveries again (audited; the sweeper publishes them)."""
+    e = env()
+    with e.session() as session:
+        changed = breaker.set_paused(
+            session, route_id, False, _change(operator, reason or "resumed"), now=None
+        )
+    _say_route(f"resumed: {changed.unfinished} deliveries to deliver", changed)
 
 
 @routes_app.command("remove")

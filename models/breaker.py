@@ -1,0 +1,355 @@
+"""A circuit breaker per route, and pausing a route by hand: deliveries held, not attempted.
+
+    closed --(failures >= ratio x requests, requests >= min, in the window)--> open
+    open --(probe due: the sweeper picks the oldest waiting delivery)--> half_open
+    half_open --(a success)--> closed        half_open --(a downstream failure)--> open
+
+State lives on the route (migration 0010), in Postgres, so every worker and sweeper on every
+host reads one state, in statements they already run:
+
+- *The gate* is in the worker's guarded claim (:mod:`models.transitions`, ``_GATE``): a
+  delivery of a paused route, or of a route whose breaker is open (or half-open, unless it is
+  the probe), is simply not claimed: no attempt row, ``attempts`` unchanged, no backoff. So
+  waiting on an open breaker or a pause never spends the retry budget (``max_attempts``
+  counts attempts made while closed or half-open). The sweeper skips held deliveries, so a
+  held backlog is not republished every sweep; it publishes them again once the route is
+  resumed or its breaker closes (their ``next_attempt_at`` is already past).
+- *Counting*: a downstream failure (:class:`tasks.errors.DownstreamError`: 5xx, timeout,
+  connection error; never a permanent 4xx) runs :func:`record_failure`, one guarded UPDATE.
+  The failure window starts at the route's first counted failure and lasts
+  ``breaker_window``; successes count as requests only while such a window is open (the
+  claim returns ``window_failures``), so a healthy route pays nothing for the breaker. This
+  is an approximation: successes before the first failure are not in the window, so the
+  ratio is "failures among the requests since the first failure".
+- *Probing*: :func:`pick_probes` (each sweep) moves every open or half-open route whose
+  ``breaker_probe_at`` has passed to half_open, names its oldest waiting delivery the probe
+  and pushes ``breaker_probe_at`` one ``breaker_probe_interval`` ahead: at most one call per
+  interval reaches the failing downstream. A success on a half-open route closes it; a
+  failure reopens it (``breaker_trips`` + 1).
+
+Times are the database's clock (``now()`` in the statements), or a test's pinned instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from models.catalog import CatalogError, Change, Changed, _route_target, get_route, record_audit
+from models.schema import Route, Source
+from models.transitions import _placeholders, _sql
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+# The gauge's value per state (webhooks_route_breaker_state).
+STATE_VALUES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+
+
+@dataclass(frozen=True)
+class BreakerChange:
+    """What a breaker statement did to a route's state."""
+
+    route_id: int
+    before: str
+    after: str
+    trips: int
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
+
+
+# One downstream failure: opens (or extends) the route's window and counts it; opens the
+# breaker on a closed route past the ratio, reopens a half-open one. The window is read
+# FOR UPDATE so concurrent failures each count.
+_FAILURE_SQL = _placeholders(
+    """
+    WITH old AS (
+        SELECT id, breaker_state AS before,
+               (window_started_at IS NULL OR window_started_at <= :now - :window) AS fresh,
+               window_started_at, window_requests, window_failures
+        FROM routes WHERE id = :route FOR UPDATE
+    ), counted AS (
+        SELECT id, before,
+               CASE WHEN fresh THEN :now ELSE window_started_at END AS started,
+               CASE WHEN fresh THEN 1 ELSE window_requests + 1 END AS requests,
+               CASE WHEN fresh THEN 1 ELSE window_failures + 1 END AS failures
+        FROM old
+    ), next AS (
+        SELECT id, before, started, requests, failures,
+               CASE WHEN before = 'half_open' THEN 'open'
+                    WHEN before = 'closed' AND requests >= :min_requests
+                         AND failures >= CAST(:ratio AS double precision) * requests
+                    THEN 'open'
+                    ELSE before END AS after
+        FROM counted
+    )
+    UPDATE routes r SET
+        breaker_state = next.after,
+        window_started_at = CASE WHEN next.after = 'closed' THEN next.started END,
+        window_requests = CASE WHEN next.after = 'closed' THEN next.requests ELSE 0 END,
+        window_failures = CASE WHEN next.after = 'closed' THEN next.failures ELSE 0 END,
+        breaker_opened_at = CASE WHEN next.before = 'closed' AND next.after = 'open'
+                                 THEN :now ELSE r.breaker_opened_at END,
+        breaker_probe_at = CASE WHEN next.before <> 'open' AND next.after = 'open'
+                                THEN :now + :interval ELSE r.breaker_probe_at END,
+        probe_delivery = CASE WHEN next.after = 'open' THEN NULL ELSE r.probe_delivery END,
+        breaker_trips = r.breaker_trips
+            + CASE WHEN next.before <> 'open' AND next.after = 'open' THEN 1 ELSE 0 END
+    FROM next WHERE r.id = next.id
+    RETURNING r.id, next.before, next.after, r.breaker_trips
+    """
+)
+
+# A success on a half-open route (the probe, or any success while half-open): closed.
+_CLOSE_SQL = _placeholders(
+    """
+    UPDATE routes SET breaker_state = 'closed', breaker_probe_at = NULL, probe_delivery = NULL,
+        window_started_at = NULL, window_requests = 0, window_failures = 0
+    WHERE id = :route AND breaker_state = 'half_open'
+    RETURNING id, 'half_open', 'closed', breaker_trips
+    """
+)
+
+# A success on a closed route whose failure window is open: one more request in it.
+_COUNT_SUCCESS_SQL = _placeholders(
+    """
+    UPDATE routes SET window_requests = window_requests + 1
+    WHERE id = :route AND breaker_state = 'closed' AND window_started_at > :now - :window
+    """
+)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The breaker's settings (``WEBHOOKS_BREAKER_*``)."""
+
+    window: timedelta
+    min_requests: int
+    ratio: float
+    probe_interval: timedelta
+
+    @classmethod
+    def of(cls, settings: Any) -> Thresholds:
+        return cls(
+            settings.breaker_window,
+            settings.breaker_min_requests,
+            settings.breaker_failure_ratio,
+            settings.breaker_probe_interval,
+        )
+
+
+def record_failure(
+    conn: psycopg.Connection[Any], route_id: int, limits: Thresholds, *, now: datetime | None
+) -> BreakerChange | None:
+    """Count one downstream failure of the route (autocommit: one round trip). None when
+    the route is gone."""
+    row = conn.execute(
+        _FAILURE_SQL,
+        {
+            "route": route_id,
+            "now": now,
+            "window": limits.window,
+            "min_requests": limits.min_requests,
+            "ratio": limits.ratio,
+            "interval": limits.probe_interval,
+        },
+    ).fetchone()
+    return None if row is None else BreakerChange(int(row[0]), row[1], row[2], int(row[3]))
+
+
+def record_success(
+    conn: psycopg.Connection[Any],
+    route_id: int,
+    limits: Thresholds,
+    *,
+    state: str | None,
+    window_failures: int | None,
+    now: datetime | None,
+) -> BreakerChange | None:
+    """A success, as the claim saw the route: a half-open route closes; a closed one with an
+    open failure window counts a request; a healthy route costs nothing (no statement)."""
+    if state == HALF_OPEN:
+        row = conn.execute(_CLOSE_SQL, {"route": route_id}).fetchone()
+        return None if row is None else BreakerChange(int(row[0]), row[1], row[2], int(row[3]))
+    if state == CLOSED and window_failures:
+        conn.execute(_COUNT_SUCCESS_SQL, {"route": route_id, "now": now, "window": limits.window})
+    return None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A route moved to half_open by the sweeper, and the delivery that probes it (None: the
+    route has nothing waiting; it stays open and is looked at again one interval later)."""
+
+    route_id: int
+    delivery_id: int | None
+    event_id: str | None
+    source: str | None
+
+
+_PROBES = """
+    WITH due AS (
+        SELECT id FROM routes
+        WHERE breaker_state IN ('open', 'half_open') AND paused_at IS NULL
+          AND breaker_probe_at <= :now
+        ORDER BY id
+        FOR UPDATE SKIP LOCKED
+    ), pick AS (
+        SELECT DISTINCT ON (d.route_id) d.route_id, d.id, d.expires_at
+        FROM deliveries d JOIN due ON d.route_id = due.id
+        WHERE d.status IN ('pending', 'retrying')
+        ORDER BY d.route_id, d.created_at, d.id
+    ), moved AS (
+        UPDATE routes r SET
+            breaker_state = CASE WHEN pick.id IS NULL THEN 'open' ELSE 'half_open' END,
+            probe_delivery = pick.id,
+            breaker_probe_at = :now + :interval
+        FROM due LEFT JOIN pick ON pick.route_id = due.id
+        WHERE r.id = due.id
+        RETURNING r.id AS route_id, pick.id AS delivery_id, pick.expires_at
+    ), freed AS (
+        -- the probe is claimable now, whatever its backoff said: waiting is not an attempt
+        UPDATE deliveries d SET status = 'pending', next_attempt_at = :now + :grace,
+            updated_at = :now
+        FROM moved WHERE d.id = moved.delivery_id AND d.expires_at = moved.expires_at
+          AND d.status IN ('pending', 'retrying')
+        RETURNING d.id, d.receipt_id, d.expires_at, d.source_id
+    )
+    SELECT m.route_id, f.id, r.event_id, s.public_id FROM moved m
+    LEFT JOIN freed f ON f.id = m.delivery_id
+    LEFT JOIN receipts r ON r.id = f.receipt_id AND r.expires_at = f.expires_at
+    LEFT JOIN sources s ON s.id = f.source_id
+    ORDER BY m.route_id
+    """
+
+
+def pick_probes(
+    session: Session, *, now: datetime | None, interval: timedelta, grace: timedelta
+) -> list[Probe]:
+    """The sweeper's probes (SKIP LOCKED: two sweepers never probe one route twice); the
+    caller publishes each probe delivery after committing."""
+    rows = session.execute(_sql(_PROBES), {"now": now, "interval": interval, "grace": grace}).all()
+    return [Probe(int(r[0]), None if r[1] is None else int(r[1]), r[2], r[3]) for r in rows]
+
+
+_HELD = """
+    SELECT d.id FROM deliveries d JOIN routes g ON g.id = d.route_id
+    WHERE d.id = ANY(%(ids)s::bigint[])
+      AND d.status IN ('pending', 'retrying', 'processing')
+      AND (g.paused_at IS NOT NULL
+           OR (g.breaker_state <> 'closed' AND g.probe_delivery IS DISTINCT FROM d.id))
+"""
+
+
+def held(conn: psycopg.Connection[Any], ids: list[int]) -> set[int]:
+    """Which of these deliveries (that the claim did not take) their route holds: asked only
+    on the not-claimed path, to tell "held" from "skipped"."""
+    return {int(r[0]) for r in conn.execute(_HELD, {"ids": ids}).fetchall()}
+
+
+@dataclass(frozen=True)
+class RouteState:
+    """A route's pause and breaker, as operators read them."""
+
+    route_id: int
+    paused: bool
+    paused_at: datetime | None
+    pause_reason: str | None
+    breaker_state: str
+    breaker_opened_at: datetime | None
+    breaker_probe_at: datetime | None
+    probe_delivery: int | None
+    breaker_trips: int
+    window_started_at: datetime | None
+    window_requests: int
+    window_failures: int
+
+    def view(self) -> dict[str, Any]:
+        """JSON-ready (the CLI's --json and the admin API)."""
+
+        def iso(value: datetime | None) -> str | None:
+            return None if value is None else value.isoformat()
+
+        return {
+            "paused": self.paused,
+            "paused_at": iso(self.paused_at),
+            "pause_reason": self.pause_reason,
+            "breaker": {
+                "state": self.breaker_state,
+                "opened_at": iso(self.breaker_opened_at),
+                "probe_at": iso(self.breaker_probe_at),
+                "probe_delivery": self.probe_delivery,
+                "trips": self.breaker_trips,
+                "window_started_at": iso(self.window_started_at),
+                "window_requests": self.window_requests,
+                "window_failures": self.window_failures,
+            },
+        }
+
+
+def state_of(route: Route) -> RouteState:
+    return RouteState(
+        route.id,
+        route.paused_at is not None,
+        route.paused_at,
+        route.pause_reason,
+        route.breaker_state,
+        route.breaker_opened_at,
+        route.breaker_probe_at,
+        route.probe_delivery,
+        route.breaker_trips,
+        route.window_started_at,
+        route.window_requests,
+        route.window_failures,
+    )
+
+
+def route_state(session: Session, route_id: int) -> RouteState:
+    """Raises CatalogError for an unknown route."""
+    session.expire_all()
+    return state_of(get_route(session, route_id))
+
+
+def set_paused(
+    session: Session, route_id: int, paused: bool, change: Change, *, now: datetime | None
+) -> Changed:
+    """Pause a route (its deliveries are held, not attempted, new events still accepted and
+    stored) or resume it (its held deliveries become eligible again: the sweeper publishes
+    them). Refuses a route that is already so; one audit row (``route.pause`` /
+    ``route.resume``) in the caller's transaction."""
+    change.check()
+    route = get_route(session, route_id)
+    when: Any = now if now is not None else _db_now(session)
+    values: dict[str, Any] = (
+        {"paused_at": when, "pause_reason": change.reason.strip()}
+        if paused
+        else {"paused_at": None, "pause_reason": None}
+    )
+    guard = Route.paused_at.is_(None) if paused else Route.paused_at.is_not(None)
+    moved = session.execute(
+        update(Route).where(Route.id == route_id, guard).values(**values).returning(Route.id)
+    ).first()
+    if moved is None:
+        raise CatalogError(f"route {route_id} is {'already paused' if paused else 'not paused'}")
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = _route_target(route, source)
+    action = "route.pause" if paused else "route.resume"
+    audit_id = record_audit(session, change, action, target, count=1, now=now)
+    held_now = session.execute(
+        _sql(
+            "SELECT count(*) FROM deliveries WHERE route_id = :route"
+            " AND status IN ('pending', 'retrying', 'processing')"
+        ),
+        {"route": route_id},
+    ).scalar_one()
+    return Changed(audit_id, target, int(held_now))
+
+
+def _db_now(session: Session) -> datetime:
+    value: datetime = session.execute(_sql("SELECT now()")).scalar_one()
+    return value

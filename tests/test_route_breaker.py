@@ -1,0 +1,355 @@
+"""The route circuit breaker and pausing by hand (issue 23, items 3 and 4): real Postgres, real
+workers, a real local downstream for ``forward``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import breaker, catalog, transitions
+from models.breaker import Thresholds
+from tests.factories import accept_event, make_source
+from tests.operators_support import cli, ops_env
+from tests.workers import (
+    Broker,
+    attempts,
+    delivery,
+    flush_redis,
+    running_worker,
+    wait_for,
+    worker_settings,
+)
+from webhooks.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+LIMITS = Thresholds(timedelta(minutes=1), 3, 0.7, timedelta(seconds=30))
+# Short breaker timings for the workers: three failures in a minute open it, one probe a second.
+BREAKER: dict[str, Any] = {
+    "breaker_min_requests": 3,
+    "breaker_failure_ratio": 0.7,
+    "breaker_window": timedelta(minutes=1),
+    "breaker_probe_interval": timedelta(seconds=1),
+    "max_attempts": 2,
+}
+
+
+class Downstream:
+    """A local HTTP downstream answering ``status``, recording when each call came."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.calls: list[float] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                server.calls.append(time.monotonic())
+                self.send_response(server.status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def downstream() -> Iterator[Downstream]:
+    server = Downstream(503)
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> None:
+    flush_redis()
+
+
+def _route(engine: Engine, route_id: int) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT * FROM routes WHERE id = :id"), {"id": route_id}).one()
+
+
+def _statuses(engine: Engine, ids: list[int]) -> dict[int, str]:
+    return {i: delivery(engine, i).status for i in ids}
+
+
+def _attempt_rows(engine: Engine, ids: list[int]) -> int:
+    return sum(len(attempts(engine, i)) for i in ids)
+
+
+def _accept(settings: Settings, source: Any, n: int) -> list[int]:
+    return [accept_event(settings, source)[1].delivery_ids[0] for _ in range(n)]
+
+
+# -- the statements, with the time pinned ---------------------------------------------------
+
+
+def _fail(settings: Settings, route_id: int, now: Any) -> breaker.BreakerChange | None:
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        return breaker.record_failure(conn, route_id, LIMITS, now=now)
+
+
+def test_an_open_breaker_holds_claims_without_an_attempt_and_probes_once_per_interval(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    source = make_source(sessions, settings)
+    (route_id,) = source.route_ids
+    ids = _accept(settings, source, 3)
+    with sessions() as s:
+        now = s.execute(text("SELECT now()")).scalar_one() + timedelta(minutes=1)
+    changes = [_fail(settings, route_id, now) for _ in range(3)]
+    assert [c.after for c in changes if c] == ["closed", "closed", "open"]
+    route = _route(engine, route_id)
+    assert (route.breaker_state, route.breaker_trips) == ("open", 1)
+
+    def claim(delivery_id: int, at: Any) -> transitions.Claim | None:
+        with sessions() as s, s.begin():
+            return transitions.claim(
+                s, delivery_id, now=at, lease=timedelta(minutes=4), max_redeliveries=3, worker="w"
+            )
+
+    # Open: nothing is claimed, no attempt row, attempts unchanged, and the sweeper skips them.
+    assert [claim(i, now) for i in ids] == [None, None, None]
+    assert _attempt_rows(engine, ids) == 0
+    assert {delivery(engine, i).attempts for i in ids} == {0}
+    with sessions() as s, s.begin():
+        assert transitions.due_for_publish(s, now=now, grace=timedelta(0), limit=100) == []
+
+    def probes(at: Any) -> list[breaker.Probe]:
+        with sessions() as s, s.begin():
+            return breaker.pick_probes(
+                s, now=at, interval=LIMITS.probe_interval, grace=timedelta(0)
+            )
+
+    assert probes(now) == []  # the probe is due one interval after opening
+    later = now + LIMITS.probe_interval
+    (probe,) = probes(later)
+    assert (probe.route_id, probe.delivery_id) == (route_id, ids[0])  # the oldest waiting
+    assert probes(later) == []
+    assert probes(later + timedelta(seconds=29)) == []
+    assert _route(engine, route_id).breaker_state == "half_open"
+    # Half-open: only the probe is claimable.
+    assert claim(ids[1], later) is None
+    assert claim(ids[0], later) is not None
+    assert _attempt_rows(engine, ids) == 1
+    # The probe failed: open again, the next probe one interval later.
+    assert (c := _fail(settings, route_id, later)) is not None
+    assert c.after == "open"
+    assert _route(engine, route_id).breaker_trips == 2
+    assert probes(later + timedelta(seconds=29)) == []
+    assert len(probes(later + LIMITS.probe_interval)) == 1
+
+
+def test_failures_below_the_ratio_or_the_minimum_keep_it_closed(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    source = make_source(sessions, settings)
+    (route_id,) = source.route_ids
+    with sessions() as s:
+        now = s.execute(text("SELECT now()")).scalar_one()
+    _fail(settings, route_id, now)
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        for _ in range(3):  # successes inside the open window count as requests
+            breaker.record_success(
+                conn, route_id, LIMITS, state="closed", window_failures=1, now=now
+            )
+    _fail(settings, route_id, now)
+    route = _route(engine, route_id)
+    assert (route.breaker_state, route.window_requests, route.window_failures) == ("closed", 5, 2)
+    # Past the window the count starts again at the next failure.
+    _fail(settings, route_id, now + timedelta(minutes=2))
+    route = _route(engine, route_id)
+    assert (route.breaker_state, route.window_requests, route.window_failures) == ("closed", 1, 1)
+
+
+# -- real workers, a real downstream --------------------------------------------------------
+
+
+def test_a_failing_downstream_opens_the_breaker_probes_once_a_second_then_drains_none_dead(
+    sessions: sessionmaker[Session], engine: Engine, tmp_path: Path, downstream: Downstream
+) -> None:
+    settings = worker_settings(**BREAKER)
+    source = make_source(
+        sessions, settings, routes=[{"handler": "forward", "options": {"url": downstream.url}}]
+    )
+    (route_id,) = source.route_ids
+    ids = _accept(settings, source, 6)
+    broker = Broker(settings)
+    with running_worker("breaker", tmp_path, **BREAKER) as worker:
+        for delivery_id in ids:
+            broker.publish(delivery_id)
+        wait_for(
+            lambda: _route(engine, route_id).breaker_state != "closed",
+            timeout=30,
+            what="the breaker to open",
+        )
+        opened = time.monotonic()
+
+        def probed(n: int) -> bool:
+            broker.sweep()
+            return len([t for t in downstream.calls if t > opened + 0.5]) >= n
+
+        wait_for(lambda: probed(3), timeout=30, what="three probes", interval=0.2)
+        probes = [t for t in downstream.calls if t > opened + 0.5]
+        # At most one call per probe interval (1 s) reaches the failing downstream.
+        gaps = [b - a for a, b in itertools.pairwise(probes)]
+        assert min(gaps) > 0.8, gaps
+        # Every call is an attempt row, and an open-breaker wait wrote none: the held
+        # deliveries' retries came and were not claimed.
+        assert _attempt_rows(engine, ids) == len(downstream.calls)
+        assert any(
+            line.get("outcome") == "held"
+            for line in worker.json_lines()
+            if line.get("event") == "delivery.not_claimed"
+        )
+        # max_attempts is 2 and the probe failed at least twice: the outage spent no budget.
+        assert "dead" not in _statuses(engine, ids).values()
+        assert _route(engine, route_id).breaker_trips >= 3
+        downstream.status = 200
+
+        def drained() -> bool:
+            broker.sweep()
+            return set(_statuses(engine, ids).values()) == {"succeeded"}
+
+        wait_for(drained, timeout=60, what="the backlog to drain", interval=0.25)
+        events = [line.get("event") for line in worker.json_lines()]
+        assert "route.breaker_opened" in events
+        assert "route.breaker_closed" in events
+    broker.close()
+    assert _route(engine, route_id).breaker_state == "closed"
+
+
+def test_a_permanent_4xx_does_not_trip_the_breaker(
+    sessions: sessionmaker[Session], engine: Engine, tmp_path: Path, downstream: Downstream
+) -> None:
+    downstream.status = 400
+    settings = worker_settings(**BREAKER)
+    source = make_source(
+        sessions, settings, routes=[{"handler": "forward", "options": {"url": downstream.url}}]
+    )
+    (route_id,) = source.route_ids
+    ids = _accept(settings, source, 5)
+    broker = Broker(settings)
+    with running_worker("breaker4xx", tmp_path, **BREAKER):
+        for delivery_id in ids:
+            broker.publish(delivery_id)
+        wait_for(
+            lambda: set(_statuses(engine, ids).values()) == {"dead"},
+            timeout=30,
+            what="the 4xx deliveries to go dead",
+        )
+    broker.close()
+    route = _route(engine, route_id)
+    assert (route.breaker_state, route.window_failures, route.breaker_trips) == ("closed", 0, 0)
+
+
+def test_a_paused_route_makes_no_attempt_until_resumed_and_both_are_audited(
+    sessions: sessionmaker[Session], engine: Engine, tmp_path: Path, downstream: Downstream
+) -> None:
+    downstream.status = 200
+    settings = worker_settings()
+    source = make_source(
+        sessions, settings, routes=[{"handler": "forward", "options": {"url": downstream.url}}]
+    )
+    (route_id,) = source.route_ids
+    change = catalog.Change("alice", "downstream maintenance until 14:00")
+    with sessions() as s, s.begin():
+        breaker.set_paused(s, route_id, True, change, now=None)
+    with sessions() as s, s.begin(), pytest.raises(catalog.CatalogError, match="already paused"):
+        breaker.set_paused(s, route_id, True, change, now=None)
+    ids = _accept(settings, source, 3)
+    broker = Broker(settings)
+    with running_worker("paused", tmp_path) as worker:
+        for delivery_id in ids:
+            broker.publish(delivery_id)
+
+        def all_held() -> bool:
+            broker.sweep()
+            held = [
+                line
+                for line in worker.json_lines()
+                if line.get("event") == "delivery.not_claimed" and line.get("outcome") == "held"
+            ]
+            return len(held) >= len(ids)
+
+        wait_for(all_held, timeout=30, what="the paused route's deliveries to be held")
+        assert set(_statuses(engine, ids).values()) == {"pending"}
+        assert _attempt_rows(engine, ids) == 0
+        assert downstream.calls == []
+        with sessions() as s, s.begin():
+            resumed = breaker.set_paused(
+                s, route_id, False, catalog.Change("bob", "maintenance over"), now=None
+            )
+        assert resumed.unfinished == 3
+
+        def delivered() -> bool:
+            broker.sweep()
+            return set(_statuses(engine, ids).values()) == {"succeeded"}
+
+        wait_for(delivered, timeout=30, what="the resumed route to drain", interval=0.25)
+    broker.close()
+    with sessions() as s:
+        audit = catalog.list_audit(s, action="route.")
+    assert [(a.action, a.operator, a.reason) for a in audit[:2]] == [
+        ("route.resume", "bob", "maintenance over"),
+        ("route.pause", "alice", "downstream maintenance until 14:00"),
+    ]
+
+
+def test_routes_pause_show_list_and_resume_from_the_cli(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    source = make_source(sessions, settings)
+    (route_id,) = source.route_ids
+    env = {**ops_env(), "COLUMNS": "250"}
+
+    def run(*args: str) -> Any:
+        done = cli(*args, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    refused = cli("routes", "pause", str(route_id), env=env)
+    assert refused.returncode == 1
+    assert "--reason is required" in refused.stderr
+    assert _route(engine, route_id).paused_at is None  # nothing changed
+    run("routes", "pause", str(route_id), "--reason", "downstream migration", "--as", "alice")
+    shown = json.loads(run("routes", "show", str(route_id), "--json").stdout)
+    assert shown["paused"] is True
+    assert shown["pause_reason"] == "downstream migration"
+    assert shown["breaker"]["state"] == "closed"
+    (listed,) = json.loads(run("routes", "list", source.public_id, "--json").stdout)
+    assert listed["paused"] is True
+    assert "paused, closed" in run("routes", "list", source.public_id).stdout
+    run("routes", "resume", str(route_id), "--as", "bob")
+    again = cli("routes", "resume", str(route_id), env=env)
+    assert again.returncode == 1
+    assert "not paused" in again.stderr
+    assert json.loads(run("routes", "show", str(route_id), "--json").stdout)["paused"] is False
+    with sessions() as s:
+        audit = catalog.list_audit(s, action="route.")
+    assert [(a.action, a.operator, a.via) for a in audit[:2]] == [
+        ("route.resume", "bob", "cli"),
+        ("route.pause", "alice", "cli"),
+    ]
