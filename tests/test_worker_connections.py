@@ -261,6 +261,7 @@ def test_a_later_partitions_claim_failing_leaves_no_earlier_claim_forgotten(
         dbapi_conn.execute("SET lock_timeout = '300ms'")
         dbapi_conn.commit()
 
+    made.engine.dispose()  # connections opened before the listener (build_runtime reads)
     try:
         with psycopg.connect(settings.psycopg_dsn) as locker:
             locker.execute("SELECT 1 FROM deliveries WHERE id = %s FOR UPDATE", (second,))

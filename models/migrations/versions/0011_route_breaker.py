@@ -56,7 +56,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_constraint("ck_routes_breaker_state", "routes", type_="check")
+    op.drop_constraint(op.f("ck_routes_breaker_state"), "routes", type_="check")
     for column in (
         "window_failures",
         "window_requests",
