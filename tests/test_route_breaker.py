@@ -192,7 +192,11 @@ def test_a_failing_downstream_opens_the_breaker_probes_once_a_second_then_drains
 ) -> None:
     settings = worker_settings(**BREAKER)
     source = make_source(
-        sessions, settings, routes=[{"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}]
+        sessions,
+        settings,
+        routes=[
+            {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
+        ],
     )
     (route_id,) = source.route_ids
     ids = _accept(settings, source, 6)
@@ -247,7 +251,11 @@ def test_a_permanent_4xx_does_not_trip_the_breaker(
     downstream.status = 400
     settings = worker_settings(**BREAKER)
     source = make_source(
-        sessions, settings, routes=[{"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}]
+        sessions,
+        settings,
+        routes=[
+            {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
+        ],
     )
     (route_id,) = source.route_ids
     ids = _accept(settings, source, 5)
@@ -271,7 +279,11 @@ def test_a_paused_route_makes_no_attempt_until_resumed_and_both_are_audited(
     downstream.status = 200
     settings = worker_settings()
     source = make_source(
-        sessions, settings, routes=[{"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}]
+        sessions,
+        settings,
+        routes=[
+            {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
+        ],
     )
     (route_id,) = source.route_ids
     change = catalog.Change("alice", "downstream maintenance until 14:00")
