@@ -217,7 +217,7 @@ def test_retrying_delivery_is_held_deduplicated_and_delivered_ten_days_later(
     engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
 ) -> None:
     """Accepted on day 0 with a 4-day TTL, still retrying on day 10 (the downstream was down):
-    daily maintenance holds it, a re-sent copy is a duplicate after the original expiry, and
+    maintenance holds it once, to the day its retry is due, a re-sent copy is a duplicate after the original expiry, and
     on day 10 the worker's own claim finds it with its payload and delivers it. A succeeded
     sibling event received with it is expired on schedule."""
     source = new_source(sessions, settings, made)
@@ -246,14 +246,15 @@ def test_retrying_delivery_is_held_deduplicated_and_delivered_ten_days_later(
         assert (row.has_payload, row.statuses, row.attempts) == (True, ("retrying",), 1), day
         if report.held_receipts:
             held_days.append(day)
-            assert row.expires_at == hold_end(now)
+            # Moved once, to the end of the day its retry is due (not one day at a time).
+            assert row.expires_at == partitions.day_bounds(due.date())[1] - timedelta.resolution
         # The succeeded event goes once its day is past, and only then.
         assert ("evt_done" in rows) == (day <= 4), day
         if day == 6:  # two days past the original expiry: a re-sent copy is a duplicate
             assert accept(settings, source, "evt_retry", now + timedelta(hours=1))[0] == (
                 "duplicate"
             )
-    assert held_days[:1] == [5]  # the first run after the original expiry's day
+    assert held_days == [5]  # the first run after the original expiry's day, and only then
 
     # Day 10, the retry is due: the worker's claim (probe, then the leaf statement) finds the
     # delivery and its event's payload where the holds moved them.
@@ -742,9 +743,13 @@ def test_maintenance_run_ten_days_ahead_removes_only_finished_work(
         "current_pending",
     }
     end = database_now(engine)
-    for name in ("old_retrying", "old_pending", "old_dead"):
+    for name in ("old_retrying", "old_pending"):
         row = after[name]
         assert db_now < row.expires_at <= end + 2 * DAY, name  # moved forward, held
+    # The dead letter moved once, to the end of its retention.
+    assert after["old_dead"].expires_at == old + timedelta(minutes=1, days=30)
+    for name in ("old_retrying", "old_pending", "old_dead"):
+        row = after[name]
         assert row.has_payload, name
         assert (row.statuses, row.attempts) == (before[name].statuses, before[name].attempts)
     for name in ("current_succeeded", "current_pending"):
