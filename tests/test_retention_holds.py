@@ -376,45 +376,8 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
 
 
 # ------------------------------------------------------------------------------------------
-# A live lease postpones the day; finished work goes on schedule
+# A live lease (partition mode): tests/test_retention_moves.py
 # ------------------------------------------------------------------------------------------
-
-
-def test_live_lease_postpones_the_drop_and_the_worker_still_finishes(
-    engine: Engine,
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    made: list[MadeSource],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    source = new_source(sessions, settings, made)
-    ensure_partitions(engine, settings, T0)
-    (delivery,) = accept(settings, source, "evt_leased", T0)[1]
-    expiry_day = (T0 + TTL).date()
-    now = partitions.day_bounds(expiry_day)[1] + timedelta(minutes=10)  # its day is past
-    running = claim(sessions, delivery, now - timedelta(minutes=1))  # lease until now + 4 min
-    recorder = Recorder()
-    monkeypatch.setattr(retention, "log", recorder)
-
-    report = run_maintenance(engine, settings, now)
-
-    assert report.postponed == [expiry_day.isoformat()]
-    assert not set(report.partitions_dropped) & {
-        partitions.partition_name(t, expiry_day) for t in ("receipts", "deliveries", "attempts")
-    }
-    assert recorder.events("partition_drop_postponed") == [
-        {"day": expiry_day.isoformat(), "count": 1}
-    ]
-    row = rows_of(engine, source)["evt_leased"]
-    assert row.expires_at == T0 + TTL  # not moved under the running worker
-    # The worker's finishing statement (it names expires_at) still matches its row.
-    with sessions() as session, session.begin():
-        transitions.succeed(session, running, now=now + timedelta(minutes=2))
-    # Finished: the next run drops the day, and the receipt with it.
-    report = run_maintenance(engine, settings, now + timedelta(minutes=10))
-    assert report.postponed == []
-    assert partitions.partition_name("deliveries", expiry_day) in report.partitions_dropped
-    assert rows_of(engine, source) == {}
 
 
 DELETE_DB = f"{TEST_DB}_holds_delete"

@@ -274,7 +274,7 @@ def test_laying_out_a_day_never_waits_for_an_open_accept(
     receiver runs: an accept's open transaction (ROW EXCLUSIVE on the parents) must not
     make it wait, nor queue later accepts behind it (CREATE TABLE ... PARTITION OF took
     ACCESS EXCLUSIVE on the parent and failed on its lock timeout here)."""
-    day = (T0 + 40 * DAY).date()
+    day = (T0 + 150 * DAY).date()  # past every day the layout reaches
     writer = psycopg.connect(settings.psycopg_dsn)
     try:
         writer.execute("LOCK TABLE receipts, deliveries, attempts IN ROW EXCLUSIVE MODE")
