@@ -130,7 +130,8 @@ _AUDIT_IDS = text(
 
 def execute_discard(session: Session, plan: DiscardPlan, *, now: datetime | None) -> DiscardResult:
     """dead -> discarded for the planned deliveries still dead, and the audit row with the
-    ids it changed, in the caller's transaction (the session's). ``now`` None: the database's clock."""
+    ids it changed, in the caller's transaction (the session's). ``now`` None: the
+    database's clock."""
     req = plan.request
     done = transitions.discard(session, [c.delivery_id for c in plan.candidates], now=now)
     audit_id = session.execute(

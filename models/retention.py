@@ -464,6 +464,39 @@ def _move_day(
     return True
 
 
+def _move_expired(
+    engine: Engine,
+    settings: Settings,
+    leaf: str,
+    now: datetime | None,
+    bounds: tuple[datetime, datetime],
+    holds: Holds,
+) -> None:
+    """One pass over a day not yet past: its held receipts already expired move to where
+    their hold ends; one under a live lease stays for a later run (never waited for)."""
+    after = 0
+    while True:
+        held, _ = _move_batch(engine, settings, leaf, now, bounds, after, holds)
+        if len(held) < MOVE_BATCH:
+            return
+        after = held[-1].receipt_id
+
+
+def _current_deliveries(
+    layout: list[partitions.Partition], at: datetime
+) -> list[partitions.Partition]:
+    """The deliveries leaf of the day ``at`` lies in (if laid out)."""
+    return [
+        p
+        for p in layout
+        if p.table == "deliveries"
+        and p.lower is not None
+        and p.upper is not None
+        and p.lower <= at < p.upper
+        and not p.detach_pending
+    ]
+
+
 def _longest_lease(
     held: list[_Held],
     at: datetime,
@@ -571,6 +604,10 @@ def expire_partitions(
     and is never chosen. The bounds come from the catalog, not from the partition's name;
     DEFAULT partitions have no bound and are never dropped.
 
+    Held rows of the current day whose ``expires_at`` has passed move at every run (they are
+    held, so they move once, like the others): maintenance runs every few minutes, so the
+    moves are spread over the day and the drop after midnight has few left.
+
     Per past day, nothing ever blocks an accept or a worker on another day:
     1. its held receipts move, with their deliveries and attempts, to the day their hold
        ends (:data:`_HOLD_UNTIL`: once, not day after day), in short batches taking row
@@ -586,7 +623,14 @@ def expire_partitions(
     with engine.begin() as conn:
         partitions.lock_layout(conn)
         at = _decision_time(conn, now)
-        days = _past_days(partitions.list_partitions(conn), at)
+        layout = partitions.list_partitions(conn)
+        days = _past_days(layout, at)
+    for today in _current_deliveries(layout, at):
+        # Held rows of today that expired since the last run move now, a few at a time,
+        # so the drop after midnight finds only the last minutes' (and no lease waits).
+        assert today.lower is not None
+        assert today.upper is not None
+        _move_expired(engine, settings, today.name, now, (today.lower, today.upper - _US), holds)
     for lower, leaves in days:
         day = lower.date().isoformat()
         deliveries = [p for p in leaves if p.table == "deliveries"]
