@@ -3,9 +3,10 @@
 A dead letter is kept for ``dead_letter_retention`` after it went dead, so an operator can
 inspect and replay it; an operator who decides it will never be replayed discards it:
 ``dead -> discarded`` (:func:`models.transitions.discard`, guarded on ``dead``), after which
-retention no longer holds it. The state change and its ``audit_log`` row (who, why, the
-filter as given, how many) commit in one transaction; the log line and the metric carry the
-count only.
+retention no longer holds it. The state change, its ``audit_log`` row (who, why, the
+filter as given, how many) and its ``audit_discarded`` rows (which deliveries: a filter
+matches other rows tomorrow, so the filter alone does not say what was discarded) commit in
+one transaction; the log line and the metric carry the count only.
 """
 
 from __future__ import annotations
@@ -118,10 +119,19 @@ _AUDIT = text(
     """
 )
 
+# The ids the discard changed, one row each, under its audit row.
+_AUDIT_IDS = text(
+    """
+    INSERT INTO audit_discarded (audit_id, delivery_id)
+    SELECT :audit_id, unnest(CAST(:ids AS bigint[]))
+    """
+)
+
 
 def execute_discard(session: Session, plan: DiscardPlan, *, now: datetime | None) -> DiscardResult:
-    """dead -> discarded for the planned deliveries still dead, and the audit row, in the
-    caller's transaction (the session's). ``now`` None: the database's clock."""
+    """dead -> discarded for the planned deliveries still dead, and the audit row with the
+    ids it changed, in the caller's transaction (the session's). ``now`` None: the
+    database's clock."""
     req = plan.request
     done = transitions.discard(session, [c.delivery_id for c in plan.candidates], now=now)
     audit_id = session.execute(
@@ -135,6 +145,8 @@ def execute_discard(session: Session, plan: DiscardPlan, *, now: datetime | None
             "via": req.via,
         },
     ).scalar_one()
+    if done:
+        session.execute(_AUDIT_IDS, {"audit_id": audit_id, "ids": done})
     return DiscardResult(audit_id=int(audit_id), planned=plan.count, discarded=len(done))
 
 

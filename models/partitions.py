@@ -28,6 +28,10 @@ LAYOUT_LOCK_KEY = 0x5745_4248_4B50  # "WEBHKP"
 # DDL on a partition locks its parent: give up quickly rather than queue the receiver behind
 # us (the next maintenance run tries again).
 LOCK_TIMEOUT = "5s"
+# ``DETACH ... CONCURRENTLY`` waits for every transaction that may still see the partition
+# (it blocks none of them). Past this it gives up, leaving the leaf "detach pending": the
+# next run finishes it with ``FINALIZE`` (:func:`detach`).
+DETACH_TIMEOUT = "60s"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class Partition:
     name: str
     lower: datetime | None  # None: DEFAULT partition (or an unbounded side)
     upper: datetime | None
+    detach_pending: bool = False  # a DETACH CONCURRENTLY that did not finish
 
     @property
     def is_default(self) -> bool:
@@ -81,7 +86,8 @@ _LIST = text(
            (regexp_match(pg_get_expr(child.relpartbound, child.oid),
                          'FROM \(''([^'']+)''\)'))[1]::timestamptz,
            (regexp_match(pg_get_expr(child.relpartbound, child.oid),
-                         'TO \(''([^'']+)''\)'))[1]::timestamptz
+                         'TO \(''([^'']+)''\)'))[1]::timestamptz,
+           i.inhdetachpending
     FROM pg_inherits i
     JOIN pg_class child ON child.oid = i.inhrelid
     JOIN pg_class parent ON parent.oid = i.inhparent
@@ -95,22 +101,39 @@ _LIST = text(
 def list_partitions(conn: Connection) -> list[Partition]:
     """Every partition of the partitioned tables with its bounds as Postgres enforces them."""
     rows = conn.execute(_LIST, {"tables": list(PARTITIONED_TABLES)}).all()
-    return [Partition(r[0], r[1], r[2], r[3]) for r in rows]
+    return [Partition(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
 
 
 def create_day(conn: Connection, day: date) -> list[str]:
-    """Create the partitions of every partitioned table for one day (idempotent)."""
+    """Create the partitions of every partitioned table for one day (idempotent).
+
+    Each leaf is created as a table of its own, then attached: ``ATTACH PARTITION`` takes
+    SHARE UPDATE EXCLUSIVE on the parent, which no accept, claim or finish waits for, where
+    ``CREATE TABLE ... PARTITION OF`` would take ACCESS EXCLUSIVE and queue every accept
+    behind it (retention creates days up to ``dead_letter_retention`` ahead while the
+    receiver runs). The new table is empty, so the attach validates nothing; it builds the
+    parent's indexes on it."""
     lo, hi = day_bounds(day)
+    attached = {p.name for p in list_partitions(conn)}
     created = []
     for table in PARTITIONED_TABLES:
         name = partition_name(table, day)
+        created.append(name)
+        if name in attached:
+            continue
+        leaf = quote(conn, name)
         conn.execute(
             text(
-                f"CREATE TABLE IF NOT EXISTS {quote(conn, name)} PARTITION OF {table} "
-                f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
+                f"CREATE TABLE IF NOT EXISTS {leaf}"
+                f" (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
             )
         )
-        created.append(name)
+        conn.execute(
+            text(
+                f"ALTER TABLE {table} ATTACH PARTITION {leaf}"
+                f" FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
+            )
+        )
     return created
 
 
@@ -127,6 +150,46 @@ def create_default(conn: Connection) -> None:
 
 def drop(conn: Connection, partition: Partition) -> None:
     conn.execute(text(f"DROP TABLE {quote(conn, partition.name)}"))
+
+
+def detach(conn: Connection, partition: Partition) -> None:
+    """Detach a leaf without blocking its parent: ``DETACH PARTITION ... CONCURRENTLY`` (not
+    in a transaction block: ``conn`` is in autocommit). It takes SHARE UPDATE EXCLUSIVE on
+    the parent, so accepts, claims and finishes on other days go on; it waits for the
+    transactions that may still read the leaf, then it is gone from the parent. A leaf left
+    pending by an earlier attempt is finished instead (``FINALIZE``)."""
+    mode = "FINALIZE" if partition.detach_pending else "CONCURRENTLY"
+    conn.execute(text(f"SET lock_timeout = '{DETACH_TIMEOUT}'"))
+    conn.execute(
+        text(f"ALTER TABLE {partition.table} DETACH PARTITION {quote(conn, partition.name)} {mode}")
+    )
+
+
+def reattach(conn: Connection, partition: Partition) -> None:
+    """Put a detached leaf back under its parent, with the bounds it had. Its rows already
+    satisfy them (DETACH CONCURRENTLY left an equivalent CHECK constraint), so nothing is
+    scanned; SHARE UPDATE EXCLUSIVE on the parent, like :func:`detach`."""
+    assert partition.lower is not None
+    assert partition.upper is not None
+    conn.execute(
+        text(
+            f"ALTER TABLE {partition.table} ATTACH PARTITION {quote(conn, partition.name)}"
+            f" FOR VALUES FROM ('{partition.lower.isoformat()}')"
+            f" TO ('{partition.upper.isoformat()}')"
+        )
+    )
+
+
+def lock_layout_session(conn: Connection) -> None:
+    """The layout lock for an autocommit connection (DETACH CONCURRENTLY cannot run in a
+    transaction): held until :func:`unlock_layout_session`. Session and transaction advisory
+    locks on one key exclude each other, so creators still wait for us."""
+    conn.execute(text(f"SET lock_timeout = '{LOCK_TIMEOUT}'"))
+    conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": LAYOUT_LOCK_KEY})
+
+
+def unlock_layout_session(conn: Connection) -> None:
+    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": LAYOUT_LOCK_KEY})
 
 
 def bootstrap(engine: Engine, settings: Settings, now: datetime | None = None) -> None:

@@ -30,6 +30,8 @@ Only counts are logged, never ids or bodies.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -65,10 +67,17 @@ _MOVE_ORDER = tuple(_DROP_ORDER)
 _UNFINISHED = ", ".join(f"'{s}'" for s in UNFINISHED_STATES)
 # A delivery that holds its receipt at :now. A dead letter without dead_at (none should exist:
 # the migration backfilled it and every transition to dead sets it) is kept, not guessed at.
-_HOLDING = (
-    f"(status IN ({_UNFINISHED}) OR (status = 'dead' AND (dead_at IS NULL"
-    " OR dead_at > CAST(:now AS timestamptz) - :retention)))"
-)
+
+
+def _holding(alias: str = "") -> str:
+    d = f"{alias}." if alias else ""
+    return (
+        f"({d}status IN ({_UNFINISHED}) OR ({d}status = 'dead' AND ({d}dead_at IS NULL"
+        f" OR {d}dead_at > CAST(:now AS timestamptz) - :retention)))"
+    )
+
+
+_HOLDING = _holding()
 # What the batched delete may remove: finished for good.
 _REMOVABLE = (
     "(status IN ('succeeded', 'discarded') OR (status = 'dead' AND dead_at IS NOT NULL"
@@ -232,24 +241,29 @@ def ensure_partitions(engine: Engine, settings: Settings, now: datetime | None) 
     return created
 
 
-# Per receipt whose expired deliveries include one that holds it: its deliveries locked (a
-# concurrent claim, replay or finish either committed first, and is seen, or waits for us),
-# whether one of them runs under a live lease, and how long to hold it. The candidates come
-# from the two partial indexes (unfinished; dead), never from a scan of the expired rows.
+# Per receipt (at most :batch of them, after receipt :after) whose expired deliveries include
+# one that holds it: its deliveries locked (a concurrent claim, replay or finish either
+# committed first, and is seen, or waits for us), whether one of them runs under a live
+# lease, and where its hold ends (:data:`_HOLD_UNTIL`). The candidates come from the two
+# partial indexes (unfinished; dead), never from a scan of the expired rows.
 _HELD_SQL = f"""
     WITH holding AS (
         SELECT receipt_id, expires_at FROM {{deliveries}}
         WHERE expires_at <= CAST(:now AS timestamptz) AND status IN ({_UNFINISHED})
+          AND receipt_id > :after
         UNION
         SELECT receipt_id, expires_at FROM {{deliveries}}
         WHERE expires_at <= CAST(:now AS timestamptz) AND status = 'dead'
-          AND dead_at > CAST(:now AS timestamptz) - :retention
+          AND dead_at > CAST(:now AS timestamptz) - :retention AND receipt_id > :after
         UNION
         SELECT receipt_id, expires_at FROM {{deliveries}}
         WHERE expires_at <= CAST(:now AS timestamptz) AND status = 'dead' AND dead_at IS NULL
+          AND receipt_id > :after
+    ), batch AS (
+        SELECT receipt_id, expires_at FROM holding ORDER BY receipt_id, expires_at LIMIT :batch
     ), locked AS MATERIALIZED (
-        SELECT d.receipt_id, d.expires_at, d.status, d.dead_at, d.lease_until
-        FROM {{deliveries}} d JOIN holding h
+        SELECT d.receipt_id, d.expires_at, d.status, d.dead_at, d.lease_until, d.next_attempt_at
+        FROM {{deliveries}} d JOIN batch h
           ON d.receipt_id = h.receipt_id AND d.expires_at = h.expires_at
         ORDER BY d.id
         FOR UPDATE OF d
@@ -257,21 +271,37 @@ _HELD_SQL = f"""
     SELECT receipt_id, expires_at,
            count(*) FILTER (WHERE status = 'processing'
                               AND lease_until > CAST(:now AS timestamptz)) AS leased,
-           CASE WHEN bool_or(status IN ({_UNFINISHED}))
-                THEN CAST(:hold_end AS timestamptz)
-                ELSE least(max(dead_at) FILTER (WHERE status = 'dead') + :retention,
-                           CAST(:hold_end AS timestamptz))
-           END AS hold_until
+           {{hold_until}} AS hold_until
     FROM locked
     GROUP BY receipt_id, expires_at
     HAVING bool_or({_HOLDING})
     ORDER BY receipt_id
 """  # noqa: S608 (literals of this module; the leaf name is quoted where it is filled in)
 
+# Where a held receipt moves: the day its hold ends, so it moves once.
+# - Unfinished work: the next day, or the day its next attempt is due when that is later
+#   (a retry due in three days moves once, not three times); the last instant of that UTC
+#   day, so it deduplicates until the day is dropped.
+# - A dead letter: the end of its retention, ``dead_at + dead_letter_retention`` (a dead
+#   letter without dead_at is kept like unfinished work, never guessed at).
+# With both, the later of the two: the receipt moves once, to where every hold has ended.
+_END_OF_DAY = "date_trunc('day', {at}, 'UTC') + interval '1 day' - interval '1 microsecond'"
+_UNFINISHED_UNTIL = _END_OF_DAY.format(
+    at=(
+        "greatest(CAST(:now AS timestamptz) + :step, max(next_attempt_at)"
+        f" FILTER (WHERE status IN ({_UNFINISHED})))"
+    )
+)
+_HOLD_UNTIL = f"""greatest(
+    CASE WHEN bool_or(status IN ({_UNFINISHED}) OR (status = 'dead' AND dead_at IS NULL))
+         THEN {_UNFINISHED_UNTIL} END,
+    max(dead_at) FILTER (WHERE status = 'dead') + :retention)"""
+
 # The moves, on the parents (a cross-partition row move in partition mode, in place in the
 # DEFAULT partition in delete mode). Each names the old expires_at and the range it lies in,
 # so only the expired partition is read; no status is touched (a worker's finishing
-# statement names expires_at, which is why a live lease postpones the move).
+# statement names expires_at, which is why a row under a live lease waits: see
+# :func:`_move_day`).
 _MOVE_RECEIPTS = """
     UPDATE receipts AS r SET expires_at = h.hold_until
     FROM unnest(CAST(:ids AS bigint[]), CAST(:olds AS timestamptz[]),
@@ -292,6 +322,10 @@ _MOVE_ATTEMPTS = """
     WHERE a.delivery_id = h.id AND a.expires_at = h.old AND a.expires_at BETWEEN :lo AND :last
 """
 
+# Held receipts moved per transaction: each batch is its own short transaction holding row
+# locks only, so no accept waits for it and a worker's finish waits at most one batch.
+MOVE_BATCH = 2_000
+
 
 @dataclass(frozen=True)
 class _Held:
@@ -301,10 +335,35 @@ class _Held:
     hold_until: datetime
 
 
-def _held(conn: Connection, deliveries: str, now: datetime, settings: Settings) -> list[_Held]:
+@dataclass(frozen=True)
+class LeaseWait:
+    """How the drop waits for rows under a live lease (injected by tests): ``sleep`` between
+    looks, and ``monotonic`` to end the wait once the longest lease seen has run out."""
+
+    sleep: Callable[[float], None] = time.sleep
+    monotonic: Callable[[], float] = time.monotonic
+    poll: float = 0.5
+
+
+def _held(
+    conn: Connection,
+    deliveries: str,
+    now: datetime,
+    settings: Settings,
+    *,
+    after: int = 0,
+    batch: int = MOVE_BATCH,
+) -> list[_Held]:
+    sql = _HELD_SQL.format(deliveries=partitions.quote(conn, deliveries), hold_until=_HOLD_UNTIL)
     rows = conn.execute(
-        text(_HELD_SQL.format(deliveries=partitions.quote(conn, deliveries))),
-        {"now": now, "retention": settings.dead_letter_retention, "hold_end": hold_end(now)},
+        text(sql),
+        {
+            "now": now,
+            "retention": settings.dead_letter_retention,
+            "step": HOLD_STEP,
+            "after": after,
+            "batch": batch,
+        },
     ).all()
     return [_Held(int(r[0]), r[1], int(r[2]), r[3]) for r in rows]
 
@@ -333,9 +392,211 @@ def _move(conn: Connection, held: list[_Held], lo: datetime, last: datetime) -> 
     return moved
 
 
-def expire_partitions(engine: Engine, settings: Settings, now: datetime | None) -> Expiry:
+def _make_days(conn: Connection, held: list[_Held]) -> None:
+    """Lay out the days the held rows move to that do not exist yet (a dead letter's lies
+    up to ``dead_letter_retention`` ahead, past what maintenance lays out): attached, never
+    locking out accepts (:func:`models.partitions.create_day`)."""
+    days = {h.hold_until.astimezone(UTC).date() for h in held}
+    existing = {p.name for p in partitions.list_partitions(conn)}
+    missing = sorted(d for d in days if partitions.partition_name("receipts", d) not in existing)
+    if missing:
+        partitions.lock_layout(conn)
+        for day in missing:
+            partitions.create_day(conn, day)
+
+
+def _move_batch(
+    engine: Engine,
+    settings: Settings,
+    leaf: str,
+    now: datetime | None,
+    bounds: tuple[datetime, datetime],
+    after: int,
+    holds: Holds,
+) -> tuple[list[_Held], datetime]:
+    """One transaction: the next batch of held receipts after ``after``, those under no live
+    lease moved. Returns the batch (leased ones included) and the instant it decided at."""
+    with engine.begin() as conn:
+        at = _decision_time(conn, now)
+        held = _held(conn, leaf, at, settings, after=after)
+        ready = [h for h in held if not h.leased]
+        _make_days(conn, ready)
+        holds.receipts += len(ready)
+        holds.add_moved(_move(conn, ready, *bounds))
+    return held, at
+
+
+def _move_day(
+    engine: Engine,
+    settings: Settings,
+    leaf: str,
+    now: datetime | None,
+    bounds: tuple[datetime, datetime],
+    holds: Holds,
+    wait: LeaseWait,
+) -> bool:
+    """Move every held receipt out of a past day's deliveries leaf before the day is
+    detached, in batches of short transactions (row locks only: accepts never wait).
+
+    A receipt with a delivery under a live lease is handled like the others, one step
+    later: its worker's finishing statement names the row's ``expires_at``, so moving the
+    row under it would lose the handler's outcome (and run it a second time). Once the
+    first pass has moved the rest, the few leased receipts are looked at again until their
+    worker has finished (the row is then moved, or goes with the day if nothing holds it
+    any more) or their lease has run out. Only the leased rows wait, never the day's other
+    rows, and no lock is held meanwhile. Returns False if a lease was still live after the
+    longest lease seen (the row was claimed again): the day is left for the next run."""
+    after, leased_until = 0, None
+    while True:
+        held, at = _move_batch(engine, settings, leaf, now, bounds, after, holds)
+        leased_until = _longest_lease(held, at, leased_until, wait, settings)
+        if len(held) < MOVE_BATCH:
+            break
+        after = held[-1].receipt_id
+    while leased_until is not None:
+        if wait.monotonic() >= leased_until:
+            held, at = _move_batch(engine, settings, leaf, now, bounds, 0, holds)
+            return not any(h.leased for h in held)
+        wait.sleep(wait.poll)
+        held, at = _move_batch(engine, settings, leaf, now, bounds, 0, holds)
+        if not any(h.leased for h in held):
+            return True
+    return True
+
+
+def _move_expired(
+    engine: Engine,
+    settings: Settings,
+    leaf: str,
+    now: datetime | None,
+    bounds: tuple[datetime, datetime],
+    holds: Holds,
+) -> None:
+    """One pass over a day not yet past: its held receipts already expired move to where
+    their hold ends; one under a live lease stays for a later run (never waited for)."""
+    after = 0
+    while True:
+        held, _ = _move_batch(engine, settings, leaf, now, bounds, after, holds)
+        if len(held) < MOVE_BATCH:
+            return
+        after = held[-1].receipt_id
+
+
+def _current_deliveries(
+    layout: list[partitions.Partition], at: datetime
+) -> list[partitions.Partition]:
+    """The deliveries leaf of the day ``at`` lies in (if laid out)."""
+    return [
+        p
+        for p in layout
+        if p.table == "deliveries"
+        and p.lower is not None
+        and p.upper is not None
+        and p.lower <= at < p.upper
+        and not p.detach_pending
+    ]
+
+
+def _longest_lease(
+    held: list[_Held],
+    at: datetime,
+    until: float | None,
+    wait: LeaseWait,
+    settings: Settings,
+) -> float | None:
+    """When (on ``wait.monotonic``) the leases seen so far have all run out: a lease lasts
+    at most ``processing_ttl`` from ``at``."""
+    if not any(h.leased for h in held):
+        return until
+    end = wait.monotonic() + settings.processing_ttl
+    return end if until is None else max(until, end)
+
+
+def _detach_and_drop(
+    engine: Engine, settings: Settings, leaves: list[partitions.Partition], now: datetime | None
+) -> bool:
+    """Take a past day out of its parents without blocking them, then drop it.
+
+    ``DETACH PARTITION ... CONCURRENTLY`` per leaf (autocommit, under the layout lock held
+    for the session): accepts and workers on other days never wait. Once detached, nobody
+    can reach the day through the parents; if a row in it became held after the moves
+    (a replay raced them), the day is attached again, untouched, and left for the next run.
+    Otherwise ``DROP TABLE`` takes only the detached tables. Returns whether it dropped."""
+    with engine.connect() as base:
+        conn = base.execution_options(isolation_level="AUTOCOMMIT")
+        partitions.lock_layout_session(conn)
+        try:
+            detached: list[partitions.Partition] = []
+            try:
+                for leaf in leaves:
+                    partitions.detach(conn, leaf)
+                    detached.append(leaf)
+            except Exception:
+                _restore(conn, detached)
+                raise
+            deliveries = [p for p in leaves if p.table == "deliveries"]
+            if deliveries and _holds_any(conn, deliveries[0].name, now, settings):
+                for leaf in leaves:
+                    partitions.reattach(conn, leaf)
+                return False
+            for leaf in leaves:
+                partitions.drop(conn, leaf)
+            return True
+        finally:
+            partitions.unlock_layout_session(conn)
+
+
+def _restore(conn: Connection, detached: list[partitions.Partition]) -> None:
+    """A detach failed part way (its timeout): attach again the leaves already out, so the
+    day stays whole and listed; the one left pending is finished by the next run."""
+    for leaf in detached:
+        try:
+            partitions.reattach(conn, leaf)
+        except Exception as exc:  # noqa: BLE001  (the detach's error is the one raised)
+            log.warning("partition_reattach_failed", error_class=type(exc).__name__)
+
+
+def _holds_any(conn: Connection, leaf: str, now: datetime | None, settings: Settings) -> bool:
+    at = _decision_time(conn, now)
+    found = conn.execute(
+        text(f"SELECT 1 FROM {partitions.quote(conn, leaf)} WHERE {_HOLDING} LIMIT 1"),  # noqa: S608
+        {"now": at, "retention": settings.dead_letter_retention},
+    ).first()
+    return found is not None
+
+
+def _dead_letters_in(engine: Engine, leaf: str) -> int:
+    """Dead letters still in a day about to go: all past their retention (the others moved)."""
+    with engine.connect() as conn:
+        name = partitions.quote(conn, leaf)
+        found = conn.execute(
+            text(f"SELECT count(*) FROM {name} WHERE status = 'dead'")  # noqa: S608
+        ).scalar_one()
+    return int(found)
+
+
+def _past_days(
+    layout: list[partitions.Partition], at: datetime
+) -> list[tuple[datetime, list[partitions.Partition]]]:
+    """Each day whose partitions are wholly past at ``at``, oldest first, with its leaves in
+    the order the receiver and the workers lock the parents."""
+    days: dict[tuple[datetime, datetime], list[partitions.Partition]] = {}
+    for p in layout:
+        if p.lower is None or p.upper is None or p.table not in _DROP_ORDER:
+            continue  # DEFAULT partitions have no bound: never dropped
+        if p.upper <= at:
+            days.setdefault((p.lower, p.upper), []).append(p)
+    return [
+        (lower, sorted(leaves, key=lambda p: _DROP_ORDER[p.table]))
+        for (lower, _), leaves in sorted(days.items())
+    ]
+
+
+def expire_partitions(
+    engine: Engine, settings: Settings, now: datetime | None, *, wait: LeaseWait | None = None
+) -> Expiry:
     """Drop every partition of receipts, deliveries and attempts whose upper bound is <= now,
-    after moving the rows it holds out of it, all in one transaction.
+    after moving the rows it holds out of it.
 
     Safe by construction: Postgres enforces ``expires_at < upper`` for every row of a range
     partition, so ``upper <= now`` means every row in it has ``expires_at < now``: expired.
@@ -343,58 +604,52 @@ def expire_partitions(engine: Engine, settings: Settings, now: datetime | None) 
     and is never chosen. The bounds come from the catalog, not from the partition's name;
     DEFAULT partitions have no bound and are never dropped.
 
-    Per past day: its three leaves are locked ACCESS EXCLUSIVE (nobody writes to them until
-    the drop commits), the held receipts found and moved forward; a day with a delivery
-    under a live lease is left for a later run (a lease lasts minutes: a running worker's
-    finishing statement names the row's expires_at, so the row must not move under it).
+    Held rows of the current day whose ``expires_at`` has passed move at every run (they are
+    held, so they move once, like the others): maintenance runs every few minutes, so the
+    moves are spread over the day and the drop after midnight has few left.
+
+    Per past day, nothing ever blocks an accept or a worker on another day:
+    1. its held receipts move, with their deliveries and attempts, to the day their hold
+       ends (:data:`_HOLD_UNTIL`: once, not day after day), in short batches taking row
+       locks only; a row under a live lease moves once its worker has finished
+       (:func:`_move_day`);
+    2. its leaves are detached concurrently and dropped (:func:`_detach_and_drop`).
     """
     if settings.retention_mode == "delete":
         return Expiry(now=now or database_now(engine))
+    wait = wait or LeaseWait()
     holds = Holds()
     dropped: list[partitions.Partition] = []
     with engine.begin() as conn:
         partitions.lock_layout(conn)
         at = _decision_time(conn, now)
         layout = partitions.list_partitions(conn)
-        days: dict[tuple[datetime, datetime], list[partitions.Partition]] = {}
-        for p in layout:
-            if p.lower is None or p.upper is None or p.table not in _DROP_ORDER:
-                continue  # DEFAULT partitions have no bound: never dropped
-            if p.upper <= at:
-                days.setdefault((p.lower, p.upper), []).append(p)
-        existing = {p.name for p in layout}
-        for (lower, upper), leaves in sorted(days.items()):
-            leaves.sort(key=lambda p: _DROP_ORDER[p.table])
-            names = ", ".join(partitions.quote(conn, p.name) for p in leaves)
-            conn.execute(text(f"LOCK TABLE {names} IN ACCESS EXCLUSIVE MODE"))
-            by_table = {p.table: p for p in leaves}
-            if "deliveries" in by_table:
-                leaf = by_table["deliveries"].name
-                held = _held(conn, leaf, at, settings)
-                leased = sum(h.leased for h in held)
-                if leased:
-                    holds.postponed.append(lower.date().isoformat())
-                    holds.leased += leased
-                    log.info("partition_drop_postponed", day=lower.date().isoformat(), count=leased)
-                    continue
-                for day in sorted({h.hold_until.date() for h in held}):
-                    # Tomorrow is laid out by maintenance already; a missing day is made here.
-                    if partitions.partition_name("receipts", day) not in existing:
-                        existing.update(partitions.create_day(conn, day))
-                holds.receipts += len(held)
-                holds.add_moved(_move(conn, held, lower, upper - _US))
-                # Every dead letter still here is past its retention (the others moved).
-                holds.dead_letters_expired += int(
-                    conn.execute(
-                        text(
-                            f"SELECT count(*) FROM {partitions.quote(conn, leaf)}"  # noqa: S608
-                            " WHERE status = 'dead'"
-                        )
-                    ).scalar_one()
-                )
-            for partition in leaves:
-                partitions.drop(conn, partition)
-                dropped.append(partition)
+        days = _past_days(layout, at)
+    for today in _current_deliveries(layout, at):
+        # Held rows of today that expired since the last run move now, a few at a time,
+        # so the drop after midnight finds only the last minutes' (and no lease waits).
+        assert today.lower is not None
+        assert today.upper is not None
+        _move_expired(engine, settings, today.name, now, (today.lower, today.upper - _US), holds)
+    for lower, leaves in days:
+        day = lower.date().isoformat()
+        deliveries = [p for p in leaves if p.table == "deliveries"]
+        if deliveries and not deliveries[0].detach_pending:
+            assert deliveries[0].upper is not None
+            bounds = (lower, deliveries[0].upper - _US)
+            if not _move_day(engine, settings, deliveries[0].name, now, bounds, holds, wait):
+                holds.postponed.append(day)
+                log.info("partition_drop_postponed", day=day, reason="lease")
+                continue
+            expired_dead = _dead_letters_in(engine, deliveries[0].name)
+        else:
+            expired_dead = 0
+        if not _detach_and_drop(engine, settings, leaves, now):
+            holds.postponed.append(day)
+            log.info("partition_drop_postponed", day=day, reason="held_after_moves")
+            continue
+        holds.dead_letters_expired += expired_dead
+        dropped += leaves
     _log_holds(holds)
     if dropped:
         log.info("partitions_dropped", count=len(dropped))
@@ -425,22 +680,30 @@ def hold_in_place(
     engine: Engine, settings: Settings, now: datetime | None
 ) -> tuple[datetime, Holds]:
     """Delete mode's hold step: move held expired receipts (with their deliveries and
-    attempts) forward in the DEFAULT partitions, in one transaction; a receipt with a
-    delivery under a live lease is left for a later run. Returns the decision instant."""
+    attempts) in the DEFAULT partitions to where their hold ends (:data:`_HOLD_UNTIL`), in
+    batches of short transactions; a receipt with a delivery under a live lease is left for
+    a later run, whole (the batched delete refuses its siblings too). Returns the decision
+    instant."""
     holds = Holds()
     with engine.begin() as conn:
         partitions.lock_layout(conn)
         at = _decision_time(conn, now)
         deliveries = [p.name for p in partitions.list_partitions(conn) if p.table == "deliveries"]
-        for leaf in deliveries:
-            held = _held(conn, leaf, at, settings)
-            leased = [h for h in held if h.leased]
-            for h in leased:
-                holds.postponed.append(f"receipt {h.receipt_id}")
-                holds.leased += h.leased
-            ready = [h for h in held if not h.leased]
-            holds.receipts += len(ready)
-            holds.add_moved(_move(conn, ready, _BEFORE_EVERYTHING, at))
+    for leaf in deliveries:
+        after = 0
+        while True:
+            with engine.begin() as conn:
+                held = _held(conn, leaf, at, settings, after=after)
+                ready = [h for h in held if not h.leased]
+                holds.receipts += len(ready)
+                holds.add_moved(_move(conn, ready, _BEFORE_EVERYTHING, at))
+            for h in held:
+                if h.leased:
+                    holds.postponed.append(f"receipt {h.receipt_id}")
+                    holds.leased += h.leased
+            if len(held) < MOVE_BATCH:
+                break
+            after = held[-1].receipt_id
     if holds.leased:
         log.info("receipt_hold_postponed", receipts=len(holds.postponed), count=holds.leased)
     return at, holds
@@ -450,7 +713,13 @@ def hold_in_place(
 # finished for good; attempts and receipts when no delivery of theirs is left (so a delivery
 # a replay revived between two steps keeps its attempts and its receipt).
 _DELETABLE = {
-    "deliveries": _REMOVABLE,
+    # Nor a delivery whose receipt is still held by a sibling (a receipt the hold step left
+    # for a live lease): the receipt keeps all its deliveries and their attempts.
+    "deliveries": (
+        f"{_REMOVABLE} AND NOT EXISTS (SELECT 1 FROM deliveries s"  # noqa: S608 (literals)
+        " WHERE s.receipt_id = {leaf}.receipt_id AND s.expires_at = {leaf}.expires_at"
+        f" AND {_holding('s')})"
+    ),
     "attempts": (
         "NOT EXISTS (SELECT 1 FROM deliveries d"
         " WHERE d.id = {leaf}.delivery_id AND d.expires_at = {leaf}.expires_at)"

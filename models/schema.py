@@ -313,6 +313,18 @@ class Installation(Base):
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
+class AuditDiscarded(Base):
+    """The delivery ids one audited discard changed (its ``audit_log`` row has the count)."""
+
+    __tablename__ = "audit_discarded"
+    __table_args__ = (PrimaryKeyConstraint("audit_id", "delivery_id"),)
+
+    audit_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("audit_log.id", ondelete="CASCADE")
+    )
+    delivery_id: Mapped[int] = mapped_column(BigInteger)
+
+
 class Subscription(Base):
     """State kept by the example ``stripe_subscription`` handler (ordering-guarded)."""
 

@@ -217,7 +217,7 @@ def test_retrying_delivery_is_held_deduplicated_and_delivered_ten_days_later(
     engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
 ) -> None:
     """Accepted on day 0 with a 4-day TTL, still retrying on day 10 (the downstream was down):
-    daily maintenance holds it, a re-sent copy is a duplicate after the original expiry, and
+    maintenance holds it once, to the day its retry is due, a re-sent copy is a duplicate after the original expiry, and
     on day 10 the worker's own claim finds it with its payload and delivers it. A succeeded
     sibling event received with it is expired on schedule."""
     source = new_source(sessions, settings, made)
@@ -229,7 +229,6 @@ def test_retrying_delivery_is_held_deduplicated_and_delivered_ten_days_later(
     succeed(sessions, done, T0 + SEC)
     due = T0 + 10 * DAY
     retry_later(sessions, retried, T0 + SEC, due)
-    original_expiry = T0 + TTL
 
     held_days = []
     for day in range(1, 11):
@@ -237,23 +236,20 @@ def test_retrying_delivery_is_held_deduplicated_and_delivered_ten_days_later(
         report = run_maintenance(engine, settings, now)
         rows = rows_of(engine, source)
         row = rows["evt_retry"]
-        if now < original_expiry or report.held_receipts or day > 5:
-            # Deduplicated every day: within its TTL, and from the first hold on.
-            assert row.expires_at > now, day
-        else:
-            # Its original expiry; held once that day is past (the next day's first run).
-            assert row.expires_at == original_expiry == now, day
+        # Deduplicated every day: within its TTL, and from the run that saw it expire on.
+        assert row.expires_at > now, day
         assert (row.has_payload, row.statuses, row.attempts) == (True, ("retrying",), 1), day
         if report.held_receipts:
             held_days.append(day)
-            assert row.expires_at == hold_end(now)
+            # Moved once, to the end of the day its retry is due (not one day at a time).
+            assert row.expires_at == partitions.day_bounds(due.date())[1] - timedelta.resolution
         # The succeeded event goes once its day is past, and only then.
         assert ("evt_done" in rows) == (day <= 4), day
         if day == 6:  # two days past the original expiry: a re-sent copy is a duplicate
             assert accept(settings, source, "evt_retry", now + timedelta(hours=1))[0] == (
                 "duplicate"
             )
-    assert held_days[:1] == [5]  # the first run after the original expiry's day
+    assert held_days == [4]  # the first run at or after its original expiry, and only then
 
     # Day 10, the retry is due: the worker's claim (probe, then the leaf statement) finds the
     # delivery and its event's payload where the holds moved them.
@@ -375,45 +371,8 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
 
 
 # ------------------------------------------------------------------------------------------
-# A live lease postpones the day; finished work goes on schedule
+# A live lease (partition mode): tests/test_retention_moves.py
 # ------------------------------------------------------------------------------------------
-
-
-def test_live_lease_postpones_the_drop_and_the_worker_still_finishes(
-    engine: Engine,
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    made: list[MadeSource],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    source = new_source(sessions, settings, made)
-    ensure_partitions(engine, settings, T0)
-    (delivery,) = accept(settings, source, "evt_leased", T0)[1]
-    expiry_day = (T0 + TTL).date()
-    now = partitions.day_bounds(expiry_day)[1] + timedelta(minutes=10)  # its day is past
-    running = claim(sessions, delivery, now - timedelta(minutes=1))  # lease until now + 4 min
-    recorder = Recorder()
-    monkeypatch.setattr(retention, "log", recorder)
-
-    report = run_maintenance(engine, settings, now)
-
-    assert report.postponed == [expiry_day.isoformat()]
-    assert not set(report.partitions_dropped) & {
-        partitions.partition_name(t, expiry_day) for t in ("receipts", "deliveries", "attempts")
-    }
-    assert recorder.events("partition_drop_postponed") == [
-        {"day": expiry_day.isoformat(), "count": 1}
-    ]
-    row = rows_of(engine, source)["evt_leased"]
-    assert row.expires_at == T0 + TTL  # not moved under the running worker
-    # The worker's finishing statement (it names expires_at) still matches its row.
-    with sessions() as session, session.begin():
-        transitions.succeed(session, running, now=now + timedelta(minutes=2))
-    # Finished: the next run drops the day, and the receipt with it.
-    report = run_maintenance(engine, settings, now + timedelta(minutes=10))
-    assert report.postponed == []
-    assert partitions.partition_name("deliveries", expiry_day) in report.partitions_dropped
-    assert rows_of(engine, source) == {}
 
 
 DELETE_DB = f"{TEST_DB}_holds_delete"
@@ -742,9 +701,13 @@ def test_maintenance_run_ten_days_ahead_removes_only_finished_work(
         "current_pending",
     }
     end = database_now(engine)
-    for name in ("old_retrying", "old_pending", "old_dead"):
+    for name in ("old_retrying", "old_pending"):
         row = after[name]
         assert db_now < row.expires_at <= end + 2 * DAY, name  # moved forward, held
+    # The dead letter moved once, to the end of its retention.
+    assert after["old_dead"].expires_at == old + timedelta(minutes=1, days=30)
+    for name in ("old_retrying", "old_pending", "old_dead"):
+        row = after[name]
         assert row.has_payload, name
         assert (row.statuses, row.attempts) == (before[name].statuses, before[name].attempts)
     for name in ("current_succeeded", "current_pending"):
