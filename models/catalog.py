@@ -24,6 +24,7 @@ from webhooks.addresses import allows_private, check_host
 from webhooks.crypto import (
     SecretBox,
     check_key,
+    check_keys,
     generate_secret,
     key_format,
     key_prefix,
@@ -171,6 +172,30 @@ def create_source(
         session, box, source, secret, allow_weak_secret=allow_weak_secret, operator=operator
     )
     return source, created
+
+
+#: How many stored secrets of each kind the start-up key check reads (newest first).
+KEY_SAMPLE = 200
+
+
+def check_stored_keys(session: Session, box: SecretBox, *, sample: int = KEY_SAMPLE) -> int:
+    """Check that ``box`` (``WEBHOOKS_SECRET_KEY``) decrypts the stored secrets: the newest
+    ``sample`` active source secrets and route signing secrets. Returns how many were checked;
+    :class:`webhooks.crypto.KeyMismatch` naming the count it cannot read otherwise. Run at
+    the start of the receiver, ``webhooks run`` and the CLI."""
+    sources = session.scalars(
+        select(SourceSecret.ciphertext)
+        .where(SourceSecret.revoked_at.is_(None))
+        .order_by(SourceSecret.created_at.desc())
+        .limit(sample)
+    ).all()
+    routes = session.scalars(
+        select(Route.signing_ciphertext)
+        .where(Route.signing_ciphertext.is_not(None))
+        .order_by(Route.id.desc())
+        .limit(sample)
+    ).all()
+    return check_keys(box, [bytes(c) for c in [*sources, *routes] if c is not None])
 
 
 def source_ttl_overrides(source: Source) -> TtlOverrides:
