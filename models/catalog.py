@@ -169,9 +169,33 @@ def create_source(
     session.add(source)
     session.flush()
     created = add_secret(
-        session, box, source, secret, allow_weak_secret=allow_weak_secret, operator=operator
+        session,
+        box,
+        source,
+        secret,
+        allow_weak_secret=allow_weak_secret,
+        operator=operator,
+        audit=False,
     )
+    target = {
+        "source": source.public_id,
+        "name": name,
+        "account": account,
+        "provider": provider,
+        "secret": created.id,
+    }
+    _audit_config(session, "source.add", target, operator, "source added")
     return source, created
+
+
+def _audit_config(
+    session: Session, action: str, target: dict[str, Any], operator: str | None, reason: str
+) -> int:
+    """The audit row of a configuration change (every one is audited): who (``operator``,
+    default this process's login name: the OS user for the CLI), what, on the database's
+    clock, in the change's own transaction."""
+    change = Change(operator=(operator or "").strip() or _login(), reason=reason, via="cli")
+    return record_audit(session, change, action, target, count=1, now=None)
 
 
 #: How many stored secrets of each kind the start-up key check reads (newest first).
@@ -273,6 +297,14 @@ def update_source_ttl(
     source.replay_grace_s = _seconds(merged.replay_grace)
 
 
+def record_source_update(
+    session: Session, source: Source, changed: Mapping[str, Any], operator: str | None
+) -> int:
+    """The audit row of ``sources update``: which settings changed, to what."""
+    target = {"source": source.public_id, "name": source.name, "changed": dict(changed)}
+    return _audit_config(session, "source.update", target, operator, "source updated")
+
+
 def add_secret(
     session: Session,
     box: SecretBox,
@@ -281,6 +313,7 @@ def add_secret(
     *,
     allow_weak_secret: bool = False,
     operator: str | None = None,
+    audit: bool = True,
 ) -> CreatedSecret:
     """Add a secret to a source (generated when ``secret`` is None). A given secret below the
     minimum strength is refused before anything is written (see :func:`check_secret_strength`);
@@ -305,6 +338,9 @@ def add_secret(
             provider=source.provider,
             secret_id=row.id,
         )
+    if audit:  # create_source audits the source with its first secret
+        target = {"source": source.public_id, "provider": source.provider, "secret": row.id}
+        _audit_config(session, "secret.add", target, operator, "secret added")
     return CreatedSecret(row.id, plaintext if generated else None)
 
 
@@ -428,8 +464,10 @@ def add_route(
     options: dict[str, str] | None = None,
     max_attempts: int | None = None,
     max_age: timedelta | None = None,
+    operator: str | None = None,
 ) -> tuple[Route, str | None]:
-    """Bind a handler. ``forward`` routes get their own signing secret (returned once)."""
+    """Bind a handler (audited: ``operator``, default this process's login name).
+    ``forward`` routes get their own signing secret (returned once, never audited)."""
     if not handler.strip():
         raise CatalogError("handler name must not be empty")
     if not events.strip():
@@ -456,6 +494,9 @@ def add_route(
     )
     session.add(route)
     session.flush()
+    _audit_config(
+        session, "route.add", _route_target(route, source.public_id), operator, "route added"
+    )
     return route, signing_plain
 
 

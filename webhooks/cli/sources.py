@@ -133,9 +133,11 @@ def sources_add(
     clock_skew: DurationOpt = None,
     replay_grace: DurationOpt = None,
     allow_weak_secret: WeakSecretOpt = False,
+    operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Create a source; prints its id, URL path and, when generated, its secret (once)."""
+    """Create a source (audited); prints its id, URL path and, when generated, its secret
+    (once)."""
     # The provider and its options are checked against the registry before anything else.
     options = validate_config(provider, _pairs(config, "--config"))
     e = env()
@@ -159,7 +161,7 @@ def sources_add(
                 _duration(replay_grace),
             ),
             allow_weak_secret=allow_weak_secret,
-            operator=login(),
+            operator=operator or login(),
         )
         view = _source_view(e, source)
     _lay_out_partitions(e)
@@ -187,8 +189,20 @@ def sources_update(
     replay_grace: DurationOpt = None,
     tolerance: DurationOpt = None,
     max_body: Annotated[int | None, typer.Option(help="Body size limit in bytes.")] = None,
+    operator: OperatorOpt = None,
 ) -> None:
-    """Change a source's TTL terms, timestamp tolerance or body limit."""
+    """Change a source's TTL terms, timestamp tolerance or body limit (audited)."""
+    given = {
+        "retry_window": retry_window,
+        "queue_lag": queue_lag,
+        "clock_skew": clock_skew,
+        "replay_grace": replay_grace,
+        "tolerance": tolerance,
+        "max_body": max_body,
+    }
+    changed = {k: v for k, v in given.items() if v is not None}
+    if not changed:
+        raise CliError("nothing to change: give at least one option (see --help)")
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
@@ -209,6 +223,7 @@ def sources_update(
             if max_body < 1:
                 raise CliError("--max-body must be positive")
             row.max_body_bytes = max_body
+        catalog.record_source_update(session, row, changed, operator or login())
         view = _source_view(e, row)
     _lay_out_partitions(e)
     console.print(f"updated {view['id']}: dedup ttl {view['dedup_ttl']}")
@@ -300,13 +315,19 @@ def secrets_add(
     source: str,
     secret: Annotated[str | None, typer.Option()] = None,
     allow_weak_secret: WeakSecretOpt = False,
+    operator: OperatorOpt = None,
 ) -> None:
-    """Add a secret (rotation): every active secret verifies."""
+    """Add a secret (rotation): every active secret verifies (audited)."""
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
         created = catalog.add_secret(
-            session, _box(e), row, secret, allow_weak_secret=allow_weak_secret, operator=login()
+            session,
+            _box(e),
+            row,
+            secret,
+            allow_weak_secret=allow_weak_secret,
+            operator=operator or login(),
         )
     console.print(f"secret id: {created.id}")
     if created.plaintext is not None:
@@ -423,9 +444,10 @@ def routes_add(
     ] = None,
     max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
     max_age: DurationOpt = None,
+    operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Bind a handler to a source, optionally for matching event types only.
+    """Bind a handler to a source, optionally for matching event types only (audited).
 
     The handler must be registered here (webhooks handlers list)."""
     e = env()
@@ -440,6 +462,7 @@ def routes_add(
             options=_pairs(option, "--option"),
             max_attempts=max_attempts,
             max_age=_duration(max_age),
+            operator=operator or login(),
         )
         view = _route_view(route)
     if signing is not None:
