@@ -14,7 +14,7 @@ from ingest.providers import registry, validate_config
 from models import breaker, catalog
 from models.schema import Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
-from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say
+from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say, show_table, whole
 from webhooks.clock import pinned
 from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration, parse_duration
@@ -231,8 +231,13 @@ def sources_update(
 
 @sources_app.command("list")
 @handle_errors
-def sources_list(as_json: JsonOpt = False) -> None:
-    """List sources (never a secret)."""
+def sources_list(
+    as_json: JsonOpt = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Add account, URL path and dedup TTL columns.")
+    ] = False,
+) -> None:
+    """List sources (never a secret). Each source's URL is /webhooks/ID on the receiver."""
     from sqlalchemy import select  # noqa: PLC0415
 
     e = env()
@@ -241,13 +246,25 @@ def sources_list(as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(views)
         return
-    table = Table("id", "name", "account", "provider", "url path", "dedup ttl", "active", "warning")
+    if not views:
+        say("no sources: webhooks sources add NAME --provider PROVIDER")
+        return
+    headers = ["id", "name", "provider", "active"]
+    if wide:
+        headers[2:2] = ["account", "url path", "dedup ttl"]
+    table = Table(*headers, box=None)
     for v in views:
-        row(
-            table, v["id"], v["name"], v["account"], v["provider"], v["url_path"],
-            v["dedup_ttl"], "yes" if v["active"] else "no (410 Gone)", v["warning"] or "",
-        )  # fmt: skip
-    console.print(table)
+        cells = [v["id"], v["name"], v["provider"], "yes" if v["active"] else "no (410 Gone)"]
+        if wide:
+            cells[2:2] = [v["account"], v["url_path"], v["dedup_ttl"]]
+        row(table, *cells)
+    show_table(
+        whole(table, "id", "url path", "provider"),
+        "URL: /webhooks/ID on the receiver; --wide for more columns; --json for every field",
+    )
+    for v in views:  # prose after the table, whole
+        if v["warning"]:
+            say(escape(f"{v['id']} warning: {v['warning']}"))
 
 
 @sources_app.command("show")
