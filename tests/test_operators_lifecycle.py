@@ -253,7 +253,11 @@ def test_a_disabled_source_answers_410_writes_nothing_and_its_accepted_work_stil
         for r in audit_rows(engine, "source.")
         if r.target.get("source") == source.public_id
     ]
-    assert actions == [("source.disable", "provider paused"), ("source.enable", "provider back")]
+    assert actions == [
+        ("source.add", "source added"),  # issue 20: creating it is audited too
+        ("source.disable", "provider paused"),
+        ("source.enable", "provider back"),
+    ]
 
     # Accepted while enabled, delivered although the source was disabled meanwhile; and the
     # worker names, once at its start, the active route whose handler it lacks.
