@@ -65,7 +65,7 @@ from ingest.store import NewReceipt, SourceRecord, Store
 from tasks.config import Dispatch
 from webhooks import metrics
 from webhooks.clock import Clock, SystemClock, pinned
-from webhooks.crypto import SecretBox
+from webhooks.crypto import SecretBox, SecretDecryptError
 from webhooks.logs import configure_logging, get_logger
 from webhooks.settings import Settings, load_settings
 from webhooks.ttl import expires_at
@@ -174,6 +174,23 @@ class Receiver:
             headers={"Retry-After": "60"},
         )
 
+    def _undecryptable(self, public_id: str) -> Response:
+        # WEBHOOKS_SECRET_KEY does not decrypt this source's secrets (a new .env against an
+        # old database): the sender must keep the event and retry once the key is fixed, so
+        # 503 with Retry-After, and one line naming the variable; never a 500.
+        log.error(
+            "source.secret_undecryptable",
+            source=public_id,
+            fix="set WEBHOOKS_SECRET_KEY to the key this database was written with",
+        )
+        return self._answer(
+            public_id,
+            "secret_undecryptable",
+            503,
+            {"error": "source secret unavailable"},
+            headers={"Retry-After": "60"},
+        )
+
     async def receive(self, request: Request) -> Response:
         started = perf_counter()
         public_id = request.path_params["source_id"]
@@ -183,6 +200,8 @@ class Receiver:
             source = await self.store.source(public_id)
         except DB_ERRORS:
             return self._unavailable("unknown")
+        except SecretDecryptError:
+            return self._undecryptable(public_id)
         if source is None:  # the body is never read for an unknown source
             return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
         label = source.public_id
@@ -389,6 +408,8 @@ class Receiver:
             source = await self.store.source(public_id)
         except DB_ERRORS:
             return self._unavailable("unknown")
+        except SecretDecryptError:
+            return self._undecryptable(public_id)
         if source is None:
             return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
         label = source.public_id

@@ -24,6 +24,7 @@ from webhooks.addresses import allows_private, check_host
 from webhooks.crypto import (
     SecretBox,
     check_key,
+    check_keys,
     generate_secret,
     key_format,
     key_prefix,
@@ -168,9 +169,57 @@ def create_source(
     session.add(source)
     session.flush()
     created = add_secret(
-        session, box, source, secret, allow_weak_secret=allow_weak_secret, operator=operator
+        session,
+        box,
+        source,
+        secret,
+        allow_weak_secret=allow_weak_secret,
+        operator=operator,
+        audit=False,
     )
+    target = {
+        "source": source.public_id,
+        "name": name,
+        "account": account,
+        "provider": provider,
+        "secret": created.id,
+    }
+    _audit_config(session, "source.add", target, operator, "source added")
     return source, created
+
+
+def _audit_config(
+    session: Session, action: str, target: dict[str, Any], operator: str | None, reason: str
+) -> int:
+    """The audit row of a configuration change (every one is audited): who (``operator``,
+    default this process's login name: the OS user for the CLI), what, on the database's
+    clock, in the change's own transaction."""
+    change = Change(operator=(operator or "").strip() or _login(), reason=reason, via="cli")
+    return record_audit(session, change, action, target, count=1, now=None)
+
+
+#: How many stored secrets of each kind the start-up key check reads (newest first).
+KEY_SAMPLE = 200
+
+
+def check_stored_keys(session: Session, box: SecretBox, *, sample: int = KEY_SAMPLE) -> int:
+    """Check that ``box`` (``WEBHOOKS_SECRET_KEY``) decrypts the stored secrets: the newest
+    ``sample`` active source secrets and route signing secrets. Returns how many were checked;
+    :class:`webhooks.crypto.KeyMismatch` naming the count it cannot read otherwise. Run at
+    the start of the receiver, ``webhooks run`` and the CLI."""
+    sources = session.scalars(
+        select(SourceSecret.ciphertext)
+        .where(SourceSecret.revoked_at.is_(None))
+        .order_by(SourceSecret.created_at.desc())
+        .limit(sample)
+    ).all()
+    routes = session.scalars(
+        select(Route.signing_ciphertext)
+        .where(Route.signing_ciphertext.is_not(None))
+        .order_by(Route.id.desc())
+        .limit(sample)
+    ).all()
+    return check_keys(box, [bytes(c) for c in [*sources, *routes] if c is not None])
 
 
 def source_ttl_overrides(source: Source) -> TtlOverrides:
@@ -248,6 +297,14 @@ def update_source_ttl(
     source.replay_grace_s = _seconds(merged.replay_grace)
 
 
+def record_source_update(
+    session: Session, source: Source, changed: Mapping[str, Any], operator: str | None
+) -> int:
+    """The audit row of ``sources update``: which settings changed, to what."""
+    target = {"source": source.public_id, "name": source.name, "changed": dict(changed)}
+    return _audit_config(session, "source.update", target, operator, "source updated")
+
+
 def add_secret(
     session: Session,
     box: SecretBox,
@@ -256,6 +313,7 @@ def add_secret(
     *,
     allow_weak_secret: bool = False,
     operator: str | None = None,
+    audit: bool = True,
 ) -> CreatedSecret:
     """Add a secret to a source (generated when ``secret`` is None). A given secret below the
     minimum strength is refused before anything is written (see :func:`check_secret_strength`);
@@ -280,6 +338,9 @@ def add_secret(
             provider=source.provider,
             secret_id=row.id,
         )
+    if audit:  # create_source audits the source with its first secret
+        target = {"source": source.public_id, "provider": source.provider, "secret": row.id}
+        _audit_config(session, "secret.add", target, operator, "secret added")
     return CreatedSecret(row.id, plaintext if generated else None)
 
 
@@ -403,8 +464,10 @@ def add_route(
     options: dict[str, str] | None = None,
     max_attempts: int | None = None,
     max_age: timedelta | None = None,
+    operator: str | None = None,
 ) -> tuple[Route, str | None]:
-    """Bind a handler. ``forward`` routes get their own signing secret (returned once)."""
+    """Bind a handler (audited: ``operator``, default this process's login name).
+    ``forward`` routes get their own signing secret (returned once, never audited)."""
     if not handler.strip():
         raise CatalogError("handler name must not be empty")
     if not events.strip():
@@ -431,6 +494,9 @@ def add_route(
     )
     session.add(route)
     session.flush()
+    _audit_config(
+        session, "route.add", _route_target(route, source.public_id), operator, "route added"
+    )
     return route, signing_plain
 
 

@@ -19,6 +19,55 @@ class DatabaseUnavailable(Exception):
     """Postgres could not be reached."""
 
 
+# SQLSTATEs Postgres reports for the causes a user can fix (psycopg's ``sqlstate``).
+_UNKNOWN_DATABASE = "3D000"
+_AUTHENTICATION = ("28P01", "28000")
+_UNDEFINED_TABLE = "42P01"
+UPGRADE_HINT = "run `webhooks db upgrade`"
+
+
+def where(database_url: str) -> str:
+    """``host:port/database`` of a URL, without its user or password."""
+    from sqlalchemy.engine import make_url  # noqa: PLC0415
+
+    try:
+        url = make_url(database_url)
+    except ValueError:
+        return "the database in WEBHOOKS_DATABASE_URL"
+    return f"{url.host or 'localhost'}:{url.port or 5432}/{url.database or ''}"
+
+
+def describe_db_error(exc: BaseException, database_url: str) -> str | None:
+    """One line for an error of Postgres a user can act on: where (host:port/database, never
+    the password) and the cause: refused, unknown database, authentication, not migrated, or
+    unreachable with the driver's reason. None when ``exc`` is no such error."""
+    from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
+
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    if not isinstance(orig, psycopg.Error):
+        return None
+    state = getattr(orig, "sqlstate", None)
+    text = str(orig).lower()
+    place = f"Postgres at {where(database_url)}"
+    if state == _UNDEFINED_TABLE or isinstance(orig, psycopg.errors.UndefinedTable):
+        return f"{place} is not migrated (a table is missing): {UPGRADE_HINT}"
+    if not isinstance(orig, psycopg.OperationalError):
+        return None
+    if state == _UNKNOWN_DATABASE or ("database" in text and "does not exist" in text):
+        return f"{place}: unknown database (WEBHOOKS_DATABASE_URL): {UPGRADE_HINT} to create it"
+    if (
+        state in _AUTHENTICATION
+        or "authentication failed" in text
+        or "password" in text
+        or ("role" in text and "does not exist" in text)
+    ):
+        return f"{place}: authentication failed (the user or password in WEBHOOKS_DATABASE_URL)"
+    if "refused" in text:
+        return f"{place}: connection refused (is Postgres running on that port?)"
+    reason = str(orig).strip().splitlines()[-1][:160] if str(orig).strip() else type(orig).__name__
+    return f"{place}: cannot connect ({reason})"
+
+
 def make_engine(
     settings: Settings, *, pool_size: int | None = None, pre_ping: bool = True
 ) -> Engine:
@@ -64,7 +113,9 @@ def ensure_database(settings: Settings) -> bool:
     except psycopg.errors.DuplicateDatabase:
         return False
     except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(f"cannot reach Postgres: {exc.__class__.__name__}") from None
+        message = describe_db_error(exc, settings.database_url)
+        fallback = f"cannot reach Postgres: {type(exc).__name__}"
+        raise DatabaseUnavailable(message or fallback) from None
 
 
 def alembic_config(settings: Settings) -> Config:

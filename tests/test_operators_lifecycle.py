@@ -160,9 +160,10 @@ def test_route_disable_enable_remove_are_guarded_and_audited(
 
     mine = [r for r in audit_rows(engine, "route.") if r.target.get("route") == noop_route]
     assert [(r.action, r.operator, r.reason, r.via) for r in mine] == [
+        ("route.add", mine[0].operator, "route added", "cli"),  # issue 20: adding is audited
         ("route.disable", "alice", "typo", "cli"),
         ("route.enable", "bob", "fixed", "cli"),
-        ("route.remove", mine[2].operator, "not needed", "cli"),
+        ("route.remove", mine[3].operator, "not needed", "cli"),
     ]
     assert mine[0].target == {
         "route": noop_route,
@@ -252,7 +253,11 @@ def test_a_disabled_source_answers_410_writes_nothing_and_its_accepted_work_stil
         for r in audit_rows(engine, "source.")
         if r.target.get("source") == source.public_id
     ]
-    assert actions == [("source.disable", "provider paused"), ("source.enable", "provider back")]
+    assert actions == [
+        ("source.add", "source added"),  # issue 20: creating it is audited too
+        ("source.disable", "provider paused"),
+        ("source.enable", "provider back"),
+    ]
 
     # Accepted while enabled, delivered although the source was disabled meanwhile; and the
     # worker names, once at its start, the active route whose handler it lacks.

@@ -389,7 +389,7 @@ def test_providers_list_shows_which_fields_are_signed() -> None:
     for name in ("github", "shopify", "woocommerce", "bitbucket"):  # the type is named unsigned
         assert "(the type) are unsigned" in views[name]["signed"], name
     table = subprocess.run(
-        [str(BIN / "webhooks"), "providers", "list"],
+        [str(BIN / "webhooks"), "providers", "list", "--wide"],  # issue 20: prose is --wide
         env={**test_env(), "COLUMNS": "400"},
         capture_output=True,
         text=True,

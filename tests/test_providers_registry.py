@@ -138,7 +138,7 @@ def test_providers_list_shows_each_contract_and_the_ttl_that_follows() -> None:
     assert views["hmac"]["tolerance"] == "by config"
 
     human = subprocess.run(
-        [str(BIN / "webhooks"), "providers", "list"],
+        [str(BIN / "webhooks"), "providers", "list", "--wide"],  # issue 20: prose is --wide
         env={**test_env(), "COLUMNS": "400"},
         capture_output=True,
         text=True,

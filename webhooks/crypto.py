@@ -30,6 +30,7 @@ import base64
 import functools
 import hashlib
 import secrets as _secrets
+from collections.abc import Iterable
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
@@ -130,6 +131,37 @@ class SecretBox:
         """The same secret encrypted under the newest key; SecretDecryptError if no listed
         key decrypts it."""
         return self.encrypt(self.decrypt(ciphertext))
+
+
+class KeyMismatch(Exception):  # noqa: N818 (the agreed name)
+    """``WEBHOOKS_SECRET_KEY`` cannot decrypt stored secrets: a fresh ``.env`` against an
+    existing database, or a key dropped from the list too early. Every signed request would
+    fail, so processes refuse to start with this one line instead."""
+
+    def __init__(self, unreadable: int, checked: int) -> None:
+        self.unreadable, self.checked = unreadable, checked
+        super().__init__(
+            f"WEBHOOKS_SECRET_KEY cannot decrypt {unreadable} of the {checked} stored secrets "
+            "checked: this database was written with another key. Set WEBHOOKS_SECRET_KEY "
+            "back to it (or list it after the new one, NEW,OLD, and run "
+            "`webhooks secrets rekey`), or use another database (WEBHOOKS_DATABASE_URL)"
+        )
+
+
+def check_keys(box: SecretBox, ciphertexts: Iterable[bytes]) -> int:
+    """How many stored secrets were checked; :class:`KeyMismatch` (with the count that no
+    listed key decrypts) when any of them cannot be read. A sample of the stored secrets is
+    enough: one key writes them all, so a wrong key fails on every one."""
+    checked = unreadable = 0
+    for ciphertext in ciphertexts:
+        checked += 1
+        try:
+            box.decrypt(ciphertext)
+        except SecretDecryptError:
+            unreadable += 1
+    if unreadable:
+        raise KeyMismatch(unreadable, checked)
+    return checked
 
 
 def key_format(provider: str) -> str:

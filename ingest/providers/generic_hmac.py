@@ -246,6 +246,12 @@ def _template(opts: Mapping[str, Any]) -> tuple[Part, ...]:
     return (None,)
 
 
+def signed_parts(opts: Mapping[str, Any]) -> tuple[Part, ...]:
+    """What is signed under normalised options, in order: ``None`` for the body, bytes as
+    written, a header's lower-case name for its value (for senders: ``webhooks send``)."""
+    return _template(opts)
+
+
 def signed_headers(opts: Mapping[str, Any]) -> tuple[str, ...]:
     """The headers the signature covers under normalised options."""
     return tuple(part for part in _template(opts) if isinstance(part, str))

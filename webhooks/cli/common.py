@@ -44,6 +44,8 @@ class Options:
     """The top-level command's options (``webhooks --env-file PATH ...``)."""
 
     env_file: Path | None = None
+    # The database of this invocation (set by :func:`env`), for one-line database errors.
+    database_url: str | None = None
 
 
 OPTIONS = Options()
@@ -132,8 +134,26 @@ class Env:
 
     @contextmanager
     def session(self) -> Iterator[Session]:
+        if not self.keys_checked:
+            self.check_keys()
         with self.sessions() as session, session.begin():
             yield session
+
+    keys_checked: bool = False
+
+    def check_keys(self) -> None:
+        """Before the first session: WEBHOOKS_SECRET_KEY must decrypt the stored secrets
+        (:class:`webhooks.crypto.KeyMismatch`, one line, otherwise). ``secrets rekey``, the
+        way out of a mismatch, uses :attr:`sessions` and is not checked."""
+        from models.catalog import check_stored_keys  # noqa: PLC0415
+        from webhooks.crypto import SecretBox  # noqa: PLC0415
+
+        box = SecretBox(
+            self.settings.secret_key.get_secret_value(), legacy=self.settings.secret_key_legacy
+        )
+        with self.sessions() as session:
+            check_stored_keys(session, box)
+        self.keys_checked = True
 
 
 def env() -> Env:
@@ -152,6 +172,7 @@ def env() -> Env:
         raise CliError(f"{message}; {source.describe()}") from None
     # Commands print their results on stdout (--json must stay parseable): logs go to stderr.
     configure_logging("WARNING", json=settings.log_json)
+    OPTIONS.database_url = settings.database_url
     return Env(settings, config=source, from_file=frozenset(k.upper() for k in exported))
 
 
@@ -175,15 +196,34 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
 
     @wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        import psycopg  # noqa: PLC0415
+        from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
+
         from models.db import DatabaseUnavailable  # noqa: PLC0415
+        from webhooks.crypto import KeyMismatch  # noqa: PLC0415
 
         try:
             return func(*args, **kwargs)
-        except (CliError, SettingsError, DatabaseUnavailable, ValueError) as exc:
+        except (CliError, SettingsError, DatabaseUnavailable, KeyMismatch, ValueError) as exc:
             say_error(str(exc))
+            raise typer.Exit(1) from None
+        except (DBAPIError, psycopg.Error) as exc:
+            message = database_error(exc)
+            if message is None:
+                raise
+            say_error(message)
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def database_error(exc: BaseException) -> str | None:
+    """One line for a Postgres error a user can fix (refused, unknown database, authentication,
+    not migrated), naming host:port/database; None for any other error."""
+    from models.db import describe_db_error  # noqa: PLC0415
+
+    url = OPTIONS.database_url or os.environ.get("WEBHOOKS_DATABASE_URL", "")
+    return describe_db_error(exc, url)
 
 
 def json_default(value: object) -> str:

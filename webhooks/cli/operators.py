@@ -48,7 +48,9 @@ from webhooks.cli.render import (
     plain,
     row,
     say,
+    show_table,
     when,
+    whole,
 )
 from webhooks.crypto import SecretBox
 from webhooks.logs import configure_logging
@@ -416,48 +418,43 @@ def _run(e: Env, plan: replays.Plan, *, show_progress: bool) -> replays.ReplayRe
 @handle_errors
 def replays_list(
     limit: Annotated[int, typer.Option("--limit", help="Most recent first.")] = 20,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Add ended, via, filter, planned and skipped.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Who replayed what, when and why."""
+    """Who replayed what, when (UTC) and why."""
     e = env()
     with e.session() as session:
         rows = replays.list_replays(session, limit=limit)
     if as_json:
         print_json([plain(r) for r in rows])
         return
-    table = Table(
-        "id",
-        "started",
-        "ended",
-        "operator",
-        "via",
-        "reason",
-        "filter",
-        "planned",
-        "replayed",
-        "skipped",
-        "status",
-        title="replays",
-    )
+    if not rows:
+        console.print("no replays")
+        return
+    headers = ["id", "started (UTC)", "operator", "replayed", "status", "reason"]
+    if wide:
+        headers[2:2] = ["ended (UTC)"]
+        headers[4:4] = ["via"]
+        headers += ["filter", "planned", "skipped"]
+    table = Table(*headers, title="replays")
     for r in rows:
-        flt = ", ".join(f"{k}={v}" for k, v in r.filter.items())
-        if r.rerun_succeeded:
-            flt += " (rerun succeeded)"
-        row(
-            table,
-            str(r.id),
-            when(r.started_at),
-            when(r.ended_at),
-            r.operator,
-            r.via,
-            r.reason,
-            flt,
-            str(r.planned),
-            str(r.replayed),
-            str(r.skipped),
-            r.status,
-        )
-    console.print(table)
+        cells: list[object] = [
+            r.id, when(r.started_at), r.operator, r.replayed, r.status, r.reason
+        ]  # fmt: skip
+        if wide:
+            flt = ", ".join(f"{k}={v}" for k, v in r.filter.items())
+            if r.rerun_succeeded:
+                flt += " (rerun succeeded)"
+            cells[2:2] = [when(r.ended_at)]
+            cells[4:4] = [r.via]
+            cells += [flt, r.planned, r.skipped]
+        row(table, *cells)
+    show_table(
+        whole(table, "id", "started (UTC)", "operator", "replayed", "status"),
+        "--wide for ended, via, filter, planned, skipped; --json for every field",
+    )
 
 
 @audit_app.command("list")
@@ -561,7 +558,7 @@ def _states_table(states: list[queries.DeliveryState], title: str) -> Table:
             table, st.event_id, st.event_type, st.delivery_id, st.handler,
             Text(st.status, style=colour), st.attempts, st.generation,
         )  # fmt: skip
-    return table
+    return whole(table, "event", "type", "delivery")
 
 
 def _watch(
@@ -751,8 +748,8 @@ def demo(
             soft_wrap=True,  # a URL cut in two cannot be opened
         )
     console.print(
-        f"\nnext: {cmd} events list --source {source} | {cmd} events show {ids[-1]} | "
-        f"{cmd} dead list | {cmd} replays list\n"
+        f"\nnext:\n  {cmd} events list --source {source}\n  {cmd} events show {ids[-1]}\n"
+        f"  {cmd} dead list\n  {cmd} replays list\n"
         f"Flower: http://127.0.0.1:{e.settings.flower_port} (workers, tasks, retries)",
         highlight=False,
     )

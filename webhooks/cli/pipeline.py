@@ -57,7 +57,9 @@ def serve(
 
     from ingest.server import ReceiverProtocol  # noqa: PLC0415
 
-    settings = env().settings
+    e = env()
+    _check_keys_if_reachable(e)
+    settings = e.settings
     several = (workers or settings.receiver_workers) > 1
     scratch = None  # a metrics directory of our own, removed at the end
     if settings.metrics_dir:
@@ -91,6 +93,21 @@ def serve(
     admin.stop()
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check_keys_if_reachable(e: Env) -> None:
+    """Refuse to start (one line) when WEBHOOKS_SECRET_KEY cannot decrypt the stored secrets:
+    every signed request would fail. A database that cannot be reached now does not stop the
+    receiver (it answers 503 until Postgres is back; each request still gets 503, never 500,
+    if the key is wrong)."""
+    from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
+
+    try:
+        e.check_keys()
+    except DBAPIError as exc:
+        from webhooks.logs import get_logger  # noqa: PLC0415
+
+        get_logger("serve").warning("keys.check_skipped", error_class=type(exc.orig).__name__)
 
 
 def _admin_server(
@@ -344,6 +361,7 @@ def run(
     from models.db import upgrade  # noqa: PLC0415
 
     upgrade(settings)
+    e.check_keys()
     out = Output(relay=sys.stderr.isatty())
     if stop.event.is_set():
         out.say("pipeline stopped")

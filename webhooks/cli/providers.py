@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ingest.providers import Provider, registry
-from webhooks.cli.common import console, env, handle_errors, print_json
-from webhooks.cli.render import row
+from webhooks.cli.common import CliError, env, handle_errors, print_json
+from webhooks.cli.render import row, say, show_table, whole
 from webhooks.durations import format_duration
 from webhooks.ttl import TtlOverrides, dedup_terms
 
@@ -65,16 +66,40 @@ def _tolerance_text(provider: Provider, tolerance: Any) -> str:
     return "none (no signed time)" if tolerance is None else format_duration(tolerance)
 
 
+def short_signed(signed: str) -> str:
+    """What the signature covers, without the prose after it (``id + timestamp + body``)."""
+    return signed.split(":", 1)[0].split(";", 1)[0].strip()
+
+
 @providers_app.command("list")
 @handle_errors
 def providers_list(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Every column: fields, tolerance, citation.")
+    ] = False,
 ) -> None:
-    """List providers: what is signed, tolerance, retry window, dedup TTL, citation."""
+    """List providers, one line each: what is signed, retry window, dedup TTL (the rest:
+    `webhooks providers show NAME`)."""
     views = provider_views()
     if as_json:
         print_json(views)
         return
+    if wide:
+        _wide_table(views)
+        return
+    table = Table("provider", "signed", "retry window", "dedup ttl", box=None)
+    for v in views:
+        name = v["name"] if v["builtin"] else f"{v['name']} (plug-in)"
+        row(table, name, short_signed(v["signed"]), v["retry_window"], v["dedup_ttl"])
+    # Prose: one line, cut to fit (providers show NAME has it whole); the rest never cut.
+    table.columns[1].no_wrap, table.columns[1].overflow = True, "ellipsis"
+    table.columns[1].max_width = 40
+    show_table(whole(table, "provider", "retry window", "dedup ttl"),
+               "webhooks providers show NAME for the rest; --json for every field")  # fmt: skip
+
+
+def _wide_table(views: list[dict[str, Any]]) -> None:
     table = Table(
         "provider", "signed", "fields", "tolerance", "retry window", "dedup ttl", "citation"
     )
@@ -84,7 +109,41 @@ def providers_list(
             table, name, v["signed"], fields_text(v["signed_fields"]), v["tolerance"],
             v["retry_window"], v["dedup_ttl"], v["citation"],
         )  # fmt: skip
-    console.print(table)
+    show_table(whole(table, "provider", "citation"))
+
+
+@providers_app.command("show")
+@handle_errors
+def providers_show(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="A provider (providers list).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """One provider: what its signature covers and what a capture replays, which fields are
+    signed, tolerance, retry window and its citation, dedup TTL, key format."""
+    views = {v["name"]: v for v in provider_views()}
+    if name not in views:
+        from difflib import get_close_matches  # noqa: PLC0415
+
+        close = get_close_matches(name.lower(), views, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else " (webhooks providers list)"
+        raise CliError(f"no provider {name!r}{hint}")
+    v = views[name]
+    if as_json:
+        print_json(v)
+        return
+    for label, value in (
+        ("provider", v["name"] + ("" if v["builtin"] else " (plug-in)")),
+        ("summary", v["summary"]),
+        ("signed", v["signed"]),
+        ("fields", fields_text(v["signed_fields"])),
+        ("tolerance", v["tolerance"]),
+        ("retry", f"{v['retry_window']} ({v['citation']})"),
+        ("dedup ttl", v["dedup_ttl"]),
+        ("key format", v["key_format"]),
+        ("handshake", v["handshake"] or "none"),
+    ):
+        if value:
+            say(f"{label + ':':<11} {escape(str(value))}")
 
 
 def register(app: typer.Typer) -> None:

@@ -120,3 +120,20 @@ def print_delivery(d: queries.DeliveryView) -> None:
     for mark in d.replays:
         if mark.first_attempt is None:
             say(_replay_line(mark) + " (no attempt yet)")
+
+
+def whole(table: Table, *headers: str) -> Table:
+    """Never cut these columns (ids, URLs, event types): each is as wide as its widest cell,
+    on one line, and rich narrows the other columns instead. Call after adding the rows."""
+    for column in table.columns:
+        if str(column.header) in headers:
+            widest = max((Text(str(c)).cell_len for c in column.cells), default=0)
+            column.no_wrap = True
+            column.min_width = max(widest, Text(str(column.header)).cell_len)
+    return table
+
+
+def show_table(table: Table, more: str = "--json for every field") -> None:
+    """The table, then where the rest is (``--json``, ``--wide``, a ``show`` command)."""
+    console.print(table)
+    console.print(f"[dim]({escape(more)})[/dim]", highlight=False)

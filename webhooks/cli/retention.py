@@ -24,12 +24,15 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 @contextmanager
 def _database(e: Env) -> Iterator[None]:
     """A database that cannot be reached is a one-line error, not a traceback."""
-    from models.db import DatabaseUnavailable  # noqa: PLC0415
+    from models.db import DatabaseUnavailable, describe_db_error  # noqa: PLC0415
 
     try:
         yield
-    except OperationalError:
-        raise DatabaseUnavailable(f"cannot reach database {e.settings.database_name()}") from None
+    except OperationalError as exc:
+        message = describe_db_error(exc, e.settings.database_url)
+        raise DatabaseUnavailable(
+            message or f"cannot reach database {e.settings.database_name()}"
+        ) from None
 
 
 @ttl_app.command("explain")

@@ -14,7 +14,7 @@ from ingest.providers import registry, validate_config
 from models import breaker, catalog
 from models.schema import Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
-from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say
+from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say, show_table, whole
 from webhooks.clock import pinned
 from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration, parse_duration
@@ -133,9 +133,11 @@ def sources_add(
     clock_skew: DurationOpt = None,
     replay_grace: DurationOpt = None,
     allow_weak_secret: WeakSecretOpt = False,
+    operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Create a source; prints its id, URL path and, when generated, its secret (once)."""
+    """Create a source (audited); prints its id, URL path and, when generated, its secret
+    (once)."""
     # The provider and its options are checked against the registry before anything else.
     options = validate_config(provider, _pairs(config, "--config"))
     e = env()
@@ -159,7 +161,7 @@ def sources_add(
                 _duration(replay_grace),
             ),
             allow_weak_secret=allow_weak_secret,
-            operator=login(),
+            operator=operator or login(),
         )
         view = _source_view(e, source)
     _lay_out_partitions(e)
@@ -187,8 +189,20 @@ def sources_update(
     replay_grace: DurationOpt = None,
     tolerance: DurationOpt = None,
     max_body: Annotated[int | None, typer.Option(help="Body size limit in bytes.")] = None,
+    operator: OperatorOpt = None,
 ) -> None:
-    """Change a source's TTL terms, timestamp tolerance or body limit."""
+    """Change a source's TTL terms, timestamp tolerance or body limit (audited)."""
+    given = {
+        "retry_window": retry_window,
+        "queue_lag": queue_lag,
+        "clock_skew": clock_skew,
+        "replay_grace": replay_grace,
+        "tolerance": tolerance,
+        "max_body": max_body,
+    }
+    changed = {k: v for k, v in given.items() if v is not None}
+    if not changed:
+        raise CliError("nothing to change: give at least one option (see --help)")
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
@@ -209,6 +223,7 @@ def sources_update(
             if max_body < 1:
                 raise CliError("--max-body must be positive")
             row.max_body_bytes = max_body
+        catalog.record_source_update(session, row, changed, operator or login())
         view = _source_view(e, row)
     _lay_out_partitions(e)
     console.print(f"updated {view['id']}: dedup ttl {view['dedup_ttl']}")
@@ -216,8 +231,13 @@ def sources_update(
 
 @sources_app.command("list")
 @handle_errors
-def sources_list(as_json: JsonOpt = False) -> None:
-    """List sources (never a secret)."""
+def sources_list(
+    as_json: JsonOpt = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Add account, URL path and dedup TTL columns.")
+    ] = False,
+) -> None:
+    """List sources (never a secret). Each source's URL is /webhooks/ID on the receiver."""
     from sqlalchemy import select  # noqa: PLC0415
 
     e = env()
@@ -226,13 +246,25 @@ def sources_list(as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(views)
         return
-    table = Table("id", "name", "account", "provider", "url path", "dedup ttl", "active", "warning")
+    if not views:
+        say("no sources: webhooks sources add NAME --provider PROVIDER")
+        return
+    headers = ["id", "name", "provider", "active"]
+    if wide:
+        headers[2:2] = ["account", "url path", "dedup ttl"]
+    table = Table(*headers, box=None)
     for v in views:
-        row(
-            table, v["id"], v["name"], v["account"], v["provider"], v["url_path"],
-            v["dedup_ttl"], "yes" if v["active"] else "no (410 Gone)", v["warning"] or "",
-        )  # fmt: skip
-    console.print(table)
+        cells = [v["id"], v["name"], v["provider"], "yes" if v["active"] else "no (410 Gone)"]
+        if wide:
+            cells[2:2] = [v["account"], v["url_path"], v["dedup_ttl"]]
+        row(table, *cells)
+    show_table(
+        whole(table, "id", "url path", "provider"),
+        "URL: /webhooks/ID on the receiver; --wide for more columns; --json for every field",
+    )
+    for v in views:  # prose after the table, whole
+        if v["warning"]:
+            say(escape(f"{v['id']} warning: {v['warning']}"))
 
 
 @sources_app.command("show")
@@ -300,13 +332,19 @@ def secrets_add(
     source: str,
     secret: Annotated[str | None, typer.Option()] = None,
     allow_weak_secret: WeakSecretOpt = False,
+    operator: OperatorOpt = None,
 ) -> None:
-    """Add a secret (rotation): every active secret verifies."""
+    """Add a secret (rotation): every active secret verifies (audited)."""
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
         created = catalog.add_secret(
-            session, _box(e), row, secret, allow_weak_secret=allow_weak_secret, operator=login()
+            session,
+            _box(e),
+            row,
+            secret,
+            allow_weak_secret=allow_weak_secret,
+            operator=operator or login(),
         )
     console.print(f"secret id: {created.id}")
     if created.plaintext is not None:
@@ -423,9 +461,10 @@ def routes_add(
     ] = None,
     max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
     max_age: DurationOpt = None,
+    operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Bind a handler to a source, optionally for matching event types only.
+    """Bind a handler to a source, optionally for matching event types only (audited).
 
     The handler must be registered here (webhooks handlers list)."""
     e = env()
@@ -440,6 +479,7 @@ def routes_add(
             options=_pairs(option, "--option"),
             max_attempts=max_attempts,
             max_age=_duration(max_age),
+            operator=operator or login(),
         )
         view = _route_view(route)
     if signing is not None:

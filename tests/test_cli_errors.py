@@ -1,0 +1,179 @@
+"""Issue 20 items 2 and 3: a key that does not match the database, and a Postgres that cannot
+be used, each give one clear line (never a traceback), from every group of commands; the
+receiver answers 503 with Retry-After for a source it cannot decrypt, never 500."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests.conftest import ADMIN_DSN, BIN, free_port, make_settings, test_env
+from tests.factories import make_source
+from tests.processes import receiver
+from tests.signing import sign
+from webhooks.settings import Settings
+
+OTHER_KEY = "another-secret-key-" + "z" * 32
+
+# A representative command of every group (and the top-level ones that touch the database).
+COMMANDS = [
+    ["sources", "list"],
+    ["secrets", "list", "src_x"],
+    ["routes", "list", "src_x"],
+    ["handlers", "list"],
+    ["events", "list"],
+    ["deliveries", "show", "1"],
+    ["dead", "list"],
+    ["replay", "1", "--reason", "r", "--yes"],
+    ["replays", "list"],
+    ["audit", "list"],
+    ["ttl", "explain", "src_x"],
+    ["maintenance", "run"],
+    ["send", "src_x"],
+]
+
+
+def webhooks(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "webhooks"), *args],
+        env=test_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def unmigrated() -> Iterator[str]:
+    name = f"webhooks_unmigrated_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield name
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def _cases(unmigrated: str) -> list[tuple[str, str, str]]:
+    port = free_port()
+    missing = f"webhooks_missing_{uuid.uuid4().hex[:8]}"
+    return [
+        (
+            f"postgresql://postgres@127.0.0.1:{port}/webhooks",
+            f"127.0.0.1:{port}/webhooks",
+            "connection refused",
+        ),
+        (f"postgresql://postgres@127.0.0.1:5432/{missing}", missing, "unknown database"),
+        (
+            "postgresql://no_such_role_x:pw@127.0.0.1:5432/postgres",
+            "127.0.0.1:5432/postgres",
+            "authentication failed",
+        ),
+        (
+            f"postgresql://postgres@127.0.0.1:5432/{unmigrated}",
+            unmigrated,
+            "not migrated (a table is missing): run `webhooks db upgrade`",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_an_unusable_postgres_is_one_line_naming_where_and_why(
+    command: list[str], unmigrated: str
+) -> None:
+    for url, where, cause in _cases(unmigrated):
+        line = one_line(webhooks(*command, WEBHOOKS_DATABASE_URL=url))
+        assert where in line, line
+        assert cause in line, line
+        assert "pw" not in line  # never the password
+
+
+def test_db_upgrade_and_run_name_the_cause_too(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"postgresql://postgres@127.0.0.1:{port}/webhooks"
+    for command in (["db", "upgrade"], ["run", "--no-flower"]):
+        line = one_line(webhooks(*command, WEBHOOKS_DATABASE_URL=url))
+        assert f"127.0.0.1:{port}/webhooks: connection refused" in line, line
+    bad_role = "postgresql://no_such_role_x:pw@127.0.0.1:5432/webhooks_x"
+    line = one_line(webhooks("db", "upgrade", WEBHOOKS_DATABASE_URL=bad_role))
+    assert "authentication failed" in line, line
+
+
+def test_a_key_that_does_not_match_the_database_is_refused_in_one_line(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    make_source(sessions, settings, provider="github")
+    for command in (["sources", "list"], ["dead", "list"], ["send", "src_x"], ["audit", "list"]):
+        line = one_line(webhooks(*command, WEBHOOKS_SECRET_KEY=OTHER_KEY))
+        assert "WEBHOOKS_SECRET_KEY cannot decrypt" in line, line
+        assert "stored secrets checked" in line
+    # serve refuses to start; run refuses before it starts anything.
+    line = one_line(webhooks("serve", "--port", str(free_port()), WEBHOOKS_SECRET_KEY=OTHER_KEY))
+    assert "WEBHOOKS_SECRET_KEY cannot decrypt" in line
+    line = one_line(webhooks("run", "--no-flower", WEBHOOKS_SECRET_KEY=OTHER_KEY))
+    assert "WEBHOOKS_SECRET_KEY cannot decrypt" in line
+    # The way out is not refused: rekey with the right key listed after the new one.
+    rekey = webhooks(
+        "secrets",
+        "rekey",
+        WEBHOOKS_SECRET_KEY=f"{OTHER_KEY},{settings.secret_key.get_secret_value()}",
+    )
+    assert rekey.returncode == 0, rekey.stderr
+    rekey = webhooks(
+        "secrets",
+        "rekey",
+        WEBHOOKS_SECRET_KEY=f"{settings.secret_key.get_secret_value()},{OTHER_KEY}",
+    )
+    assert rekey.returncode == 0, rekey.stderr
+
+
+def test_the_count_of_unreadable_secrets_is_named(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    from models.catalog import check_stored_keys
+    from webhooks.crypto import KeyMismatch, SecretBox
+
+    make_source(sessions, settings, provider="stripe")
+    with sessions() as session:
+        checked = check_stored_keys(session, SecretBox(settings.secret_key.get_secret_value()))
+        assert checked >= 1
+        with pytest.raises(KeyMismatch) as caught:
+            check_stored_keys(session, SecretBox(OTHER_KEY))
+    assert caught.value.unreadable == caught.value.checked == checked
+    assert f"cannot decrypt {checked} of the {checked}" in str(caught.value)
+
+
+def test_a_source_the_receiver_cannot_decrypt_gets_503_with_retry_after(
+    sessions: sessionmaker[Session],
+) -> None:
+    with receiver() as rcv:
+        # Written by a process with another key after this receiver started.
+        other = make_source(sessions, make_settings(secret_key=OTHER_KEY), provider="github")
+        headers, body = sign("github", other.secret, event_id="evt_undecryptable")
+        answer = httpx.post(f"{rcv.url}/webhooks/{other.public_id}", content=body, headers=headers)
+        log = rcv.log_path.read_text()
+    with sessions() as session, session.begin():  # the other tests' CLI key check reads it
+        session.execute(
+            text("UPDATE source_secrets SET revoked_at = now() WHERE source_id = :s"),
+            {"s": other.id},
+        )
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"] == "60"
+    assert "source.secret_undecryptable" in log
+    assert "Traceback" not in log
+    assert other.secret not in log

@@ -1,0 +1,105 @@
+"""Issue 20 item 4: tables readable at 80 columns: ids, URLs and event types are never cut,
+long prose goes to ``show`` or ``--wide``, and each table says where ``--json`` is."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+
+import pytest
+from rich.console import Console
+from sqlalchemy.orm import Session, sessionmaker
+
+from ingest.providers import BUILTIN_PROVIDERS
+from models import queries
+from tests.conftest import BIN, test_env
+from tests.factories import make_source
+from webhooks.settings import Settings
+
+WIDTHS = (80, 120)
+
+
+def webhooks(width: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "webhooks"), *args],
+        env=test_env(COLUMNS=str(width), LINES="50"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _fits(out: str, width: int) -> None:
+    for line in out.splitlines():
+        assert len(line) <= width, line
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_providers_list_is_one_line_per_provider_and_show_has_the_rest(width: int) -> None:
+    listed = webhooks(width, "providers", "list")
+    assert listed.returncode == 0, listed.stderr
+    _fits(listed.stdout, width)
+    lines = listed.stdout.splitlines()
+    for name in BUILTIN_PROVIDERS:
+        [line] = [ln for ln in lines if ln.split() and ln.split()[0] == name]
+        assert "3d" in line or "d" in line.split()[-1]  # window and TTL on the same line
+    assert len(lines) <= len(BUILTIN_PROVIDERS) + 3
+    assert "--json" in listed.stdout
+    assert "providers show NAME" in listed.stdout
+    shown = webhooks(width, "providers", "show", "stripe")
+    assert "https://docs.stripe.com/webhooks/process-undelivered-events" in shown.stdout
+    wrong = webhooks(width, "providers", "show", "Stripe")
+    assert wrong.returncode == 1
+    assert "did you mean 'stripe'" in wrong.stderr
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_sources_list_shows_ids_and_url_paths_whole(
+    width: int, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    source = make_source(
+        sessions, settings, provider="stripe", name=f"a-rather-long-source-name-{uuid.uuid4().hex}"
+    )
+    listed = webhooks(width, "sources", "list")
+    assert listed.returncode == 0, listed.stderr
+    _fits(listed.stdout, width)
+    assert source.public_id in listed.stdout
+    assert "--json" in listed.stdout
+    assert "--wide" in listed.stdout
+    wide = webhooks(max(width, 120), "sources", "list", "--wide")
+    assert f"/webhooks/{source.public_id}" in wide.stdout
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_replays_list_headers_are_whole(width: int) -> None:
+    listed = webhooks(width, "replays", "list")
+    assert listed.returncode == 0, listed.stderr
+    _fits(listed.stdout, width)
+    if "no replays" not in listed.stdout:
+        for header in ("started (UTC)", "operator", "status"):
+            assert header in listed.stdout
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_demo_table_keeps_event_ids_and_types_whole(width: int) -> None:
+    from webhooks.cli.operators import _states_table
+
+    states = [
+        queries.DeliveryState(
+            f"evt_demo_0123abcd_{n}",
+            "payment.captured.with.a.long.type",
+            1000 + n,
+            "flaky",
+            "succeeded",
+            1,
+            0,
+        )
+        for n in range(3)
+    ]
+    console = Console(width=width, record=True, force_terminal=False)
+    console.print(_states_table(states, "deliveries"))
+    out = console.export_text()
+    for st in states:
+        assert st.event_id in out
+        assert st.event_type in out
+        assert str(st.delivery_id) in out
