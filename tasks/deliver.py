@@ -526,7 +526,8 @@ def _attempt(
             clock=rt.clock,
             io_timeout=rt.settings.handler_io_timeout,
         )
-        with time_limits(rt.settings.soft_time_limit, rt.settings.hard_time_limit):
+        held = transitions.Held(found.id, found.expires_at, found.attempt)
+        with time_limits(rt.settings.soft_time_limit, rt.settings.hard_time_limit, held):
             handler(loaded.event, ctx)
         session.flush()
         done_at = _now(rt, found, started)
@@ -763,6 +764,7 @@ def celery_state(report: Report) -> str:
         "skipped": "skipped: done, dead, not due yet or owned by a live lease",
         "held": "held: its route is paused or its circuit breaker is open (not an attempt)",
         "missing": "missing: no such delivery",
+        "isolated": "isolated: its worker died holding it; published again alone",
     }.get(report.outcome, report.outcome)
 
 
