@@ -688,6 +688,52 @@ def rerun(
     return row is not None
 
 
+# An operator's replay of many deliveries at once (models.replays): per row, the guarded move
+# of :func:`replay` (dead) or :func:`rerun` (succeeded), as the plan saw it, only while its
+# receipt still holds the payload (the receipt shares the delivery's expires_at).
+_REPLAY_MANY_SQL = """
+    WITH want AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:statuses AS text[])) AS w(id, status)
+        ORDER BY id
+    ), moved AS (
+        UPDATE deliveries d SET status = 'pending', attempt_base = d.attempts, redeliveries = 0,
+            generation = d.generation + CASE WHEN d.status = 'succeeded' THEN 1 ELSE 0 END,
+            succeeded_at = NULL, dead_reason = NULL, dead_at = NULL, first_attempt_at = NULL,
+            next_attempt_at = :now + :grace, updated_at = :now
+        FROM want
+        WHERE d.id = want.id AND d.status = want.status
+          AND want.status IN ('dead', 'succeeded')
+          AND EXISTS (SELECT 1 FROM receipts r WHERE r.id = d.receipt_id
+                        AND r.expires_at = d.expires_at AND r.payload IS NOT NULL)
+        RETURNING d.id
+    )
+    SELECT id FROM moved
+    """
+
+
+def replay_many(
+    session: Session,
+    wanted: list[tuple[int, str]],
+    *,
+    now: datetime | None,
+    publish_grace: timedelta,
+) -> set[int]:
+    """:func:`replay` (``dead``) and :func:`rerun` (``succeeded``) for many (delivery id, status
+    the plan saw) pairs in one statement, each row guarded on its own; a row whose payload
+    retention dropped is not moved. Returns the ids that moved (the others: the caller asks
+    why)."""
+    rows = session.execute(
+        _sql(_REPLAY_MANY_SQL),
+        {
+            "ids": [i for i, _ in wanted],
+            "statuses": [status for _, status in wanted],
+            "now": now,
+            "grace": publish_grace,
+        },
+    ).all()
+    return {int(r[0]) for r in rows}
+
+
 def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) -> list[int]:
     """dead -> discarded (an operator's audited decision): no longer a dead letter, so
     retention no longer holds it. Returns the ids that were dead (others are left alone)."""

@@ -67,6 +67,7 @@ from tasks.deliver import (
     _crash_looped,
     _Done,
     _fail_done,
+    _held,
     _leaf_for,
     _lost,
     _not_claimed,
@@ -79,7 +80,7 @@ from tasks.deliver import (
 )
 from tasks.durable import CONNECTION_ERRORS, Unrecorded, discard_pooled, on_connection, record
 from tasks.durable import autocommit as _autocommit
-from tasks.pools import is_green
+from tasks.pools import in_flight, is_green
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.logs import get_logger
@@ -126,6 +127,18 @@ def run_batch(
             log.warning("delivery.stale_connection", delivery_ids=ids)
             continue
         break
+    with in_flight([_held(c.found) for c in claimed]):
+        return _run_claimed(rt, ids, claimed, reports, publish_retry)
+
+
+def _run_claimed(
+    rt: Runtime,
+    ids: list[int],
+    claimed: list[_Claimed],
+    reports: dict[int, Report],
+    publish_retry: PublishRetry,
+) -> list[Report]:
+    """Steps 3 to 5: the claimed deliveries' handlers, their outcomes recorded."""
     errors: list[BaseException] = []
     jobs = [_handler_job(rt, c, publish_retry) for c in claimed]
     for wave in in_waves(rt, jobs, FINISH_WINDOW):

@@ -38,9 +38,10 @@ Celery's limits on such a message are a backstop at twice the hard limit
 A small blast radius: killing the process re-runs every delivery it had in flight (up to
 every slot's message), and each such redelivery counts as a crash (``max_redeliveries``).
 So before either watchdog kills, it names what it kills for: :func:`set_crash_reporter`'s
-function gets the stuck deliveries (the threads past 1.5 x the hard limit; under gevent, the
-handler whose greenlet holds the blocked loop) and every other delivery whose handler this
-process is running (each :func:`time_limits` names its delivery), and marks them in Postgres
+function gets the stuck deliveries (each :func:`time_limits` names its delivery: the threads
+past 1.5 x the hard limit; under gevent, the handler whose greenlet holds the blocked loop)
+and every other delivery this process holds (:func:`in_flight`, from claim to report), and
+marks them in Postgres
 (:mod:`tasks.crashes`: one short statement, bounded, best effort), so the next claim counts
 the crash against the suspects only. A watchdog that finds no suspect (the loop blocked
 outside any handler) names nobody: every redelivery counts, as after a kill -9 from outside.
@@ -76,6 +77,23 @@ CrashReporter = Callable[[list[Held], list[Held]], None]
 
 class _Crashes:
     reporter: CrashReporter | None = None
+    # Every delivery attempt this process holds, from its claim to its report (run_delivery,
+    # run_batch): whatever a kill takes with it. Plain dict operations (atomic under the
+    # GIL): the gevent watchdog reads it from a native thread while the loop is blocked.
+    in_flight: dict[tuple[int, int], Held] = {}  # noqa: RUF012 (process-wide by design)
+
+
+@contextmanager
+def in_flight(held: Sequence[Held]) -> Iterator[None]:
+    """While the deliveries ``held`` (claimed by this task) are in this process: a watchdog
+    that kills it names them bystanders unless they are the stuck ones."""
+    for h in held:
+        _Crashes.in_flight[(h.id, h.attempt)] = h
+    try:
+        yield
+    finally:
+        for h in held:
+            _Crashes.in_flight.pop((h.id, h.attempt), None)
 
 
 def set_crash_reporter(reporter: CrashReporter | None) -> None:
@@ -83,9 +101,19 @@ def set_crash_reporter(reporter: CrashReporter | None) -> None:
     _Crashes.reporter = reporter
 
 
-def _report_then_kill(suspects: list[Held], bystanders: list[Held]) -> None:
-    """Name the stuck deliveries and their bystanders (only when some delivery is the
-    suspect: otherwise every redelivery keeps counting), then SIGKILL this process."""
+def _report_then_kill(event: str, suspects: list[Held], **fields: Any) -> None:
+    """Log ``event``, name the stuck deliveries and their bystanders (every other delivery
+    this process holds; only when some delivery is the suspect: otherwise every redelivery
+    keeps counting), then SIGKILL this process."""
+    bystanders = [h for h in list(_Crashes.in_flight.values()) if h not in suspects]
+    # Logged from a watchdog thread; the line carries ids, no payload.
+    log.error(
+        event,
+        kill=True,
+        suspects=[h.id for h in suspects],
+        bystanders=len(bystanders),
+        **fields,
+    )
     reporter = _Crashes.reporter
     if reporter is not None and suspects:
         try:
@@ -217,25 +245,12 @@ class _ThreadLimits:
             now = time.monotonic()
             with cls.lock:
                 stuck = [d for d in cls.running.values() if now >= d.kill]
-                if stuck:
-                    suspects = [d.held for d in stuck if d.held is not None]
-                    bystanders = [
-                        d.held
-                        for d in cls.running.values()
-                        if d.held is not None and all(d is not s for s in stuck)
-                    ]
-                else:
+                if not stuck:
                     cls._signal(now)
             if stuck:
                 # Outside the lock: handlers may still finish while the marks are written.
-                log.error(
-                    "worker.handler_stuck",
-                    past_hard_limit=True,
-                    kill=True,
-                    suspects=[h.id for h in suspects],
-                    bystanders=len(bystanders),
-                )
-                _report_then_kill(suspects, bystanders)
+                suspects = [d.held for d in stuck if d.held is not None]
+                _report_then_kill("worker.handler_stuck", suspects, past_hard_limit=True)
 
     @classmethod
     def _signal(cls, now: float) -> None:
@@ -287,16 +302,15 @@ def time_limits(soft: float, hard: float, held: Held | None = None) -> Iterator[
         _ThreadLimits.leave(ident)
 
 
-def _blocking_greenlets() -> tuple[list[Held], list[Held]]:
-    """From the watchdog's native thread while the event loop is blocked: the handler whose
-    greenlet is the one running (the only started greenlet without a saved frame: it is on
-    the thread's stack), and the others, suspended mid-handler."""
-    suspects: list[Held] = []
-    bystanders: list[Held] = []
-    for greenlet, held in list(_Green.running.items()):
-        running = greenlet.gr_frame is None and not greenlet.dead
-        (suspects if running else bystanders).append(held)
-    return suspects, bystanders
+def _blocking_greenlets() -> list[Held]:
+    """From the watchdog's native thread while the event loop is blocked: the delivery whose
+    handler's greenlet is the one running (a started greenlet without a saved frame: its
+    frames are on the thread's stack); the others are suspended."""
+    return [
+        held
+        for greenlet, held in list(_Green.running.items())
+        if greenlet.gr_frame is None and not greenlet.dead
+    ]
 
 
 class _Beat:
@@ -329,16 +343,9 @@ def start_watchdog(hard_limit: float) -> bool:
             real_sleep(WATCHDOG_TICK)
             blocked = time.monotonic() - _Beat.last
             if blocked > hard_limit:
-                suspects, bystanders = _blocking_greenlets()
-                # Logged from a native thread; the line carries no payload.
-                log.error(
-                    "worker.event_loop_blocked",
-                    blocked_s=round(blocked, 1),
-                    kill=True,
-                    suspects=[h.id for h in suspects],
-                    bystanders=len(bystanders),
+                _report_then_kill(
+                    "worker.event_loop_blocked", _blocking_greenlets(), blocked_s=round(blocked, 1)
                 )
-                _report_then_kill(suspects, bystanders)
 
     _tick()
     gevent.spawn(beat)
