@@ -23,6 +23,7 @@ and the other records a skip.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -198,16 +199,18 @@ def pace_chunk(window: Window, now: float, rate: float, want: int) -> tuple[floa
     one: below 1/s, one per ``1 / rate``). Record each chunk with :func:`moved`."""
     n = want
     first = now if window.last is None else max(now, window.last + 1.0 / rate)
+    gone = -math.inf  # chunks at or before this are out of the window (float-safe)
     while True:
         at = first + (n - 1) / rate
-        recent = [(t, k) for t, k in window.moved if t > at - 1.0]
+        recent = [(t, k) for t, k in window.moved if t > max(at - 1.0, gone)]
         room = max(1, int(rate)) - sum(k for _, k in recent)
         if room >= n:
             return at - now, n
         if room > 0:
             n = room
-        else:
-            first = recent[0][0] + 1.0
+        else:  # wait until the oldest chunk in the window leaves it
+            gone = recent[0][0]
+            first = max(first, gone + 1.0)
 
 
 def moved(window: Window, at: float, n: int) -> None:
