@@ -689,25 +689,20 @@ def rerun(
 
 
 # An operator's replay of many deliveries at once (models.replays): per row, the guarded move
-# of :func:`replay` (dead) or :func:`rerun` (succeeded), as the plan saw it, only while its
-# receipt still holds the payload (the receipt shares the delivery's expires_at).
+# of :func:`replay` (from dead) or :func:`rerun` (from succeeded: generation + 1), only while
+# its receipt still holds the payload (the receipt shares the delivery's expires_at). The ids
+# as one array: one index scan per partition, where a join with the list probed every
+# partition once per id; the payload check as a scalar subquery, looked up per row by the
+# receipt's key, where an EXISTS was planned as a hash join over every receipt.
 _REPLAY_MANY_SQL = """
-    WITH want AS (
-        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:statuses AS text[])) AS w(id, status)
-        ORDER BY id
-    ), moved AS (
-        UPDATE deliveries d SET status = 'pending', attempt_base = d.attempts, redeliveries = 0,
-            generation = d.generation + CASE WHEN d.status = 'succeeded' THEN 1 ELSE 0 END,
-            succeeded_at = NULL, dead_reason = NULL, dead_at = NULL, first_attempt_at = NULL,
-            next_attempt_at = :now + :grace, updated_at = :now
-        FROM want
-        WHERE d.id = want.id AND d.status = want.status
-          AND want.status IN ('dead', 'succeeded')
-          AND EXISTS (SELECT 1 FROM receipts r WHERE r.id = d.receipt_id
-                        AND r.expires_at = d.expires_at AND r.payload IS NOT NULL)
-        RETURNING d.id
-    )
-    SELECT id FROM moved
+    UPDATE deliveries d SET status = 'pending', attempt_base = d.attempts, redeliveries = 0,
+        generation = d.generation + :bump, succeeded_at = NULL, dead_reason = NULL,
+        dead_at = NULL, first_attempt_at = NULL, next_attempt_at = :now + :grace,
+        updated_at = :now
+    WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.status = :status
+      AND (SELECT r.payload IS NOT NULL FROM receipts r
+           WHERE r.id = d.receipt_id AND r.expires_at = d.expires_at)
+    RETURNING d.id
     """
 
 
@@ -719,19 +714,27 @@ def replay_many(
     publish_grace: timedelta,
 ) -> set[int]:
     """:func:`replay` (``dead``) and :func:`rerun` (``succeeded``) for many (delivery id, status
-    the plan saw) pairs in one statement, each row guarded on its own; a row whose payload
-    retention dropped is not moved. Returns the ids that moved (the others: the caller asks
-    why)."""
-    rows = session.execute(
-        _sql(_REPLAY_MANY_SQL),
-        {
-            "ids": [i for i, _ in wanted],
-            "statuses": [status for _, status in wanted],
-            "now": now,
-            "grace": publish_grace,
-        },
-    ).all()
-    return {int(r[0]) for r in rows}
+    the plan saw) pairs, one statement per status, each row guarded on its own; a row whose
+    payload retention dropped is not moved. Returns the ids that moved (the others: the
+    caller asks why). Run it in a transaction of its own: it turns JIT compilation off there
+    (planning a statement over every partition, Postgres would spend seconds compiling it)."""
+    session.execute(text("SET LOCAL jit = off"))
+    moved: set[int] = set()
+    for status, bump in (("dead", 0), ("succeeded", 1)):
+        ids = [i for i, seen in wanted if seen == status]
+        if ids:
+            rows = session.execute(
+                _sql(_REPLAY_MANY_SQL),
+                {
+                    "ids": ids,
+                    "status": status,
+                    "bump": bump,
+                    "now": now,
+                    "grace": publish_grace,
+                },
+            ).all()
+            moved |= {int(r[0]) for r in rows}
+    return moved
 
 
 def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) -> list[int]:

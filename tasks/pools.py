@@ -41,10 +41,10 @@ So before either watchdog kills, it names what it kills for: :func:`set_crash_re
 function gets the stuck deliveries (each :func:`time_limits` names its delivery: the threads
 past 1.5 x the hard limit; under gevent, the handler whose greenlet holds the blocked loop)
 and every other delivery this process holds (:func:`in_flight`, from claim to report), and
-marks them in Postgres
-(:mod:`tasks.crashes`: one short statement, bounded, best effort), so the next claim counts
-the crash against the suspects only. A watchdog that finds no suspect (the loop blocked
-outside any handler) names nobody: every redelivery counts, as after a kill -9 from outside.
+marks them in Postgres (:mod:`tasks.crashes`: one short statement, bounded, best effort), so
+the next claim counts the crash against the suspects only. A watchdog that finds no suspect
+(the loop blocked outside any handler) names nobody: every redelivery counts, as after a
+kill -9 from outside.
 """
 
 from __future__ import annotations
