@@ -179,6 +179,7 @@ class Delivery(Base):
         PrimaryKeyConstraint("id", "expires_at"),
         UniqueConstraint("receipt_id", "route_id", "expires_at"),
         CheckConstraint(_in("status", DELIVERY_STATES), name="status"),
+        CheckConstraint("crash_mark IN ('suspect', 'bystander')", name="crash_mark"),
         Index(
             "ix_deliveries_due",
             "next_attempt_at",
@@ -210,6 +211,10 @@ class Delivery(Base):
     # Times the sweeper re-published it since it was last claimed: a pending row re-published
     # twice is claimed through Postgres whatever its fast-claim key says (tasks.claims).
     republished: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Set by a worker's watchdog as it kills its own process over one stuck handler
+    # (tasks.pools): "suspect" on that delivery, "bystander" on the others it was running.
+    # The next claim counts a crash unless "bystander", and clears it.
+    crash_mark: Mapped[str | None] = mapped_column(Text)
     lease_until: Mapped[datetime | None] = mapped_column()
     # pending: when the sweeper may re-publish; retrying: when the retry is due;
     # processing: equal to lease_until; NULL once finished (succeeded, dead, discarded).

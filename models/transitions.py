@@ -106,30 +106,27 @@ class Claim:
 
 # The claim's assignments, shared by the one-delivery and the several-deliveries statements:
 # pending | retrying | processing (lease expired) -> processing, attempts + 1, or dead on one
-# crash too many (``status`` and ``redeliveries`` are the row's values before the update).
+# crash too many (``status``, ``redeliveries`` and ``crash_mark`` are the row's values before
+# the update).
 _CLAIM_SET = """\
-            redeliveries = redeliveries + CASE WHEN status = 'processing' THEN 1 ELSE 0 END,
-            status = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries THEN 'dead'
-                ELSE 'processing' END,
-            dead_reason = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN 'crashed' ELSE dead_reason END,
-            dead_at = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN :now ELSE dead_at END,
-            attempts = attempts + CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN 0 ELSE 1 END,
-            lease_until = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN NULL ELSE :now + :lease END,
-            next_attempt_at = CASE
-                WHEN status = 'processing' AND redeliveries + 1 >= :max_redeliveries
-                THEN NULL ELSE :now + :lease END,
+            redeliveries = redeliveries + CASE WHEN {crashed} THEN 1 ELSE 0 END,
+            status = CASE WHEN {crash_loop} THEN 'dead' ELSE 'processing' END,
+            dead_reason = CASE WHEN {crash_loop} THEN 'crashed' ELSE dead_reason END,
+            dead_at = CASE WHEN {crash_loop} THEN :now ELSE dead_at END,
+            attempts = attempts + CASE WHEN {crash_loop} THEN 0 ELSE 1 END,
+            lease_until = CASE WHEN {crash_loop} THEN NULL ELSE :now + :lease END,
+            next_attempt_at = CASE WHEN {crash_loop} THEN NULL ELSE :now + :lease END,
             first_attempt_at = coalesce(first_attempt_at, :now),
             republished = 0,
-            updated_at = :now"""
+            crash_mark = NULL,
+            updated_at = :now""".format(
+    # The previous holder died with the lease: a crash counted against this delivery unless
+    # its worker's watchdog named it a bystander of another's stuck handler (tasks.pools):
+    # a suspect, or a death that named nobody (a kill -9 from outside), counts.
+    crashed="status = 'processing' AND crash_mark IS DISTINCT FROM 'bystander'",
+    crash_loop="status = 'processing' AND crash_mark IS DISTINCT FROM 'bystander'"
+    " AND redeliveries + 1 >= :max_redeliveries",
+)
 
 # The route's gate (models/breaker.py): a delivery is held, not claimed, while its route is
 # paused or its breaker is open, or half-open and this is not the probe. One primary-key
@@ -376,6 +373,43 @@ _CLAIM_MANY_SQL = """
 {claimed_event}    LEFT JOIN {receipts} r ON r.id = c.receipt_id AND r.expires_at = c.expires_at
     ORDER BY c.id
     """
+
+
+# A worker's watchdog names the deliveries it is about to kill for (tasks.pools): each one's
+# attempt in flight, marked only while that attempt still holds it (a handler that finished
+# meanwhile, or a lease already taken over, is left alone).
+_MARK_CRASH_SQL = """
+    UPDATE deliveries d SET crash_mark = CASE WHEN w.suspect THEN 'suspect' ELSE 'bystander' END
+    FROM unnest(%(ids)s::bigint[], %(expiries)s::timestamptz[], %(attempts)s::integer[],
+                %(suspects)s::boolean[]) AS w(id, expires_at, attempt, suspect)
+    WHERE d.id = w.id AND d.expires_at = w.expires_at AND d.status = 'processing'
+      AND d.attempts = w.attempt
+"""
+
+
+class Held(NamedTuple):
+    """A delivery attempt in flight: its row and fencing token."""
+
+    id: int
+    expires_at: datetime
+    attempt: int
+
+
+def mark_crash(conn: psycopg.Connection[Any], suspects: list[Held], bystanders: list[Held]) -> int:
+    """Mark the attempts a dying worker held: ``suspect`` (a stuck handler it dies for) or
+    ``bystander``. The next claim counts a redelivery against suspects (and unmarked rows)
+    only. One statement; returns the rows marked."""
+    marked = [(h, True) for h in suspects] + [(h, False) for h in bystanders]
+    cur = conn.execute(
+        _MARK_CRASH_SQL,
+        {
+            "ids": [h.id for h, _ in marked],
+            "expiries": [h.expires_at for h, _ in marked],
+            "attempts": [h.attempt for h, _ in marked],
+            "suspects": [s for _, s in marked],
+        },
+    )
+    return cur.rowcount
 
 
 class Wanted(NamedTuple):
@@ -652,6 +686,55 @@ def rerun(
         {"id": delivery_id, "now": now, "grace": publish_grace},
     ).one_or_none()
     return row is not None
+
+
+# An operator's replay of many deliveries at once (models.replays): per row, the guarded move
+# of :func:`replay` (from dead) or :func:`rerun` (from succeeded: generation + 1), only while
+# its receipt still holds the payload (the receipt shares the delivery's expires_at). The ids
+# as one array: one index scan per partition, where a join with the list probed every
+# partition once per id; the payload check as a scalar subquery, looked up per row by the
+# receipt's key, where an EXISTS was planned as a hash join over every receipt.
+_REPLAY_MANY_SQL = """
+    UPDATE deliveries d SET status = 'pending', attempt_base = d.attempts, redeliveries = 0,
+        generation = d.generation + :bump, succeeded_at = NULL, dead_reason = NULL,
+        dead_at = NULL, first_attempt_at = NULL, next_attempt_at = :now + :grace,
+        updated_at = :now
+    WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.status = :status
+      AND (SELECT r.payload IS NOT NULL FROM receipts r
+           WHERE r.id = d.receipt_id AND r.expires_at = d.expires_at)
+    RETURNING d.id
+    """
+
+
+def replay_many(
+    session: Session,
+    wanted: list[tuple[int, str]],
+    *,
+    now: datetime | None,
+    publish_grace: timedelta,
+) -> set[int]:
+    """:func:`replay` (``dead``) and :func:`rerun` (``succeeded``) for many (delivery id, status
+    the plan saw) pairs, one statement per status, each row guarded on its own; a row whose
+    payload retention dropped is not moved. Returns the ids that moved (the others: the
+    caller asks why). Run it in a transaction of its own: it turns JIT compilation off there
+    (planning a statement over every partition, Postgres would spend seconds compiling it)."""
+    session.execute(text("SET LOCAL jit = off"))
+    moved: set[int] = set()
+    for status, bump in (("dead", 0), ("succeeded", 1)):
+        ids = [i for i, seen in wanted if seen == status]
+        if ids:
+            rows = session.execute(
+                _sql(_REPLAY_MANY_SQL),
+                {
+                    "ids": ids,
+                    "status": status,
+                    "bump": bump,
+                    "now": now,
+                    "grace": publish_grace,
+                },
+            ).all()
+            moved |= {int(r[0]) for r in rows}
+    return moved
 
 
 def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) -> list[int]:

@@ -66,6 +66,7 @@ def get_app() -> Celery:
         worker_process_init.connect(_after_fork, weak=False)
         worker_process_shutdown.connect(_close_runtime, weak=False)
         worker_ready.connect(_start_watchdog, weak=False)
+        _name_crashes(settings)
         app.set_current()
         _app = app
     return _app
@@ -79,6 +80,19 @@ def _check_pool(settings: Settings) -> None:
 
     if is_worker_command(sys.argv):
         check_pool(settings.worker_pool, sys.argv)
+
+
+def _name_crashes(settings: Settings) -> None:
+    """A watchdog about to kill this process marks what it dies for (tasks.crashes); set
+    before the pool forks, so prefork children inherit it."""
+    from models.transitions import Held  # noqa: PLC0415
+    from tasks.crashes import report  # noqa: PLC0415
+    from tasks.pools import set_crash_reporter  # noqa: PLC0415
+
+    def name(suspects: list[Held], bystanders: list[Held]) -> None:
+        report(settings, suspects, bystanders)
+
+    set_crash_reporter(name)
 
 
 def get_runtime() -> Runtime:

@@ -25,12 +25,16 @@ once per message instead of once per delivery (bench/results_forward.txt):
 
 Every guarantee of :mod:`tasks.deliver` holds per delivery: each claim and each success is
 guarded by that delivery's status, attempt and generation, so a batch is only a way of
-sending several guarded statements in one round trip. A worker killed mid-batch is a crash
-for each delivery it held (lease, sweeper, ``max_redeliveries``); the successes it had
-committed stay committed and their redelivered copies are skipped. A handler that kills its
-worker costs each batch-mate one redelivery, not a crash loop: a requeued copy of the batch
-finds their leases live and claims nothing, and the sweeper republishes lease-expired
-deliveries one per message, so each then runs alone.
+sending several guarded statements in one round trip. A worker killed mid-batch loses the
+leases it held (lease, sweeper); the successes it had committed stay committed and their
+redelivered copies are skipped. Whether the redelivery counts as a crash
+(``max_redeliveries``) depends on who was to blame: a worker killed by its own watchdog over
+a stuck handler marks that delivery the suspect and the others it ran bystanders
+(:mod:`tasks.crashes`), and only the suspect's crash counts; a kill -9 from outside names
+nobody and each counts. Either way the batch does not run together again: the sweeper
+republishes lease-expired deliveries one per message, and a requeued copy of the batch
+publishes each lease-expired delivery it carries alone instead of claiming it
+(:func:`_isolate`), so a handler that kills its worker next time kills it alone.
 
 Time limits: a batch message carries Celery limits of twice the hard limit
 (:func:`tasks.config.batch_time_limits`), a backstop above the per-handler limits, which end
@@ -54,6 +58,7 @@ from sqlalchemy import Connection
 from models import transitions
 from models.transitions import Wanted
 from tasks.claims import FastClaim
+from tasks.config import Dispatch
 from tasks.deliver import (
     PublishRetry,
     Report,
@@ -62,6 +67,7 @@ from tasks.deliver import (
     _crash_looped,
     _Done,
     _fail_done,
+    _held,
     _leaf_for,
     _lost,
     _not_claimed,
@@ -74,7 +80,7 @@ from tasks.deliver import (
 )
 from tasks.durable import CONNECTION_ERRORS, Unrecorded, discard_pooled, on_connection, record
 from tasks.durable import autocommit as _autocommit
-from tasks.pools import is_green
+from tasks.pools import in_flight, is_green
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.logs import get_logger
@@ -89,13 +95,15 @@ T = TypeVar("T")
 # batch-mates' successes until its own time limit.
 FINISH_WINDOW = 0.25
 
-# Every delivery's generation, partition key and overdue flag (see tasks.deliver._PROBE).
+# Every delivery's generation, partition key and overdue flag (see tasks.deliver._PROBE), and
+# whether its previous holder died with the lease (it crashed: see _claim_all).
 _PROBE_MANY = """
     SELECT d.id, d.generation, d.expires_at,
            d.status IN ('pending', 'retrying', 'processing')
            AND (CASE d.status WHEN 'processing' THEN d.lease_until
                               ELSE d.next_attempt_at END <= t.now
-                OR d.status = 'pending' AND d.republished >= 2)
+                OR d.status = 'pending' AND d.republished >= 2),
+           d.status = 'processing' AND d.lease_until <= t.now
     FROM deliveries d, (SELECT coalesce(%(now)s::timestamptz, now()) AS now) t
     WHERE d.id = ANY(%(ids)s::bigint[])
 """
@@ -113,12 +121,24 @@ def run_batch(
             with rt.engine.connect() as conn:
                 raw = conn.connection.driver_connection
                 assert raw is not None
-                claimed = _claim_all(rt, conn, raw, ids, fresh, reports)
+                claimed = _claim_all(rt, conn, raw, ids, fresh, reports, publish_retry)
         except _StaleConnection:
             discard_pooled(rt.engine)
             log.warning("delivery.stale_connection", delivery_ids=ids)
             continue
         break
+    with in_flight([_held(c.found) for c in claimed]):
+        return _run_claimed(rt, ids, claimed, reports, publish_retry)
+
+
+def _run_claimed(
+    rt: Runtime,
+    ids: list[int],
+    claimed: list[_Claimed],
+    reports: dict[int, Report],
+    publish_retry: PublishRetry,
+) -> list[Report]:
+    """Steps 3 to 5: the claimed deliveries' handlers, their outcomes recorded."""
     errors: list[BaseException] = []
     jobs = [_handler_job(rt, c, publish_retry) for c in claimed]
     for wave in in_waves(rt, jobs, FINISH_WINDOW):
@@ -157,6 +177,7 @@ def _claim_all(
     ids: list[int],
     fresh: bool,
     reports: dict[int, Report],
+    publish_retry: PublishRetry,
 ) -> list[_Claimed]:
     """Steps 0-2: the deliveries this task now owns; a report for each of the others."""
     try:
@@ -168,10 +189,13 @@ def _claim_all(
         conn.invalidate()
         raise _StaleConnection from None
     found = {int(r[0]): (int(r[1]), r[2], bool(r[3])) for r in rows}
+    crashed = {int(r[0]) for r in rows if r[4]} if len(ids) > 1 else set()
     for delivery_id in ids:
         if delivery_id not in found:
             reports[delivery_id] = _quiet(delivery_id, "missing")
-    present = [i for i in ids if i in found]
+        elif delivery_id in crashed:
+            reports[delivery_id] = _isolate(delivery_id, publish_retry)
+    present = [i for i in ids if i in found and i not in crashed]
     fast = rt.claims.acquire_many([(i, found[i][0]) for i in present])
     by_leaf: dict[str | None, list[tuple[Wanted, FastClaim]]] = defaultdict(list)
     for delivery_id, claim in zip(present, fast, strict=True):
@@ -201,6 +225,24 @@ def _claim_all(
             for wanted, _ in group:
                 reports[wanted.id] = _quiet(wanted.id, "unclaimed")
     return out
+
+
+def _isolate(delivery_id: int, publish_retry: PublishRetry) -> Report:
+    """A delivery of this message whose previous holder died with the lease: a copy of a
+    batch whose worker was killed (by its watchdog, over one stuck handler, or by a kill -9
+    from outside that named nobody). Not claimed with its batch-mates again: published alone
+    (one id per message, as the sweeper does), so that a handler that kills its worker next
+    time takes no batch-mate with it. If the publish fails, the sweeper's pick publishes it
+    alone all the same."""
+    try:
+        publish_retry(Dispatch(delivery_id), 0.0)
+    except Exception as exc:  # noqa: BLE001 (the sweeper republishes lease-expired rows)
+        log.warning(
+            "delivery.isolate_publish_failed",
+            delivery_id=delivery_id,
+            error_class=type(exc).__name__,
+        )
+    return _quiet(delivery_id, "isolated")
 
 
 def _claim_group(

@@ -98,7 +98,7 @@ from sqlalchemy.orm import Session
 from models import transitions
 from models.breaker import held
 from models.partitions import leaf_suffix
-from models.transitions import Claim, ClaimedEvent, IllegalTransition
+from models.transitions import Claim, ClaimedEvent, Held, IllegalTransition
 from tasks import breaker, get_runtime
 from tasks.claims import FastClaim
 from tasks.config import DELIVER_TASK, Dispatch
@@ -107,7 +107,7 @@ from tasks.durable import Unrecorded, discard_pooled, on_connection, record
 from tasks.durable import autocommit as _autocommit
 from tasks.errors import DownstreamError, HandlerError, PermanentError, RetryableError
 from tasks.policy import DEAD_CRASHED, RetryPolicy, decide
-from tasks.pools import is_hard_timeout, time_limits
+from tasks.pools import in_flight, is_hard_timeout, time_limits
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.crypto import SecretDecryptError
@@ -279,7 +279,7 @@ def run_delivery(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) 
         if isinstance(claimed, Report):
             return claimed
         # The handler's session takes a connection only if the handler uses it.
-        with rt.sessions() as session:
+        with in_flight([_held(claimed.found)]), rt.sessions() as session:
             return _run(rt, session, claimed, publish_retry)
     raise AssertionError("unreachable: a fresh connection raises instead")  # pragma: no cover
 
@@ -338,6 +338,11 @@ def _claim(
     if found.crashed_too_often:
         return _crash_looped(rt, found, row, fast)
     return _Claimed(found, row, fast, leaf, started)
+
+
+def _held(found: Claim) -> Held:
+    """What a watchdog names if it kills this process while ``found`` is in flight."""
+    return Held(found.id, found.expires_at, found.attempt)
 
 
 def _not_claimed(raw: psycopg.Connection[Any], ids: list[int]) -> dict[int, str]:
@@ -526,7 +531,7 @@ def _attempt(
             clock=rt.clock,
             io_timeout=rt.settings.handler_io_timeout,
         )
-        with time_limits(rt.settings.soft_time_limit, rt.settings.hard_time_limit):
+        with time_limits(rt.settings.soft_time_limit, rt.settings.hard_time_limit, _held(found)):
             handler(loaded.event, ctx)
         session.flush()
         done_at = _now(rt, found, started)
@@ -763,6 +768,7 @@ def celery_state(report: Report) -> str:
         "skipped": "skipped: done, dead, not due yet or owned by a live lease",
         "held": "held: its route is paused or its circuit breaker is open (not an attempt)",
         "missing": "missing: no such delivery",
+        "isolated": "isolated: its worker died holding it; published again alone",
     }.get(report.outcome, report.outcome)
 
 

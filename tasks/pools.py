@@ -34,6 +34,17 @@ its own (a greenlet under gevent), under every pool, prefork included: each hand
 soft and hard limits above and a stuck one fails its own delivery, not its batch-mates.
 Celery's limits on such a message are a backstop at twice the hard limit
 (:func:`tasks.config.batch_time_limits`), under the processing TTL (4 x hard).
+
+A small blast radius: killing the process re-runs every delivery it had in flight (up to
+every slot's message), and each such redelivery counts as a crash (``max_redeliveries``).
+So before either watchdog kills, it names what it kills for: :func:`set_crash_reporter`'s
+function gets the stuck deliveries (each :func:`time_limits` names its delivery: the threads
+past 1.5 x the hard limit; under gevent, the handler whose greenlet holds the blocked loop)
+and every other delivery this process holds (:func:`in_flight`, from claim to report), and
+marks them in Postgres (:mod:`tasks.crashes`: one short statement, bounded, best effort), so
+the next claim counts the crash against the suspects only. A watchdog that finds no suspect
+(the loop blocked outside any handler) names nobody: every redelivery counts, as after a
+kill -9 from outside.
 """
 
 from __future__ import annotations
@@ -44,18 +55,72 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
+from models.transitions import Held
 from webhooks.logs import get_logger
 
 log = get_logger(__name__)
 
 # How often the watchdog looks, and how often the event loop proves it runs.
 WATCHDOG_TICK = 0.5
+
+
+# Called by a watchdog just before it kills this process: (suspects, bystanders). Set once per
+# worker (tasks.get_app); must not raise and must return within a few seconds.
+CrashReporter = Callable[[list[Held], list[Held]], None]
+
+
+class _Crashes:
+    reporter: CrashReporter | None = None
+    # Every delivery attempt this process holds, from its claim to its report (run_delivery,
+    # run_batch): whatever a kill takes with it. Plain dict operations (atomic under the
+    # GIL): the gevent watchdog reads it from a native thread while the loop is blocked.
+    in_flight: dict[tuple[int, int], Held] = {}  # noqa: RUF012 (process-wide by design)
+
+
+@contextmanager
+def in_flight(held: Sequence[Held]) -> Iterator[None]:
+    """While the deliveries ``held`` (claimed by this task) are in this process: a watchdog
+    that kills it names them bystanders unless they are the stuck ones."""
+    for h in held:
+        _Crashes.in_flight[(h.id, h.attempt)] = h
+    try:
+        yield
+    finally:
+        for h in held:
+            _Crashes.in_flight.pop((h.id, h.attempt), None)
+
+
+def set_crash_reporter(reporter: CrashReporter | None) -> None:
+    """What a watchdog calls to name the deliveries it kills for (see the module's docstring)."""
+    _Crashes.reporter = reporter
+
+
+def _report_then_kill(event: str, suspects: list[Held], **fields: Any) -> None:
+    """Log ``event``, name the stuck deliveries and their bystanders (every other delivery
+    this process holds; only when some delivery is the suspect: otherwise every redelivery
+    keeps counting), then SIGKILL this process."""
+    bystanders = [h for h in list(_Crashes.in_flight.values()) if h not in suspects]
+    # Logged from a watchdog thread; the line carries ids, no payload.
+    log.error(
+        event,
+        kill=True,
+        suspects=[h.id for h in suspects],
+        bystanders=len(bystanders),
+        **fields,
+    )
+    reporter = _Crashes.reporter
+    if reporter is not None and suspects:
+        try:
+            reporter(suspects, bystanders)
+        except BaseException as exc:  # noqa: BLE001 (best effort: the kill must happen)
+            log.warning("worker.crash_report_failed", error_class=type(exc).__name__)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def is_green() -> bool:
@@ -140,10 +205,10 @@ def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
 
 
 class _Deadline:
-    __slots__ = ("hard", "kill", "sent", "soft")
+    __slots__ = ("hard", "held", "kill", "sent", "soft")
 
-    def __init__(self, soft: float, hard: float, kill: float) -> None:
-        self.soft, self.hard, self.kill = soft, hard, kill
+    def __init__(self, soft: float, hard: float, kill: float, held: Held | None) -> None:
+        self.soft, self.hard, self.kill, self.held = soft, hard, kill, held
         self.sent: type[BaseException] | None = None
 
 
@@ -156,11 +221,11 @@ class _ThreadLimits:
     started = False
 
     @classmethod
-    def enter(cls, soft: float, hard: float) -> int:
+    def enter(cls, soft: float, hard: float, held: Held | None) -> int:
         ident = threading.get_ident()
         now = time.monotonic()
         with cls.lock:
-            cls.running[ident] = _Deadline(now + soft, now + hard, now + 1.5 * hard)
+            cls.running[ident] = _Deadline(now + soft, now + hard, now + 1.5 * hard, held)
             if not cls.started:
                 cls.started = True
                 threading.Thread(target=cls._watch, name="time-limits", daemon=True).start()
@@ -179,39 +244,73 @@ class _ThreadLimits:
             time.sleep(WATCHDOG_TICK / 5)
             now = time.monotonic()
             with cls.lock:
-                for ident, deadline in cls.running.items():
-                    if now >= deadline.kill:
-                        log.error("worker.handler_stuck", past_hard_limit=True, kill=True)
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    if now >= deadline.hard and deadline.sent is not HardTimeLimitExceeded:
-                        deadline.sent = HardTimeLimitExceeded
-                        _async_raise(ident, HardTimeLimitExceeded)
-                    elif now >= deadline.soft and deadline.sent is None:
-                        deadline.sent = SoftTimeLimitExceeded
-                        _async_raise(ident, SoftTimeLimitExceeded)
+                stuck = [d for d in cls.running.values() if now >= d.kill]
+                if not stuck:
+                    cls._signal(now)
+            if stuck:
+                # Outside the lock: handlers may still finish while the marks are written.
+                suspects = [d.held for d in stuck if d.held is not None]
+                _report_then_kill("worker.handler_stuck", suspects, past_hard_limit=True)
+
+    @classmethod
+    def _signal(cls, now: float) -> None:
+        """The soft and hard limits due now (the caller holds the lock)."""
+        for ident, deadline in cls.running.items():
+            if now >= deadline.hard and deadline.sent is not HardTimeLimitExceeded:
+                deadline.sent = HardTimeLimitExceeded
+                _async_raise(ident, HardTimeLimitExceeded)
+            elif now >= deadline.soft and deadline.sent is None:
+                deadline.sent = SoftTimeLimitExceeded
+                _async_raise(ident, SoftTimeLimitExceeded)
+
+
+class _Green:
+    """The handlers running in this process's greenlets (gevent): greenlet -> delivery."""
+
+    running: dict[Any, Held] = {}  # noqa: RUF012 (process-wide by design)
 
 
 @contextmanager
-def time_limits(soft: float, hard: float) -> Iterator[None]:
+def time_limits(soft: float, hard: float, held: Held | None = None) -> Iterator[None]:
     """Around a handler: the soft and hard limits the pool itself does not enforce (see the
-    module's docstring). Prefork: nothing (Celery does it all)."""
+    module's docstring), and the delivery ``held`` it runs for, which a watchdog names when
+    it kills the process. Prefork: nothing (Celery does it all: its hard limit kills a child
+    that runs one lone delivery, the one to blame)."""
     if is_green():
+        import gevent  # noqa: PLC0415
         from gevent import Timeout  # noqa: PLC0415
 
-        # Celery's own Timeout covers a lone delivery's greenlet only; this one covers each
-        # handler of a batch too (the first to fire is a hard limit either way).
-        with Timeout(hard), soft_limit(soft):
-            yield
+        me = gevent.getcurrent()
+        if held is not None:
+            _Green.running[me] = held
+        try:
+            # Celery's own Timeout covers a lone delivery's greenlet only; this one covers
+            # each handler of a batch too (the first to fire is a hard limit either way).
+            with Timeout(hard), soft_limit(soft):
+                yield
+        finally:
+            _Green.running.pop(me, None)
         return
     if threading.current_thread() is threading.main_thread():
         # A prefork child (or a test calling the task inline): Celery's signals do it.
         yield
         return
-    ident = _ThreadLimits.enter(soft, hard)
+    ident = _ThreadLimits.enter(soft, hard, held)
     try:
         yield
     finally:
         _ThreadLimits.leave(ident)
+
+
+def _blocking_greenlets() -> list[Held]:
+    """From the watchdog's native thread while the event loop is blocked: the delivery whose
+    handler's greenlet is the one running (a started greenlet without a saved frame: its
+    frames are on the thread's stack); the others are suspended."""
+    return [
+        held
+        for greenlet, held in list(_Green.running.items())
+        if greenlet.gr_frame is None and not greenlet.dead
+    ]
 
 
 class _Beat:
@@ -244,9 +343,9 @@ def start_watchdog(hard_limit: float) -> bool:
             real_sleep(WATCHDOG_TICK)
             blocked = time.monotonic() - _Beat.last
             if blocked > hard_limit:
-                # Logged from a native thread; the line carries no payload.
-                log.error("worker.event_loop_blocked", blocked_s=round(blocked, 1), kill=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                _report_then_kill(
+                    "worker.event_loop_blocked", _blocking_greenlets(), blocked_s=round(blocked, 1)
+                )
 
     _tick()
     gevent.spawn(beat)

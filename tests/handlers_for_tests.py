@@ -185,3 +185,27 @@ def _kill_after_commit(
         return
     marker.write_text(str(os.getpid()))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@register("wedge")
+def wedge(event: Event, ctx: HandlerContext) -> None:
+    """Stuck in a C call on every attempt, past any exception the pool can raise in it, so
+    only its worker's watchdog ends it, by killing the process (tasks.pools). Marker files
+    ``<marker_dir>/<delivery>.<attempt>.wedged`` when it starts and ``...soft`` at its soft
+    limit. Under gevent it blocks the event loop at once (the unpatched sleep); elsewhere it
+    waits for its soft limit first (swallowed), then blocks: the window in which the tests
+    start the handlers it will take down with it."""
+    directory = Path(ctx.route.options["marker_dir"])
+    (directory / f"{ctx.delivery_id}.{ctx.attempt}.wedged").write_text(str(os.getpid()))
+    from tasks.pools import is_green  # noqa: PLC0415
+
+    if is_green():
+        from gevent import monkey  # noqa: PLC0415
+
+        monkey.get_original("time", "sleep")(600)
+    try:
+        while True:
+            time.sleep(0.05)
+    except SoftTimeLimitExceeded:
+        (directory / f"{ctx.delivery_id}.{ctx.attempt}.soft").write_text(str(os.getpid()))
+    time.sleep(600)

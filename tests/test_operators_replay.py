@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ingest.publisher import CeleryPublisher
 from models import queries, replays
 from models.queries import ReplayFilter
-from models.replays import ReplayError, ReplayRequest, pace
+from models.replays import ReplayError, ReplayRequest, moved, pace, pace_chunk
 from tests.factories import accept_event
 from tests.operators_support import (
     accept,
@@ -114,6 +114,29 @@ def test_pace_waits_only_what_is_left_and_never_bursts_after_a_stall() -> None:
     wait, slot = pace(5.0, 9.0, 2.0)
     assert (wait, slot) == (0.0, 9.0)
     assert pace(slot, 9.0, 2.0) == pytest.approx((0.5, 9.5))
+
+
+@pytest.mark.parametrize(("rate", "work"), [(50.0, 0.0), (1000.0, 0.004), (2.5, 0.1), (0.5, 0.0)])
+def test_chunks_never_move_a_delivery_before_its_slot_nor_a_second_past_the_rate(
+    rate: float, work: float
+) -> None:
+    """Chunked replays (issue 23, item 6) keep the single-delivery pacing's promises: no
+    one-second window holds more than the rate (at least one per 1 / rate below 1/s), and
+    no delivery moves before the slot it would have had alone."""
+    window, now, times = replays.Window(), 100.0, []
+    size = replays.chunk_size(rate)
+    while len(times) < 3000 and now < 400:
+        wait, n = pace_chunk(window, now, rate, size)
+        assert wait >= 0
+        assert 1 <= n <= size
+        now += wait
+        moved(window, now, n)
+        times += [now] * n
+        now += work * (len(times) % 3)  # uneven work between chunks
+    limit = max(1, int(rate))
+    for i in range(len(times) - limit):
+        assert times[i + limit] - times[i] >= 1.0 - 1e-9
+    assert times[-1] - times[0] >= (len(times) - 1) / rate - 1e-6
 
 
 def test_parse_time_accepts_iso_and_durations_ago() -> None:
@@ -338,6 +361,57 @@ def test_filtered_replay_of_1000_dead_deliveries_honours_the_rate_cap(
     assert (audit.planned, audit.replayed, audit.skipped, audit.rate) == (1000, 1000, 0, rate)
     # Leave them dead again, so no sweeper of a later test module picks up 1000 messages.
     kill(sessions, wanted)
+
+
+def test_a_large_replay_by_filter_requeues_every_dead_letter_once_and_audits_it(
+    ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """3,000 dead letters by filter at MAX_RATE, in chunks: each matching one moved and
+    published exactly once, nothing else touched, the audit row counts them; the same plan
+    run again (a second operator, late) moves none and publishes nothing."""
+    source = source_with(sessions, ops, *["log"] * 10)
+    wanted: list[int] = []
+    for _ in range(300):
+        wanted += accept(ops, source, event_type="order.created")
+    decoys = accept(ops, source, event_type="invoice.paid")
+    kill(sessions, wanted + decoys)
+    pending = accept(ops, source, event_type="order.created")  # not dead: not a candidate
+
+    given = {"source": source.public_id, "type": "order.created"}
+    flt = ReplayFilter(source.public_id, "order.created", "dead")
+    request = _request(flt=flt, filter_as_given=given, rate=replays.MAX_RATE)
+    plan = _plan(sessions, request)
+    assert plan.count == 3000
+    publisher = CeleryPublisher(ops)
+    try:
+        result = _execute(sessions, ops, plan, publisher)
+        again = _execute(sessions, ops, _plan(sessions, request), publisher)
+        late = _execute(sessions, ops, plan, publisher)
+    finally:
+        publisher.close()
+
+    assert (result.status, result.replayed, result.skipped, result.publish_failed) == (
+        "done", 3000, 0, 0,
+    )  # fmt: skip
+    queued = queued_ids(ops)
+    assert sorted(queued) == sorted(wanted)  # each once: no duplicate, none missing
+    assert set(status_of(engine, wanted).values()) == {"pending"}
+    assert set(status_of(engine, decoys).values()) == {"dead"}
+    assert set(status_of(engine, pending).values()) == {"pending"}
+    [audit] = replay_rows(engine, id=result.replay_id)
+    assert (audit.status, audit.planned, audit.replayed, audit.skipped) == ("done", 3000, 3000, 0)
+    assert audit.filter == given
+    # Planned again: nothing dead matches any more. Run late from the old plan: all skipped,
+    # each with its reason, and not one more message.
+    assert (again.planned, again.replayed) == (0, 0)
+    assert (late.replayed, late.skipped) == (0, 3000)
+    assert {s.reason for s in late.skips} == {
+        "now pending, no longer dead: another replay or the pipeline moved it first"
+    }
+    assert queue_length(ops) == 3000
+    [late_audit] = replay_rows(engine, id=late.replay_id)
+    assert (late_audit.planned, late_audit.replayed, late_audit.skipped) == (3000, 0, 3000)
+    kill(sessions, wanted)  # leave them dead, so no sweeper of a later module picks them up
 
 
 # The CLI -------------------------------------------------------------------------------------
