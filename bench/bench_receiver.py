@@ -128,7 +128,12 @@ def setup_database(env: dict[str, str], db: str, cwd: Path) -> tuple[str, str]:
 
     def cli(*args: str) -> str:
         done = subprocess.run(  # noqa: S603
-            [str(BIN / "webhooks"), *args], env=env, cwd=cwd, capture_output=True, text=True
+            [str(BIN / "webhooks"), *args],
+            check=False,
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
         )
         if done.returncode != 0:
             sys.exit(f"webhooks {' '.join(args)} failed: {done.stderr[-2000:]}")
@@ -283,7 +288,7 @@ def main() -> None:
     script = tmp / "sign.lua"
     script.write_text(LUA)
     targets = args.targets.split(",")
-    code = {t: ROOT for t in targets}
+    code = dict.fromkeys(targets, ROOT)
     if args.against:
         targets.append("rev")
         code["rev"] = worktree(args.against)
