@@ -259,6 +259,44 @@ def wrk(
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` and its descendants so far: the server's own cost,
+    which the machine's other load slows down but does not add to."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def backend_cpu(db: str) -> float:
+    """CPU time of the Postgres backends connected to ``db`` (the receiver's pool, open since
+    its start): the accept statement's share of the cost, on the same cores."""
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (db,),
+        ).fetchall()
+    return sum(cpu_seconds(int(pid)) for (pid,) in rows)
+
+
+def commits(db: str) -> int:
+    """Transactions committed in ``db`` so far (group commit: fewer than one per request)."""
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (db,)
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 def receipts(db: str) -> int:
     with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{db}") as conn:
         return int(conn.execute("SELECT count(*) FROM receipts").fetchone()[0])  # type: ignore[index]
@@ -313,6 +351,8 @@ def main() -> None:
         proc = start(target, envs[target], args.workers, tmp / f"{target}.log", code[target])
         try:
             before = receipts(dbs[target]) if target in dbs else 0
+            cpu = cpu_seconds(proc.pid)
+            xacts = commits(dbs[target]) if target in dbs else 0
             r = wrk(
                 script,
                 [*lua_args[target], f"msg_{run_id}_{label}"],
@@ -320,7 +360,10 @@ def main() -> None:
                 args.connections,
                 delay_ms,
             )
+            r["cpu_ms"] = 1000 * (cpu_seconds(proc.pid) - cpu) / max(1, r["total"])
+            r["db_cpu_ms"] = 1000 * backend_cpu(dbs[target]) / r["total"] if target in dbs else 0
             if target in dbs:
+                r["xacts"] = (commits(dbs[target]) - xacts) / r["total"]
                 r["durable"] = receipts(dbs[target]) - before
         finally:
             stop(proc)
@@ -334,7 +377,9 @@ def main() -> None:
             results[target].append(r)
             print(
                 f"round {rnd + 1} {target:13s} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.2f} ms  "
-                f"p99 {r['p99_ms']:.2f} ms  non-2xx {int(r['non2xx'])}  load {loadavg()}",
+                f"p99 {r['p99_ms']:.2f} ms  cpu {r['cpu_ms']:.3f} (db {r['db_cpu_ms']:.3f}) ms/req  "
+                f"xacts/req {r.get('xacts', 0):.2f}  non-2xx {int(r['non2xx'])}  "
+                f"load {loadavg()}",
                 flush=True,
             )
 
@@ -345,12 +390,16 @@ def main() -> None:
         f"{args.connections} connections, {args.seconds}s x {args.rounds} rounds, 1 KB "
         "Standard Webhooks bodies signed per request"
     )
-    print(f"{'target':14s} {'req/s (median)':>15s} {'best':>8s} {'p50 ms':>8s} {'p99 ms':>8s}")
+    print(
+        f"{'target':14s} {'req/s (median)':>15s} {'best':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
+        f"{'cpu ms/req':>10s}"
+    )
     for t, rs in results.items():
         p50 = statistics.median(x["p50_ms"] for x in rs)
         p99 = statistics.median(x["p99_ms"] for x in rs)
         best = max(x["rps"] for x in rs)
-        print(f"{t:14s} {med[t]:15.0f} {best:8.0f} {p50:8.2f} {p99:8.2f}")
+        cpu = statistics.median(x["cpu_ms"] for x in rs)
+        print(f"{t:14s} {med[t]:15.0f} {best:8.0f} {p50:8.2f} {p99:8.2f} {cpu:10.3f}")
     for t in dbs:
         if t in results:
             rs = results[t]
