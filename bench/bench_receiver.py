@@ -147,6 +147,28 @@ def setup_database(env: dict[str, str], db: str, cwd: Path) -> tuple[str, str]:
     return view["id"], view["secret"]
 
 
+def trim_layout(db: str, days: int) -> int:
+    """Diagnostic (``--layout-days``): drop the empty partitions of days more than ``days``
+    ahead, so the accept statement probes only the days the bench source can write. The
+    layout's floor is the longest TTL of every installed provider (Adyen's 30-day retry
+    window: 41 days of partitions), and the live-receipt probe opens each of them."""
+    cutoff = time.gmtime(time.time() + days * 86400)
+    last = f"{cutoff.tm_year:04d}{cutoff.tm_mon:02d}{cutoff.tm_mday:02d}"
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{db}", autocommit=True) as conn:
+        names = [
+            name
+            for (name,) in conn.execute(
+                "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+                " WHERE i.inhparent::regclass::text IN ('attempts', 'deliveries', 'receipts')"
+                " ORDER BY c.relname LIKE 'receipts%', c.relname LIKE 'deliveries%'"
+            ).fetchall()
+            if re.fullmatch(r"[a-z]+_p\d{8}", name) and name[-8:] > last
+        ]
+        for name in names:
+            conn.execute(f'DROP TABLE "{name}"')
+    return len(names)
+
+
 def key_hex(secret: str) -> str:
     """The HMAC key of a Standard Webhooks secret (whsec_ + base64), as hex for the Lua script."""
     return b64decode(secret.removeprefix("whsec_")).hex()
@@ -317,6 +339,11 @@ def main() -> None:
         "--targets", default="bare,naive,naive_insert,ours", help="comma-separated subset"
     )
     parser.add_argument("--no-p99", action="store_true", help="skip the run at 80%% of ours")
+    parser.add_argument(
+        "--layout-days",
+        type=int,
+        help="diagnostic: drop the (empty) partitions more than this many days ahead first",
+    )
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is needed: apt-get install wrk")
@@ -339,6 +366,9 @@ def main() -> None:
         if t in dbs:
             envs[t] = env_for(dbs[t], code[t])
             source_id, secret = setup_database(envs[t], dbs[t], code[t])
+            if args.layout_days is not None:
+                dropped = trim_layout(dbs[t], args.layout_days)
+                print(f"{t}: dropped {dropped} partitions past {args.layout_days} days", flush=True)
             lua_args[t] = [key_hex(secret), f"/webhooks/{source_id}"]
         else:
             envs[t] = {**env_for(DB, ROOT), "BENCH_SECRET": naive_secret}
