@@ -174,7 +174,8 @@ def key_hex(secret: str) -> str:
     return b64decode(secret.removeprefix("whsec_")).hex()
 
 
-def worktree(rev: str) -> Path:
+def worktree(rev: str) -> tuple[Path, bool]:
+    """A checkout of ``rev`` beside this one (reused if present); True if made here."""
     sha = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],  # noqa: S607
         check=True,
@@ -182,13 +183,22 @@ def worktree(rev: str) -> Path:
         text=True,
     ).stdout.strip()
     path = Path(tempfile.gettempdir()) / f"webhooks-bench-{sha[:12]}"
-    if not (path / "ingest" / "app.py").exists():
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(path), sha],  # noqa: S607
-            check=True,
-            capture_output=True,
-        )
-    return path
+    if (path / "ingest" / "app.py").exists():
+        return path, False
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(path), sha],  # noqa: S607
+        check=True,
+        capture_output=True,
+    )
+    return path, True
+
+
+def remove_worktree(path: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],  # noqa: S607
+        check=False,
+        capture_output=True,
+    )
 
 
 def start(
@@ -354,9 +364,10 @@ def main() -> None:
     script.write_text(LUA)
     targets = args.targets.split(",")
     code = dict.fromkeys(targets, ROOT)
+    made = False
     if args.against:
         targets.append("rev")
-        code["rev"] = worktree(args.against)
+        code["rev"], made = worktree(args.against)
         print(f"rev = {args.against} in {code['rev']}", flush=True)
     dbs = {"ours": DB, "rev": DB + "_rev"}
     envs: dict[str, dict[str, str]] = {}
@@ -465,6 +476,8 @@ def main() -> None:
     print(f"load average at end: {loadavg()}")
     for db in dbs.values():
         drop(db)
+    if made:
+        remove_worktree(code["rev"])
     shutil.rmtree(tmp, ignore_errors=True)
 
 
