@@ -3,12 +3,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install run test lint bench
+.PHONY: install run test lint bench bench-receiver
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make run   - install, migrate, run receiver + worker + beat + Flower (Ctrl-C stops)"
 	@echo "make test  - install, lint (ruff), type-check (mypy --strict), run the test suite"
+	@echo "make bench-receiver [REV=rev] - the receiver against REV (default: the merge base with main)"
 
 install: $(VENV)/.installed
 
@@ -34,3 +35,9 @@ lint: install
 
 test: lint
 	$(VENV)/bin/pytest
+
+# The receiver against another revision (default: where this branch left main), run
+# alternately in one invocation with the naive peers and the bare ceiling. Needs wrk.
+REV ?= $(shell git merge-base HEAD main)
+bench-receiver: install
+	$(PY) bench/bench_receiver.py --against $(REV) $(BENCH_ARGS)

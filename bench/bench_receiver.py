@@ -1,17 +1,26 @@
-"""Receiver benchmark: durable accepts per second and latency, against three baselines.
+"""Receiver benchmark: durable accepts per second and latency, against baselines and revisions.
 
 Every target runs under uvicorn (uvloop, httptools; ours through `webhooks serve`, as deployed,
-with its server limits) with the same number of processes and is
-loaded by wrk on loopback with pre-signed Standard Webhooks requests (1 KB JSON bodies, every
-request a new event id). Targets, measured side by side in the same run, in alternating rounds:
+with its server limits) with the same number of processes and is loaded by wrk on loopback.
+wrk's Lua script builds and signs every request itself (Standard Webhooks: a new event id, the
+current timestamp, HMAC-SHA256 from wrk's own libcrypto through LuaJIT's FFI), so no request
+repeats however fast the server is; the bare target shows what the generator can reach.
+Targets, measured side by side in the same run, in alternating rounds:
 
   ours          the pipeline's receiver: verify, one transaction (receipt + delivery), publish
-  naive         FastAPI + HMAC check + task.delay(payload), no database
-  naive_insert  the same + one INSERT per request (SQLAlchemy session in the threadpool)
-  bare          a bare ASGI app that returns 200
+  rev           with --against REV: the same receiver at REV, from a git worktree of REV run
+                with this venv (PYTHONPATH = the worktree) and its own database migrated by it
+  naive         (a) FastAPI + HMAC check + task.delay(payload), no database
+  naive_insert  (b) the same + one INSERT per request (SQLAlchemy session in the threadpool)
+  bare          a bare ASGI app that returns 200: the ceiling of server and generator
 
-Usage: .venv/bin/python bench/bench_receiver.py [--seconds 8] [--connections 32] [--workers 2]
-Needs wrk (Debian package ``wrk``). Uses its own database and Redis DB 13; drops them after.
+After the rounds, ours runs once more at 80% of its best rate (wrk's per-connection delay) for
+the p99 floor. Ratios are taken within the run (machines and days differ; the load average is
+printed at the start and the end).
+
+Usage: .venv/bin/python bench/bench_receiver.py [--seconds 8] [--rounds 3] [--against REV]
+Needs wrk (Debian package ``wrk``). Redis on BENCH_REDIS_PORT (6379), DBs 12 and 13; its own
+Postgres databases, dropped after.
 """
 
 from __future__ import annotations
@@ -20,149 +29,212 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from datetime import UTC, datetime
+from base64 import b64decode
 from pathlib import Path
 
-import orjson
 import psycopg
 import redis
-from standardwebhooks.webhooks import Webhook
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 DB = "webhooks_bench_receiver"
-BROKER = "redis://127.0.0.1:6379/13"
-PORT = 18765
+REDIS_PORT = int(os.environ.get("BENCH_REDIS_PORT", "6379"))
+BROKER = f"redis://127.0.0.1:{REDIS_PORT}/13"
+ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+FLOORS = {"rev": 1.0, "naive": 2.0, "naive_insert": 3.5}  # ours / target (issue 24)
+P99_FLOOR_MS = 50.0
 
 LUA = r"""
-local reqs = {}
+-- Standard Webhooks request, signed per request: HMAC-SHA256 from wrk's own libcrypto (FFI).
+local ffi = require("ffi")
+ffi.cdef[[
+typedef struct evp_md_st EVP_MD;
+const EVP_MD *EVP_sha256(void);
+unsigned char *HMAC(const EVP_MD *evp_md, const void *key, int key_len,
+                    const unsigned char *d, size_t n, unsigned char *md, unsigned int *md_len);
+int EVP_EncodeBlock(unsigned char *t, const unsigned char *f, int n);
+]]
+local crypto = ffi.load("crypto")
+local md = ffi.new("unsigned char[32]")
+local mdlen = ffi.new("unsigned int[1]")
+local b64 = ffi.new("unsigned char[64]")
+local key, path, prefix, pad
 local n = 0
-local i = 0
-wrapped = false
+local function unhex(h) return (h:gsub("..", function(c) return string.char(tonumber(c, 16)) end)) end
 init = function(args)
-  local f = assert(io.open(args[1], "r"))
-  for line in f:lines() do
-    local id, ts, sig, path, body = line:match("^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$")
-    n = n + 1
-    reqs[n] = wrk.format("POST", path, {
-      ["Content-Type"] = "application/json",
-      ["webhook-id"] = id, ["webhook-timestamp"] = ts, ["webhook-signature"] = sig,
-    }, body)
-  end
-  f:close()
+  key = unhex(args[1]); path = args[2]; prefix = args[3] .. "_"
+  pad = string.rep("x", 860)
+end
+-- Pacing for the p99 run: milliseconds each connection waits before its next request (wrk
+-- looks for delay() before init runs, hence the environment).
+local pause = tonumber(os.getenv("BENCH_DELAY_MS") or "0")
+if pause > 0 then
+  delay = function() return pause end
 end
 request = function()
-  i = i + 1
-  if i > n then i = 1 end
-  return reqs[i]
+  n = n + 1
+  local id = prefix .. n
+  local ts = tostring(os.time())
+  local body = '{"type":"invoice.paid","timestamp":"' .. os.date("!%Y-%m-%dT%H:%M:%SZ")
+    .. '","data":{"id":"' .. id .. '","pad":"' .. pad .. '"}}'
+  local msg = id .. "." .. ts .. "." .. body
+  crypto.HMAC(crypto.EVP_sha256(), key, #key, msg, #msg, md, mdlen)
+  local len = crypto.EVP_EncodeBlock(b64, md, 32)
+  return wrk.format("POST", path, {
+    ["Content-Type"] = "application/json",
+    ["webhook-id"] = id, ["webhook-timestamp"] = ts,
+    ["webhook-signature"] = "v1," .. ffi.string(b64, len),
+  }, body)
 end
 """
 
 
-def env_for(secret: str) -> dict[str, str]:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+PORT = int(os.environ.get("BENCH_PORT", "0")) or free_port()
+
+
+def env_for(db: str, code: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
     env.update(
-        WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{DB}",
+        WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{db}",
         WEBHOOKS_BROKER_URL=BROKER,
-        WEBHOOKS_REDIS_URL="redis://127.0.0.1:6379/12",
+        WEBHOOKS_REDIS_URL=f"redis://127.0.0.1:{REDIS_PORT}/12",
         WEBHOOKS_SECRET_KEY="bench-secret-key-" + "b" * 32,
         WEBHOOKS_LOG_LEVEL="INFO",
-        BENCH_SECRET=secret,
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=str(code),
     )
     return env
 
 
-def setup_database(env: dict[str, str]) -> tuple[str, str]:
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
-    subprocess.run(
-        [str(BIN / "webhooks"), "db", "upgrade"], env=env, check=True, capture_output=True
-    )
-    out = subprocess.run(
-        [str(BIN / "webhooks"), "sources", "add", "bench", "--provider", "standard", "--json"],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    view = orjson.loads(out)
-    subprocess.run(
-        [str(BIN / "webhooks"), "routes", "add", view["id"], "--handler", "log"],
-        env=env,
-        check=True,
-        capture_output=True,
-    )
+def drop(db: str) -> None:
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def setup_database(env: dict[str, str], db: str, cwd: Path) -> tuple[str, str]:
+    """Migrate ``db`` with the code on env's PYTHONPATH; one Standard Webhooks source, one route."""
+    drop(db)
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(  # noqa: S603
+            [str(BIN / "webhooks"), *args],
+            check=False,
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            sys.exit(f"webhooks {' '.join(args)} failed: {done.stderr[-2000:]}")
+        return done.stdout
+
+    cli("db", "upgrade")
+    import orjson  # noqa: PLC0415
+
+    view = orjson.loads(cli("sources", "add", "bench", "--provider", "standard", "--json"))
+    cli("routes", "add", view["id"], "--handler", "log")
     return view["id"], view["secret"]
 
 
-def write_requests(path: Path, secret: str, url_path: str, count: int) -> None:
-    wh = Webhook(secret)
-    now = datetime.now(UTC)
-    ts = str(int(now.timestamp()))
-    pad = "x" * 860
-    with path.open("w") as f:
-        for _ in range(count):
-            event_id = f"msg_{uuid.uuid4().hex}"
-            body = orjson.dumps(
-                {
-                    "type": "invoice.paid",
-                    "timestamp": now.isoformat(),
-                    "data": {"id": event_id, "pad": pad},
-                }
-            ).decode()
-            sig = wh.sign(event_id, now, body)
-            f.write(f"{event_id}\t{ts}\t{sig}\t{url_path}\t{body}\n")
+def trim_layout(db: str, days: int) -> int:
+    """Diagnostic (``--layout-days``): drop the empty partitions of days more than ``days``
+    ahead, so the accept statement probes only the days the bench source can write. The
+    layout's floor is the longest TTL of every installed provider (Adyen's 30-day retry
+    window: 41 days of partitions), and the live-receipt probe opens each of them."""
+    cutoff = time.gmtime(time.time() + days * 86400)
+    last = f"{cutoff.tm_year:04d}{cutoff.tm_mon:02d}{cutoff.tm_mday:02d}"
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{db}", autocommit=True) as conn:
+        names = [
+            name
+            for (name,) in conn.execute(
+                "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+                " WHERE i.inhparent::regclass::text IN ('attempts', 'deliveries', 'receipts')"
+                " ORDER BY c.relname LIKE 'receipts%', c.relname LIKE 'deliveries%'"
+            ).fetchall()
+            if re.fullmatch(r"[a-z]+_p\d{8}", name) and name[-8:] > last
+        ]
+        for name in names:
+            conn.execute(f'DROP TABLE "{name}"')
+    return len(names)
 
 
-def start(target: str, env: dict[str, str], workers: int, log: Path) -> subprocess.Popen[bytes]:
-    if target == "ours":
-        # As deployed: `webhooks serve` (uvicorn with the receiver's server limits, and the
-        # admin address beside it on PORT + 1).
-        cmd = [str(BIN / "webhooks"), "serve", "--port", str(PORT), "--workers", str(workers)]
-        env = {**env, "WEBHOOKS_ADMIN_PORT": str(PORT + 1)}
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT
-        )  # noqa: S603
-        return _wait_listening(proc, target, log)
-    app = f"bench.naive_apps:{target}"
-    cmd = [
-        str(BIN / "uvicorn"),
-        "--factory",
-        app,
-        "--port",
-        str(PORT),
-        "--workers",
-        str(workers),
-        "--loop",
-        "uvloop",
-        "--http",
-        "httptools",
-        "--no-access-log",
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT)  # noqa: S603
-    return _wait_listening(proc, target, log)
+def key_hex(secret: str) -> str:
+    """The HMAC key of a Standard Webhooks secret (whsec_ + base64), as hex for the Lua script."""
+    return b64decode(secret.removeprefix("whsec_")).hex()
 
 
-def _wait_listening(
-    proc: subprocess.Popen[bytes], target: str, log: Path
+def worktree(rev: str) -> tuple[Path, bool]:
+    """A checkout of ``rev`` beside this one (reused if present); True if made here."""
+    sha = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],  # noqa: S607
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    path = Path(tempfile.gettempdir()) / f"webhooks-bench-{sha[:12]}"
+    if (path / "ingest" / "app.py").exists():
+        return path, False
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(path), sha],  # noqa: S607
+        check=True,
+        capture_output=True,
+    )
+    return path, True
+
+
+def remove_worktree(path: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],  # noqa: S607
+        check=False,
+        capture_output=True,
+    )
+
+
+def start(
+    target: str, env: dict[str, str], workers: int, log: Path, cwd: Path
 ) -> subprocess.Popen[bytes]:
-    deadline = time.monotonic() + 20
-    import socket
-
+    if target in ("ours", "rev"):
+        # As deployed: `webhooks serve` (uvicorn with the receiver's server limits, and the
+        # admin address beside it on a port of its own).
+        cmd = [str(BIN / "webhooks"), "serve", "--port", str(PORT), "--workers", str(workers)]
+        env = {**env, "WEBHOOKS_ADMIN_PORT": str(free_port())}
+    else:
+        cmd = [
+            str(BIN / "uvicorn"),
+            "--factory",
+            f"bench.naive_apps:{target}",
+            "--port",
+            str(PORT),
+            "--workers",
+            str(workers),
+            "--loop",
+            "uvloop",
+            "--http",
+            "httptools",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=cwd)  # noqa: S603
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", PORT)) == 0:
-                time.sleep(0.5)
+                time.sleep(1.0)  # every worker process up
                 return proc
+        if proc.poll() is not None:
+            break
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"{target} did not start; see {log}")
@@ -177,9 +249,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def wrk(script: Path, requests: Path, seconds: int, connections: int, url: str) -> dict[str, float]:
+def wrk(
+    script: Path, args: list[str], seconds: int, connections: int, delay_ms: float = 0.0
+) -> dict[str, float]:
     out = subprocess.run(
-        [
+        [  # noqa: S607
             "wrk",
             "-t1",
             f"-c{connections}",
@@ -187,10 +261,11 @@ def wrk(script: Path, requests: Path, seconds: int, connections: int, url: str) 
             "--latency",
             "-s",
             str(script),
-            url,
+            f"http://127.0.0.1:{PORT}",
             "--",
-            str(requests),
+            *args,
         ],
+        env={**os.environ, "BENCH_DELAY_MS": f"{delay_ms:.3f}"},
         check=True,
         capture_output=True,
         text=True,
@@ -216,9 +291,51 @@ def wrk(script: Path, requests: Path, seconds: int, connections: int, url: str) 
     }
 
 
-def receipts() -> int:
-    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{DB}") as conn:
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` and its descendants so far: the server's own cost,
+    which the machine's other load slows down but does not add to."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def backend_cpu(db: str) -> float:
+    """CPU time of the Postgres backends connected to ``db`` (the receiver's pool, open since
+    its start): the accept statement's share of the cost, on the same cores."""
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (db,),
+        ).fetchall()
+    return sum(cpu_seconds(int(pid)) for (pid,) in rows)
+
+
+def commits(db: str) -> int:
+    """Transactions committed in ``db`` so far (group commit: fewer than one per request)."""
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (db,)
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def receipts(db: str) -> int:
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{db}") as conn:
         return int(conn.execute("SELECT count(*) FROM receipts").fetchone()[0])  # type: ignore[index]
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -226,78 +343,141 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=8)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=60_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", metavar="REV", help="also run the receiver at this git rev")
     parser.add_argument(
         "--targets", default="bare,naive,naive_insert,ours", help="comma-separated subset"
+    )
+    parser.add_argument("--no-p99", action="store_true", help="skip the run at 80%% of ours")
+    parser.add_argument(
+        "--layout-days",
+        type=int,
+        help="diagnostic: drop the (empty) partitions more than this many days ahead first",
     )
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is needed: apt-get install wrk")
 
+    print(f"load average at start: {loadavg()}  (cpu cores: {os.cpu_count()})", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-receiver-"))
-    env = env_for("placeholder")
-    source_id, secret = setup_database(env)
-    env = env_for(secret)
-    script = tmp / "requests.lua"
+    script = tmp / "sign.lua"
     script.write_text(LUA)
+    targets = args.targets.split(",")
+    code = dict.fromkeys(targets, ROOT)
+    made = False
+    if args.against:
+        targets.append("rev")
+        code["rev"], made = worktree(args.against)
+        print(f"rev = {args.against} in {code['rev']}", flush=True)
+    dbs = {"ours": DB, "rev": DB + "_rev"}
+    envs: dict[str, dict[str, str]] = {}
+    lua_args: dict[str, list[str]] = {}
+    naive_secret = "whsec_" + "QmVuY2hCZW5jaEJlbmNoQmVuY2hCZW5jaEJlbmNo"
+    for t in targets:
+        if t in dbs:
+            envs[t] = env_for(dbs[t], code[t])
+            source_id, secret = setup_database(envs[t], dbs[t], code[t])
+            if args.layout_days is not None:
+                dropped = trim_layout(dbs[t], args.layout_days)
+                print(f"{t}: dropped {dropped} partitions past {args.layout_days} days", flush=True)
+            lua_args[t] = [key_hex(secret), f"/webhooks/{source_id}"]
+        else:
+            envs[t] = {**env_for(DB, ROOT), "BENCH_SECRET": naive_secret}
+            lua_args[t] = [key_hex(naive_secret), "/webhook"]
     broker = redis.Redis.from_url(BROKER)
-    results: dict[str, list[dict[str, float]]] = {t: [] for t in args.targets.split(",")}
+    results: dict[str, list[dict[str, float]]] = {t: [] for t in targets}
+    run_id = os.urandom(4).hex()
+
+    def one(target: str, label: str, delay_ms: float = 0.0) -> dict[str, float]:
+        proc = start(target, envs[target], args.workers, tmp / f"{target}.log", code[target])
+        try:
+            before = receipts(dbs[target]) if target in dbs else 0
+            cpu = cpu_seconds(proc.pid)
+            xacts = commits(dbs[target]) if target in dbs else 0
+            r = wrk(
+                script,
+                [*lua_args[target], f"msg_{run_id}_{label}"],
+                args.seconds,
+                args.connections,
+                delay_ms,
+            )
+            r["cpu_ms"] = 1000 * (cpu_seconds(proc.pid) - cpu) / max(1, r["total"])
+            r["db_cpu_ms"] = 1000 * backend_cpu(dbs[target]) / r["total"] if target in dbs else 0
+            if target in dbs:
+                r["xacts"] = (commits(dbs[target]) - xacts) / r["total"]
+                r["durable"] = receipts(dbs[target]) - before
+        finally:
+            stop(proc)
+            broker.flushdb()
+        return r
+
     for rnd in range(args.rounds):
-        for target in results:
-            path = f"/webhooks/{source_id}" if target == "ours" else "/webhook"
-            reqs = tmp / f"{target}-{rnd}.tsv"
-            write_requests(reqs, secret, path, args.requests)
-            proc = start(target, env, args.workers, tmp / f"{target}.log")
-            try:
-                before = receipts()
-                r = wrk(script, reqs, args.seconds, args.connections, f"http://127.0.0.1:{PORT}")
-                if target == "ours":
-                    r["durable"] = receipts() - before
-            finally:
-                stop(proc)
-                broker.flushdb()
-            if r["total"] > args.requests:
-                print(
-                    f"warning: {target} wrapped around its {args.requests} requests",
-                    file=sys.stderr,
-                )
+        order = targets if rnd % 2 == 0 else list(reversed(targets))
+        for target in order:
+            r = one(target, f"{target}{rnd}")
             results[target].append(r)
             print(
                 f"round {rnd + 1} {target:13s} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.2f} ms  "
-                f"p99 {r['p99_ms']:.2f} ms  non-2xx {int(r['non2xx'])}",
+                f"p99 {r['p99_ms']:.2f} ms  cpu {r['cpu_ms']:.3f} (db {r['db_cpu_ms']:.3f}) ms/req  "
+                f"xacts/req {r.get('xacts', 0):.2f}  non-2xx {int(r['non2xx'])}  "
+                f"load {loadavg()}",
                 flush=True,
             )
 
-    if set(results) != {"bare", "naive", "naive_insert", "ours"}:
-        for t, rs in results.items():
-            print(f"{t}: median {statistics.median(x['rps'] for x in rs):.0f} req/s")
-        return
     med = {t: statistics.median(x["rps"] for x in rs) for t, rs in results.items()}
-    p50 = {t: statistics.median(x["p50_ms"] for x in rs) for t, rs in results.items()}
-    p99 = {t: statistics.median(x["p99_ms"] for x in rs) for t, rs in results.items()}
-    ours = results["ours"]
-    # Every acknowledged request has its receipt (requests still in flight when wrk stops
-    # may add receipts that no counted response acknowledged).
-    durable_ok = all(int(r["durable"]) >= int(r["total"]) - int(r["non2xx"]) for r in ours)
     print()
     print(
         f"receiver benchmark: {args.workers} uvicorn processes per target, wrk 1 thread "
-        f"{args.connections} connections, {args.seconds}s x {args.rounds} rounds, 1 KB Standard Webhooks bodies"
+        f"{args.connections} connections, {args.seconds}s x {args.rounds} rounds, 1 KB "
+        "Standard Webhooks bodies signed per request"
     )
-    print(f"cpu cores: {os.cpu_count()}")
-    print(f"{'target':14s} {'req/s (median)':>15s} {'p50 ms':>8s} {'p99 ms':>8s}")
-    for t in results:
-        print(f"{t:14s} {med[t]:15.0f} {p50[t]:8.2f} {p99[t]:8.2f}")
     print(
-        f"every 2xx of ours is a durable receipt: {durable_ok} "
-        f"({[int(r['durable']) for r in ours]} receipts for {[int(r['total'] - r['non2xx']) for r in ours]} 2xx)"
+        f"{'target':14s} {'req/s (median)':>15s} {'best':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
+        f"{'cpu ms/req':>10s}"
     )
-    print(f"ratio ours / naive_insert (b): {med['ours'] / med['naive_insert']:.2f}  (floor 1.5)")
-    print(f"ratio ours / naive (a):        {med['ours'] / med['naive']:.2f}  (floor 1.0)")
-    print(f"ratio ours / bare (c):         {med['ours'] / med['bare']:.2f}")
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+    for t, rs in results.items():
+        p50 = statistics.median(x["p50_ms"] for x in rs)
+        p99 = statistics.median(x["p99_ms"] for x in rs)
+        best = max(x["rps"] for x in rs)
+        cpu = statistics.median(x["cpu_ms"] for x in rs)
+        print(f"{t:14s} {med[t]:15.0f} {best:8.0f} {p50:8.2f} {p99:8.2f} {cpu:10.3f}")
+    for t in dbs:
+        if t in results:
+            rs = results[t]
+            ok = all(int(r["durable"]) >= int(r["total"]) - int(r["non2xx"]) for r in rs)
+            print(
+                f"every 2xx of {t} is a durable receipt: {ok} "
+                f"({[int(r['durable']) for r in rs]} receipts for "
+                f"{[int(r['total'] - r['non2xx']) for r in rs]} 2xx)"
+            )
+    if "ours" in med:
+        for t, floor in FLOORS.items():
+            if t in med:
+                ratio = med["ours"] / med[t]
+                verdict = "met" if ratio >= floor else "NOT met"
+                print(f"ratio ours / {t:13s} {ratio:5.2f}  (floor {floor}: {verdict})")
+        if "bare" in med:
+            print(f"ratio ours / bare          {med['ours'] / med['bare']:5.2f}  (the ceiling)")
+        if not args.no_p99:
+            best = max(x["rps"] for x in results["ours"])
+            rate = 0.8 * best
+            # wrk's delay() is per connection, before each request: c connections at one
+            # request per (delay + latency) each, so the delay leaves room for ours' median
+            # latency; the achieved rate is printed, not assumed.
+            p50 = statistics.median(x["p50_ms"] for x in results["ours"])
+            delay_ms = max(0.1, 1000.0 * args.connections / rate - p50)
+            r = one("ours", "paced", delay_ms)
+            verdict = "met" if r["p99_ms"] <= P99_FLOOR_MS else "NOT met"
+            print(
+                f"ours at 80% of its best ({rate:.0f} req/s asked, {r['rps']:.0f} achieved): "
+                f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  "
+                f"(floor {P99_FLOOR_MS:.0f} ms: {verdict})"
+            )
+    print(f"load average at end: {loadavg()}")
+    for db in dbs.values():
+        drop(db)
+    if made:
+        remove_worktree(code["rev"])
     shutil.rmtree(tmp, ignore_errors=True)
 
 

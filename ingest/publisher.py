@@ -181,17 +181,14 @@ class Publisher:
             # after a quiet spell goes out at once.
             now = time.monotonic()
             linger = self.linger * (BACKLOG_LINGER if self.backlog >= BACKLOG_MESSAGES else 1)
-            deadline = now + linger if now - self._last_taken < linger else now
+            if now - self._last_taken < linger and self._queue.qsize() < MAX_BATCH - 1:
+                # One sleep for the whole linger, then take what came. Waiting on the queue
+                # instead woke this thread at every submit, and each wake took the GIL from
+                # the event loop that serves the requests (issue 24). close() cuts it short.
+                self._closed.wait(linger)
             while len(batch) < MAX_BATCH:
                 try:
                     batch.append(self._queue.get_nowait())
-                    continue
-                except queue.Empty:
-                    left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    batch.append(self._queue.get(timeout=left))
                 except queue.Empty:
                     break
             self._last_taken = time.monotonic()
