@@ -22,6 +22,7 @@ from ingest.publisher import Publisher
 from models import admission, breaker, catalog
 from tasks.config import Dispatch
 from tests.factories import accept_event, make_source
+from tests.handlers_for_tests import EFFECTS_DDL
 from tests.operators_support import cli, ops_env
 from tests.workers import (
     CLAIMS_URL,
@@ -210,9 +211,11 @@ def test_kill_9_of_a_worker_and_its_dispatcher_mid_drain_then_a_redis_flush_lose
     sessions: sessionmaker[Session], engine: Engine, tmp_path: Path
 ) -> None:
     settings = worker_settings()
+    with engine.begin() as conn:
+        conn.execute(text(EFFECTS_DDL))
     source = make_source(sessions, settings, routes=[{"handler": "effect"}])
     (route_id,) = source.route_ids
-    _limits(sessions, route_id, max_in_flight=2, rate=admission.Rate(10, 1))
+    _limits(sessions, route_id, max_in_flight=2, rate=admission.Rate(4, 1))
     ids = _accept(settings, source, 40)
     publisher = Publisher(settings)
     with (
@@ -234,7 +237,7 @@ def test_kill_9_of_a_worker_and_its_dispatcher_mid_drain_then_a_redis_flush_lose
                 )
 
         wait_for(lambda: done() >= 8, timeout=30, what="the drain to start")
-        assert done() < 40  # mid-drain: the rate limit spreads it over four seconds
+        assert done() < 40  # mid-drain: the rate limit spreads it over ten seconds
         os.kill(a.pid, signal.SIGKILL)
         for pid in a.pool_pids():
             os.kill(pid, signal.SIGKILL)
