@@ -32,7 +32,8 @@ sweeper picks them after the publish grace and offers them to admission again. T
 sets are re-learned from Postgres (the processing rows; the pending rows past their publish
 grace wait again) by the next :func:`reconcile` (the ``adm:epoch`` key tells a flush);
 deliveries published and not yet claimed at the flush are the only ones not counted: the
-budget is exceeded by those, for the one request each makes. Redis unreachable: admission fails open (publish, as before admission existed), counted.
+budget is exceeded by those, for the one request each makes. Redis unreachable: admission
+fails open (publish, as before admission existed), counted.
 """
 
 from __future__ import annotations
