@@ -134,14 +134,17 @@ def test_an_open_breaker_holds_claims_without_an_attempt_and_probes_once_per_int
     assert [claim(i, now) for i in ids] == [None, None, None]
     assert _attempt_rows(engine, ids) == 0
     assert {delivery(engine, i).attempts for i in ids} == {0}
+    # (Other tests' rows share this database: only this test's deliveries and route count.)
     with sessions() as s, s.begin():
-        assert transitions.due_for_publish(s, now=now, grace=timedelta(0), limit=100) == []
+        due = transitions.due_for_publish(s, now=now, grace=timedelta(0), limit=10_000)
+    assert [row for row in due if row[0] in ids] == []
 
     def probes(at: Any) -> list[breaker.Probe]:
         with sessions() as s, s.begin():
-            return breaker.pick_probes(
+            picked = breaker.pick_probes(
                 s, now=at, interval=LIMITS.probe_interval, grace=timedelta(0)
             )
+        return [p for p in picked if p.route_id == route_id]
 
     assert probes(now) == []  # the probe is due one interval after opening
     later = now + LIMITS.probe_interval
