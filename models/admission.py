@@ -28,12 +28,15 @@ admitted it first): a receiver and a dispatcher, or two dispatchers, never admit
 delivery twice while Redis holds the set.
 
 Fail safe: a flushed Redis loses the sets. The waiting rows are pending in Postgres; the
-sweeper picks them after the publish grace and offers them to admission again. The in-flight
-sets are re-learned from Postgres (the processing rows; the pending rows past their publish
-grace wait again) by the next :func:`reconcile` (the ``adm:epoch`` key tells a flush);
-deliveries published and not yet claimed at the flush are the only ones not counted: the
-budget is exceeded by those, for the one request each makes. Redis unreachable: admission
-fails open (publish, as before admission existed), counted.
+sweeper picks them after the publish grace and offers them to admission again (only the
+sweeper: its pick moves the row's next_attempt_at and counts ``republished``, which the
+worker's claim relies on to see through a stale fast-claim key, and its grace keeps a row
+whose message is still in the broker from being published twice). The in-flight sets are
+re-learned from Postgres (the processing rows under a live lease) by the next
+:func:`reconcile` (the ``adm:epoch`` key tells a flush); deliveries published and not yet
+claimed at the flush are the only ones not counted: the budget is exceeded by those, for the
+one request each makes. Redis unreachable: admission fails open (publish, as before
+admission existed), counted.
 """
 
 from __future__ import annotations
@@ -309,9 +312,10 @@ class Admission:
                 pipe.zrem(f"{self.prefix}f:{route}", *ids)
         pipe.execute()
 
-    def relearn(self, processing: dict[int, list[int]], pending: dict[int, list[int]]) -> bool:
+    def relearn(self, processing: dict[int, list[int]]) -> bool:
         """After a flush (no ``epoch`` key; one caller wins it): the processing rows are in
-        flight again, the pending ones wait again. False when another caller re-learnt."""
+        flight again. The pending ones are not put back to wait: the sweeper offers them
+        again (the module docstring says why). False when another caller re-learnt."""
         if not self.client.set(self.prefix + "epoch", "1", nx=True):
             return False
         now = self.now_ms()
@@ -319,9 +323,6 @@ class Admission:
         for route, ids in processing.items():
             pipe.zadd(f"{self.prefix}f:{route}", {str(i): now for i in ids}, nx=True)
             pipe.sadd(self.prefix + "routes", route)
-        for route, ids in pending.items():
-            pipe.zadd(f"{self.prefix}w:{route}", {str(i): i for i in ids}, nx=True)
-            pipe.sadd(self.prefix + "waiting", route)
         pipe.execute()
         return True
 
@@ -366,11 +367,11 @@ _FINISHED = """
            AND to_timestamp(want.admitted_ms / 1000.0) < now() - %(grace)s)
 """
 
-_UNFINISHED = """
-    SELECT route_id, status = 'processing', array_agg(id) FROM deliveries
-    WHERE (status = 'pending' AND next_attempt_at <= now())
-       OR (status = 'processing' AND lease_until > now())
-    GROUP BY route_id, status = 'processing'
+# What is in flight after a flush: the processing rows under a live lease.
+_PROCESSING = """
+    SELECT route_id, array_agg(id) FROM deliveries
+    WHERE status = 'processing' AND lease_until > now()
+    GROUP BY route_id
 """
 
 
@@ -378,11 +379,8 @@ def reconcile(conn: psycopg.Connection[Any], admission: Admission, *, grace: tim
     """Free the in-flight slots of finished deliveries (Postgres decides), re-learning the
     sets first after a Redis flush. Returns how many slots it freed."""
     if not admission.client.exists(admission.prefix + "epoch"):
-        rows = conn.execute(_UNFINISHED).fetchall()
-        admission.relearn(
-            {int(r[0]): [int(i) for i in r[2]] for r in rows if r[1]},
-            {int(r[0]): [int(i) for i in r[2]] for r in rows if not r[1]},
-        )
+        rows = conn.execute(_PROCESSING).fetchall()
+        admission.relearn({int(r[0]): [int(i) for i in r[1]] for r in rows})
     flights = admission.in_flight()
     ids = [i for members in flights.values() for i in members]
     if not ids:
