@@ -14,7 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -250,6 +252,40 @@ def test_kill_9_of_a_worker_and_its_dispatcher_mid_drain_then_a_redis_flush_lose
         wait_for(lambda: done() == 40, timeout=90, what="the rest after the flush")
     publisher.close()
     assert all(len(effects(engine, i)) == 1 for i in ids)
+
+
+def test_after_a_flush_reconcile_counts_the_processing_rows_and_leaves_pending_ones_to_the_sweeper(
+    sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """The re-learn must not publish around the sweeper: a pending row's message may still be
+    in the broker, and the sweeper's pick is what moves its next_attempt_at and counts its
+    re-publish (the worker's claim relies on both)."""
+    settings = worker_settings()
+    source = make_source(sessions, settings, routes=[{"handler": "effect"}])
+    (route_id,) = source.route_ids
+    pending, working = _accept(settings, source, 2)
+    with engine.begin() as conn:  # both due; one claimed by a live worker
+        conn.execute(
+            text("UPDATE deliveries SET next_attempt_at = now() - interval '1 minute'"
+                 " WHERE id = ANY(:ids)"),
+            {"ids": [pending, working]},
+        )  # fmt: skip
+        conn.execute(
+            text("UPDATE deliveries SET status = 'processing',"
+                 " lease_until = now() + interval '1 minute' WHERE id = :id"),
+            {"id": working},
+        )  # fmt: skip
+    flush_redis(CLAIMS_URL)
+    client = redis.Redis.from_url(CLAIMS_URL)
+    gate = admission.Admission(client)
+    try:
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+            admission.reconcile(conn, gate, grace=settings.publish_grace)
+        assert gate.in_flight()[route_id] == {working: pytest.approx(gate.now_ms(), abs=5000)}
+        assert gate.counts(route_id) == (1, 0)  # the pending one waits for no dispatcher
+        assert route_id not in gate.waiting_routes()
+    finally:
+        client.close()
 
 
 # -- the command line ------------------------------------------------------------------------
