@@ -167,11 +167,14 @@ def test_a_source_the_receiver_cannot_decrypt_gets_503_with_retry_after(
         headers, body = sign("github", other.secret, event_id="evt_undecryptable")
         answer = httpx.post(f"{rcv.url}/webhooks/{other.public_id}", content=body, headers=headers)
         log = rcv.log_path.read_text()
-    with sessions() as session, session.begin():  # the other tests' CLI key check reads it
-        session.execute(
-            text("UPDATE source_secrets SET revoked_at = now() WHERE source_id = :s"),
-            {"s": other.id},
-        )
+    # Gone whole: the other tests' key checks and rekeys read every stored secret, revoked too.
+    with sessions() as session, session.begin():
+        for sql in (
+            "DELETE FROM source_secrets WHERE source_id = :s",
+            "DELETE FROM routes WHERE source_id = :s",
+            "DELETE FROM sources WHERE id = :s",
+        ):
+            session.execute(text(sql), {"s": other.id})
     assert answer.status_code == 503
     assert answer.headers["retry-after"] == "60"
     assert "source.secret_undecryptable" in log

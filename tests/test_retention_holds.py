@@ -536,7 +536,7 @@ def test_dead_discard_cli_previews_then_discards_with_an_audit_row(
         audit = conn.execute(
             text(
                 "SELECT id, operator, action, target, reason, count, via, at FROM audit_log"
-                " WHERE target->>'source' = :p"
+                " WHERE target->>'source' = :p AND action = 'discard'"
             ),
             {"p": source.public_id},
         ).one()
