@@ -33,8 +33,12 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy webhooks ingest tasks models
 
+# Two processes (pytest-xdist, a file at a time: each has its own database and Redis server),
+# then the tests marked serial alone: they restart Postgres, or read every process's logs.
 test: lint
-	$(VENV)/bin/pytest
+	@logs=$$(mktemp -d -t webhooks-test-logs-XXXXXX) && \
+	WEBHOOKS_TEST_LOG_DIR=$$logs $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" && \
+	WEBHOOKS_TEST_LOG_DIR=$$logs $(VENV)/bin/pytest -m serial
 
 # The receiver against another revision (default: where this branch left main), run
 # alternately in one invocation with the naive peers and the bare ceiling. Needs wrk.

@@ -9,10 +9,12 @@ the environment returned by :func:`test_env`.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +33,52 @@ BIN = Path(sys.executable).parent
 # One database per test run, so runs on one machine never share (or drop) each other's data.
 TEST_DB = os.environ.get("WEBHOOKS_TEST_DATABASE", f"webhooks_test_{os.getpid()}")
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 # The Redis server the suite uses (its databases 4-15); another port lets two suites run side by
 # side, each against a redis-server of its own (``WEBHOOKS_TEST_REDIS_PORT=6390 make test``).
+#
+# Under pytest-xdist (``make test``) each worker process starts a redis-server of its own, on a
+# free port, stopped when the process exits: the suite's Redis databases are fixed numbers, so
+# two processes sharing one server would consume each other's messages and flush each other's
+# keys. Postgres needs nothing: every process makes a database of its own.
+def _private_redis() -> int:
+    port = free_port()
+    subprocess.run(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--daemonize", "yes", "--dir", tempfile.gettempdir(),
+         "--logfile", ""],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not _answers(port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the suite's own redis-server on {port} did not start")
+        time.sleep(0.05)
+    # Whatever process serves the port then (a test restarts it) is shut down.
+    atexit.register(
+        subprocess.run,
+        ["redis-cli", "-p", str(port), "shutdown", "nosave"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+    )  # fmt: skip
+    return port
+
+
+def _answers(port: int) -> bool:
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+if "WEBHOOKS_TEST_REDIS_PORT" not in os.environ and "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["WEBHOOKS_TEST_REDIS_PORT"] = str(_private_redis())
 REDIS_PORT = int(os.environ.get("WEBHOOKS_TEST_REDIS_PORT", "6379"))
 REDIS = f"redis://127.0.0.1:{REDIS_PORT}"
 
@@ -79,12 +125,6 @@ def make_settings(**overrides: object) -> Settings:
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for_port(

@@ -28,7 +28,8 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+# It stops and restarts the machine's Postgres: under `make test` it runs in the serial part, alone.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 # Time limits long enough for a Postgres restart inside one attempt (the lease, 4 x hard,
 # is then 100 s: a repeat by lease could not hide inside the test's wait).
