@@ -28,8 +28,7 @@ from tests.workers import (
     worker_settings,
 )
 
-# It stops and restarts the machine's Postgres: under `make test` it runs in the serial part, alone.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 # Time limits long enough for a Postgres restart inside one attempt (the lease, 4 x hard,
 # is then 100 s: a repeat by lease could not hide inside the test's wait).
@@ -100,6 +99,9 @@ def test_terminated_connections_between_effect_and_commit_repeat_nothing(
     _run_through_fault(tmp_path, sessions, engine, fault)
 
 
+# It stops and starts the machine's Postgres: under `make test` it runs in the serial part,
+# when no other test is running.
+@pytest.mark.serial
 def test_postgres_restart_between_effect_and_commit_repeats_nothing(
     tmp_path: Path, sessions: sessionmaker[Session], engine: Engine
 ) -> None:
