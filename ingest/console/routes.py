@@ -797,9 +797,6 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
             request, "audit.html", {"args": args, "rows": rows, "message": None}, session=session
         )
 
-    async def bare(request: Request) -> Response:
-        return _redirect("/console/")
-
     routes = [
         Route("/", overview, methods=["GET"]),
         Route("/login", login_page, methods=["GET"]),
@@ -821,7 +818,6 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
         Mount("/static", app=StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
     app = Starlette(routes=routes)
-    app.add_route("", bare, methods=["GET"])
     return SecurityHeaders(app)
 
 
