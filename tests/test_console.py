@@ -24,6 +24,8 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.console.sessions import SessionStore, digest
+from models import breaker
+from models.catalog import Change
 from tests.factories import MadeSource
 from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
@@ -527,6 +529,34 @@ def test_routes_pause_resume_and_remove_follow_the_cli_rules(
         ("route.pause", "dora", "downstream maintenance", "console"),
         ("route.resume", "dora", "back", "console"),
     ]
+
+
+def test_the_overview_counts_per_route_and_shows_pause_state(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    source = source_with(sessions, ops, "log", "flaky")
+    log_route, flaky_route = source.route_ids
+    for i in range(3):
+        accept(ops, source, event_type=f"count.{i}")
+    with sessions() as s:
+        flaky = s.scalars(
+            text("SELECT id FROM deliveries WHERE route_id = :r ORDER BY id LIMIT 2"),
+            {"r": flaky_route},
+        ).all()
+    kill(sessions, list(flaky))  # two of the flaky route's three deliveries dead
+    with sessions() as s, s.begin():
+        breaker.set_paused(s, log_route, True, Change("dora", "overview test"), now=None)
+    page.goto(f"{api.admin_url}/console/")
+    for window in ("hour", "day"):
+        cells = page.locator(f"tr[data-window={window}][data-route='{flaky_route}'] td")
+        # source, accepted, route, succeeded, retrying, dead, pending
+        assert cells.all_inner_texts()[1:] == ["3", f"{flaky_route} flaky", "0", "0", "2", "1"]
+        cells = page.locator(f"tr[data-window={window}][data-route='{log_route}'] td")
+        assert cells.all_inner_texts()[5:] == ["0", "3"]
+    state = page.locator(f"tr[data-state-route='{log_route}'] td").all_inner_texts()
+    assert state[2:] == ["paused", "closed"]
+    assert int(page.inner_text("#backlog")) >= 4  # these, and whatever other tests left
+    assert page.locator("a[href='/metrics']").count() == 1
 
 
 # attacker-controlled values ------------------------------------------------------------------
