@@ -28,6 +28,11 @@ progress from the audit row, which the run updates in the same transaction as ea
 it moves. If the process stops mid-run the row stays ``running``; the deliveries it did not
 reach are still dead, so a new replay with the same filter finishes the job.
 
+``/console/`` is the operator console (:mod:`ingest.console`): AdminGuard lets it through
+without a bearer token (it still caps the body, and it is off with the API when no token is
+configured); the console checks its own session cookie, started by logging in with one of
+the same named tokens. ``/admin`` still demands the bearer token, a console cookie or not.
+
 The interactive docs (``/admin/docs``) work offline: Swagger UI's files come from the
 ``swagger-ui-bundle`` package, served here, behind the token like the schema.
 """
