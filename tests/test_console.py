@@ -267,6 +267,19 @@ def test_a_post_without_its_csrf_token_is_403_and_changes_nothing(
     # Still logged in (logout without the token did nothing).
     page.goto(f"{api.admin_url}/console/audit")
     assert page.url == f"{api.admin_url}/console/audit"
+    # Bad input with the right token: a clear 400, nothing changed (Postgres text holds no NUL).
+    csrf = page.input_value("header .logout input[name=csrf]")
+    assert request.get(f"{api.admin_url}/console/events?source=a%00b").status == 400
+    nul = request.post(
+        f"{api.admin_url}/console/routes/{route}/pause", form={"csrf": csrf, "reason": "a\x00b"}
+    )
+    assert nul.status == 400
+    assert "NUL characters are not allowed" in nul.text()
+    with engine.connect() as conn:
+        paused = conn.execute(
+            text("SELECT paused_at IS NOT NULL FROM routes WHERE id = :r"), {"r": route}
+        ).scalar_one()
+    assert paused is False
 
 
 # pages ----------------------------------------------------------------------------------------

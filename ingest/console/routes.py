@@ -303,8 +303,15 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
                 return None, form, Response("session expired: log in again", 403)
             return None, form, login_redirect()
         if post and not sess.same(_one(form, "csrf"), session.csrf):
-            log.info("console.csrf_refused", path=request.url.path)
+            log.info("console.csrf_refused")
             return None, form, Response("missing or wrong CSRF token", 403)
+        values = [
+            *request.path_params.values(),
+            *request.query_params.values(),
+            *(v for vs in form.values() for v in vs),
+        ]
+        if any("\x00" in str(v) for v in values):  # Postgres text cannot hold NUL
+            return None, form, c.error(request, session, "NUL characters are not allowed")
         return session, form, None
 
     # login / logout -------------------------------------------------------------------------
