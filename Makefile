@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install run test lint bench bench-receiver
+.PHONY: install chromium run test lint bench bench-receiver
 .DEFAULT_GOAL := help
 
 help:
@@ -17,7 +17,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	@$(MAKE) --no-print-directory chromium
 	touch $@
+
+# The console's browser tests (tests/test_console.py) drive Debian's chromium through
+# Playwright's executable_path: never `playwright install`, no browser download.
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	@if [ -x "$(CHROMIUM)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
+	else echo "$(CHROMIUM) is missing: the console's browser tests need it." \
+	  "Install it as root: apt-get install -y chromium (they are skipped until then)"; fi
 
 # Local secrets for a development machine, generated once (never committed).
 # umask 077: the file is written readable by its owner only (mode 0600).

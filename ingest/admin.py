@@ -28,6 +28,11 @@ progress from the audit row, which the run updates in the same transaction as ea
 it moves. If the process stops mid-run the row stays ``running``; the deliveries it did not
 reach are still dead, so a new replay with the same filter finishes the job.
 
+``/console/`` is the operator console (:mod:`ingest.console`): AdminGuard lets it through
+without a bearer token (it still caps the body, and it is off with the API when no token is
+configured); the console checks its own session cookie, started by logging in with one of
+the same named tokens. ``/admin`` still demands the bearer token, a console cookie or not.
+
 The interactive docs (``/admin/docs``) work offline: Swagger UI's files come from the
 ``swagger-ui-bundle`` package, served here, behind the token like the schema.
 """
@@ -40,7 +45,6 @@ import hashlib
 import hmac
 import socket
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path as FilePath
 from typing import Annotated, Any
@@ -89,6 +93,7 @@ MAX_BODY_BYTES = 64 * 1024
 # Where AdminGuard puts the matched token's name (the request's state).
 TOKEN_NAME = "admin_token_name"  # noqa: S105  (a key, not a secret)
 DOCS_PATHS = ("/admin/openapi.json", "/admin/docs")
+CONSOLE_PREFIX = "/console"  # the operator console (ingest.console): its own session login
 BASIC_CHALLENGE = 'Basic realm="webhooks admin API (password: the admin token)"'
 # Swagger UI's files served to /admin/docs (from the swagger-ui-bundle package).
 DOCS_ASSETS = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png")
@@ -198,6 +203,8 @@ class _State:
         self._sessions: sessionmaker[Session] | None = None
         self._publisher: CeleryPublisher | None = None
         self.running = threading.BoundedSemaphore(MAX_RUNNING_REPLAYS)
+        # The replays this process runs, by id: set to cancel one (the console's Cancel).
+        self.cancels: dict[int, threading.Event] = {}
 
     @property
     def sessions(self) -> sessionmaker[Session]:
@@ -215,6 +222,8 @@ class _State:
             return self._publisher
 
     def run_in_background(self, plan: replays.Plan, replay_id: int) -> None:
+        cancel = self.cancels.setdefault(replay_id, threading.Event())
+
         def work() -> None:
             try:
                 replays.execute(
@@ -223,15 +232,22 @@ class _State:
                     replay_id,
                     settings=self.settings,
                     clock=self.clock,
-                    sleep=time.sleep,
+                    sleep=lambda seconds: _wait(cancel, seconds),
                     publish=self.publisher,
+                    cancelled=cancel.is_set,
                 )
             except Exception as exc:  # noqa: BLE001  (the audit row says failed; log the class)
                 log.error("replay.failed", replay_id=replay_id, error=exc.__class__.__name__)
             finally:
+                self.cancels.pop(replay_id, None)
                 self.running.release()
 
         threading.Thread(target=work, name=f"replay-{replay_id}", daemon=True).start()
+
+
+def _wait(event: threading.Event, seconds: float) -> None:
+    """A replay's pacing sleep, cut short by a cancel."""
+    event.wait(seconds)
 
 
 # In the schema only (the bearer scheme, for clients and the docs' Authorize button): the
@@ -292,6 +308,13 @@ class AdminGuard:
             await _answer(send, 404, "Not Found", "not_found")
             return
         path: str = scope["path"]
+        if path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/"):
+            # The console authenticates with its session cookie (its login page, the named
+            # token, checked by the console against the same tokens); the body cap holds.
+            body = await self._read_body(scope, receive, send)
+            if body is not None:
+                await self.app(scope, _replay(body, receive), send)
+            return
         docs = path in DOCS_PATHS or path.startswith("/admin/docs/")
         name = self._match(scope, docs=docs)
         if name is None:
@@ -488,9 +511,12 @@ def _schema(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def create_api(settings: Settings, *, clock: Clock | None = None) -> FastAPI:
-    """The admin API (mounted at ``/admin`` by :func:`create_admin_app`, behind AdminGuard)."""
-    state = _State(settings, clock or SystemClock())
+def create_api(
+    settings: Settings, *, clock: Clock | None = None, state: _State | None = None
+) -> FastAPI:
+    """The admin API (mounted at ``/admin`` by :func:`create_admin_app`, behind AdminGuard).
+    ``state``: shared with the console, so both count the same running replays."""
+    state = state or _State(settings, clock or SystemClock())
     app = FastAPI(
         title="webhooks admin API",
         description=DESCRIPTION,
@@ -787,12 +813,16 @@ def create_admin_app(
 ) -> AdminGuard:
     """The admin plane: ``/metrics`` (no token) and, when a token is configured, the API under
     ``/admin``; all behind :class:`AdminGuard`."""
+    from ingest.console import create_console  # noqa: PLC0415
+
     tokens = settings.admin_tokens_by_name()
     routes: list[Route | Mount] = [
         Route("/metrics", metrics_endpoint(multiprocess_dir), methods=["GET"])
     ]
     if tokens:
-        routes.append(Mount("/admin", app=create_api(settings, clock=clock)))
+        state = _State(settings, clock or SystemClock())
+        routes.append(Mount("/admin", app=create_api(settings, clock=clock, state=state)))
+        routes.append(Mount(CONSOLE_PREFIX, app=create_console(settings, state, tokens)))
     return AdminGuard(Starlette(routes=routes), tokens)
 
 

@@ -28,7 +28,7 @@ log = get_logger("discards")
 MAX_PLAN = 100_000  # dead letters in one discard; narrow the filter beyond that
 SAMPLE_SIZE = 10
 
-Via = Literal["cli", "api"]
+Via = Literal["cli", "api", "console"]
 
 
 class DiscardError(ValueError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select
+from sqlalchemy import and_, exists, func, or_, select, tuple_
 from sqlalchemy.orm import Session
 
 from models.catalog import get_source, glob_to_like
@@ -122,6 +122,8 @@ class EventFilter:
     since: datetime | None = None  # received_at >= since
     until: datetime | None = None  # received_at < until
     limit: int = 50
+    # Cursor pagination (the console): only receipts older than (received_at, id).
+    before: tuple[datetime, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,8 @@ def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     conds = _receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
     if flt.status is not None:
         conds.append(exists().where(_delivery_of_receipt(), Delivery.status == flt.status))
+    if flt.before is not None:
+        conds.append(tuple_(Receipt.received_at, Receipt.id) < tuple_(*flt.before))
     rows = session.execute(
         select(
             Receipt.id,

@@ -50,7 +50,7 @@ MAX_CHUNK = 500
 MAX_PLAN = 100_000  # candidates in one replay; narrow the filter beyond that
 SAMPLE_SIZE = 10
 
-Via = Literal["cli", "api"]
+Via = Literal["cli", "api", "console"]
 # Publishes one delivery: (delivery id, event id, source public id) -> published?
 Publish = Callable[[int, str, str], bool]
 
@@ -339,8 +339,12 @@ def execute(
     sleep: Callable[[float], None],
     publish: Publish,
     on_progress: Callable[[ReplayResult], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> ReplayResult:
     """Run the plan at ``plan.request.rate`` per second; always closes the audit row.
+
+    ``cancelled`` (the console's Cancel) is asked before each chunk: once it says so, the run
+    stops there with status ``cancelled``; what it moved stays moved, the rest stays dead.
 
     Interrupted (Ctrl-C) or failed runs keep what they did (each chunk commits whole): the
     audit row says so, and the deliveries not reached are still dead, so running the same
@@ -353,6 +357,9 @@ def execute(
     todo = list(plan.candidates)
     try:
         while todo:
+            if cancelled is not None and cancelled():
+                result.status = "cancelled"
+                break
             wait, n = pace_chunk(window, clock.now().timestamp(), rate, min(size, len(todo)))
             if wait > 0:
                 sleep(wait)
@@ -376,7 +383,8 @@ def execute(
             result.skips += skips
             if on_progress is not None:
                 on_progress(result)
-        result.status = "done"
+        else:
+            result.status = "done"
     except KeyboardInterrupt:
         result.status = "interrupted"
         raise

@@ -91,7 +91,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from celery import Task, shared_task
-from celery.exceptions import Retry
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
@@ -107,7 +107,7 @@ from tasks.durable import Unrecorded, discard_pooled, on_connection, record
 from tasks.durable import autocommit as _autocommit
 from tasks.errors import DownstreamError, HandlerError, PermanentError, RetryableError
 from tasks.policy import DEAD_CRASHED, RetryPolicy, decide
-from tasks.pools import in_flight, is_hard_timeout, time_limits
+from tasks.pools import in_flight, is_hard_timeout, run_limited
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.crypto import SecretDecryptError
@@ -531,8 +531,14 @@ def _attempt(
             clock=rt.clock,
             io_timeout=rt.settings.handler_io_timeout,
         )
-        with time_limits(rt.settings.soft_time_limit, rt.settings.hard_time_limit, _held(found)):
-            handler(loaded.event, ctx)
+        run_limited(
+            handler,
+            loaded.event,
+            ctx,
+            soft=rt.settings.soft_time_limit,
+            hard=rt.settings.hard_time_limit,
+            held=_held(found),
+        )
         session.flush()
         done_at = _now(rt, found, started)
         if not session.in_transaction():
@@ -544,7 +550,7 @@ def _attempt(
         session.rollback()
         return _lost(rt, found, fast, row)
     except Exception as exc:  # noqa: BLE001 (any handler error is a failed attempt)
-        session.rollback()
+        _discard(session, exc)
         policy = loaded.policy if loaded else RetryPolicy.for_route(rt.settings)
         return _fail(
             rt,
@@ -563,7 +569,7 @@ def _attempt(
         # The hard limit fired in this thread or greenlet (tasks.pools), e.g. in a handler
         # that caught the soft limit and went on waiting. The attempt fails now, retried
         # like any other failure, instead of holding its lease for the processing TTL.
-        session.rollback()
+        _discard(session, exc)
         log.warning("delivery.hard_time_limit", delivery_id=found.id, attempt=found.attempt)
         return _fail(
             rt,
@@ -580,6 +586,18 @@ def _attempt(
             row=row,
         )
     return _succeeded(rt, _Done(claimed, loaded, done_at))
+
+
+def _discard(session: Session, exc: BaseException) -> None:
+    """End the handler's transaction after it failed. A time limit lands between two
+    bytecodes, possibly inside psycopg or the pool while the handler used ``ctx.session``: that
+    connection's protocol state is unknown, so it is invalidated (closed, never pooled again)
+    instead of rolled back through; the session then takes a fresh one for the failure's
+    record. Any other failure rolls back as usual."""
+    if isinstance(exc, SoftTimeLimitExceeded) or is_hard_timeout(exc):
+        session.invalidate()
+    else:
+        session.rollback()
 
 
 def _succeeded(rt: Runtime, done: _Done, *, confirm: bool = True) -> Report:

@@ -302,6 +302,63 @@ def time_limits(soft: float, hard: float, held: Held | None = None) -> Iterator[
         _ThreadLimits.leave(ident)
 
 
+_LIMITS = (SoftTimeLimitExceeded, HardTimeLimitExceeded)
+_LIMIT_CLASSES = frozenset(_LIMITS)
+
+
+def run_limited(
+    handler: Callable[..., object],
+    *args: object,
+    soft: float,
+    hard: float,
+    held: Held | None = None,
+) -> None:
+    """``handler(*args)`` under :func:`time_limits`, with two guarantees a ``with`` block
+    cannot give under the thread pool, where a limit is an exception another thread raises
+    into this one at its next bytecode:
+
+    - **A handler's return is final.** A limit signalled at the instant the handler returned
+      lands here, after it, and is absorbed: the success stands (a retry would repeat an
+      effect already made).
+    - **No limit fires in the pipeline's own code.** When this returns or raises, the limits
+      are disarmed and none is pending, so none lands in the success commit or the rollback.
+
+    The watchdog signals a thread at most twice (soft, then hard) and only while its deadline
+    is registered; :meth:`_ThreadLimits.leave` unregisters it and cancels what is pending,
+    under the watchdog's lock. So the nested catches below absorb every limit that can land
+    between the handler's return and that unregistering. Under gevent and in a prefork
+    child's main thread the limits never interrupt anything but the handler (a greenlet
+    timeout fires at a yield; Celery's signal kills the child), and :func:`time_limits` is
+    all there is."""
+    if is_green() or threading.current_thread() is threading.main_thread():
+        with time_limits(soft, hard, held):
+            handler(*args)
+        return
+    ident = _ThreadLimits.enter(soft, hard, held)
+    failure: BaseException | None = None
+    try:
+        try:
+            handler(*args)
+        except BaseException as exc:  # noqa: BLE001 (the handler's own outcome, raised below)
+            # A limit whose traceback ends in this frame landed after the handler returned
+            # (the check that follows a call); one raised in the handler has its frames. No
+            # call in here: each call is a point where a second limit could land.
+            tb = exc.__traceback__
+            if not (exc.__class__ in _LIMIT_CLASSES and tb is not None and tb.tb_next is None):
+                failure = exc
+        _ThreadLimits.leave(ident)
+    except _LIMITS:  # landed after the handler, before the deadline was unregistered
+        try:
+            _ThreadLimits.leave(ident)
+        except _LIMITS:
+            try:
+                _ThreadLimits.leave(ident)
+            except _LIMITS:
+                _ThreadLimits.leave(ident)
+    if failure is not None:
+        raise failure
+
+
 def _blocking_greenlets() -> list[Held]:
     """From the watchdog's native thread while the event loop is blocked: the delivery whose
     handler's greenlet is the one running (a started greenlet without a saved frame: its

@@ -109,7 +109,7 @@ def test_the_api_is_off_when_no_token_is_configured(ops: Settings) -> None:
             "/metrics"
         ]
     on = create_admin_app(ops_settings(admin_token=TOKEN)).app.routes
-    assert [r.path for r in on] == ["/metrics", "/admin"]
+    assert [r.path for r in on] == ["/metrics", "/admin", "/console"]
 
 
 def test_the_openapi_schema_documents_every_route_and_the_bearer_scheme(api: Receiver) -> None:

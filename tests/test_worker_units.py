@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
+from celery.exceptions import SoftTimeLimitExceeded
 from prometheus_client import REGISTRY
 
 from tasks.claims import ClaimStore, claim_key, make_client
@@ -29,7 +30,13 @@ from tasks.policy import (
     backoff_bound,
     decide,
 )
-from tasks.pools import HardTimeLimitExceeded, PoolMismatchError, check_pool, time_limits
+from tasks.pools import (
+    HardTimeLimitExceeded,
+    PoolMismatchError,
+    check_pool,
+    run_limited,
+    time_limits,
+)
 from tasks.runtime import engine_pool_size
 from tests.conftest import free_port, make_settings
 from tests.workers import CLAIMS_URL
@@ -429,3 +436,64 @@ def test_a_limit_that_did_not_fire_leaves_nothing_pending() -> None:
     worker.start()
     worker.join(5)
     assert done == [True]
+
+
+def test_a_handler_that_returns_at_its_limits_instant_has_succeeded() -> None:
+    """Issue 19: a limit signalled as the handler returns must not turn its success into a
+    retry (a second downstream call), nor land later in the pipeline's own code.
+
+    The handler here is a C function that blocks without the interpreter (``time.sleep``):
+    the real watchdog signals the soft limit while it blocks, so the limit can only land at
+    the first bytecode check after the handler has returned, every time. That is the instant
+    a Python handler hits when it returns as the watchdog fires, which a test cannot aim at.
+    Under ``with time_limits(...)`` the limit landed there and the success became a retry."""
+    outcome: list[str] = []
+
+    def pipeline() -> None:
+        try:
+            started = time.monotonic()
+            run_limited(time.sleep, 0.4, soft=0.1, hard=5)
+            outcome.append("returned" if time.monotonic() - started >= 0.4 else "early")
+        except (SoftTimeLimitExceeded, HardTimeLimitExceeded) as exc:
+            outcome.append(type(exc).__name__)
+            return
+        try:
+            # The pipeline's own code after the handler (the success commit): nothing lands.
+            busy = time.monotonic() + 0.3
+            while time.monotonic() < busy:
+                pass
+            outcome.append("clean")
+        except (SoftTimeLimitExceeded, HardTimeLimitExceeded) as exc:
+            outcome.append(f"stray {type(exc).__name__}")
+
+    thread = threading.Thread(target=pipeline)
+    thread.start()
+    thread.join(5)
+    assert outcome == ["returned", "clean"]
+
+
+def test_a_limit_that_lands_in_the_handler_still_fails_it() -> None:
+    """The other side of the same line: a limit that lands while the handler's own Python
+    code runs is its failure (a retry), raised from ``run_limited``."""
+    outcome: list[str] = []
+
+    def handler() -> None:
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            pass
+
+    def pipeline() -> None:
+        try:
+            run_limited(handler, soft=0.1, hard=5)
+            outcome.append("returned")
+        except SoftTimeLimitExceeded:
+            outcome.append("soft")
+        busy = time.monotonic() + 0.2
+        while time.monotonic() < busy:
+            pass
+        outcome.append("clean")
+
+    thread = threading.Thread(target=pipeline)
+    thread.start()
+    thread.join(5)
+    assert outcome == ["soft", "clean"]

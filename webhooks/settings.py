@@ -183,6 +183,14 @@ class Settings(BaseSettings):
     flower_port: int = Field(default=5555, ge=1, le=65535)
     worker_metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
+    # The operator console (/console/ on the admin address): a session ends this long after
+    # its last request; cookies are Secure when the request is https, or always with
+    # console_secure_cookies (the console behind a TLS-terminating proxy); Flower's address as
+    # the operator's browser reaches it (default http://127.0.0.1:WEBHOOKS_FLOWER_PORT).
+    console_idle_timeout: timedelta = timedelta(minutes=30)
+    console_secure_cookies: bool = False
+    console_flower_url: str | None = None
+
     # Extra modules imported by workers so their handlers register (besides entry points).
     handler_modules: list[str] = Field(default_factory=list)
 
@@ -254,7 +262,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_breaker(self) -> Settings:
-        for name in ("breaker_window", "breaker_probe_interval"):
+        for name in ("breaker_window", "breaker_probe_interval", "console_idle_timeout"):
             if getattr(self, name) <= timedelta():
                 raise ValueError(f"WEBHOOKS_{name.upper()} must be positive")
         return self

@@ -1,0 +1,284 @@
+"""Console benchmark (issue 21): the operator console's heaviest pages through its HTTP server,
+with 1,000,000 receipts and 1,000,000 deliveries in the database, 10,000 of them dead.
+
+Seeding is set-based (``generate_series``): receipts spread over the last 3 days across
+``--sources`` sources, one delivery each on the source's route; every 100th delivery dead,
+the rest succeeded. Then the admin plane (``ingest.admin.AdminServer``, the server
+``webhooks serve`` runs) starts in this process, a session logs in, and:
+
+  events    GET /console/events?source=S&status=dead|succeeded (the first page, 50 rows)
+  preview   POST /console/dead/preview, all dead letters matching source=S (the count and
+            sample of a bulk replay)
+  delivery  GET /console/deliveries/ID (random ids: dead and succeeded)
+
+Targets: events p95 <= 200 ms, preview <= 500 ms, delivery p95 <= 100 ms. The plans of the
+statements behind each page (captured while the page's query functions run) are printed
+with EXPLAIN (ANALYZE, BUFFERS).
+
+Usage: .venv/bin/python bench/bench_console.py [--receipts 1000000] [--requests 40]
+Uses its own database (dropped after unless --keep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sqlalchemy import event, text  # noqa: E402
+
+from ingest.admin import AdminServer  # noqa: E402
+from models import catalog, queries  # noqa: E402
+from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from models.queries import EventFilter, ReplayFilter  # noqa: E402
+from webhooks.crypto import SecretBox  # noqa: E402
+from webhooks.settings import Settings  # noqa: E402
+
+DB = "webhooks_bench_console"
+ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+TOKEN = "bench_console_token_" + "x" * 24
+
+
+def settings(port: int) -> Settings:
+    return Settings(
+        database_url=f"postgresql://postgres@127.0.0.1:5432/{DB}",
+        broker_url="redis://127.0.0.1:6379/0",
+        redis_url="redis://127.0.0.1:6379/0",
+        secret_key="bench-secret-key-" + "k" * 32,
+        admin_tokens=f"bench:{TOKEN}",
+        admin_port=port,
+        environment="test",
+    )  # type: ignore[arg-type]
+
+
+SEED_RECEIPTS = """
+INSERT INTO receipts (id, source_id, event_id, expires_at, event_type, occurred_at,
+                      received_at, body_digest, content_type, payload)
+SELECT g, s.ids[1 + g % s.n], 'evt_bench_' || g,
+       now() - (g * interval '259 ms') + interval '6 days',
+       (ARRAY['invoice.paid','invoice.failed','order.created','order.shipped'])[1 + g % 4],
+       now() - (g * interval '259 ms'), now() - (g * interval '259 ms'),
+       sha256(('b' || g)::bytea), 'application/json',
+       convert_to('{"id":"evt_bench_' || g || '","n":' || g || '}', 'UTF8')
+FROM generate_series(1, :n) AS g,
+     (SELECT array_agg(id ORDER BY id) AS ids, count(*)::int AS n FROM sources) AS s
+"""
+
+SEED_DELIVERIES = """
+INSERT INTO deliveries (id, expires_at, receipt_id, source_id, route_id, status, attempts,
+                        last_error_class, last_error, dead_reason, dead_at, created_at,
+                        updated_at, first_attempt_at, succeeded_at)
+SELECT r.id, r.expires_at, r.id, r.source_id, rt.id,
+       CASE WHEN r.id % 100 = 0 THEN 'dead' ELSE 'succeeded' END, 1,
+       CASE WHEN r.id % 100 = 0 THEN 'PermanentError' END,
+       CASE WHEN r.id % 100 = 0 THEN 'downstream answered HTTP 410' END,
+       CASE WHEN r.id % 100 = 0 THEN 'http_rejected' END,
+       CASE WHEN r.id % 100 = 0 THEN r.received_at END,
+       r.received_at, r.received_at, r.received_at,
+       CASE WHEN r.id % 100 = 0 THEN NULL ELSE r.received_at END
+FROM receipts r JOIN routes rt ON rt.source_id = r.source_id
+"""
+
+SEED_ATTEMPTS = """
+INSERT INTO attempts (expires_at, delivery_id, number, worker, started_at, ended_at, outcome,
+                      error_class, error_message)
+SELECT d.expires_at, d.id, 1, 'bench:1', d.created_at, d.created_at + interval '40 ms',
+       CASE WHEN d.status = 'dead' THEN 'dead' ELSE 'succeeded' END,
+       d.last_error_class, d.last_error
+FROM deliveries d
+"""
+
+
+def reset_database() -> None:
+    with psycopg.connect(ADMIN, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (DB,)
+        )
+        conn.execute(f'DROP DATABASE IF EXISTS "{DB}"')
+
+
+def seed(cfg: Settings, receipts: int, sources: int) -> list[str]:
+    upgrade(cfg)
+    engine = make_engine(cfg, pool_size=1)
+    sessions = make_sessionmaker(engine)
+    box = SecretBox(cfg.secret_key.get_secret_value())
+    public: list[str] = []
+    with sessions() as session, session.begin():
+        for i in range(sources):
+            source, _ = catalog.create_source(
+                session, box, cfg, name=f"bench-{i}", provider="standard", account="default"
+            )
+            catalog.add_route(session, box, source, handler="log")
+            public.append(source.public_id)
+    started = time.perf_counter()
+    with engine.begin() as conn:
+        conn.execute(text(SEED_RECEIPTS), {"n": receipts})
+        conn.execute(text(SEED_DELIVERIES))
+        conn.execute(text(SEED_ATTEMPTS))
+        conn.execute(text("SELECT setval('receipts_id_seq', :n)"), {"n": receipts})
+        conn.execute(text("SELECT setval('deliveries_id_seq', :n)"), {"n": receipts})
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").execute(
+            text("VACUUM ANALYZE receipts, deliveries, attempts")
+        )
+        counts = conn.execute(
+            text(
+                "SELECT (SELECT count(*) FROM receipts), (SELECT count(*) FROM deliveries),"
+                " (SELECT count(*) FROM deliveries WHERE status = 'dead')"
+            )
+        ).one()
+    engine.dispose()
+    print(
+        f"seeded {counts[0]:,} receipts, {counts[1]:,} deliveries ({counts[2]:,} dead) over "
+        f"{sources} sources in {time.perf_counter() - started:.1f}s"
+    )
+    return public
+
+
+def login(client: httpx.Client, base: str) -> str:
+    page = client.get(f"{base}/console/login")
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
+    assert csrf is not None
+    answer = client.post(f"{base}/console/login", data={"csrf": csrf.group(1), "token": TOKEN})
+    assert answer.status_code == 303, answer.status_code
+    overview = client.get(f"{base}/console/")
+    found = re.search(r'name="csrf" value="([^"]+)"', overview.text)
+    assert found is not None
+    return found.group(1)
+
+
+def timed(call: Any) -> tuple[float, httpx.Response]:
+    started = time.perf_counter()
+    response = call()
+    return (time.perf_counter() - started) * 1000, response
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, round(0.95 * len(ordered)) - 1)]
+
+
+def explain(cfg: Settings, work: Any, title: str) -> None:
+    """Capture the statements ``work(session)`` runs, then EXPLAIN ANALYZE each."""
+    engine = make_engine(cfg, pool_size=1)
+    captured: list[tuple[str, Any]] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def grab(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "EXPLAIN" not in statement:
+            captured.append((statement, params))
+
+    sessions = make_sessionmaker(engine)
+    with sessions() as session, session.begin():
+        work(session)
+    event.remove(engine, "before_cursor_execute", grab)
+    print(f"\n--- plans: {title} ---")
+    raw = engine.raw_connection()
+    try:
+        cur = raw.cursor()
+        for statement, params in captured:
+            if "now()" in statement and "FROM" not in statement:
+                continue
+            cur.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + statement, params)
+            first = statement.strip().splitlines()[0][:100]
+            print(f"> {first}")
+            for (line,) in cur.fetchall():
+                print("  " + line)
+    finally:
+        raw.close()
+    engine.dispose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--receipts", type=int, default=1_000_000)
+    parser.add_argument("--sources", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--port", type=int, default=18091)
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args()
+    cfg = settings(args.port)
+    reset_database()
+    public = seed(cfg, args.receipts, args.sources)
+    server = AdminServer(cfg, host="127.0.0.1", port=args.port)
+    server.start()
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        time.sleep(1)
+        with httpx.Client(timeout=30) as client:
+            csrf = login(client, base)
+            source = public[0]
+            results: dict[str, list[float]] = {}
+            for status in ("dead", "succeeded"):
+                url = f"{base}/console/events?source={source}&status={status}"
+                timed(lambda url=url: client.get(url))  # warm
+                runs = []
+                for _ in range(args.requests):
+                    ms, response = timed(lambda url=url: client.get(url))
+                    assert response.status_code == 200
+                    assert response.text.count("data-receipt=") == 50
+                    runs.append(ms)
+                results[f"events source+status={status}"] = runs
+            form = {"csrf": csrf, "action": "replay", "scope": "all", "source": source}
+            runs = []
+            for _ in range(max(5, args.requests // 4)):
+                ms, response = timed(lambda: client.post(f"{base}/console/dead/preview", data=form))
+                assert response.status_code == 200, response.status_code
+                count = re.search(r'id="preview-count">(\d+)<', response.text)
+                assert count is not None
+                runs.append(ms)
+            results[f"dead preview (count {int(count.group(1)):,})"] = runs
+            rng = random.Random(7)
+            ids = [rng.randrange(1, args.receipts + 1) for _ in range(args.requests)]
+            ids[: args.requests // 2] = [100 * rng.randrange(1, args.receipts // 100) for _ in
+                                         range(args.requests // 2)]  # fmt: skip
+            runs = []
+            for did in ids:
+                ms, response = timed(lambda did=did: client.get(f"{base}/console/deliveries/{did}"))
+                assert response.status_code == 200, (did, response.status_code)
+                runs.append(ms)
+            results["delivery detail"] = runs
+        print(f"\n{'page':<36} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8}")
+        for name, runs in results.items():
+            print(
+                f"{name:<36} {len(runs):>4} {statistics.median(runs):>8.1f} {p95(runs):>8.1f} "
+                f"{max(runs):>8.1f}"
+            )
+        explain(
+            cfg,
+            lambda s: queries.list_events(s, EventFilter(source, None, "dead", limit=50)),
+            "events source+status=dead",
+        )
+        explain(
+            cfg,
+            lambda s: queries.candidates_by_filter(
+                s, ReplayFilter(source, None, "dead"), limit=100_001
+            ),
+            "dead preview (plan_replay's candidates)",
+        )
+        from tasks.context import idempotency_key  # noqa: PLC0415
+
+        explain(
+            cfg,
+            lambda s: queries.get_delivery(s, ids[0], key_of=idempotency_key),
+            f"delivery detail ({ids[0]})",
+        )
+    finally:
+        server.stop()
+        if not args.keep:
+            reset_database()
+
+
+if __name__ == "__main__":
+    main()

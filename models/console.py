@@ -1,0 +1,230 @@
+"""Read-only queries of the operator console (``ingest.console``): the overview's counts, an
+event's payload and conflicts, the catalog with route states, and the audit trail (the CLI's
+``audit_log`` and ``replays`` rows) filtered by operator, action and time.
+
+Nothing here changes a row: the console's actions go through :mod:`models.replays`,
+:mod:`models.discards`, :mod:`models.catalog` and :mod:`models.breaker`, as the CLI's do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
+
+from models.breaker import RouteState, state_of
+from models.schema import AuditEntry, Conflict, Receipt, Replay, Route, Source
+
+WINDOWS = (("hour", timedelta(hours=1)), ("day", timedelta(days=1)))
+
+
+@dataclass(frozen=True)
+class RouteCounts:
+    """One route's deliveries created in a window, by what became of them."""
+
+    source: str
+    source_name: str
+    route_id: int
+    handler: str
+    succeeded: int
+    retrying: int
+    dead: int
+    pending: int
+
+
+@dataclass(frozen=True)
+class Overview:
+    accepted: dict[str, dict[str, int]]  # window -> source public id -> receipts received
+    routes: dict[str, list[RouteCounts]]  # window -> per route
+    backlog: int  # pending, retrying or processing now
+    oldest_pending_age: timedelta | None  # of the oldest pending or retrying delivery
+    now: datetime  # the database's clock
+
+
+_ROUTE_COUNTS = text(
+    """
+    SELECT s.public_id, s.name, r.id, r.handler,
+           count(*) FILTER (WHERE d.status = 'succeeded') AS succeeded,
+           count(*) FILTER (WHERE d.status = 'retrying') AS retrying,
+           count(*) FILTER (WHERE d.status = 'dead') AS dead,
+           count(*) FILTER (WHERE d.status IN ('pending', 'processing')) AS pending
+    FROM routes r
+    JOIN sources s ON s.id = r.source_id
+    LEFT JOIN deliveries d ON d.route_id = r.id AND d.created_at >= :since
+    GROUP BY s.public_id, s.name, r.id, r.handler
+    ORDER BY s.public_id, r.id
+    """
+)
+
+_ACCEPTED = text(
+    """
+    SELECT s.public_id, count(r.id)
+    FROM sources s
+    LEFT JOIN receipts r ON r.source_id = s.id AND r.received_at >= :since
+    GROUP BY s.public_id
+    """
+)
+
+_BACKLOG = text(
+    """
+    SELECT count(*),
+           now() - min(created_at) FILTER (WHERE status IN ('pending', 'retrying')),
+           now()
+    FROM deliveries
+    WHERE status IN ('pending', 'retrying', 'processing')
+    """
+)
+
+
+def overview(session: Session) -> Overview:
+    """Counts over the last hour and day, on the database's clock."""
+    backlog, oldest, now = session.execute(_BACKLOG).one()
+    accepted: dict[str, dict[str, int]] = {}
+    routes: dict[str, list[RouteCounts]] = {}
+    for name, span in WINDOWS:
+        since = now - span
+        accepted[name] = {r[0]: int(r[1]) for r in session.execute(_ACCEPTED, {"since": since})}
+        routes[name] = [
+            RouteCounts(*row) for row in session.execute(_ROUTE_COUNTS, {"since": since})
+        ]
+    return Overview(accepted, routes, int(backlog), oldest, now)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """An event's stored body (None once retention dropped it) and the conflicts seen."""
+
+    body: bytes | None
+    dropped_at: datetime | None
+    conflicts: list[datetime]  # when a different body arrived under the same event id
+
+
+def payload(session: Session, receipt_id: int) -> Payload:
+    row = session.execute(
+        select(
+            Receipt.payload,
+            Receipt.payload_dropped_at,
+            Receipt.source_id,
+            Receipt.event_id,
+            Receipt.expires_at,
+        )
+        .where(Receipt.id == receipt_id)
+        .limit(1)
+    ).first()
+    if row is None:
+        return Payload(None, None, [])
+    seen = session.scalars(
+        select(Conflict.received_at)
+        .where(
+            Conflict.source_id == row.source_id,
+            Conflict.event_id == row.event_id,
+            Conflict.expires_at == row.expires_at,
+        )
+        .order_by(Conflict.received_at)
+        .limit(100)
+    ).all()
+    return Payload(row.payload, row.payload_dropped_at, list(seen))
+
+
+@dataclass(frozen=True)
+class RouteRow:
+    id: int
+    handler: str
+    events: str
+    active: bool
+    state: RouteState
+
+
+@dataclass(frozen=True)
+class SourceRow:
+    public_id: str
+    name: str
+    provider: str
+    active: bool
+    routes: list[RouteRow]
+
+
+def catalog(session: Session) -> list[SourceRow]:
+    """Every source with its routes and their pause and breaker state."""
+    session.expire_all()
+    sources = session.scalars(select(Source).order_by(Source.name, Source.id)).all()
+    by_source: dict[int, list[RouteRow]] = {s.id: [] for s in sources}
+    for route in session.scalars(select(Route).order_by(Route.id)):
+        by_source.setdefault(route.source_id, []).append(
+            RouteRow(route.id, route.handler, route.events_glob, route.active, state_of(route))
+        )
+    return [SourceRow(s.public_id, s.name, s.provider, s.active, by_source[s.id]) for s in sources]
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One operator action: an ``audit_log`` row, or a replay (action ``replay``)."""
+
+    kind: str  # "audit" or "replay"
+    id: int
+    at: datetime
+    operator: str
+    action: str
+    target: dict[str, Any]
+    reason: str
+    count: int
+    via: str
+    status: str | None  # a replay's
+
+
+def audit(
+    session: Session,
+    *,
+    operator: str | None = None,
+    action: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = 100,
+) -> list[AuditRow]:
+    """Most recent first; ``action`` is a prefix (``route``, ``discard``, ``replay``)."""
+    entries = select(AuditEntry).order_by(AuditEntry.at.desc(), AuditEntry.id.desc()).limit(limit)
+    runs = select(Replay).order_by(Replay.started_at.desc(), Replay.id.desc()).limit(limit)
+    if operator:
+        entries = entries.where(AuditEntry.operator == operator)
+        runs = runs.where(Replay.operator == operator)
+    if since is not None:
+        entries = entries.where(AuditEntry.at >= since)
+        runs = runs.where(Replay.started_at >= since)
+    if until is not None:
+        entries = entries.where(AuditEntry.at < until)
+        runs = runs.where(Replay.started_at < until)
+    rows: list[AuditRow] = []
+    if action:
+        entries = entries.where(AuditEntry.action.startswith(action, autoescape=True))
+    rows += [
+        AuditRow(
+            "audit", e.id, e.at, e.operator, e.action, e.target, e.reason, e.count, e.via, None
+        )
+        for e in session.scalars(entries)
+    ]
+    if not action or "replay".startswith(action):
+        rows += [
+            AuditRow(
+                "replay",
+                r.id,
+                r.started_at,
+                r.operator,
+                "replay",
+                r.filter,
+                r.reason,
+                r.replayed,
+                r.via,
+                r.status,
+            )
+            for r in session.scalars(runs)
+        ]
+    rows.sort(key=lambda r: r.at, reverse=True)
+    return rows[:limit]
+
+
+def db_now(session: Session) -> datetime:
+    value: datetime = session.execute(select(func.now())).scalar_one()
+    return value

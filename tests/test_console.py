@@ -1,0 +1,650 @@
+"""The operator console (issue 21) in a real browser: Playwright driving Debian's chromium
+(headless, ``executable_path``, never ``playwright install``) against the real receiver
+(``webhooks serve``, its admin plane serving ``/console/``) and a real Celery worker.
+
+One browser, one receiver and one worker serve the whole module. Dead letters are made by
+the worker running the demo's ``flaky`` handler (it fails until replayed), or moved to dead
+with the guarded transitions (:func:`tests.operators_support.kill`) where only their number
+matters; replays are then run by the console and processed by the worker.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from ingest.console.sessions import SessionStore, digest
+from models import breaker
+from models.catalog import Change
+from tests.factories import MadeSource
+from tests.handlers_for_tests import EFFECTS_DDL
+from tests.leakcheck import remember
+from tests.operators_support import (
+    OPS,
+    accept,
+    flush,
+    kill,
+    ops_receiver,
+    ops_settings,
+    source_with,
+)
+from tests.processes import Receiver
+from tests.signing import sign
+from tests.workers import Broker, Worker, attempts, running_worker, wait_status
+from webhooks.clock import FrozenClock
+from webhooks.settings import Settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TOKEN = "adm_console_" + secrets.token_urlsafe(24)
+OTHER_TOKEN = "adm_console_other_" + secrets.token_urlsafe(24)
+remember(TOKEN, OTHER_TOKEN)
+
+if shutil.which(CHROMIUM) is None:  # make install installs it (Debian's chromium package)
+    pytest.skip(f"{CHROMIUM} is missing: run `make install` (as root)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ops() -> Iterator[Settings]:
+    settings = ops_settings()
+    flush(settings)
+    yield settings
+    flush(settings)
+
+
+@pytest.fixture(scope="module")
+def worker(
+    ops: Settings, tmp_path_factory: pytest.TempPathFactory, engine: Engine
+) -> Iterator[Worker]:
+    with engine.begin() as conn:
+        conn.execute(text(EFFECTS_DDL))
+    with running_worker(
+        "console", tmp_path_factory.mktemp("console-worker"), concurrency=2, **OPS
+    ) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def broker(ops: Settings) -> Iterator[Broker]:
+    b = Broker(ops)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def api(ops: Settings) -> Iterator[Receiver]:
+    with ops_receiver(None, WEBHOOKS_ADMIN_TOKENS=f"dora:{TOKEN},eve:{OTHER_TOKEN}") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def context(browser: Browser) -> Iterator[BrowserContext]:
+    ctx = browser.new_context()
+    yield ctx
+    ctx.close()
+
+
+def login(ctx: BrowserContext, api: Receiver, token: str = TOKEN) -> Page:
+    page = ctx.new_page()
+    page.goto(f"{api.admin_url}/console/login")
+    page.fill("#token", token)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{api.admin_url}/console/")
+    return page
+
+
+@pytest.fixture
+def page(context: BrowserContext, api: Receiver) -> Page:
+    return login(context, api)
+
+
+def _dead_by_worker(
+    ops: Settings, sessions: sessionmaker[Session], engine: Engine, broker: Broker, **kw: Any
+) -> tuple[MadeSource, int]:
+    source = source_with(sessions, ops, "flaky")
+    [delivery] = accept(ops, source, **kw)
+    broker.publish(delivery)
+    wait_status(engine, delivery, "dead", timeout=30)
+    return source, delivery
+
+
+def _status(engine: Engine, ids: list[int]) -> dict[int, str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT id, status FROM deliveries WHERE id = ANY(:ids)"), {"ids": ids}
+        )
+        return {r.id: r.status for r in rows}
+
+
+# access ---------------------------------------------------------------------------------------
+
+
+def test_no_session_leads_to_login_a_wrong_token_is_refused_and_logout_ends_the_session(
+    context: BrowserContext, api: Receiver
+) -> None:
+    page = context.new_page()
+    for path in ("/console/", "/console/events", "/console/dead", "/console/audit"):
+        page.goto(f"{api.admin_url}{path}")
+        assert page.url == f"{api.admin_url}/console/login", path
+    page.fill("#token", TOKEN + "x")
+    with page.expect_response(lambda r: r.url.endswith("/console/login")) as answer:
+        page.click("button[type=submit]")
+    assert answer.value.status == 401
+    assert page.inner_text("#message") == "wrong token"
+    assert context.cookies()
+    assert not [c for c in context.cookies() if c["name"] == "wh_console"]
+
+    page.fill("#token", TOKEN)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{api.admin_url}/console/")
+    assert page.inner_text("header .who") == "dora"
+    [cookie] = [c for c in context.cookies() if c["name"] == "wh_console"]
+    assert cookie["httpOnly"] is True
+    assert cookie["sameSite"] == "Strict"
+    assert cookie["secure"] is False  # plain http on loopback (Secure on https)
+    # The session works from another client too (the cookie is the whole credential)...
+    jar = {"wh_console": cookie["value"]}
+    served = httpx.get(f"{api.admin_url}/console/events", cookies=jar, follow_redirects=False)
+    assert served.status_code == 200
+    # ...but not for /admin: the API still demands its bearer token.
+    assert httpx.get(f"{api.admin_url}/admin/events", cookies=jar).status_code == 401
+
+    page.click("header .logout button")
+    page.wait_for_url(f"{api.admin_url}/console/login")
+    page.goto(f"{api.admin_url}/console/events")
+    assert page.url == f"{api.admin_url}/console/login"
+    # Logout ended the session on the server: the old cookie no longer opens anything.
+    after = httpx.get(f"{api.admin_url}/console/events", cookies=jar, follow_redirects=False)
+    assert after.status_code == 303
+    assert after.headers["location"] == "/console/login"
+
+
+def test_a_session_expires_after_its_idle_timeout_and_with_its_token() -> None:
+    clock = FrozenClock(datetime(2026, 1, 1, tzinfo=UTC))
+    store = SessionStore(clock, timedelta(minutes=30))
+    valid = {digest("t1")}
+    sid, made = store.create("dora", digest("t1"))
+    clock.advance(timedelta(minutes=29))
+    assert store.get(sid, valid) is made  # used: its idle time starts again
+    clock.advance(timedelta(minutes=29))
+    assert store.get(sid, valid) is made
+    clock.advance(timedelta(minutes=30))
+    assert store.get(sid, valid) is None  # idle 30 minutes: gone
+    assert store.get(sid, valid) is None
+    sid2, _ = store.create("dora", digest("t1"))
+    assert store.get(sid2, set()) is None  # its token was removed from the configuration
+    assert store.get(sid2, valid) is None
+    assert store.get("not-a-session", valid) is None
+
+
+def test_security_headers_on_every_page(context: BrowserContext, api: Receiver) -> None:
+    page = context.new_page()
+    for response in (
+        page.goto(f"{api.admin_url}/console/login"),
+        httpx.get(f"{api.admin_url}/console/static/console.css"),
+    ):
+        assert response is not None
+        headers = response.headers
+        csp = headers["content-security-policy"]
+        assert "default-src 'self'" in csp
+        assert "script-src 'self'" in csp
+        assert "unsafe-inline" not in csp
+        assert headers["x-frame-options"] == "DENY"
+        assert headers["referrer-policy"] == "no-referrer"
+    logged = login(context, api)
+    response = logged.goto(f"{api.admin_url}/console/")
+    assert response is not None
+    assert "unsafe-inline" not in response.headers["content-security-policy"]
+    assert response.headers["x-frame-options"] == "DENY"
+    # No inline script anywhere: every <script> has a src on this origin.
+    scripts = logged.eval_on_selector_all("script", "els => els.map(e => [e.src, e.text])")
+    assert scripts == [[f"{api.admin_url}/console/static/console.js", ""]]
+
+
+def test_a_post_without_its_csrf_token_is_403_and_changes_nothing(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    source = source_with(sessions, ops, "log")
+    [delivery] = accept(ops, source)
+    kill(sessions, [delivery])
+    route = source.route_ids[0]
+    request = page.context.request  # the logged-in browser's cookies, no form token
+    posts: list[tuple[str, dict[str, str]]] = [
+        ("/console/dead/preview", {"action": "replay", "ids": str(delivery)}),
+        (f"/console/routes/{route}/pause", {"reason": "csrf test"}),
+        (f"/console/sources/{source.public_id}/disable", {"reason": "csrf test"}),
+        ("/console/logout", {}),
+    ]
+    for path, form in posts:
+        for extra in ({}, {"csrf": "wrong"}):
+            answer = request.post(f"{api.admin_url}{path}", form={**form, **extra})
+            assert answer.status == 403, (path, extra)
+    # Without a session at all: 403 too, not a redirect that could be followed.
+    bare = httpx.post(f"{api.admin_url}/console/routes/{route}/pause", data={"reason": "x"})
+    assert bare.status_code == 403
+    # The login form has its own token.
+    assert httpx.post(f"{api.admin_url}/console/login", data={"token": TOKEN}).status_code == 403
+    with engine.connect() as conn:
+        paused, active = conn.execute(
+            text(
+                "SELECT r.paused_at IS NOT NULL, s.active FROM routes r JOIN sources s"
+                " ON s.id = r.source_id WHERE r.id = :r"
+            ),
+            {"r": route},
+        ).one()
+        audited = conn.execute(
+            text("SELECT count(*) FROM audit_log WHERE target->>'source' = :s AND via = 'console'"),
+            {"s": source.public_id},
+        ).scalar_one()
+    assert (paused, active, audited) == (False, True, 0)
+    assert _status(engine, [delivery]) == {delivery: "dead"}
+    # Still logged in (logout without the token did nothing).
+    page.goto(f"{api.admin_url}/console/audit")
+    assert page.url == f"{api.admin_url}/console/audit"
+    # Bad input with the right token: a clear 400, nothing changed (Postgres text holds no NUL).
+    csrf = page.input_value("header .logout input[name=csrf]")
+    assert request.get(f"{api.admin_url}/console/events?source=a%00b").status == 400
+    nul = request.post(
+        f"{api.admin_url}/console/routes/{route}/pause", form={"csrf": csrf, "reason": "a\x00b"}
+    )
+    assert nul.status == 400
+    assert "NUL characters are not allowed" in nul.text()
+    with engine.connect() as conn:
+        paused = conn.execute(
+            text("SELECT paused_at IS NOT NULL FROM routes WHERE id = :r"), {"r": route}
+        ).scalar_one()
+    assert paused is False
+
+
+# pages ----------------------------------------------------------------------------------------
+
+
+def test_filter_events_open_an_event_a_delivery_and_its_attempt_history(
+    page: Page,
+    api: Receiver,
+    worker: Worker,
+    broker: Broker,
+    ops: Settings,
+    sessions: sessionmaker[Session],
+    engine: Engine,
+) -> None:
+    source, dead = _dead_by_worker(ops, sessions, engine, broker, event_type="invoice.failed")
+    accept(ops, source, event_type="order.created")
+    accept(ops, source, event_type="invoice.paid")
+    base = f"{api.admin_url}/console/events"
+    page.goto(base)
+    page.fill("input[name=source]", source.name)
+    page.fill("input[name=type]", "invoice.*")
+    page.click("#event-filters button[type=submit]")
+    page.wait_for_url(f"{base}?*")
+    types = page.locator("#events tbody td.type").all_inner_texts()
+    assert sorted(types) == ["invoice.failed", "invoice.paid"]
+    page.select_option("select[name=status]", "dead")
+    page.click("#event-filters button[type=submit]")
+    page.wait_for_load_state()
+    assert page.locator("#events tbody td.type").all_inner_texts() == ["invoice.failed"]
+
+    page.click("#events tbody a")
+    assert page.inner_text("#event-type") == "invoice.failed"
+    assert '"type": "invoice.failed"' in page.inner_text("#payload")  # pretty-printed
+    assert "Content-Type: application/json" in page.inner_text("#headers")
+    page.click(f"#deliveries a:text-is('{dead}')")
+    page.wait_for_url(f"{api.admin_url}/console/deliveries/{dead}")
+    assert page.inner_text("#status") == "dead"
+    rows = page.locator("#attempts tr.attempt")
+    assert rows.count() == 1
+    cells = rows.first.locator("td").all_inner_texts()
+    assert cells[0] == "1"
+    assert cells[3] == "dead"
+    assert "PermanentError" in cells[5]
+    assert page.inner_text("#idempotency-key").strip() not in ("", "-")
+    link = rows.first.locator("a").get_attribute("href")
+    assert link == f"/console/deliveries/{dead}/attempts/1/flower"
+
+    # Searching by receipt id or event id opens the event.
+    with engine.connect() as conn:
+        receipt, event_id = conn.execute(
+            text("SELECT r.id, r.event_id FROM deliveries d JOIN receipts r ON r.id = d.receipt_id"
+                 " WHERE d.id = :d"),
+            {"d": dead},
+        ).one()  # fmt: skip
+    for q in (f"receipt:{receipt}", event_id):
+        page.goto(f"{base}?q={q}")
+        assert page.url == f"{api.admin_url}/console/events/{receipt}"
+
+
+def test_events_are_paged_with_a_cursor(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    source = source_with(sessions, ops, "log")
+    now = datetime.now(UTC)
+    for i in range(57):
+        accept(ops, source, event_id=f"evt_page_{i:03d}", now=now - timedelta(seconds=i))
+    page.goto(f"{api.admin_url}/console/events?source={source.public_id}")
+    seen = page.locator("#events tbody td.mono").all_inner_texts()
+    page.click("#next")
+    page.wait_for_load_state()
+    seen += page.locator("#events tbody td.mono").all_inner_texts()
+    assert page.locator("#next").count() == 0
+    assert seen == [f"evt_page_{i:03d}" for i in range(57)]  # newest first, each once
+
+
+def test_replay_one_dead_letter_from_its_page_and_watch_it_succeed(
+    page: Page,
+    api: Receiver,
+    worker: Worker,
+    broker: Broker,
+    ops: Settings,
+    sessions: sessionmaker[Session],
+    engine: Engine,
+) -> None:
+    _source, dead = _dead_by_worker(ops, sessions, engine, broker)
+    page.goto(f"{api.admin_url}/console/deliveries/{dead}")
+    page.click("#replay-one")
+    assert page.inner_text("#preview-count") == "1"
+    page.fill("#reason", "flaky handler fixed")
+    page.click("#confirm-button")
+    page.wait_for_url(f"{api.admin_url}/console/replays/*")
+    # The page refreshes itself while the replay runs.
+    expect(page.locator("#replay-status")).to_have_text("done", timeout=30_000)
+    assert page.inner_text("#replay-done") == "1"
+    wait_status(engine, dead, "succeeded", timeout=30)
+    page.goto(f"{api.admin_url}/console/deliveries/{dead}")
+    assert page.inner_text("#status") == "succeeded"
+    history = page.locator("#attempts tbody tr").all_inner_texts()
+    assert len(history) == 3
+    assert "dead" in history[0]
+    assert "replay #" in history[1]
+    assert "by dora (console)" in history[1]
+    assert "flaky handler fixed" in history[1]
+    assert "succeeded" in history[2]
+    assert [a.outcome for a in attempts(engine, dead)] == ["dead", "succeeded"]
+
+
+def test_bulk_replay_by_filter_replays_exactly_the_previewed_rows(
+    page: Page,
+    api: Receiver,
+    worker: Worker,
+    ops: Settings,
+    sessions: sessionmaker[Session],
+    engine: Engine,
+) -> None:
+    source = source_with(sessions, ops, "flaky")
+    matching = [d for _ in range(4) for d in accept(ops, source, event_type="bulk.failed")]
+    other = accept(ops, source, event_type="other.failed")
+    kill(sessions, matching + other)
+    with engine.connect() as conn:
+        dead_matching = conn.execute(
+            text(
+                "SELECT count(*) FROM deliveries d JOIN receipts r ON r.id = d.receipt_id"
+                " WHERE d.source_id = :s AND d.status = 'dead' AND r.event_type LIKE 'bulk.%'"
+            ),
+            {"s": source.id},
+        ).scalar_one()
+    page.goto(f"{api.admin_url}/console/dead?source={source.public_id}&type=bulk.*")
+    assert page.locator("#dead tbody input.pick").count() == 4
+    page.check("#scope-all")
+    page.click("#preview-replay")
+    assert int(page.inner_text("#preview-count")) == dead_matching == 4
+    assert page.locator("#sample tbody tr").count() == 4
+    page.fill("#reason", "bulk: downstream back")
+    page.fill("#rate", "50")
+    page.click("#confirm-button")
+    page.wait_for_url(f"{api.admin_url}/console/replays/*")
+    replay_id = int(page.url.rsplit("/", 1)[1])
+    expect(page.locator("#replay-status")).to_have_text("done", timeout=30_000)
+    for d in matching:
+        wait_status(engine, d, "succeeded", timeout=30)
+    assert _status(engine, other) == {other[0]: "dead"}  # not matching: untouched
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT * FROM replays WHERE id = :i"), {"i": replay_id}).one()
+    assert (row.operator, row.reason, row.via, row.status) == (
+        "dora", "bulk: downstream back", "console", "done",
+    )  # fmt: skip
+    assert (row.planned, row.replayed, row.skipped) == (4, 4, 0)
+    assert row.filter == {"source": source.public_id, "type": "bulk.*", "status": "dead"}
+    # The audit page shows it under the operator.
+    page.goto(f"{api.admin_url}/console/audit?operator=dora&action=replay")
+    audited = page.locator(f"#audit tr[data-kind=replay][data-id='{replay_id}']")
+    assert audited.locator("td.operator").inner_text() == "dora"
+    assert audited.locator("td.reason").inner_text() == "bulk: downstream back"
+    page.goto(f"{api.admin_url}/console/audit?operator=eve")
+    assert page.locator(f"#audit tr[data-id='{replay_id}']").count() == 0
+
+
+def test_a_running_replay_can_be_cancelled(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    source = source_with(sessions, ops, "log")
+    ids = [d for _ in range(6) for d in accept(ops, source, event_type="slow.replay")]
+    kill(sessions, ids)
+    page.goto(f"{api.admin_url}/console/dead?source={source.public_id}")
+    page.check("#select-all")
+    page.click("#preview-replay")
+    assert page.inner_text("#preview-count") == "6"
+    page.fill("#reason", "cancel me")
+    page.fill("#rate", "0.5")  # one every two seconds
+    page.click("#confirm-button")
+    page.wait_for_url(f"{api.admin_url}/console/replays/*")
+    page.click("#cancel")
+    expect(page.locator("#replay-status")).to_have_text("cancelled", timeout=15_000)
+    replay_id = int(page.url.rsplit("/", 1)[1])
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT * FROM replays WHERE id = :i"), {"i": replay_id}).one()
+    assert row.status == "cancelled"
+    assert row.ended_at is not None
+    still_dead = [d for d, st in _status(engine, ids).items() if st == "dead"]
+    assert row.replayed < 6
+    assert len(still_dead) == 6 - row.replayed  # what it did not reach stays dead
+
+
+def test_discard_with_a_reason_is_audited_under_the_operator(
+    context: BrowserContext, api: Receiver, ops: Settings, sessions: sessionmaker[Session],
+    engine: Engine,
+) -> None:  # fmt: skip
+    page = login(context, api, OTHER_TOKEN)  # eve
+    source = source_with(sessions, ops, "log")
+    [d1] = accept(ops, source)
+    [d2] = accept(ops, source)
+    kill(sessions, [d1, d2])
+    page.goto(f"{api.admin_url}/console/dead?source={source.public_id}")
+    page.check(f"#dead input.pick[value='{d1}']")
+    page.click("#preview-discard")
+    assert page.inner_text("#preview-count") == "1"
+    plan = page.input_value("#confirm input[name=plan]")
+    csrf = page.input_value("#confirm input[name=csrf]")
+    page.fill("#reason", "test junk")
+    page.click("#confirm-button")
+    assert "Discarded 1 of 1 planned" in page.inner_text("#result")
+    assert _status(engine, [d1, d2]) == {d1: "discarded", d2: "dead"}
+    with engine.connect() as conn:
+        row = conn.execute(
+            text("SELECT * FROM audit_log WHERE action = 'discard' AND target = CAST(:t AS jsonb)"),
+            {"t": f'{{"ids": [{d1}]}}'},
+        ).one()
+    assert (row.operator, row.reason, row.via, row.count) == ("eve", "test junk", "console", 1)
+    # A preview is confirmed once: the same plan again is refused, and another operator's
+    # session cannot confirm it either.
+    again = page.context.request.post(
+        f"{api.admin_url}/console/dead/confirm",
+        form={"csrf": csrf, "plan": plan, "reason": "again"},
+    )
+    assert again.status == 400
+    assert "expired or was already confirmed" in again.text()
+    with engine.connect() as conn:
+        count = conn.execute(
+            text("SELECT count(*) FROM audit_log WHERE action = 'discard' AND reason = 'again'")
+        ).scalar_one()
+    assert count == 0
+
+
+def test_routes_pause_resume_and_remove_follow_the_cli_rules(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    source = source_with(sessions, ops, "log")
+    [delivery] = accept(ops, source)
+    kill(sessions, [delivery])
+    route = source.route_ids[0]
+    page.goto(f"{api.admin_url}/console/routes")
+    row = page.locator(f"tr[data-route='{route}']")
+    row.locator("input[name=reason]").fill("downstream maintenance")
+    row.locator("button:text-is('Pause')").click()
+    page.wait_for_url(f"{api.admin_url}/console/routes")
+    row = page.locator(f"tr[data-route='{route}']")
+    assert "paused" in row.locator("td.route-state").inner_text()
+    assert "downstream maintenance" in row.locator("td.route-state").inner_text()
+    row.locator("input[name=reason]").fill("back")
+    row.locator("button:text-is('Resume')").click()
+    page.wait_for_url(f"{api.admin_url}/console/routes")
+    row = page.locator(f"tr[data-route='{route}']")
+    assert row.locator("td.route-state").inner_text() == "active"
+    # A route with a dead letter cannot be removed (the CLI's rule): refused, nothing changed.
+    row.locator("input[name=reason]").fill("cleanup")
+    with page.expect_response(lambda r: r.url.endswith(f"/routes/{route}/remove")) as answer:
+        row.locator("button:text-is('Remove')").click()
+    assert answer.value.status == 409
+    assert "still has 1 dead" in page.inner_text("#message")
+    with engine.connect() as conn:
+        actions = conn.execute(
+            text("SELECT action, operator, reason, via FROM audit_log"
+                 " WHERE target->>'route' = :r AND via = 'console' ORDER BY id"),
+            {"r": str(route)},
+        ).all()  # fmt: skip
+        exists = conn.execute(text("SELECT count(*) FROM routes WHERE id = :r"), {"r": route})
+        assert exists.scalar_one() == 1
+    assert [tuple(a) for a in actions] == [
+        ("route.pause", "dora", "downstream maintenance", "console"),
+        ("route.resume", "dora", "back", "console"),
+    ]
+
+
+def test_the_overview_counts_per_route_and_shows_pause_state(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    source = source_with(sessions, ops, "log", "flaky")
+    log_route, flaky_route = source.route_ids
+    for i in range(3):
+        accept(ops, source, event_type=f"count.{i}")
+    with sessions() as s:
+        flaky = s.scalars(
+            text("SELECT id FROM deliveries WHERE route_id = :r ORDER BY id LIMIT 2"),
+            {"r": flaky_route},
+        ).all()
+    kill(sessions, list(flaky))  # two of the flaky route's three deliveries dead
+    with sessions() as s, s.begin():
+        breaker.set_paused(s, log_route, True, Change("dora", "overview test"), now=None)
+    page.goto(f"{api.admin_url}/console/")
+    for window in ("hour", "day"):
+        cells = page.locator(f"tr[data-window={window}][data-route='{flaky_route}'] td")
+        # source, accepted, route, succeeded, retrying, dead, pending
+        assert cells.all_inner_texts()[1:] == ["3", f"{flaky_route} flaky", "0", "0", "2", "1"]
+        cells = page.locator(f"tr[data-window={window}][data-route='{log_route}'] td")
+        assert cells.all_inner_texts()[5:] == ["0", "3"]
+    state = page.locator(f"tr[data-state-route='{log_route}'] td").all_inner_texts()
+    assert state[2:] == ["paused", "closed"]
+    assert int(page.inner_text("#backlog")) >= 4  # these, and whatever other tests left
+    assert page.locator("a[href='/metrics']").count() == 1
+
+
+# attacker-controlled values ------------------------------------------------------------------
+
+XSS_TYPE = "<img src=x onerror=alert('type')>"
+XSS_BODY = "<script>alert('body')</script><img src=x onerror=alert('body2')>"
+XSS_HEADER = "application/json; x=\"<script>alert('header')</script>\""
+
+
+def test_xss_in_a_body_a_header_and_an_event_type_renders_as_text(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    source = source_with(sessions, ops, "flaky", provider="standard")
+    event_id = f"evt_xss_{uuid.uuid4().hex[:8]}"
+    headers, body = sign(
+        "standard", source.secret, event_id=event_id,
+        body_obj={"type": XSS_TYPE, "data": {"note": XSS_BODY}},
+    )  # fmt: skip
+    headers["Content-Type"] = XSS_HEADER
+    sent = httpx.post(f"{api.url}/webhooks/{source.public_id}", headers=headers, content=body)
+    assert sent.status_code == 202, sent.text
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(f"{api.admin_url}/console/events?source={source.public_id}")
+    assert page.locator("#events td.type").all_inner_texts() == [XSS_TYPE]
+    page.click("#events tbody a")
+    assert page.inner_text("#event-type") == XSS_TYPE
+    assert XSS_BODY in page.inner_text("#payload")
+    assert XSS_HEADER in page.inner_text("#headers")
+    with engine.connect() as conn:
+        delivery = conn.execute(
+            text("SELECT d.id FROM deliveries d JOIN receipts r ON r.id = d.receipt_id"
+                 " WHERE r.event_id = :e"), {"e": event_id},
+        ).scalar_one()  # fmt: skip
+    wait_status(engine, delivery, "dead", timeout=30)  # the worker ran the flaky handler
+    for path in (
+        f"/console/deliveries/{delivery}",
+        f"/console/dead?source={source.public_id}",
+        "/console/",
+    ):
+        page.goto(f"{api.admin_url}{path}")
+    page.goto(f"{api.admin_url}/console/dead?source={source.public_id}")
+    page.check("#select-all")
+    page.click("#preview-replay")
+    assert XSS_TYPE in page.inner_text("#sample")
+    assert page.locator("img").count() == 0  # no element was made of the payload
+    assert page.locator("script").count() == 1  # ours only
+    assert dialogs == []
+
+
+def test_the_pages_fit_a_390_pixel_wide_phone(
+    browser: Browser, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    source = source_with(sessions, ops, "log")
+    [delivery] = accept(ops, source, event_type="phone." + "long_segment_" * 8)
+    kill(sessions, [delivery])
+    ctx = browser.new_context(viewport={"width": 390, "height": 844})
+    try:
+        page = login(ctx, api)
+        with sessions() as s:
+            receipt = s.execute(
+                text("SELECT receipt_id FROM deliveries WHERE id = :d"), {"d": delivery}
+            ).scalar_one()
+        for path in (
+            "/console/",
+            f"/console/events?source={source.public_id}",
+            f"/console/events/{receipt}",
+            f"/console/deliveries/{delivery}",
+            f"/console/dead?source={source.public_id}",
+            "/console/routes",
+            "/console/audit",
+            "/console/login",
+        ):
+            page.goto(f"{api.admin_url}{path}")
+            width = page.evaluate("document.scrollingElement.scrollWidth")
+            assert width <= 390, (path, width)
+    finally:
+        ctx.close()
