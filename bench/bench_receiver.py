@@ -236,8 +236,9 @@ def start(
         if proc.poll() is not None:
             break
         time.sleep(0.1)
+    code = proc.poll()
     proc.kill()
-    raise RuntimeError(f"{target} did not start; see {log}")
+    raise RuntimeError(f"{target} did not start (exit code {code}); see {log}")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
