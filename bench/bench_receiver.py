@@ -227,7 +227,7 @@ def start(
             "warning",
         ]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=cwd)  # noqa: S603
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # a loaded 2-core machine starts slowly
     while time.monotonic() < deadline:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", PORT)) == 0:
@@ -236,8 +236,9 @@ def start(
         if proc.poll() is not None:
             break
         time.sleep(0.1)
+    code = proc.poll()
     proc.kill()
-    raise RuntimeError(f"{target} did not start; see {log}")
+    raise RuntimeError(f"{target} did not start (exit code {code}); see {log}")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -1,7 +1,9 @@
 """Expiry maintenance, run by beat (each run idempotent, safe to overlap or miss).
 
-- ``partition`` mode: create daily partitions ahead (:func:`ensure_partitions`) and drop the
-  ones wholly past (:func:`expire_partitions`): a catalog operation, no row scan.
+- ``partition`` mode: create daily partitions ahead, through the longest TTL of the existing
+  sources (:func:`ensure_partitions`), drop the ones wholly past (:func:`expire_partitions`):
+  a catalog operation, no row scan; and drop the empty days laid out beyond what the sources
+  need (:func:`trim_layout`), which every accept's duplicate probe would otherwise open.
 - ``delete`` mode: :func:`delete_expired` deletes expired rows in batches of at most
   ``delete_batch_size`` (<= 10,000) rows per statement, each batch its own short transaction.
 - both: :func:`drop_payloads` drops bodies past their retention; conflicts (not partitioned)
@@ -47,6 +49,7 @@ from webhooks.ttl import (
     TtlConfigError,
     TtlOverrides,
     dedup_terms,
+    effective_ttl,
     known_providers,
 )
 
@@ -120,6 +123,8 @@ class MaintenanceReport:
     now: datetime
     partitions_created: list[str] = field(default_factory=list)
     partitions_dropped: list[str] = field(default_factory=list)
+    # Empty days beyond what the existing sources need, detached and dropped (trim_layout).
+    partitions_trimmed: list[str] = field(default_factory=list)
     partitions_through: date | None = None  # last day laid out (partition mode)
     rows_deleted: dict[str, int] = field(default_factory=dict)
     delete_statements: dict[str, int] = field(default_factory=dict)
@@ -186,9 +191,14 @@ def _count_discarded(n: int, via: str) -> None:
 
 
 def longest_ttl(engine: Engine, settings: Settings) -> timedelta:
-    """The longest dedup TTL any source has, and never less than the longest a new source
-    with default terms would get (the floor when there are no sources yet)."""
-    floor = max(dedup_terms(p, TtlOverrides(), settings).total for p in known_providers())
+    """The longest TTL a receipt of any existing source is written with (the effective one,
+    raised when the source's terms no longer cover its retry window); zero with no source.
+
+    Only sources count, never every installed provider: the accept statement's live-receipt
+    probe opens each day laid out from yesterday on, so a provider nobody uses (Adyen's 30-day
+    window) must not stretch the layout every accept pays for (issue 24). A source added later
+    lays out its own days (``webhooks sources add`` / ``update``), and a receipt that finds no
+    partition makes the receiver lay one out and retry (:func:`ensure_partitions`)."""
     with engine.connect() as conn:
         rows = conn.execute(
             text(
@@ -196,14 +206,29 @@ def longest_ttl(engine: Engine, settings: Settings) -> timedelta:
                 " replay_grace_s FROM sources"
             )
         ).all()
-    longest = floor
+    longest = timedelta(0)
     for provider, *seconds in rows:
         try:
-            ttl = dedup_terms(provider, TtlOverrides.from_seconds(*seconds), settings)
+            ttl = effective_ttl(provider, TtlOverrides.from_seconds(*seconds), settings)
         except TtlConfigError:
             continue  # refused by the receiver too: it never writes a receipt
         longest = max(longest, ttl.total)
     return longest
+
+
+def _longest_provider_default(settings: Settings) -> timedelta:
+    """The longest TTL any installed provider gives a source with default terms: how far the
+    layout reached before it counted only existing sources (the bound of :func:`trim_layout`)."""
+    return max(
+        (dedup_terms(p, TtlOverrides(), settings).total for p in known_providers()),
+        default=timedelta(0),
+    )
+
+
+def _layout_end(at: datetime, longest: timedelta, settings: Settings) -> date:
+    """The last day :func:`ensure_partitions` lays out at ``at`` for TTLs up to ``longest``."""
+    horizon = at + longest + MAX_EVENT_TIME_LEAD
+    return (horizon + timedelta(days=settings.partition_ahead_days)).date()
 
 
 def ensure_partitions(engine: Engine, settings: Settings, now: datetime | None) -> list[str]:
@@ -225,8 +250,7 @@ def ensure_partitions(engine: Engine, settings: Settings, now: datetime | None) 
     with engine.begin() as conn:
         partitions.lock_layout(conn)
         at = _decision_time(conn, now)
-        horizon = at + longest + MAX_EVENT_TIME_LEAD
-        last = (horizon + timedelta(days=settings.partition_ahead_days)).date()
+        last = _layout_end(at, longest, settings)
         existing = {p.name for p in partitions.list_partitions(conn)}
         day = (at - timedelta(days=1)).date()
         while day <= last:
@@ -239,6 +263,82 @@ def ensure_partitions(engine: Engine, settings: Settings, now: datetime | None) 
     if created:
         log.info("partitions_created", count=len(created), through=last.isoformat())
     return created
+
+
+def trim_layout(engine: Engine, settings: Settings, now: datetime | None) -> list[str]:
+    """Detach and drop the days laid out beyond what the existing sources need that hold no
+    row (partition mode); returns the leaves dropped.
+
+    The accept's live-receipt probe opens every day from yesterday on, so each empty day ahead
+    costs every accept (issue 24: a layout sized by every installed provider, 41 days where the
+    sources needed 14). Only days after :func:`ensure_partitions`' last day and up to the last
+    day the former layout reached (the longest default TTL of any installed provider) are
+    looked at: a day further out was made for a reason of its own (a long-TTL receipt on
+    demand, a dead letter's hold) and goes when it has passed, like any other.
+
+    Nothing deduplicating is ever removed: each day is detached first (``DETACH ...
+    CONCURRENTLY``, under the layout lock held for the session, so no creator races it), and
+    dropped only if all its leaves are still empty once detached; a row that landed before
+    the detach puts the day back, untouched. An accept that arrives after the detach finds no
+    partition and makes the receiver lay the day out again (the layout lock waits for us)."""
+    if settings.retention_mode == "delete":
+        return []
+    dropped: list[str] = []
+    with engine.connect() as base:
+        conn = base.execution_options(isolation_level="AUTOCOMMIT")
+        partitions.lock_layout_session(conn)
+        try:
+            # Under the lock: a source added meanwhile has laid out its days already.
+            longest = longest_ttl(engine, settings)
+            at = _decision_time(conn, now)
+            last = _layout_end(at, longest, settings)
+            bound = _layout_end(at, max(longest, _longest_provider_default(settings)), settings)
+            days: dict[date, list[partitions.Partition]] = {}
+            for p in partitions.list_partitions(conn):
+                if p.lower is None or p.table not in _DROP_ORDER:
+                    continue
+                day = p.lower.astimezone(UTC).date()
+                if last < day <= bound:
+                    days.setdefault(day, []).append(p)
+            for day in sorted(days):
+                leaves = sorted(days[day], key=lambda p: _DROP_ORDER[p.table])
+                if _drop_if_empty(conn, leaves):
+                    dropped += [p.name for p in leaves]
+        finally:
+            partitions.unlock_layout_session(conn)
+    if dropped:
+        log.info("partitions_trimmed", count=len(dropped))
+    return dropped
+
+
+def _drop_if_empty(conn: Connection, leaves: list[partitions.Partition]) -> bool:
+    """One day of :func:`trim_layout`: a cheap look first (most days hold rows or none),
+    then detach, look again on the detached leaves (nothing can reach them any more), and
+    drop them or attach them back."""
+    if not all(_empty(conn, p.name) for p in leaves):
+        return False
+    detached: list[partitions.Partition] = []
+    try:
+        for leaf in leaves:
+            partitions.detach(conn, leaf)
+            detached.append(leaf)
+    except Exception:
+        _restore(conn, detached)
+        raise
+    if not all(_empty(conn, p.name) for p in leaves):
+        for leaf in leaves:
+            partitions.reattach(conn, leaf)
+        return False
+    for leaf in leaves:
+        partitions.drop(conn, leaf)
+    return True
+
+
+def _empty(conn: Connection, leaf: str) -> bool:
+    found = conn.execute(
+        text(f"SELECT EXISTS (SELECT 1 FROM {partitions.quote(conn, leaf)})")  # noqa: S608
+    ).scalar_one()
+    return not found
 
 
 # Per receipt (at most :batch of them, after receipt :after) whose expired deliveries include
@@ -902,6 +1002,7 @@ def run_maintenance(engine: Engine, settings: Settings, now: datetime | None) ->
         report.partitions_created = ensure_partitions(engine, settings, now)
         expiry = expire_partitions(engine, settings, now)
         report.partitions_dropped = expiry.dropped
+        report.partitions_trimmed = trim_layout(engine, settings, now)
         report.add_holds(expiry.holds)
         with engine.connect() as conn:
             uppers = [p.upper for p in partitions.list_partitions(conn) if p.upper is not None]
@@ -921,6 +1022,7 @@ def run_maintenance(engine: Engine, settings: Settings, now: datetime | None) ->
         mode=report.mode,
         partitions_created=len(report.partitions_created),
         partitions_dropped=len(report.partitions_dropped),
+        partitions_trimmed=len(report.partitions_trimmed),
         rows_deleted=sum(report.rows_deleted.values()),
         held_receipts=report.held_receipts,
         postponed=len(report.postponed),

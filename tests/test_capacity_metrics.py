@@ -15,10 +15,12 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text
 
-from models.db import make_engine, upgrade
+from models.db import make_engine, make_sessionmaker, upgrade
 from models.retention import ensure_partitions, expire_partitions
 from tasks.capacity import measure_fast_tier, measure_partitions
 from tests.conftest import ADMIN_DSN, REDIS, TEST_DB, free_port, make_settings, wait_for_port
+from tests.factories import make_source
+from tests.leakcheck import remember
 from tests.workers import CLAIMS_URL, Broker, running_worker, wait_for, worker_settings
 from webhooks.settings import Settings
 
@@ -83,6 +85,8 @@ def test_partition_days_ahead_and_past(own_database: tuple[Settings, Engine]) ->
     # As laid out by the migration, on the database's clock.
     assert measure_partitions(engine, settings, None).ahead == ahead
     assert measure_partitions(engine, settings, None).past == 0
+    # A source (Standard Webhooks, about 6 days): only existing sources size the layout.
+    remember(make_source(make_sessionmaker(engine), settings, provider="standard").secret)
     ensure_partitions(engine, settings, T)
     assert measure_partitions(engine, settings, T).ahead == ahead
     assert measure_partitions(engine, settings, T).past == 0

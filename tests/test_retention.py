@@ -29,7 +29,6 @@ from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.app import create_app
-from ingest.providers import BUILTIN_PROVIDERS as PROVIDERS
 from ingest.store import NewReceipt, accept_sync
 from models import partitions, transitions
 from models.db import make_engine, make_sessionmaker, upgrade
@@ -51,7 +50,7 @@ from tests.processes import receiver
 from tests.signing import sign
 from webhooks.clock import FrozenClock
 from webhooks.settings import Settings
-from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, dedup_terms, expires_at
+from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, expires_at
 
 D = datetime(2024, 2, 10, tzinfo=UTC)  # a midnight
 US = timedelta(microseconds=1)
@@ -206,8 +205,7 @@ def delivery_ids(engine: Engine, source: MadeSource, event_id: str) -> list[int]
 def test_ensure_partitions_creates_ahead_through_the_longest_source_ttl(
     engine: Engine, sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource]
 ) -> None:
-    floor = max(dedup_terms(p, TtlOverrides(), settings).total for p in PROVIDERS)
-    assert longest_ttl(engine, settings) >= floor
+    # Only existing sources size the layout (tests/test_partition_layout.py, own database).
     # A sender that retries for 40 days (an Adyen-like contract) stretches the horizon.
     new_source(
         sessions,
@@ -1071,17 +1069,17 @@ def test_payload_retention_drops_exactly_the_bodies_it_should(
 
 
 def test_maintenance_run_cli_reports_counts_in_both_modes(
-    delete_mode: tuple[Settings, Engine, sessionmaker[Session]], settings: Settings
+    delete_mode: tuple[Settings, Engine, sessionmaker[Session]], settings: Settings, engine: Engine
 ) -> None:
     done = run_cli("maintenance", "run", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["mode"] == "partition"
     through = date.fromisoformat(report["partitions_through"])
-    floor = max(dedup_terms(p, TtlOverrides(), settings).total for p in PROVIDERS)
+    longest = longest_ttl(engine, settings)  # the existing sources' (the shared database's)
     assert (
         through
-        >= (datetime.now(UTC) + floor + timedelta(days=settings.partition_ahead_days)).date()
+        >= (datetime.now(UTC) + longest + timedelta(days=settings.partition_ahead_days)).date()
     )
     assert set(report["rows_deleted"]) == {"conflicts"}  # the only table not partitioned
 

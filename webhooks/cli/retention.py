@@ -123,6 +123,7 @@ def maintenance_run(as_json: JsonOpt = False) -> None:
         console.print(
             f"partitions created {len(report.partitions_created)}, "
             f"dropped {len(report.partitions_dropped)}, "
+            f"empty days ahead dropped {len(report.partitions_trimmed)}, "
             f"laid out through {report.partitions_through}",
             highlight=False,
         )
