@@ -12,6 +12,7 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from ingest.providers.registry import unknown_provider_message
 from models.schema import (
     UNFINISHED_STATES,
     AuditEntry,
@@ -130,7 +131,7 @@ def create_source(
     source can only be created without options (the provider's defaults apply)."""
     known = known_providers()
     if provider not in known:
-        raise CatalogError(f"unknown provider {provider!r}; one of {', '.join(known)}")
+        raise CatalogError(unknown_provider_message(provider, known))
     if not name.strip():
         raise CatalogError("source name must not be empty")
     if secret is not None:

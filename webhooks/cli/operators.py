@@ -43,6 +43,7 @@ from webhooks.cli.events import SinceOpt, TypeOpt, UntilOpt
 from webhooks.cli.render import (
     JsonOpt,
     SourceOpt,
+    count,
     login,
     parse_when,
     plain,
@@ -236,7 +237,7 @@ def _show_preview(plan: replays.Plan) -> None:
     console.print(table)
     states = ", ".join(f"{n} {s}" for s, n in sorted(plan.by_status.items()))
     more = f" (showing {len(plan.sample)})" if plan.count > len(plan.sample) else ""
-    console.print(f"would replay {plan.count} deliveries{more}: {states}")
+    console.print(f"would replay {count(plan.count, 'delivery')}{more}: {states}")
     if plan.by_status.get("succeeded"):
         console.print("succeeded ones run again under a NEW downstream key (--rerun-succeeded)")
     if plan.without_payload:
@@ -355,7 +356,7 @@ def replay(
         console.print("dry run: nothing changed")
         return
     if not yes:
-        typer.confirm(f"Replay {plan.count} deliveries?", abort=True)
+        typer.confirm(f"Replay {count(plan.count, 'delivery')}?", abort=True)
     result = _run(e, plan, show_progress=not as_json)
     if as_json:
         print_json({"preview": _preview_view(plan), "result": _result_view(result)})

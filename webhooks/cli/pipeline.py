@@ -366,7 +366,9 @@ def run(
     if stop.event.is_set():
         out.say("pipeline stopped")
         return
-    children, failure = _start(e, out, stop, workers, worker_metrics_port, no_flower)
+    # Beat's schedule and the metrics files, removed when the pipeline stops.
+    state = Path(tempfile.mkdtemp(prefix="webhooks-run-"))
+    children, failure = _start(e, out, stop, state, workers, worker_metrics_port, no_flower)
     try:
         if failure is None:
             auth = None
@@ -378,6 +380,7 @@ def run(
             failure = _supervise(children, stop)
     finally:
         _stop_all(children, stop)
+        shutil.rmtree(state, ignore_errors=True)
         # After the children's own shutdown lines: the reason sits just above the last line.
         if failure is not None:
             out.error(failure)
@@ -387,10 +390,15 @@ def run(
 
 
 def _start(
-    e: Env, out: Output, stop: Stop, workers: int | None, metrics_port: int, no_flower: bool
+    e: Env,
+    out: Output,
+    stop: Stop,
+    state: Path,
+    workers: int | None,
+    metrics_port: int,
+    no_flower: bool,
 ) -> tuple[list[Child], str | None]:
     settings = e.settings
-    state = Path(tempfile.mkdtemp(prefix="webhooks-run-"))
     metrics_dir = settings.metrics_dir or str(state / "metrics")
     Path(metrics_dir).mkdir(parents=True, exist_ok=True)
     child_env = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -40,7 +40,20 @@ def login() -> str:
 
 
 def when(value: datetime | None) -> str:
-    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+    """A time as the CLI prints it, in UTC and saying so (the database's times are UTC)."""
+    if value is None:
+        return ""
+    aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    return aware.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def count(n: int, singular: str, plural: str | None = None) -> str:
+    """``1 delivery``, ``2 deliveries``: a count with its noun in the right number."""
+    if n == 1:
+        return f"{n} {singular}"
+    if plural is None:
+        plural = singular[:-1] + "ies" if singular.endswith("y") else singular + "s"
+    return f"{n} {plural}"
 
 
 def parse_when(e: Env, text: str | None) -> datetime | None:

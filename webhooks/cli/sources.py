@@ -14,7 +14,16 @@ from ingest.providers import registry, validate_config
 from models import breaker, catalog
 from models.schema import Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
-from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say, show_table, whole
+from webhooks.cli.render import (
+    OperatorOpt,
+    ReasonOpt,
+    count,
+    login,
+    row,
+    say,
+    show_table,
+    whole,
+)
 from webhooks.clock import pinned
 from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration, parse_duration
@@ -605,7 +614,7 @@ def routes_pause(
     e = env()
     with e.session() as session:
         changed = breaker.set_paused(session, route_id, True, _change(operator, reason), now=None)
-    _say_route(f"paused: {changed.unfinished} deliveries held", changed)
+    _say_route(f"paused: {count(changed.unfinished, 'delivery')} held", changed)
 
 
 @routes_app.command("resume")
@@ -619,7 +628,7 @@ def routes_resume(
         changed = breaker.set_paused(
             session, route_id, False, _change(operator, reason or "resumed"), now=None
         )
-    _say_route(f"resumed: {changed.unfinished} deliveries to deliver", changed)
+    _say_route(f"resumed: {count(changed.unfinished, 'delivery')} to deliver", changed)
 
 
 @routes_app.command("remove")
@@ -658,7 +667,8 @@ def sources_disable(
     ttl = format_duration(e.settings.source_cache_ttl)
     _say_source(
         f"disabled: /webhooks/{changed.target['source']} answers 410 Gone (each receiver "
-        f"within {ttl}, its source cache); {changed.unfinished} unfinished deliveries still run",
+        f"within {ttl}, its source cache); "
+        f"{count(changed.unfinished, 'unfinished delivery', 'unfinished deliveries')} still run",
         changed,
     )
 
