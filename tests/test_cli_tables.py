@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
+from datetime import UTC, datetime
 
 import pytest
 from rich.console import Console
@@ -13,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ingest.providers import BUILTIN_PROVIDERS
 from models import queries
 from tests.conftest import BIN, test_env
-from tests.factories import make_source
+from tests.factories import accept_event, make_source
 from webhooks.settings import Settings
 
 WIDTHS = (80, 120)
@@ -103,3 +104,24 @@ def test_the_demo_table_keeps_event_ids_and_types_whole(width: int) -> None:
         assert st.event_id in out
         assert st.event_type in out
         assert str(st.delivery_id) in out
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_times_say_they_are_utc(
+    width: int, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Issue 20 item 7: CLI times are UTC and say so: a ``(UTC)`` header over a table's
+    column, ``UTC`` after a time in a line of text."""
+    source = make_source(sessions, settings, provider="stripe")
+    received = datetime.now(UTC).replace(microsecond=0)
+    event_id, _ = accept_event(settings, source, now=received)
+    listed = webhooks(width, "events", "list", "--source", source.public_id)
+    assert listed.returncode == 0, listed.stderr
+    _fits(listed.stdout, width)
+    assert "(UTC)" in listed.stdout
+    shown = webhooks(width, "events", "show", event_id, "--source", source.public_id)
+    assert shown.returncode == 0, shown.stderr
+    [line] = [ln for ln in shown.stdout.splitlines() if ln.startswith("received:")]
+    assert line.split(None, 1)[1] == received.strftime("%Y-%m-%d %H:%M:%S UTC")
+    audit = webhooks(width, "audit", "list", "--limit", "1")
+    assert "at (UTC)" in audit.stdout

@@ -50,7 +50,7 @@ from webhooks.cli.render import (
     row,
     say,
     show_table,
-    when,
+    stamp,
     whole,
 )
 from webhooks.crypto import SecretBox
@@ -83,8 +83,8 @@ def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
         "route",
         "reason",
         "count",
-        "oldest",
-        "newest",
+        "oldest (UTC)",
+        "newest (UTC)",
         "errors",
         "latest delivery ids",
         title="dead letters",
@@ -96,8 +96,8 @@ def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
             f"{g.route_id} {g.handler}",
             g.reason or "-",
             str(g.count),
-            when(g.oldest),
-            when(g.newest),
+            stamp(g.oldest),
+            stamp(g.newest),
             ", ".join(g.error_classes),
             " ".join(str(i) for i in g.sample_ids),
         )
@@ -442,13 +442,13 @@ def replays_list(
     table = Table(*headers, title="replays")
     for r in rows:
         cells: list[object] = [
-            r.id, when(r.started_at), r.operator, r.replayed, r.status, r.reason
+            r.id, stamp(r.started_at), r.operator, r.replayed, r.status, r.reason
         ]  # fmt: skip
         if wide:
             flt = ", ".join(f"{k}={v}" for k, v in r.filter.items())
             if r.rerun_succeeded:
                 flt += " (rerun succeeded)"
-            cells[2:2] = [when(r.ended_at)]
+            cells[2:2] = [stamp(r.ended_at)]
             cells[4:4] = [r.via]
             cells += [flt, r.planned, r.skipped]
         row(table, *cells)
@@ -478,10 +478,10 @@ def audit_list(
     if as_json:
         print_json([plain(a) for a in entries])
         return
-    table = Table("id", "at", "operator", "via", "action", "target", "count", "reason")
+    table = Table("id", "at (UTC)", "operator", "via", "action", "target", "count", "reason")
     for a in entries:
         target = ", ".join(f"{k}={v}" for k, v in a.target.items())
-        row(table, a.id, when(a.at), a.operator, a.via, a.action, target, a.count, a.reason)
+        row(table, a.id, stamp(a.at), a.operator, a.via, a.action, target, a.count, a.reason)
     console.print(table)
     if not entries:
         console.print("no audited changes")
