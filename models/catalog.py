@@ -526,6 +526,16 @@ def list_routes(session: Session, source: Source) -> list[Route]:
     )
 
 
+def list_all_routes(session: Session) -> list[tuple[Source, Route]]:
+    """Every route with its source, by source then route id (``webhooks routes list``)."""
+    rows = session.execute(
+        select(Source, Route)
+        .join(Route, Route.source_id == Source.id)
+        .order_by(Source.id, Route.id)
+    )
+    return [(source, route) for source, route in rows.tuples()]
+
+
 def get_route(session: Session, route_id: int) -> Route:
     route = session.get(Route, route_id)
     if route is None:

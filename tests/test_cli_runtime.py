@@ -315,6 +315,16 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         assert "webhooks_retries" in worker_families  # worker-only, unlabelled: listed at 0
         assert "webhooks_sources_ttl_raised" in receiver_families & worker_families
 
+        # Flower's inspection at its start found the worker (its stats are listed), so it
+        # logged no "Inspect method ... failed" (issue 20: four at every start, Flower having
+        # been started before the worker could answer).
+        def inspected() -> bool:
+            listed = httpx.get(f"{flower}/api/workers", auth=("admin", FLOWER_PASSWORD))
+            return any("stats" in info for info in listed.json().values())
+
+        wait_for(inspected, timeout=30, what="Flower's inspection of the worker")
+        assert "Inspect method" not in run.out.text
+
         # Not a terminal, WEBHOOKS_LOG_JSON unset: the children log JSON lines.
         run.out.wait_for('"event":"worker_metrics.serving"')
 

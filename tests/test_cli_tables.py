@@ -125,3 +125,36 @@ def test_times_say_they_are_utc(
     assert line.split(None, 1)[1] == received.strftime("%Y-%m-%d %H:%M:%S UTC")
     audit = webhooks(width, "audit", "list", "--limit", "1")
     assert "at (UTC)" in audit.stdout
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_routes_list_without_a_source_lists_every_route_whole(
+    width: int, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Issue 20 item 8: a way to list all routes; ids, sources, event types and a forward's
+    URL never cut."""
+    url = f"https://billing.example.com/hooks/{uuid.uuid4().hex}"
+    first = make_source(
+        sessions, settings, routes=[{"handler": "log", "events": "invoice.payment_succeeded"}]
+    )
+    second = make_source(
+        sessions, settings, routes=[{"handler": "forward", "options": {"url": url}}]
+    )
+    listed = webhooks(width, "routes", "list")
+    assert listed.returncode == 0, listed.stderr
+    _fits(listed.stdout, width)
+    assert "…" not in listed.stdout
+    for made in (first, second):
+        [route_id] = made.route_ids
+        [line] = [ln for ln in listed.stdout.splitlines() if made.public_id in ln]
+        assert line.split("│")[1].strip() == str(route_id)
+    assert "invoice.payment_succeeded" in listed.stdout
+    assert "routes list SOURCE" in listed.stdout
+    assert "--json" in listed.stdout
+
+    one = webhooks(width, "routes", "list", second.public_id)
+    assert one.returncode == 0, one.stderr
+    _fits(one.stdout, width)
+    assert "…" not in one.stdout
+    folded = "".join(ln.split("│")[-2].strip() for ln in one.stdout.splitlines() if "│" in ln)
+    assert f"url={url}" in folded

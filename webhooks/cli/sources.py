@@ -503,21 +503,46 @@ def routes_add(
 
 @routes_app.command("list")
 @handle_errors
-def routes_list(source: str, as_json: JsonOpt = False) -> None:
-    """A source's routes."""
+def routes_list(
+    source: Annotated[
+        str | None, typer.Argument(help="A source's id or name; every source's when omitted.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A source's routes, or every route with its source."""
     e = env()
     with e.session() as session:
-        views = [
-            _route_view(r)
-            for r in catalog.list_routes(session, catalog.get_source(session, source))
-        ]
+        if source is not None:
+            views = [
+                _route_view(r)
+                for r in catalog.list_routes(session, catalog.get_source(session, source))
+            ]
+        else:
+            views = [
+                {"source": s.public_id, "source_name": s.name, **_route_view(r)}
+                for s, r in catalog.list_all_routes(session)
+            ]
     if as_json:
         print_json(views)
         return
-    table = Table("id", "handler", "events", "options", "active", "breaker")
+    if not views:
+        say("no routes: webhooks routes add SOURCE --handler NAME")
+        return
+    if source is not None:
+        table = Table("id", "handler", "events", "active", "breaker")
+        table.add_column("options", overflow="fold")  # a URL is folded, never cut
+        for v in views:
+            options = "\n".join(f"{k}={o}" for k, o in v["options"].items())
+            row(table, v["id"], v["handler"], v["events"], v["active"], _breaker_cell(v), options)
+        show_table(whole(table, "id", "handler", "events"))
+        return
+    table = Table("id", "source", "handler", "events", "active", "breaker")
     for v in views:
-        row(table, v["id"], v["handler"], v["events"], v["options"], v["active"], _breaker_cell(v))
-    console.print(table)
+        row(table, v["id"], v["source"], v["handler"], v["events"], v["active"], _breaker_cell(v))
+    show_table(
+        whole(table, "id", "source", "handler", "events"),
+        "routes list SOURCE for a source's options; --json for every field",
+    )
 
 
 def _registry(e: Env) -> Any:
