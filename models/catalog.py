@@ -12,7 +12,6 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from ingest.providers.registry import unknown_provider_message
 from models.schema import (
     UNFINISHED_STATES,
     AuditEntry,
@@ -41,6 +40,7 @@ from webhooks.ttl import (
     derive_ttl,
     effective_ttl,
     known_providers,
+    unknown_provider,
 )
 
 log = get_logger("catalog")
@@ -131,7 +131,7 @@ def create_source(
     source can only be created without options (the provider's defaults apply)."""
     known = known_providers()
     if provider not in known:
-        raise CatalogError(unknown_provider_message(provider, known))
+        raise CatalogError(unknown_provider(provider))
     if not name.strip():
         raise CatalogError("source name must not be empty")
     if secret is not None:
