@@ -147,8 +147,10 @@ def test_routes_list_without_a_source_lists_every_route_whole(
     for made in (first, second):
         [route_id] = made.route_ids
         [line] = [ln for ln in listed.stdout.splitlines() if made.public_id in ln]
-        assert line.split("│")[1].strip() == str(route_id)
+        assert line.split()[:2] == [str(route_id), made.public_id]
     assert "invoice.payment_succeeded" in listed.stdout
+    [line] = [ln for ln in listed.stdout.splitlines() if first.public_id in ln]
+    assert line.split()[2:] == ["log", "invoice.payment_succeeded", "closed"]
     assert "routes list SOURCE" in listed.stdout
     assert "--json" in listed.stdout
 

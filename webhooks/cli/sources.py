@@ -536,11 +536,14 @@ def routes_list(
             row(table, v["id"], v["handler"], v["events"], v["active"], _breaker_cell(v), options)
         show_table(whole(table, "id", "handler", "events"))
         return
-    table = Table("id", "source", "handler", "events", "active", "breaker")
+    # Every source's routes: whole ids, sources, handlers and event types take the width, so
+    # no box and one state column (disabled, paused, else the breaker's state).
+    table = Table("id", "source", "handler", "events", "state", box=None)
     for v in views:
-        row(table, v["id"], v["source"], v["handler"], v["events"], v["active"], _breaker_cell(v))
+        state = "disabled" if not v["active"] else "paused" if v["paused"] else _breaker_cell(v)
+        row(table, v["id"], v["source"], v["handler"], v["events"], state)
     show_table(
-        whole(table, "id", "source", "handler", "events"),
+        whole(table, "id", "source", "handler", "events", "state"),
         "routes list SOURCE for a source's options; --json for every field",
     )
 
