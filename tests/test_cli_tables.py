@@ -124,7 +124,21 @@ def test_times_say_they_are_utc(
     [line] = [ln for ln in shown.stdout.splitlines() if ln.startswith("received:")]
     assert line.split(None, 1)[1] == received.strftime("%Y-%m-%d %H:%M:%S UTC")
     audit = webhooks(width, "audit", "list", "--limit", "1")
-    assert "at (UTC)" in audit.stdout
+    assert audit.returncode == 0, audit.stderr
+    assert audit.stdout.split()[3] == "UTC"  # #ID DATE TIME UTC action ...
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_audit_list_keeps_ids_whole(
+    width: int, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Issue 20 item 4 for the audit trail: a source's id in a change's target is never cut."""
+    source = make_source(sessions, settings, provider="stripe")  # audited as source.add
+    listed = webhooks(width, "audit", "list", "--action", "source", "--limit", "500")
+    assert listed.returncode == 0, listed.stderr
+    assert f"source={source.public_id}" in listed.stdout
+    assert "…" not in listed.stdout
+    assert "--json" in listed.stdout
 
 
 @pytest.mark.parametrize("width", WIDTHS)

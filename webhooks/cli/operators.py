@@ -51,6 +51,7 @@ from webhooks.cli.render import (
     say,
     show_table,
     stamp,
+    when,
     whole,
 )
 from webhooks.crypto import SecretBox
@@ -478,13 +479,17 @@ def audit_list(
     if as_json:
         print_json([plain(a) for a in entries])
         return
-    table = Table("id", "at (UTC)", "operator", "via", "action", "target", "count", "reason")
-    for a in entries:
-        target = ", ".join(f"{k}={v}" for k, v in a.target.items())
-        row(table, a.id, stamp(a.at), a.operator, a.via, a.action, target, a.count, a.reason)
-    console.print(table)
     if not entries:
         console.print("no audited changes")
+        return
+    # Two lines per change rather than a table: its target holds ids (sources, routes,
+    # secrets) that a table at 80 columns would cut.
+    for a in entries:
+        target = ", ".join(f"{k}={v}" for k, v in a.target.items())
+        count = "" if a.count in (None, 1) else f" ({a.count})"
+        say(escape(f"#{a.id} {when(a.at)}  {a.action}  by {a.operator} via {a.via}{count}"))
+        say(escape(f"    {target}: {a.reason}" if target else f"    {a.reason}"))
+    say("[dim](--json for every field)[/dim]")
 
 
 # demo ----------------------------------------------------------------------------------------
