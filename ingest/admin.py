@@ -34,7 +34,13 @@ configured); the console checks its own session cookie, started by logging in wi
 the same named tokens. ``/admin`` still demands the bearer token, a console cookie or not.
 
 The interactive docs (``/admin/docs``) work offline: Swagger UI's files come from the
-``swagger-ui-bundle`` package, served here, behind the token like the schema.
+``swagger-ui-bundle`` package, served here, behind the token like the schema. A browser given
+the token in the URL (``http://any:TOKEN@host:8001/admin/docs``) or at its prompt loads the
+page with HTTP Basic; the page then fetches the schema from ``location.origin`` (a fetch from
+a URL carrying credentials is refused by browsers), and the answer to the page set a session
+cookie that authenticates that fetch: ``HttpOnly``, ``SameSite=Strict``, path ``/admin/``,
+for :data:`DOCS_SESSION_SECONDS`, an HMAC of the token's name and expiry keyed by the token, so
+removing the token ends it. The cookie opens the docs' own paths only, never the API.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import html
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -52,7 +59,6 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -94,6 +100,9 @@ MAX_BODY_BYTES = 64 * 1024
 TOKEN_NAME = "admin_token_name"  # noqa: S105  (a key, not a secret)
 DOCS_PATHS = ("/admin/openapi.json", "/admin/docs")
 CONSOLE_PREFIX = "/console"  # the operator console (ingest.console): its own session login
+# The docs page's session (see the module docstring): the schema fetch carries it.
+DOCS_COOKIE = "webhooks_admin_docs"
+DOCS_SESSION_SECONDS = 3600
 BASIC_CHALLENGE = 'Basic realm="webhooks admin API (password: the admin token)"'
 # Swagger UI's files served to /admin/docs (from the swagger-ui-bundle package).
 DOCS_ASSETS = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png")
@@ -291,10 +300,16 @@ class AdminGuard:
     """
 
     def __init__(
-        self, app: ASGIApp, tokens: Mapping[str, SecretStr], *, max_body: int = MAX_BODY_BYTES
+        self,
+        app: ASGIApp,
+        tokens: Mapping[str, SecretStr],
+        *,
+        max_body: int = MAX_BODY_BYTES,
+        clock: Clock | None = None,
     ) -> None:
         self.app = app
         self.max_body = max_body
+        self.clock = clock or SystemClock()
         # Digests, so every comparison is of 32 bytes whatever the lengths involved.
         self._tokens = [
             (name, _digest(t.get_secret_value().encode())) for name, t in tokens.items()
@@ -317,6 +332,10 @@ class AdminGuard:
             return
         docs = path in DOCS_PATHS or path.startswith("/admin/docs/")
         name = self._match(scope, docs=docs)
+        if name is None and docs:
+            name = self._session(scope)
+        elif name is not None and path == "/admin/docs":
+            send = self._start_session(send, name)
         if name is None:
             challenge = BASIC_CHALLENGE if docs else "Bearer"
             await _answer(send, 401, "missing or wrong bearer token", "unauthenticated", challenge)
@@ -326,6 +345,53 @@ class AdminGuard:
             return
         scope.setdefault("state", {})[TOKEN_NAME] = name
         await self.app(scope, _replay(body, receive), send)
+
+    def _session_mac(self, key: bytes, name: str, expires: int) -> str:
+        return hmac.new(key, f"docs:{name}:{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def _start_session(self, send: Send, name: str) -> Send:
+        """``send`` that adds the docs' session cookie to a successful answer."""
+        [key] = [digest for n, digest in self._tokens if n == name]
+        expires = int(self.clock.now().timestamp()) + DOCS_SESSION_SECONDS
+        value = f"{name}.{expires}.{self._session_mac(key, name, expires)}"
+        cookie = (
+            f"{DOCS_COOKIE}={value}; Path=/admin/; Max-Age={DOCS_SESSION_SECONDS}; "
+            "HttpOnly; SameSite=Strict"
+        )
+
+        async def with_cookie(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 200:
+                headers = [*message.get("headers", []), (b"set-cookie", cookie.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        return with_cookie
+
+    def _session(self, scope: Scope) -> str | None:
+        """The token name of a valid, unexpired docs session cookie, else None."""
+        for key, value in scope["headers"]:
+            if key != b"cookie":
+                continue
+            for part in value.decode("latin-1").split(";"):
+                cookie_name, _, cookie_value = part.strip().partition("=")
+                if cookie_name == DOCS_COOKIE:
+                    return self._check_session(cookie_value)
+        return None
+
+    def _check_session(self, value: str) -> str | None:
+        name, _, rest = value.partition(".")
+        expires_text, _, mac = rest.partition(".")
+        if not expires_text.isdigit() or len(expires_text) > 12:
+            return None
+        expires = int(expires_text)
+        if expires <= self.clock.now().timestamp():
+            return None
+        found = None
+        for token_name, digest in self._tokens:
+            expected = self._session_mac(digest, token_name, expires)
+            if hmac.compare_digest(expected.encode(), mac.encode()) and token_name == name:
+                found = token_name
+        return found
 
     def _match(self, scope: Scope, *, docs: bool) -> str | None:
         given: bytes | None = None
@@ -446,19 +512,47 @@ def _add_docs(app: FastAPI) -> None:
     @app.get("/docs", include_in_schema=False, dependencies=docs)
     def swagger(request: Request) -> HTMLResponse:
         root = str(request.scope.get("root_path", "")).rstrip("/")
-        return get_swagger_ui_html(
-            openapi_url=f"{root}/openapi.json",
-            title=f"{app.title}: docs",
-            swagger_js_url=f"{root}/docs/assets/swagger-ui-bundle.js",
-            swagger_css_url=f"{root}/docs/assets/swagger-ui.css",
-            swagger_favicon_url=f"{root}/docs/assets/favicon-32x32.png",
-        )
+        return HTMLResponse(_swagger_page(root, f"{app.title}: docs"))
 
     @app.get("/docs/assets/{name}", include_in_schema=False, dependencies=docs)
     def swagger_asset(name: str) -> FileResponse:
         if name not in DOCS_ASSETS:
             raise HTTPException(404, "not found")
         return FileResponse(assets / name)
+
+
+def _swagger_page(root: str, title: str) -> str:
+    """Swagger UI's page. The schema's URL is made from ``location.origin``, which never holds
+    credentials: a page opened as ``http://user:TOKEN@host/...`` resolves a relative URL to
+    one that does, and browsers refuse to fetch that ("Failed to load API definition"). The
+    fetch is authenticated by the session cookie the page's answer set."""
+    schema = orjson.dumps(f"{root}/openapi.json").decode().replace("</", "<\\/")
+    assets = html.escape(f"{root}/docs/assets")
+    return f"""<!DOCTYPE html>
+<html>
+<head>
+<meta name="viewport" content="width=device-width, initial-scale=1.0">
+<link type="text/css" rel="stylesheet" href="{assets}/swagger-ui.css">
+<link rel="shortcut icon" href="{assets}/favicon-32x32.png">
+<title>{html.escape(title)}</title>
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="{assets}/swagger-ui-bundle.js"></script>
+<script>
+const ui = SwaggerUIBundle({{
+    url: window.location.origin + {schema},
+    dom_id: "#swagger-ui",
+    layout: "BaseLayout",
+    deepLinking: true,
+    showExtensions: true,
+    showCommonExtensions: true,
+    presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset],
+}})
+</script>
+</body>
+</html>
+"""
 
 
 def _bad_input(exc: RequestValidationError) -> JSONResponse:
@@ -823,7 +917,7 @@ def create_admin_app(
         state = _State(settings, clock or SystemClock())
         routes.append(Mount("/admin", app=create_api(settings, clock=clock, state=state)))
         routes.append(Mount(CONSOLE_PREFIX, app=create_console(settings, state, tokens)))
-    return AdminGuard(Starlette(routes=routes), tokens)
+    return AdminGuard(Starlette(routes=routes), tokens, clock=clock)
 
 
 class AdminServer:

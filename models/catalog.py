@@ -40,6 +40,7 @@ from webhooks.ttl import (
     derive_ttl,
     effective_ttl,
     known_providers,
+    unknown_provider,
 )
 
 log = get_logger("catalog")
@@ -130,7 +131,7 @@ def create_source(
     source can only be created without options (the provider's defaults apply)."""
     known = known_providers()
     if provider not in known:
-        raise CatalogError(f"unknown provider {provider!r}; one of {', '.join(known)}")
+        raise CatalogError(unknown_provider(provider))
     if not name.strip():
         raise CatalogError("source name must not be empty")
     if secret is not None:
@@ -523,6 +524,16 @@ def list_routes(session: Session, source: Source) -> list[Route]:
     return list(
         session.scalars(select(Route).where(Route.source_id == source.id).order_by(Route.id))
     )
+
+
+def list_all_routes(session: Session) -> list[tuple[Source, Route]]:
+    """Every route with its source, by source then route id (``webhooks routes list``)."""
+    rows = session.execute(
+        select(Source, Route)
+        .join(Route, Route.source_id == Source.id)
+        .order_by(Source.id, Route.id)
+    )
+    return [(source, route) for source, route in rows.tuples()]
 
 
 def get_route(session: Session, route_id: int) -> Route:

@@ -269,6 +269,9 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
     env, fifo = _gate(tmp_path)
     # As after `make run`: the project's virtualenv is not on PATH.
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(BIN))
+    scratch = tmp_path / "tmp"  # where `webhooks run` keeps beat's schedule while it runs
+    scratch.mkdir()
+    env["TMPDIR"] = str(scratch)
     with pipeline(env, tmp_path) as run:
         receiver = f"http://127.0.0.1:{run.port('PORT')}"
         admin = f"http://127.0.0.1:{run.port('ADMIN_PORT')}"
@@ -283,6 +286,7 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         with fifo.open("w"):
             pass  # let the receiver start
         run.out.wait_for("pipeline running")
+        assert len(list(scratch.glob("webhooks-run-*"))) == 1
         # The moment the banner is out, every child answers.
         assert answers(f"{receiver}/healthz") == 200
         assert answers(f"{admin}/metrics") == 200
@@ -311,6 +315,16 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         assert "webhooks_retries" in worker_families  # worker-only, unlabelled: listed at 0
         assert "webhooks_sources_ttl_raised" in receiver_families & worker_families
 
+        # Flower's inspection at its start found the worker (its stats are listed), so it
+        # logged no "Inspect method ... failed" (issue 20: four at every start, Flower having
+        # been started before the worker could answer).
+        def inspected() -> bool:
+            listed = httpx.get(f"{flower}/api/workers", auth=("admin", FLOWER_PASSWORD))
+            return any("stats" in info for info in listed.json().values())
+
+        wait_for(inspected, timeout=30, what="Flower's inspection of the worker")
+        assert "Inspect method" not in run.out.text
+
         # Not a terminal, WEBHOOKS_LOG_JSON unset: the children log JSON lines.
         run.out.wait_for('"event":"worker_metrics.serving"')
 
@@ -321,6 +335,8 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         run.out.wait_closed()
         assert run.out.lines()[-1] == "pipeline stopped"
         wait_for(lambda: not [p for p in pids if alive(p)], timeout=30, what="every child to exit")
+        # Issue 20: every run left its temporary directory behind.
+        assert list(scratch.glob("webhooks-run-*")) == []
 
 
 @pytest.mark.slow
@@ -406,8 +422,12 @@ def test_closing_the_terminal_stops_every_child_and_logs_are_human_readable(
 
 @pytest.mark.slow
 def test_a_child_that_dies_stops_the_pipeline_with_its_name_and_status(tmp_path: Path) -> None:
-    with pipeline(run_env(WEBHOOKS_LOG_JSON="true"), tmp_path, "--no-flower") as run:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = run_env(WEBHOOKS_LOG_JSON="true", TMPDIR=str(scratch))
+    with pipeline(env, tmp_path, "--no-flower") as run:
         run.out.wait_for("pipeline running")
+        assert len(list(scratch.glob("webhooks-run-*"))) == 1
         pids = descendants(run.proc.pid)
         [beat] = [
             p for p in children(run.proc.pid) if b"beat" in Path(f"/proc/{p}/cmdline").read_bytes()
@@ -420,6 +440,7 @@ def test_a_child_that_dies_stops_the_pipeline_with_its_name_and_status(tmp_path:
         assert lines[-2] == "error: beat exited (killed by SIGKILL), so the pipeline was stopped"
         assert "Traceback" not in run.out.text
         wait_for(lambda: not [p for p in pids if alive(p)], timeout=30, what="every child to exit")
+        assert list(scratch.glob("webhooks-run-*")) == []  # removed on a failure too
 
 
 def test_logs_are_json_unless_on_a_terminal_or_as_set() -> None:

@@ -176,6 +176,9 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(engine: Engine) -> None:
     sources, routes = count(engine, "sources"), count(engine, "routes")
     cases = [
         (("sources", "add", "x", "--provider", "paypal"), "unknown provider"),
+        # Issue 20: a capital letter or a typo gets the likely name, as handlers do.
+        (("sources", "add", "x", "--provider", "Stripe"), "did you mean 'stripe'?"),
+        (("sources", "add", "x", "--provider", "githbu"), "did you mean 'github'?"),
         (("sources", "add", "x", "--provider", "stripe", "--queue-lag", "soon"), "not a duration"),
         (
             (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
+from datetime import UTC, datetime
 
 import pytest
 from rich.console import Console
@@ -13,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ingest.providers import BUILTIN_PROVIDERS
 from models import queries
 from tests.conftest import BIN, test_env
-from tests.factories import make_source
+from tests.factories import accept_event, make_source
 from webhooks.settings import Settings
 
 WIDTHS = (80, 120)
@@ -103,3 +104,73 @@ def test_the_demo_table_keeps_event_ids_and_types_whole(width: int) -> None:
         assert st.event_id in out
         assert st.event_type in out
         assert str(st.delivery_id) in out
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_times_say_they_are_utc(
+    width: int, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Issue 20 item 7: CLI times are UTC and say so: a ``(UTC)`` header over a table's
+    column, ``UTC`` after a time in a line of text."""
+    source = make_source(sessions, settings, provider="stripe")
+    received = datetime.now(UTC).replace(microsecond=0)
+    event_id, _ = accept_event(settings, source, now=received)
+    listed = webhooks(width, "events", "list", "--source", source.public_id)
+    assert listed.returncode == 0, listed.stderr
+    _fits(listed.stdout, width)
+    assert "(UTC)" in listed.stdout
+    shown = webhooks(width, "events", "show", event_id, "--source", source.public_id)
+    assert shown.returncode == 0, shown.stderr
+    [line] = [ln for ln in shown.stdout.splitlines() if ln.startswith("received:")]
+    assert line.split(None, 1)[1] == received.strftime("%Y-%m-%d %H:%M:%S UTC")
+    audit = webhooks(width, "audit", "list", "--limit", "1")
+    assert audit.returncode == 0, audit.stderr
+    assert audit.stdout.split()[3] == "UTC"  # #ID DATE TIME UTC action ...
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_audit_list_keeps_ids_whole(
+    width: int, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Issue 20 item 4 for the audit trail: a source's id in a change's target is never cut."""
+    source = make_source(sessions, settings, provider="stripe")  # audited as source.add
+    listed = webhooks(width, "audit", "list", "--action", "source", "--limit", "500")
+    assert listed.returncode == 0, listed.stderr
+    assert f"source={source.public_id}" in listed.stdout
+    assert "…" not in listed.stdout
+    assert "--json" in listed.stdout
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_routes_list_without_a_source_lists_every_route_whole(
+    width: int, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Issue 20 item 8: a way to list all routes; ids, sources, event types and a forward's
+    URL never cut."""
+    url = f"https://billing.example.com/hooks/{uuid.uuid4().hex}"
+    first = make_source(
+        sessions, settings, routes=[{"handler": "log", "events": "invoice.payment_succeeded"}]
+    )
+    second = make_source(
+        sessions, settings, routes=[{"handler": "forward", "options": {"url": url}}]
+    )
+    listed = webhooks(width, "routes", "list")
+    assert listed.returncode == 0, listed.stderr
+    _fits(listed.stdout, width)
+    assert "…" not in listed.stdout
+    for made in (first, second):
+        [route_id] = made.route_ids
+        [line] = [ln for ln in listed.stdout.splitlines() if made.public_id in ln]
+        assert line.split()[:2] == [str(route_id), made.public_id]
+    assert "invoice.payment_succeeded" in listed.stdout
+    [line] = [ln for ln in listed.stdout.splitlines() if first.public_id in ln]
+    assert line.split()[2:] == ["log", "invoice.payment_succeeded", "closed"]
+    assert "routes list SOURCE" in listed.stdout
+    assert "--json" in listed.stdout
+
+    one = webhooks(width, "routes", "list", second.public_id)
+    assert one.returncode == 0, one.stderr
+    _fits(one.stdout, width)
+    assert "…" not in one.stdout
+    folded = "".join(ln.split("│")[-2].strip() for ln in one.stdout.splitlines() if "│" in ln)
+    assert f"url={url}" in folded

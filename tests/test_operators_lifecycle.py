@@ -117,6 +117,10 @@ def test_routes_add_refuses_an_unknown_handler_listing_the_registered_ones(
     human = run("handlers", "list").stdout
     assert "stripe_subscription" in human
     assert "built-in" in human
+    # Issue 20: docstrings' reStructuredText markers are not printed raw.
+    assert by_name["forward"]["summary"].startswith("Built-in forward: POST")
+    assert "``" not in human
+    assert "Built-in forward: POST" in human
 
 
 def test_route_disable_enable_remove_are_guarded_and_audited(
@@ -220,7 +224,7 @@ def test_a_disabled_source_answers_410_writes_nothing_and_its_accepted_work_stil
 
     done = run("sources", "disable", source.public_id, "--reason", "provider paused")
     assert "410 Gone" in done.stdout
-    assert "1 unfinished deliveries still run" in done.stdout
+    assert "1 unfinished delivery still run" in done.stdout
     assert "already disabled" in refused("sources", "disable", source.name, "--reason", "again")
     assert "no such source" in refused("sources", "disable", "src_nope", "--reason", "x")
     [shown] = [

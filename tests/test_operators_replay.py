@@ -457,7 +457,8 @@ def test_cli_replay_needs_a_reason_and_a_yes_and_refuses_succeeded(
 
     declined = cli("replay", str(dead[0]), "--reason", "fixed", input_text="n\n", env=ops_env())
     assert declined.returncode == 1
-    assert "Replay 1 deliveries?" in declined.stdout
+    assert "Replay 1 delivery?" in declined.stdout
+    assert "would replay 1 delivery:" in declined.stdout  # issue 20: not "1 deliveries"
 
     refused = cli("replay", str(done[0]), "--reason", "again", "--yes", env=ops_env())
     assert refused.returncode == 1

@@ -124,14 +124,14 @@ class Settings(BaseSettings):
     # the delivery to its lease (tasks/durable.py): longer than a Postgres restart, well
     # under the lease (4 x the hard time limit).
     record_retry_seconds: float = Field(default=30.0, ge=0, le=3600)
-    # Worker pool (README "Workers"; time limits per pool: tasks/pools.py): threads or gevent
+    # Worker pool (docs/workers.md; time limits per pool: tasks/pools.py): threads or gevent
     # keep many I/O-bound handlers in flight in one process (threads measured faster,
     # bench/results_forward.txt); prefork runs CPU-bound handlers in parallel. Concurrency
     # unset: 50 threads or greenlets (fewer threads spend less CPU contending: 0.58x bare at
     # 50 against 0.36x at 100 for a 100 ms downstream), one process per CPU for prefork.
     worker_pool: Literal["threads", "gevent", "prefork"] = "threads"
     worker_concurrency: int | None = Field(default=None, ge=1, le=2000)
-    # Most delivery ids in one task message (README "Workers", tasks/batch.py). The
+    # Most delivery ids in one task message (docs/workers.md, tasks/batch.py). The
     # receiver's publisher packs the deliveries it finds queued together, up to this many per
     # message; a worker claims them in one statement, runs their handlers concurrently and
     # records their successes in one statement, each delivery keeping its own attempt, retry

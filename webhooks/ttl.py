@@ -29,6 +29,11 @@ def provider_retry_window(provider: str) -> tuple[timedelta, str]:
     return found.retry_window, found.citation
 
 
+def unknown_provider(name: str) -> str:
+    """The refusal of a provider name nobody registered, with the likely one if any."""
+    return registry.unknown_provider_message(name, registry.names())
+
+
 def known_providers() -> tuple[str, ...]:
     """Every registered provider (built-ins and plug-ins)."""
     return registry.names()

@@ -16,7 +16,8 @@ How to add a provider (here, or in a package of your own):
    and ``key_format`` describe keys the sender issues (public keys); ``validate_config`` with
    ``signs_url=True`` takes the signed ``public_url`` (:mod:`ingest.providers.urlsigned`).
 3. Built in: add the module name to ``registry.BUILTIN_MODULES``, a signer to
-   ``tests/signing.py``, tests, and a README table row. Your own package: declare
+   ``tests/signing.py``, tests, and a row in the table of docs/providers.md. Your own
+   package: declare
    ``[project.entry-points."webhooks.providers"] <name> = "your_pkg.module:PROVIDER"`` and
    install it next to this one; ``webhooks providers list`` then shows it.
 

@@ -58,7 +58,7 @@ FIVE_MINUTES: Final = timedelta(seconds=300)
 # group commit a receiver runs (WEBHOOKS_ACCEPT_BATCH_MAX is at most 1000).
 DEFAULT_MAX_EVENTS: Final = 1000
 # The most a source's ``max_events`` option may allow. Above about 1,000, raise Postgres's
-# max_locks_per_transaction too (README "Batches").
+# max_locks_per_transaction too (docs/providers.md, "Batches").
 MAX_EVENTS_CEILING: Final = 5000
 MAX_TYPE_LEN: Final = 255
 # 1..255 printable ASCII characters without whitespace (0x21..0x7e): safe in URLs, logs and
@@ -247,7 +247,7 @@ class Provider:
     """One sender's whole contract. A module defines one and the registry lists it.
 
     ``signed`` is one line: which fields the signature covers, and so what a captured request
-    can replay (it is shown by ``webhooks providers list`` and in the README table).
+    can replay (it is shown by ``webhooks providers list`` and in the table of docs/providers.md).
     ``tolerance`` is how far a signed timestamp may be from now, either way (None: the scheme
     signs none); ``tolerance_rule`` replaces it when it depends on the source's options.
     ``retry_window`` is the sender's documented retry horizon, ``citation`` where it is

@@ -10,9 +10,10 @@ at start rather than answer 401 for a provider it half knows.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
@@ -69,9 +70,17 @@ class ProviderPluginError(ValueError):
 class UnknownProvider(ValueError):
     """No provider of that name is registered."""
 
-    def __init__(self, name: str, known: tuple[str, ...]) -> None:
-        super().__init__(f"unknown provider {name!r}; one of {', '.join(known)}")
+    def __init__(self, name: str, known: Sequence[str]) -> None:
+        super().__init__(unknown_provider_message(name, known))
         self.name = name
+
+
+def unknown_provider_message(name: str, known: Sequence[str]) -> str:
+    """``unknown provider 'Stripe'; did you mean 'stripe'? one of ...``: the likely one first,
+    as for handlers (a capital letter or a typo), then every registered name."""
+    close = difflib.get_close_matches(name.lower(), list(known), n=1, cutoff=0.6)
+    hint = f" did you mean {close[0]!r}?" if close else ""
+    return f"unknown provider {name!r};{hint} one of {', '.join(known)}"
 
 
 def _builtins() -> list[Provider]:

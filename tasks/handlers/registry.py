@@ -104,7 +104,7 @@ class HandlerRegistry:
             module = getattr(handler, "__module__", "") or ""
             # Its docstring, else its module's (forward and stripe_subscription say it there).
             text = handler.__doc__ or getattr(sys.modules.get(module), "__doc__", None) or ""
-            doc = text.strip().splitlines()
+            doc = [_plain(line) for line in text.strip().splitlines()]
             infos.append(
                 HandlerInfo(
                     name,
@@ -114,6 +114,12 @@ class HandlerRegistry:
                 )
             )
         return infos
+
+
+def _plain(line: str) -> str:
+    """A docstring line as a terminal shows it: reStructuredText's ````literal```` markers go
+    (``handlers list`` printed them raw)."""
+    return line.replace("``", "")
 
 
 def load_registry(modules: Iterable[str] = ()) -> HandlerRegistry:

@@ -27,6 +27,7 @@ from webhooks.cli.render import (
     print_delivery,
     row,
     say,
+    stamp,
     when,
 )
 
@@ -71,7 +72,9 @@ def events_list(
     if as_json:
         print_json([plain(r) for r in rows])
         return
-    table = Table("receipt", "received", "source", "type", "event id", "deliveries", title="events")
+    table = Table(
+        "receipt", "received (UTC)", "source", "type", "event id", "deliveries", title="events"
+    )
     for r in rows:
         states = ", ".join(f"{k} {v}" for k, v in sorted(r.deliveries.items())) or "none"
         if r.payload_dropped:
@@ -79,7 +82,7 @@ def events_list(
         row(
             table,
             receipt_ref(r.id),
-            when(r.received_at),
+            stamp(r.received_at),
             r.source_name,
             r.event_type,
             r.event_id,

@@ -43,12 +43,14 @@ from webhooks.cli.events import SinceOpt, TypeOpt, UntilOpt
 from webhooks.cli.render import (
     JsonOpt,
     SourceOpt,
+    count,
     login,
     parse_when,
     plain,
     row,
     say,
     show_table,
+    stamp,
     when,
     whole,
 )
@@ -82,8 +84,8 @@ def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
         "route",
         "reason",
         "count",
-        "oldest",
-        "newest",
+        "oldest (UTC)",
+        "newest (UTC)",
         "errors",
         "latest delivery ids",
         title="dead letters",
@@ -95,8 +97,8 @@ def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
             f"{g.route_id} {g.handler}",
             g.reason or "-",
             str(g.count),
-            when(g.oldest),
-            when(g.newest),
+            stamp(g.oldest),
+            stamp(g.newest),
             ", ".join(g.error_classes),
             " ".join(str(i) for i in g.sample_ids),
         )
@@ -236,7 +238,7 @@ def _show_preview(plan: replays.Plan) -> None:
     console.print(table)
     states = ", ".join(f"{n} {s}" for s, n in sorted(plan.by_status.items()))
     more = f" (showing {len(plan.sample)})" if plan.count > len(plan.sample) else ""
-    console.print(f"would replay {plan.count} deliveries{more}: {states}")
+    console.print(f"would replay {count(plan.count, 'delivery')}{more}: {states}")
     if plan.by_status.get("succeeded"):
         console.print("succeeded ones run again under a NEW downstream key (--rerun-succeeded)")
     if plan.without_payload:
@@ -355,7 +357,7 @@ def replay(
         console.print("dry run: nothing changed")
         return
     if not yes:
-        typer.confirm(f"Replay {plan.count} deliveries?", abort=True)
+        typer.confirm(f"Replay {count(plan.count, 'delivery')}?", abort=True)
     result = _run(e, plan, show_progress=not as_json)
     if as_json:
         print_json({"preview": _preview_view(plan), "result": _result_view(result)})
@@ -441,13 +443,13 @@ def replays_list(
     table = Table(*headers, title="replays")
     for r in rows:
         cells: list[object] = [
-            r.id, when(r.started_at), r.operator, r.replayed, r.status, r.reason
+            r.id, stamp(r.started_at), r.operator, r.replayed, r.status, r.reason
         ]  # fmt: skip
         if wide:
             flt = ", ".join(f"{k}={v}" for k, v in r.filter.items())
             if r.rerun_succeeded:
                 flt += " (rerun succeeded)"
-            cells[2:2] = [when(r.ended_at)]
+            cells[2:2] = [stamp(r.ended_at)]
             cells[4:4] = [r.via]
             cells += [flt, r.planned, r.skipped]
         row(table, *cells)
@@ -477,13 +479,17 @@ def audit_list(
     if as_json:
         print_json([plain(a) for a in entries])
         return
-    table = Table("id", "at", "operator", "via", "action", "target", "count", "reason")
-    for a in entries:
-        target = ", ".join(f"{k}={v}" for k, v in a.target.items())
-        row(table, a.id, when(a.at), a.operator, a.via, a.action, target, a.count, a.reason)
-    console.print(table)
     if not entries:
         console.print("no audited changes")
+        return
+    # Two lines per change rather than a table: its target holds ids (sources, routes,
+    # secrets) that a table at 80 columns would cut.
+    for a in entries:
+        target = ", ".join(f"{k}={v}" for k, v in a.target.items())
+        count = "" if a.count in (None, 1) else f" ({a.count})"
+        say(escape(f"#{a.id} {when(a.at)}  {a.action}  by {a.operator} via {a.via}{count}"))
+        say(escape(f"    {target}: {a.reason}" if target else f"    {a.reason}"))
+    say("[dim](--json for every field)[/dim]")
 
 
 # demo ----------------------------------------------------------------------------------------

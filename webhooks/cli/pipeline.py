@@ -366,7 +366,11 @@ def run(
     if stop.event.is_set():
         out.say("pipeline stopped")
         return
-    children, failure = _start(e, out, stop, workers, worker_metrics_port, no_flower)
+    # Beat's schedule and the metrics files, removed when the pipeline stops.
+    state = Path(tempfile.mkdtemp(prefix="webhooks-run-"))
+    children, failure = _start(
+        e, out, stop, state, workers, worker_metrics_port, no_flower, ready_timeout
+    )
     try:
         if failure is None:
             auth = None
@@ -378,6 +382,7 @@ def run(
             failure = _supervise(children, stop)
     finally:
         _stop_all(children, stop)
+        shutil.rmtree(state, ignore_errors=True)
         # After the children's own shutdown lines: the reason sits just above the last line.
         if failure is not None:
             out.error(failure)
@@ -387,10 +392,16 @@ def run(
 
 
 def _start(
-    e: Env, out: Output, stop: Stop, workers: int | None, metrics_port: int, no_flower: bool
+    e: Env,
+    out: Output,
+    stop: Stop,
+    state: Path,
+    workers: int | None,
+    metrics_port: int,
+    no_flower: bool,
+    ready_timeout: float,
 ) -> tuple[list[Child], str | None]:
     settings = e.settings
-    state = Path(tempfile.mkdtemp(prefix="webhooks-run-"))
     metrics_dir = settings.metrics_dir or str(state / "metrics")
     Path(metrics_dir).mkdir(parents=True, exist_ok=True)
     child_env = {
@@ -448,6 +459,11 @@ def _start(
     hook = _die_with_parent(os.getpid())
     children: list[Child] = []
     for name, cmd, urls in specs:
+        if name == "flower":
+            # Flower asks the workers for their stats as it starts, and logs four "Inspect
+            # method ... failed" warnings when none answers yet: start it once ours does.
+            worker_urls = next(u for n, _, u in specs if n == "worker")
+            _await_urls(children, stop, worker_urls, ready_timeout)
         if stop.event.is_set():
             break
         try:
@@ -470,6 +486,23 @@ def _start(
                 target=out.pump, args=(child.name, child.proc.stdout), daemon=True
             ).start()
     return children, None
+
+
+def _await_urls(children: list[Child], stop: Stop, urls: tuple[str, ...], timeout: float) -> None:
+    """Until every URL answers 200, a child exits, a signal comes or ``timeout`` passes
+    (whichever first; :func:`_wait_ready` then reports what did not answer)."""
+    import httpx  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    left = list(urls)
+    with httpx.Client(timeout=2) as client:
+        while left and time.monotonic() < deadline and _exited(children) is None:
+            for url in list(left):
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(url).status_code == 200:
+                        left.remove(url)
+            if left and stop.event.wait(0.1):
+                return
 
 
 def _exited(children: list[Child]) -> str | None:

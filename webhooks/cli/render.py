@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -39,8 +39,26 @@ def login() -> str:
         return "unknown"
 
 
+def stamp(value: datetime | None) -> str:
+    """A time in a table cell, in UTC: the column's header says ``(UTC)``."""
+    if value is None:
+        return ""
+    aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    return aware.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def when(value: datetime | None) -> str:
-    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+    """A time in a line of text, in UTC and saying so (the database's times are UTC)."""
+    return "" if value is None else f"{stamp(value)} UTC"
+
+
+def count(n: int, singular: str, plural: str | None = None) -> str:
+    """``1 delivery``, ``2 deliveries``: a count with its noun in the right number."""
+    if n == 1:
+        return f"{n} {singular}"
+    if plural is None:
+        plural = singular[:-1] + "ies" if singular.endswith("y") else singular + "s"
+    return f"{n} {plural}"
 
 
 def parse_when(e: Env, text: str | None) -> datetime | None:
@@ -76,7 +94,7 @@ def _replay_line(mark: queries.ReplayMark) -> str:
 
 
 def _attempt_table() -> Table:
-    return Table("#", "gen", "worker", "started", "ended", "outcome", "error")
+    return Table("#", "gen", "worker", "started (UTC)", "ended (UTC)", "outcome", "error")
 
 
 def print_delivery(d: queries.DeliveryView) -> None:
@@ -110,8 +128,8 @@ def print_delivery(d: queries.DeliveryView) -> None:
             a.number,
             a.generation,
             a.worker or "",
-            when(a.started_at),
-            when(a.ended_at),
+            stamp(a.started_at),
+            stamp(a.ended_at),
             a.outcome or "running",
             error,
         )

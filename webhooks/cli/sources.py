@@ -14,7 +14,16 @@ from ingest.providers import registry, validate_config
 from models import breaker, catalog
 from models.schema import Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
-from webhooks.cli.render import OperatorOpt, ReasonOpt, login, row, say, show_table, whole
+from webhooks.cli.render import (
+    OperatorOpt,
+    ReasonOpt,
+    count,
+    login,
+    row,
+    say,
+    show_table,
+    whole,
+)
 from webhooks.clock import pinned
 from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration, parse_duration
@@ -494,21 +503,49 @@ def routes_add(
 
 @routes_app.command("list")
 @handle_errors
-def routes_list(source: str, as_json: JsonOpt = False) -> None:
-    """A source's routes."""
+def routes_list(
+    source: Annotated[
+        str | None, typer.Argument(help="A source's id or name; every source's when omitted.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A source's routes, or every route with its source."""
     e = env()
     with e.session() as session:
-        views = [
-            _route_view(r)
-            for r in catalog.list_routes(session, catalog.get_source(session, source))
-        ]
+        if source is not None:
+            views = [
+                _route_view(r)
+                for r in catalog.list_routes(session, catalog.get_source(session, source))
+            ]
+        else:
+            views = [
+                {"source": s.public_id, "source_name": s.name, **_route_view(r)}
+                for s, r in catalog.list_all_routes(session)
+            ]
     if as_json:
         print_json(views)
         return
-    table = Table("id", "handler", "events", "options", "active", "breaker")
+    if not views:
+        say("no routes: webhooks routes add SOURCE --handler NAME")
+        return
+    if source is not None:
+        table = Table("id", "handler", "events", "active", "breaker")
+        table.add_column("options", overflow="fold")  # a URL is folded, never cut
+        for v in views:
+            options = "\n".join(f"{k}={o}" for k, o in v["options"].items())
+            row(table, v["id"], v["handler"], v["events"], v["active"], _breaker_cell(v), options)
+        show_table(whole(table, "id", "handler", "events"))
+        return
+    # Every source's routes: whole ids, sources, handlers and event types take the width, so
+    # no box and one state column (disabled, paused, else the breaker's state).
+    table = Table("id", "source", "handler", "events", "state", box=None)
     for v in views:
-        row(table, v["id"], v["handler"], v["events"], v["options"], v["active"], _breaker_cell(v))
-    console.print(table)
+        state = "disabled" if not v["active"] else "paused" if v["paused"] else _breaker_cell(v)
+        row(table, v["id"], v["source"], v["handler"], v["events"], state)
+    show_table(
+        whole(table, "id", "source", "handler", "events", "state"),
+        "routes list SOURCE for a source's options; --json for every field",
+    )
 
 
 def _registry(e: Env) -> Any:
@@ -605,7 +642,7 @@ def routes_pause(
     e = env()
     with e.session() as session:
         changed = breaker.set_paused(session, route_id, True, _change(operator, reason), now=None)
-    _say_route(f"paused: {changed.unfinished} deliveries held", changed)
+    _say_route(f"paused: {count(changed.unfinished, 'delivery')} held", changed)
 
 
 @routes_app.command("resume")
@@ -619,7 +656,7 @@ def routes_resume(
         changed = breaker.set_paused(
             session, route_id, False, _change(operator, reason or "resumed"), now=None
         )
-    _say_route(f"resumed: {changed.unfinished} deliveries to deliver", changed)
+    _say_route(f"resumed: {count(changed.unfinished, 'delivery')} to deliver", changed)
 
 
 @routes_app.command("remove")
@@ -658,7 +695,8 @@ def sources_disable(
     ttl = format_duration(e.settings.source_cache_ttl)
     _say_source(
         f"disabled: /webhooks/{changed.target['source']} answers 410 Gone (each receiver "
-        f"within {ttl}, its source cache); {changed.unfinished} unfinished deliveries still run",
+        f"within {ttl}, its source cache); "
+        f"{count(changed.unfinished, 'unfinished delivery', 'unfinished deliveries')} still run",
         changed,
     )
 
