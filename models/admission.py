@@ -19,6 +19,12 @@ receiver, worker and host):
   So a lost finish heals itself within one dispatch interval: Postgres says what is done.
 - ``adm:w:<route>``: the route's waiting set, delivery id -> id (ids grow with time: oldest
   first). ``adm:routes`` / ``adm:waiting``: the routes that have members in either.
+- ``adm:d``: retries scheduled by the workers, delivery id -> due (ms, Redis clock). A failed
+  attempt's retry is not a countdown message to the broker (that would escape the route's
+  budget and rate): the dispatcher moves it to its route's waiting set once Postgres says
+  it is due (the database clock decides: ``status = 'retrying' AND next_attempt_at <=
+  now()``), and admits it like any other. Waiting there is no attempt. Lost with a flush:
+  the sweeper picks retrying rows due more than the grace ago, as before admission.
 - ``adm:r:<route>``: the rate limiter's theoretical arrival time (GCRA without burst: the
   admissions of a route are at least ``period / count`` apart, so no one-second window holds
   more than the rate).
@@ -335,6 +341,42 @@ class Admission:
             pipe.sadd(self.prefix + "waiting", route)
         pipe.execute()
 
+    def schedule(self, delivery_id: int, delay_s: float) -> None:
+        """A failed attempt's retry, due in ``delay_s`` (the dispatcher admits it then)."""
+        due = self.now_ms() + max(0.0, delay_s) * 1000.0
+        self.client.zadd(self.prefix + "d", {str(delivery_id): due})
+
+    def scheduled_due(self, *, most: int = DRAIN_LIMIT) -> list[int]:
+        """Scheduled retries due by Redis' clock (Postgres confirms: :func:`promote`)."""
+        found: list[bytes] = self.client.zrangebyscore(  # type: ignore[assignment]
+            self.prefix + "d", "-inf", self.now_ms(), 0, most
+        )
+        return [int(i) for i in found]
+
+    def promote(self, due: dict[int, list[int]], gone: Sequence[int]) -> None:
+        """Scheduled retries Postgres says are due: to their route's waiting set; ``gone``
+        (no longer retrying: finished, swept, discarded): forgotten."""
+        pipe = self.client.pipeline(transaction=True)
+        for route, ids in due.items():
+            pipe.zrem(self.prefix + "d", *ids)
+            pipe.zadd(f"{self.prefix}w:{route}", {str(i): i for i in ids})
+            pipe.sadd(self.prefix + "waiting", route)
+        if gone:
+            pipe.zrem(self.prefix + "d", *gone)
+        pipe.execute()
+
+    def members(self) -> list[int]:
+        """Every delivery admission holds now (waiting or in flight): the sweeper leaves
+        these alone (they are not lost; :func:`reconcile` frees an in-flight one whose
+        message was lost, and the sweeper may then pick it)."""
+        routes = self.client.sunion([self.prefix + "routes", self.prefix + "waiting"])
+        pipe = self.client.pipeline(transaction=False)
+        for route in routes:
+            pipe.zrange(f"{self.prefix}f:{int(route)}", 0, -1)
+            pipe.zrange(f"{self.prefix}w:{int(route)}", 0, -1)
+        found = pipe.execute() if routes else []
+        return sorted({int(m) for members in found for m in members})
+
     def counts(self, route_id: int) -> tuple[int, int]:
         """(in flight, waiting) of one route, as admission sees them now."""
         pipe = self.client.pipeline(transaction=False)
@@ -353,7 +395,8 @@ class Drained:
     wake_ms: float
 
 
-# Which in-flight members are finished: not pending or processing any more, processing with
+# Which in-flight members are finished: not pending, retrying or processing any more, a
+# retrying one whose due time came after its admission (its attempt failed), processing with
 # its lease run out (the worker died: the sweeper publishes it again), or still pending past
 # the grace after its admission (its message was lost or held: the sweeper again).
 _FINISHED = """
@@ -361,8 +404,13 @@ _FINISHED = """
          AS want(id, admitted_ms)
     LEFT JOIN deliveries d ON d.id = want.id
     WHERE d.id IS NULL
-       OR d.status NOT IN ('pending', 'processing')
+       OR d.status NOT IN ('pending', 'processing', 'retrying')
        OR (d.status = 'processing' AND d.lease_until <= now())
+       -- retrying: admitted once due (promote_due), so a due time after the admission is a
+       -- later failed attempt's (finished); one due before it waits for its claim
+       OR (d.status = 'retrying'
+           AND (to_timestamp(want.admitted_ms / 1000.0) < d.next_attempt_at
+                OR to_timestamp(want.admitted_ms / 1000.0) < now() - %(grace)s))
        OR (d.status = 'pending'
            AND to_timestamp(want.admitted_ms / 1000.0) < now() - %(grace)s)
 """
@@ -373,6 +421,32 @@ _PROCESSING = """
     WHERE status = 'processing' AND lease_until > now()
     GROUP BY route_id
 """
+
+
+# Which scheduled retries Postgres says are due now (its clock), and which are no longer
+# retrying at all (finished, or swept back to pending: the sweeper offered them).
+_SCHEDULED = """
+    SELECT want.id, d.route_id, d.status = 'retrying' AND d.next_attempt_at <= now()
+    FROM unnest(%(ids)s::bigint[]) AS want(id)
+    LEFT JOIN deliveries d ON d.id = want.id
+    WHERE d.id IS NULL OR d.status <> 'retrying' OR d.next_attempt_at <= now()
+"""
+
+
+def promote_due(conn: psycopg.Connection[Any], admission: Admission) -> int:
+    """Scheduled retries due by both clocks go to their routes' waiting sets; returns how many."""
+    ids = admission.scheduled_due()
+    if not ids:
+        return 0
+    due: dict[int, list[int]] = {}
+    gone: list[int] = []
+    for row in conn.execute(_SCHEDULED, {"ids": ids}).fetchall():
+        if row[2]:
+            due.setdefault(int(row[1]), []).append(int(row[0]))
+        else:
+            gone.append(int(row[0]))
+    admission.promote(due, gone)
+    return sum(len(v) for v in due.values())
 
 
 def reconcile(conn: psycopg.Connection[Any], admission: Admission, *, grace: timedelta) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
@@ -754,7 +755,12 @@ def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) 
 
 
 def due_for_publish(
-    session: Session, *, now: datetime | None, grace: timedelta, limit: int
+    session: Session,
+    *,
+    now: datetime | None,
+    grace: timedelta,
+    limit: int,
+    admitted: Sequence[int] = (),
 ) -> list[tuple[int, str | None, str | None]]:
     """The sweeper's pick, claimed with SKIP LOCKED so two sweepers never take the same rows:
 
@@ -768,6 +774,9 @@ def due_for_publish(
     most once per grace period, and its ``republished`` count (reset by the claim) goes up: a
     pending row re-published twice is claimed through Postgres whatever its fast-claim key
     says (the worker's probe), since the moved next_attempt_at never looks overdue to it.
+    ``admitted``: deliveries admission holds (waiting for their route's limits, or in
+    flight: models/admission.py). They are not lost and are left alone.
+
     The caller publishes after committing. Returns (delivery id, event id, source public id)
     for each, so the message shows what it carries.
     """
@@ -785,6 +794,7 @@ def due_for_publish(
                   AND NOT EXISTS (
                       SELECT 1 FROM routes g WHERE g.id = deliveries.route_id
                         AND (g.paused_at IS NOT NULL OR g.breaker_state <> 'closed'))
+                  AND id NOT IN (SELECT unnest(CAST(:admitted AS bigint[])))
                 ORDER BY next_attempt_at
                 LIMIT :limit
                 FOR UPDATE SKIP LOCKED
@@ -803,6 +813,6 @@ def due_for_publish(
             ORDER BY p.id
             """
         ),
-        {"now": now, "grace": grace, "limit": limit},
+        {"now": now, "grace": grace, "limit": limit, "admitted": list(admitted)},
     ).all()
     return [(int(r[0]), r[1], r[2]) for r in rows]

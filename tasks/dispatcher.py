@@ -6,13 +6,14 @@ or sooner when a rate-limited route's next slot comes first, it
 
 1. frees the in-flight slots of finished deliveries (:func:`models.admission.reconcile`:
    Postgres decides what is finished), re-learning the sets after a Redis flush;
-2. admits waiting deliveries of the routes that are not held, round-robin (A, B, C, A, B,
+2. moves the retries that are due (Postgres' clock) to their routes' waiting sets;
+3. admits waiting deliveries of the routes that are not held, round-robin (A, B, C, A, B,
    C), oldest first within a route, each route within its budget and rate, in one Lua
    script: two dispatchers on two hosts never admit one delivery twice;
-3. publishes them (messages of up to ``WEBHOOKS_DELIVERY_BATCH`` ids, as the receiver does).
+4. publishes them (messages of up to ``WEBHOOKS_DELIVERY_BATCH`` ids, as the receiver does).
 
 Killed at any point it loses nothing: a delivery is a pending row before and after. Admitted
-and not published (a kill between 2 and 3), it is freed by the next reconcile after the
+and not published (a kill between 3 and 4), it is freed by the next reconcile after the
 publish grace and the sweeper offers it again; a failed publish puts it back to waiting.
 """
 
@@ -64,6 +65,7 @@ class Dispatcher:
         if time.monotonic() - self._reconciled >= interval:
             admission.reconcile(conn, self.admission, grace=self.settings.publish_grace)
             self._reconciled = time.monotonic()
+        admission.promote_due(conn, self.admission)
         routes = self.admission.waiting_routes()
         if not routes:
             return interval

@@ -27,6 +27,7 @@ from celery import shared_task
 from sqlalchemy import text
 
 from models import breaker, retention, transitions
+from models.admission import Admission
 from models.db import session_scope
 from tasks import capacity, dispatcher, get_runtime
 from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
@@ -51,9 +52,14 @@ _OLDEST_UNFINISHED = text(
 def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
     """One sweep: returns the delivery ids published."""
     now = pinned(rt.clock)
+    held = holding(rt)
     with session_scope(rt.sessions) as session:
         picked = transitions.due_for_publish(
-            session, now=now, grace=rt.settings.publish_grace, limit=rt.settings.sweep_batch
+            session,
+            now=now,
+            grace=rt.settings.publish_grace,
+            limit=rt.settings.sweep_batch,
+            admitted=held,
         )
         probes = breaker.pick_probes(
             session,
@@ -78,6 +84,19 @@ def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
     if picked:
         log.info("sweep.published", count=len(published), picked=len(picked))
     return published
+
+
+def holding(rt: Runtime) -> list[int]:
+    """The deliveries admission holds (waiting for their route's limits, or in flight): not
+    lost, so not picked. Redis failing (or flushed): none, and the pick takes every overdue
+    row, as before admission: that is how a flush's waiting rows are offered again."""
+    if not rt.settings.admission:
+        return []
+    try:
+        return Admission(rt.redis).members()
+    except Exception as exc:  # noqa: BLE001 (see the docstring)
+        log.warning("sweep.admission_unreadable", error_class=type(exc).__name__)
+        return []
 
 
 def admitted(

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from ingest.publisher import Publisher
 from models import admission, breaker, catalog
 from tasks.config import Dispatch
+from tasks.runtime import build_runtime
+from tasks.sweeper import sweep_once
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL
 from tests.operators_support import cli, ops_env
@@ -43,9 +46,12 @@ pytestmark = pytest.mark.slow
 class Downstream:
     """Answers 200 after ``delay[path]`` seconds; records each call's (path, start, end)."""
 
-    def __init__(self, delays: dict[str, float]) -> None:
+    def __init__(self, delays: dict[str, float], fail_first: frozenset[str] = frozenset()) -> None:
         self.delays = delays
         self.calls: list[tuple[str, float, float]] = []
+        # Paths whose first call of each delivery (its Idempotency-Key) answers 503 at once.
+        self.fail_first = fail_first
+        self.seen: set[str] = set()
         self._lock = threading.Lock()
         server = self
 
@@ -53,6 +59,17 @@ class Downstream:
             def do_POST(self) -> None:
                 start = time.monotonic()
                 self.rfile.read(int(self.headers["content-length"]))
+                key = f"{self.path} {self.headers.get('idempotency-key')}"
+                with server._lock:
+                    first = self.path in server.fail_first and key not in server.seen
+                    server.seen.add(key)
+                if first:
+                    self.send_response(503)
+                    self.send_header("content-length", "0")
+                    self.end_headers()
+                    with server._lock:
+                        server.calls.append((self.path, start, time.monotonic()))
+                    return
                 time.sleep(server.delays.get(self.path, 0.0))
                 self.send_response(200)
                 self.send_header("content-length", "0")
@@ -91,7 +108,10 @@ class Downstream:
 
 @pytest.fixture
 def downstream() -> Iterator[Downstream]:
-    server = Downstream({"/burst": 0.2, "/quiet": 0.01, "/limited": 0.05})
+    server = Downstream(
+        {"/burst": 0.2, "/quiet": 0.01, "/limited": 0.05, "/flaky": 0.3},
+        fail_first=frozenset({"/flaky"}),
+    )
     yield server
     server.close()
 
@@ -185,7 +205,11 @@ def test_rate_and_in_flight_limits_hold_at_the_downstream_and_waiting_is_no_atte
     _limits(sessions, route_id, max_in_flight=3, rate=admission.Rate(20, 1))
     ids = _accept(settings, source, 60)
     publisher = Publisher(settings)
-    with running_worker("limits", tmp_path, concurrency=8):
+    # Two worker processes, each with its own dispatcher: the limits hold across both.
+    with (
+        running_worker("limits-a", tmp_path, concurrency=8),
+        running_worker("limits-b", tmp_path, concurrency=8),
+    ):
         publisher.submit("limited", [Dispatch(i) for i in ids])
         wait_for(lambda: _statuses(engine, ids) == {"succeeded"}, timeout=60, what="the drain")
     publisher.close()
@@ -205,6 +229,108 @@ def test_rate_and_in_flight_limits_hold_at_the_downstream_and_waiting_is_no_atte
             text("SELECT count(*) FROM attempts WHERE delivery_id = ANY(:ids)"), {"ids": ids}
         ).scalar_one()
     assert (rows[0], tries) == (1, 60)
+
+
+def test_retries_wait_for_admission_within_the_limits_and_the_wait_is_no_attempt(
+    sessions: sessionmaker[Session], engine: Engine, tmp_path: Path, downstream: Downstream
+) -> None:
+    """Every delivery's first call answers 503 at once, its retry takes 300 ms. A retry sent
+    as a countdown message would reach the downstream around the route's budget and rate
+    (16 retries due within a second, 16 slots): admission must hold them too."""
+    overrides: dict[str, Any] = {
+        "retry_base": timedelta(seconds=0.2),
+        "retry_cap": timedelta(seconds=0.4),
+        "breaker_min_requests": 10_000,  # this test is about the limits, not the breaker
+    }
+    settings = worker_settings(**overrides)
+    source = make_source(sessions, settings, routes=[downstream.route("/flaky")])
+    (route_id,) = source.route_ids
+    _limits(sessions, route_id, max_in_flight=2, rate=admission.Rate(10, 1))
+    ids = _accept(settings, source, 16)
+    publisher = Publisher(settings)
+    with (
+        running_worker("retry-a", tmp_path, concurrency=8, **overrides),
+        running_worker("retry-b", tmp_path, concurrency=8, **overrides),
+    ):
+        publisher.submit("flaky", [Dispatch(i) for i in ids])
+        wait_for(lambda: _statuses(engine, ids) == {"succeeded"}, timeout=60, what="the drain")
+    publisher.close()
+    starts = [s for s, _ in downstream.of("/flaky")]
+    assert len(starts) == 32  # one 503 and one success each: nothing repeated
+    assert downstream.peak("/flaky") <= 2
+    busiest = max(sum(1 for t in starts if s <= t < s + 1.0) for s in starts)
+    assert busiest <= 10, busiest  # 10/s + 5% rounds down to 10 calls
+    # Two attempts each: the waits (before the first call and before the retry) are none.
+    with engine.connect() as conn:
+        attempts = (
+            conn.execute(text("SELECT attempts FROM deliveries WHERE id = ANY(:ids)"), {"ids": ids})
+            .scalars()
+            .all()
+        )
+        tries = conn.execute(
+            text("SELECT count(*) FROM attempts WHERE delivery_id = ANY(:ids)"), {"ids": ids}
+        ).scalar_one()
+    assert (set(attempts), tries) == ({2}, 32)
+
+
+def test_the_sweeper_leaves_deliveries_waiting_for_admission_alone_and_takes_the_lost_ones(
+    sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """A delivery that waits for its route's budget is not lost: the sweeper must not pick it
+    (that would count a re-publish and move its due time for nothing). A pending row that
+    admission does not hold is lost, and is picked; after a Redis flush every one is."""
+    settings = worker_settings()
+    source = make_source(sessions, settings, routes=[{"handler": "effect"}])
+    (route_id,) = source.route_ids
+    _limits(sessions, route_id, max_in_flight=1)
+    held = _accept(settings, source, 4)
+    (lost,) = _accept(settings, source, 1)
+    client = redis.Redis.from_url(CLAIMS_URL)
+    gate = admission.Admission(client)
+    rt = build_runtime(settings, worker="sweeper-test")
+    try:
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+            routes = admission.routes_of(conn, held, settings.route_max_in_flight)
+        decided = gate.offer(held, routes)
+        assert (len(decided.admitted), len(decided.waiting)) == (1, 3)
+        # The publish grace has passed for all five (the database's clock decides it).
+        with engine.begin() as conn:
+            conn.execute(
+                text("UPDATE deliveries SET next_attempt_at = now() - interval '10 years'"
+                     " WHERE id = ANY(:ids)"),
+                {"ids": [*held, lost]},
+            )  # fmt: skip
+        published: list[int] = []
+        sweep_once(rt, lambda d: published.append(d.delivery_id))
+        assert not set(held) & set(published)
+        with engine.connect() as conn:
+            counts = dict(
+                conn.execute(
+                    text("SELECT id, republished FROM deliveries WHERE id = ANY(:ids)"),
+                    {"ids": [*held, lost]},
+                ).all()
+            )
+        assert counts == {**dict.fromkeys(held, 0), lost: 1}
+        # A flush empties admission's sets: the rows waiting there are lost now, and picked.
+        flush_redis(CLAIMS_URL)
+        with engine.begin() as conn:
+            conn.execute(
+                text("UPDATE deliveries SET next_attempt_at = now() - interval '10 years'"
+                     " WHERE id = ANY(:ids)"),
+                {"ids": held},
+            )  # fmt: skip
+        again: list[int] = []
+        sweep_once(rt, lambda d: again.append(d.delivery_id))
+        assert set(held) <= set(again) | set(gate.members())
+        with engine.connect() as conn:
+            picked = conn.execute(
+                text("SELECT count(*) FROM deliveries WHERE id = ANY(:ids) AND republished = 1"),
+                {"ids": held},
+            ).scalar_one()
+        assert picked == 4
+    finally:
+        rt.close()
+        client.close()
 
 
 # -- crashes and a Redis flush ---------------------------------------------------------------

@@ -116,7 +116,8 @@ BREAKER_STATE = Gauge(
 ADMISSIONS = Counter(
     "webhooks_admissions_total",
     "Deliveries offered to admission (models/admission.py) by outcome: admitted, waiting,"
-    " duplicate, drained (admitted from waiting), failed_open (Redis or Postgres failed)",
+    " duplicate, drained (admitted from waiting), scheduled (a retry waiting to be due),"
+    " failed_open (Redis or Postgres failed)",
     ["outcome"],
 )
 
