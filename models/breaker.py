@@ -109,7 +109,8 @@ _FAILURE_SQL = _placeholders(
 _CLOSE_SQL = _placeholders(
     """
     UPDATE routes SET breaker_state = 'closed', breaker_probe_at = NULL, probe_delivery = NULL,
-        window_started_at = NULL, window_requests = 0, window_failures = 0
+        window_started_at = NULL, window_requests = 0, window_failures = 0,
+        released_at = coalesce(CAST(:now AS timestamptz), now())
     WHERE id = :route AND breaker_state = 'half_open'
     RETURNING id, 'half_open', 'closed', breaker_trips
     """
@@ -174,7 +175,7 @@ def record_success(
     """A success, as the claim saw the route: a half-open route closes; a closed one with an
     open failure window counts a request; a healthy route costs nothing (no statement)."""
     if state == HALF_OPEN:
-        row = conn.execute(_CLOSE_SQL, {"route": route_id}).fetchone()
+        row = conn.execute(_CLOSE_SQL, {"route": route_id, "now": now}).fetchone()
         return None if row is None else BreakerChange(int(row[0]), row[1], row[2], int(row[3]))
     if state == CLOSED and window_failures:
         conn.execute(_COUNT_SUCCESS_SQL, {"route": route_id, "now": now, "window": limits.window})
@@ -331,7 +332,7 @@ def set_paused(
     values: dict[str, Any] = (
         {"paused_at": when, "pause_reason": change.reason.strip()}
         if paused
-        else {"paused_at": None, "pause_reason": None}
+        else {"paused_at": None, "pause_reason": None, "released_at": when}
     )
     guard = Route.paused_at.is_(None) if paused else Route.paused_at.is_not(None)
     moved = session.execute(

@@ -136,9 +136,13 @@ class Route(Base):
     window_started_at: Mapped[datetime | None] = mapped_column()
     window_requests: Mapped[int] = mapped_column(Integer, server_default="0")
     window_failures: Mapped[int] = mapped_column(Integer, server_default="0")
-    # Admission limits (models/admission.py, migration 0013): NULL max_in_flight is the
+    # Admission limits (models/admission.py, migration 0014): NULL max_in_flight is the
     # default budget (WEBHOOKS_ROUTE_MAX_IN_FLIGHT); NULL rate_count, no rate limit.
     max_in_flight: Mapped[int | None] = mapped_column(Integer)
+    # When the route last stopped being held (breaker closed, or resumed by hand): a
+    # delivery's max_age counts from then at the earliest, so an outage never ages work
+    # into the dead letters (tasks/policy.py, migration 0014).
+    released_at: Mapped[datetime | None] = mapped_column()
     rate_count: Mapped[int | None] = mapped_column(Integer)
     rate_period_s: Mapped[int | None] = mapped_column(Integer)
 

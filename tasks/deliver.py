@@ -640,7 +640,7 @@ def _fail(
     decision = decide(
         policy,
         attempt=found.attempts_in_run,
-        started_at=found.first_attempt_at or found.created_at,
+        started_at=age_from(found, row, now=now, probe=probe),
         now=now,
         permanent=isinstance(exc, PermanentError),
         requested_delay=exc.delay if isinstance(exc, RetryableError) else None,
@@ -730,6 +730,17 @@ def _fail(
         error,
         {"countdown": decision.countdown, "admission": decision.delay.total_seconds()}.get(via),
     )
+
+
+def age_from(found: Claim, row: ClaimedEvent, *, now: datetime, probe: bool) -> datetime:
+    """Where a delivery's max_age counts from: its first attempt (or creation), but never
+    before its route's last release from a hold (breaker closed, resumed by hand), and a
+    half-open probe's failure not at all (the outage goes on). So time a route spent held
+    never ages its work into the dead letters (issue 23 item 4; README)."""
+    if probe:
+        return now
+    start = found.first_attempt_at or found.created_at
+    return start if row.released_at is None else max(start, row.released_at)
 
 
 def _schedule(rt: Runtime, delivery_id: int, delay_s: float) -> bool:

@@ -4,7 +4,8 @@
 once (NULL: ``WEBHOOKS_ROUTE_MAX_IN_FLIGHT``, the default budget that keeps routes fair).
 ``routes.rate_count`` per ``routes.rate_period_s`` seconds: the most calls the route's
 downstream sees, evenly spaced (NULL: no rate limit). Admission (models/admission.py) reads
-them; existing routes get the defaults.
+them; existing routes get the defaults. ``routes.released_at``: when the route last stopped
+being held (breaker closed, resumed): max_age counts from then at the earliest.
 
 Revision ID: 0014
 Revises: 0013
@@ -28,6 +29,7 @@ def upgrade() -> None:
     op.add_column("routes", sa.Column("max_in_flight", sa.Integer(), nullable=True))
     op.add_column("routes", sa.Column("rate_count", sa.Integer(), nullable=True))
     op.add_column("routes", sa.Column("rate_period_s", sa.Integer(), nullable=True))
+    op.add_column("routes", sa.Column("released_at", sa.DateTime(timezone=True), nullable=True))
     op.create_check_constraint(
         "limits",
         "routes",
@@ -39,5 +41,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_constraint(op.f("ck_routes_limits"), "routes", type_="check")
-    for column in ("rate_period_s", "rate_count", "max_in_flight"):
+    for column in ("released_at", "rate_period_s", "rate_count", "max_in_flight"):
         op.drop_column("routes", column)
