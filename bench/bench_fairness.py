@@ -199,7 +199,8 @@ def wait_done(pipe: Pipeline, total: int, timeout: float) -> float:
 
 
 def noisy_neighbour(label: str, code: Path, args: argparse.Namespace, logdir: Path) -> Noisy:
-    pipe = Pipeline(code, env_for(code, args.redis_port, {}), logdir)
+    budget = {} if args.budget is None else {"WEBHOOKS_ROUTE_MAX_IN_FLIGHT": str(args.budget)}
+    pipe = Pipeline(code, env_for(code, args.redis_port, budget), logdir)
     noisy, _ = pipe.sender("noisy", "noisy")
     quiet, _ = pipe.sender("quiet", "quiet")
     httpx.delete(f"{DOWNSTREAM}/stats")
@@ -325,6 +326,9 @@ def main() -> None:
     parser.add_argument("--quiet-seconds", type=float, default=30.0)
     parser.add_argument("--compare", type=Path, default=None, help="another checkout (main)")
     parser.add_argument("--skip-outage", action="store_true")
+    parser.add_argument(
+        "--budget", type=int, default=None, help="WEBHOOKS_ROUTE_MAX_IN_FLIGHT (noisy drill)"
+    )
     parser.add_argument("--redis-port", type=int, default=6394)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_fairness.txt")
     args = parser.parse_args()
@@ -356,7 +360,8 @@ def main() -> None:
         lines += [
             "",
             f"noisy neighbour: {args.burst} events to a 200 ms downstream, beside 4 events/s to"
-            f" a 10 ms one for {args.quiet_seconds:.0f} s",
+            f" a 10 ms one for {args.quiet_seconds:.0f} s; in-flight budget"
+            f" {args.budget or 'default (20)'}",
             "  run              quiet p50 ms  p99 ms  max ms  (events)  burst drained s"
             "  noisy peak concurrency",
         ]
