@@ -361,7 +361,7 @@ def main() -> None:
             "",
             f"noisy neighbour: {args.burst} events to a 200 ms downstream, beside 4 events/s to"
             f" a 10 ms one for {args.quiet_seconds:.0f} s; in-flight budget"
-            f" {args.budget or 'default (20)'}",
+            f" {args.budget or 'default (WEBHOOKS_ROUTE_MAX_IN_FLIGHT)'}",
             "  run              quiet p50 ms  p99 ms  max ms  (events)  burst drained s"
             "  noisy peak concurrency",
         ]
