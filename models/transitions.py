@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
@@ -146,7 +147,7 @@ _CLAIMED_EVENT = """\
            c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
            c.status, c.attempt_base, c.at,
            rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
-           rt.max_age_s, rt.active, rt.breaker_state, rt.window_failures,
+           rt.max_age_s, rt.active, rt.breaker_state, rt.window_failures, rt.released_at,
            s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s, s.clock_skew_s,
            s.replay_grace_s,
            r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
@@ -256,6 +257,7 @@ class ClaimedEvent(NamedTuple):
     active: bool | None
     breaker_state: str | None  # closed | open | half_open (models/breaker.py)
     window_failures: int | None  # failures in the route's open window: successes count too
+    released_at: datetime | None  # the route's last release from a hold (max_age counts after)
     public_id: str | None
     name: str | None
     provider: str | None
@@ -335,7 +337,7 @@ def claim_with_event(
     )
     if row is None:
         return None
-    return Claim(*row[:14]), ClaimedEvent(*row[14:37])
+    return Claim(*row[:14]), ClaimedEvent(*row[14:38])
 
 
 # The worker's claim of several deliveries at once (a message carrying several ids): the same
@@ -446,7 +448,7 @@ def claim_many_with_event(
             "worker": worker,
         },
     ).fetchall()
-    return [(Claim(*row[:14]), ClaimedEvent(*row[14:37])) for row in rows]
+    return [(Claim(*row[:14]), ClaimedEvent(*row[14:38])) for row in rows]
 
 
 @functools.cache
@@ -754,7 +756,12 @@ def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) 
 
 
 def due_for_publish(
-    session: Session, *, now: datetime | None, grace: timedelta, limit: int
+    session: Session,
+    *,
+    now: datetime | None,
+    grace: timedelta,
+    limit: int,
+    admitted: Sequence[int] = (),
 ) -> list[tuple[int, str | None, str | None]]:
     """The sweeper's pick, claimed with SKIP LOCKED so two sweepers never take the same rows:
 
@@ -768,6 +775,9 @@ def due_for_publish(
     most once per grace period, and its ``republished`` count (reset by the claim) goes up: a
     pending row re-published twice is claimed through Postgres whatever its fast-claim key
     says (the worker's probe), since the moved next_attempt_at never looks overdue to it.
+    ``admitted``: deliveries admission holds (waiting for their route's limits, or in
+    flight: models/admission.py). They are not lost and are left alone.
+
     The caller publishes after committing. Returns (delivery id, event id, source public id)
     for each, so the message shows what it carries.
     """
@@ -785,6 +795,7 @@ def due_for_publish(
                   AND NOT EXISTS (
                       SELECT 1 FROM routes g WHERE g.id = deliveries.route_id
                         AND (g.paused_at IS NOT NULL OR g.breaker_state <> 'closed'))
+                  AND id NOT IN (SELECT unnest(CAST(:admitted AS bigint[])))
                 ORDER BY next_attempt_at
                 LIMIT :limit
                 FOR UPDATE SKIP LOCKED
@@ -803,6 +814,6 @@ def due_for_publish(
             ORDER BY p.id
             """
         ),
-        {"now": now, "grace": grace, "limit": limit},
+        {"now": now, "grace": grace, "limit": limit, "admitted": list(admitted)},
     ).all()
     return [(int(r[0]), r[1], r[2]) for r in rows]

@@ -18,9 +18,10 @@ steps with one statement for all of them, :mod:`tasks.batch`):
     through ``ctx.session``; commit; then promote the Redis key to the source's dedup TTL;
  5. caught failure: roll the handler's writes back; commit ``retry_later`` (next_attempt_at =
     now + full-jitter backoff) or ``kill`` (permanent, attempts or age exhausted); release
-    the Redis key; only then publish the countdown retry (short delays), so the message can
-    never arrive before the state that allows it to be claimed. Longer delays are left to
-    the sweeper.
+    the Redis key; only then schedule the retry with admission (models/admission.py: the
+    dispatcher admits it once due, within its route's limits), so the message can never
+    arrive before the state that allows it to be claimed. With admission off (or Redis
+    failing), a countdown message for short delays; longer ones are left to the sweeper.
 
 Why each effect happens exactly once
 ------------------------------------
@@ -96,6 +97,7 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from models import transitions
+from models.admission import Admission
 from models.breaker import held
 from models.partitions import leaf_suffix
 from models.transitions import Claim, ClaimedEvent, Held, IllegalTransition
@@ -112,7 +114,7 @@ from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.crypto import SecretDecryptError
 from webhooks.logs import get_logger
-from webhooks.metrics import DEAD_LETTERS, DELIVERIES, RECEIPT_TO_SUCCESS, RETRIES
+from webhooks.metrics import ADMISSIONS, DEAD_LETTERS, DELIVERIES, RECEIPT_TO_SUCCESS, RETRIES
 from webhooks.settings import MAX_DELIVERY_BATCH
 from webhooks.ttl import TtlConfigError, TtlOverrides, effective_ttl
 
@@ -656,7 +658,7 @@ def _fail(
     decision = decide(
         policy,
         attempt=found.attempts_in_run,
-        started_at=found.first_attempt_at or found.created_at,
+        started_at=age_from(found, row, now=now, probe=probe),
         now=now,
         permanent=isinstance(exc, PermanentError),
         requested_delay=exc.delay if isinstance(exc, RetryableError) else None,
@@ -724,7 +726,9 @@ def _fail(
     RETRIES.inc()
     DELIVERIES.labels(outcome="retry").inc()
     via = "sweeper"
-    if decision.countdown is not None:
+    if rt.settings.admission and _schedule(rt, found.id, decision.delay.total_seconds()):
+        via = "admission"
+    elif decision.countdown is not None:
         try:
             publish_retry(Dispatch(found.id, row.event_id, row.public_id), decision.countdown)
             via = "countdown"
@@ -742,8 +746,38 @@ def _fail(
         row.event_id,
         row.public_id,
         error,
-        decision.countdown if via == "countdown" else None,
+        {"countdown": decision.countdown, "admission": decision.delay.total_seconds()}.get(via),
     )
+
+
+def age_from(found: Claim, row: ClaimedEvent, *, now: datetime, probe: bool) -> datetime:
+    """Where a delivery's max_age counts from: its first attempt (or creation), but never
+    before its route's last release from a hold (breaker closed, resumed by hand), and a
+    half-open probe's failure not at all (the outage goes on). So time a route spent held
+    never ages its work into the dead letters (issue 23 item 4; README)."""
+    if probe:
+        return now
+    start = found.first_attempt_at or found.created_at
+    return start if row.released_at is None else max(start, row.released_at)
+
+
+def _schedule(rt: Runtime, delivery_id: int, delay_s: float) -> bool:
+    """The retry waits for admission (models/admission.py, ``adm:d``): the dispatcher admits
+    it once due, within its route's in-flight budget and rate limit, instead of a countdown
+    message that would reach the downstream around both. False when Redis fails: the
+    countdown then (admission fails open, as everywhere)."""
+    try:
+        Admission(rt.redis).schedule(delivery_id, delay_s)
+    except Exception as exc:  # noqa: BLE001 (fail open: the caller publishes the countdown)
+        ADMISSIONS.labels("failed_open").inc()
+        log.warning(
+            "delivery.retry_schedule_failed",
+            delivery_id=delivery_id,
+            error_class=type(exc).__name__,
+        )
+        return False
+    ADMISSIONS.labels("scheduled").inc()
+    return True
 
 
 class DeadLetter(Exception):
