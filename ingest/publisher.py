@@ -19,6 +19,10 @@ held are left to the sweeper (counted): they may be what killed it. Its queue ho
 ``WEBHOOKS_PUBLISH_QUEUE_LIMIT`` deliveries: past that (a broker slower than the receiver,
 a thread restarting) :meth:`Publisher.submit` leaves them pending for the sweeper, counted,
 instead of holding memory without limit.
+
+Admission (models/admission.py) decides first: each batch's deliveries go out at once while
+their route is under its in-flight budget and rate limit; the others stay pending, waiting
+for the dispatcher (tasks/dispatcher.py), with no message.
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import psycopg
 import redis
 from kombu.utils import json as kombu_json
 
+from tasks.claims import make_client
 from tasks.config import DELIVER_TASK, DELIVERIES_QUEUE, Dispatch, batches, create_app, message
+from tasks.dispatcher import offer
 from webhooks import metrics
 from webhooks.logs import get_logger
 from webhooks.settings import Settings
@@ -103,6 +110,9 @@ class Publisher:
         # Between a death and the replacement's start (and set by close(): no restart).
         self._down = False
         self._closed = threading.Event()
+        # Admission's connections (the publisher thread's own; models/admission.py).
+        self._admission_conn: psycopg.Connection[Any] | None = None
+        self._admission_redis: redis.Redis | None = None
 
     def submit(self, label: str, dispatches: Sequence[Dispatch]) -> None:
         """Queue committed deliveries for publishing; never blocks on the broker. Past the
@@ -205,12 +215,46 @@ class Publisher:
 
     def _publish_batch(self, batch: list[tuple[str, Dispatch]]) -> None:
         try:
-            self.publish_sync([dispatch for _, dispatch in batch])
+            dispatches = self.admitted([dispatch for _, dispatch in batch])
+            if dispatches:
+                self.publish_sync(dispatches)
         except Exception as exc:  # noqa: BLE001  (durable already; the sweeper publishes)
             self._drop_producer()
             for label, _ in batch:
                 metrics.PUBLISH_FAILURES.labels(label).inc()
             log.warning("publish_failed", deliveries=len(batch), error=exc.__class__.__name__)
+
+    def admitted(self, dispatches: Sequence[Dispatch]) -> Sequence[Dispatch]:
+        """What admission lets out now (models/admission.py: one statement for the routes,
+        one Lua call for the batch); the rest wait for the dispatcher as pending rows. A
+        failure of either fails open (everything published, as before admission), counted."""
+        if not self.settings.admission:
+            return dispatches
+        try:
+            if self._admission_conn is None or self._admission_conn.closed:
+                self._admission_conn = psycopg.connect(
+                    self.settings.psycopg_dsn, autocommit=True, connect_timeout=5
+                )
+            if self._admission_redis is None:
+                self._admission_redis = make_client(
+                    self.settings.redis_url, self.settings.redis_socket_timeout
+                )
+            return offer(
+                self._admission_redis,
+                self._admission_conn,
+                dispatches,
+                self.settings.route_max_in_flight,
+            )
+        except Exception as exc:  # noqa: BLE001 (fail open: see the docstring)
+            metrics.ADMISSIONS.labels("failed_open").inc(len(dispatches))
+            log.warning(
+                "admission_failed_open", deliveries=len(dispatches), error=type(exc).__name__
+            )
+            if self._admission_conn is not None:
+                with contextlib.suppress(Exception):
+                    self._admission_conn.close()
+            self._admission_conn = None
+            return dispatches
 
     def publish_sync(self, dispatches: Sequence[Dispatch]) -> None:
         """Publish now; raises on failure. One thread per Publisher calls this: the background
@@ -307,7 +351,9 @@ class CeleryPublisher:
 
     def __call__(self, delivery_id: int, event_id: str, source: str) -> bool:
         try:
-            self._publisher.publish_sync([Dispatch(delivery_id, event_id, source)])
+            dispatches = self._publisher.admitted([Dispatch(delivery_id, event_id, source)])
+            if dispatches:  # else it waits for the dispatcher, at its route's limits
+                self._publisher.publish_sync(dispatches)
         except Exception as exc:  # noqa: BLE001  (any broker failure: the sweeper recovers)
             log.warning(
                 "replay.publish_failed", delivery_id=delivery_id, error=exc.__class__.__name__

@@ -268,6 +268,7 @@ class RouteState:
     window_started_at: datetime | None
     window_requests: int
     window_failures: int
+    limits: dict[str, Any]
 
     def view(self) -> dict[str, Any]:
         """JSON-ready (the CLI's --json and the admin API)."""
@@ -276,6 +277,7 @@ class RouteState:
             return None if value is None else value.isoformat()
 
         return {
+            "limits": self.limits,
             "paused": self.paused,
             "paused_at": iso(self.paused_at),
             "pause_reason": self.pause_reason,
@@ -306,6 +308,7 @@ def state_of(route: Route) -> RouteState:
         route.window_started_at,
         route.window_requests,
         route.window_failures,
+        limits_view(route),
     )
 
 
@@ -353,3 +356,46 @@ def set_paused(
 def _db_now(session: Session) -> datetime:
     value: datetime = session.execute(_sql("SELECT now()")).scalar_one()
     return value
+
+
+_UNSET: Any = object()
+
+
+def set_limits(
+    session: Session,
+    route_id: int,
+    change: Change,
+    *,
+    max_in_flight: Any = _UNSET,
+    rate: Any = _UNSET,
+    now: datetime | None,
+) -> Changed:
+    """Set a route's admission limits (models/admission.py): ``max_in_flight`` a count or
+    None (the default budget), ``rate`` an :class:`models.admission.Rate` or None (no rate
+    limit); one left out is kept. One audit row (``route.limits``) with the old and new
+    values, in the caller's transaction; admission reads the new ones at its next batch."""
+    change.check()
+    if max_in_flight is _UNSET and rate is _UNSET:
+        raise CatalogError("nothing to change: give --rate-limit and/or --max-in-flight")
+    route = get_route(session, route_id)
+    before = limits_view(route)
+    if max_in_flight is not _UNSET:
+        route.max_in_flight = max_in_flight
+    if rate is not _UNSET:
+        route.rate_count = None if rate is None else rate.count
+        route.rate_period_s = None if rate is None else rate.period_s
+    session.flush()
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = {**_route_target(route, source), "before": before, "after": limits_view(route)}
+    audit_id = record_audit(session, change, "route.limits", target, count=1, now=now)
+    return Changed(audit_id, target, 0)
+
+
+def limits_view(route: Route) -> dict[str, Any]:
+    """The route's limits as operators read them (``None``: the default budget / no rate)."""
+    from models.admission import Rate  # noqa: PLC0415 (admission imports nothing of ours)
+
+    rate = (
+        None if route.rate_count is None else str(Rate(route.rate_count, route.rate_period_s or 1))
+    )
+    return {"max_in_flight": route.max_in_flight, "rate_limit": rate}

@@ -103,6 +103,12 @@ class Route(Base):
     __tablename__ = "routes"
     __table_args__ = (
         CheckConstraint("breaker_state IN ('closed', 'open', 'half_open')", name="breaker_state"),
+        CheckConstraint(
+            "(max_in_flight IS NULL OR max_in_flight >= 1)"
+            " AND ((rate_count IS NULL AND rate_period_s IS NULL)"
+            " OR (rate_count >= 1 AND rate_period_s >= 1))",
+            name="limits",
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
@@ -130,6 +136,11 @@ class Route(Base):
     window_started_at: Mapped[datetime | None] = mapped_column()
     window_requests: Mapped[int] = mapped_column(Integer, server_default="0")
     window_failures: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Admission limits (models/admission.py, migration 0013): NULL max_in_flight is the
+    # default budget (WEBHOOKS_ROUTE_MAX_IN_FLIGHT); NULL rate_count, no rate limit.
+    max_in_flight: Mapped[int | None] = mapped_column(Integer)
+    rate_count: Mapped[int | None] = mapped_column(Integer)
+    rate_period_s: Mapped[int | None] = mapped_column(Integer)
 
 
 receipt_id_seq = Sequence("receipts_id_seq", metadata=Base.metadata)

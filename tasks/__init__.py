@@ -66,6 +66,7 @@ def get_app() -> Celery:
         worker_process_init.connect(_after_fork, weak=False)
         worker_process_shutdown.connect(_close_runtime, weak=False)
         worker_ready.connect(_start_watchdog, weak=False)
+        worker_ready.connect(_start_dispatcher, weak=False)
         _name_crashes(settings)
         app.set_current()
         _app = app
@@ -179,6 +180,15 @@ def _start_watchdog(**_: Any) -> None:
         from webhooks.logs import get_logger  # noqa: PLC0415
 
         get_logger("worker").info("worker.watchdog", hard_time_limit=get_settings().hard_time_limit)
+
+
+def _start_dispatcher(**_: Any) -> None:
+    """The worker's dispatcher thread (tasks.dispatcher), in its main process."""
+    settings = get_settings()
+    if settings.admission and settings.dispatcher:
+        from tasks.dispatcher import start  # noqa: PLC0415
+
+        start(settings)
 
 
 def _close_runtime(**_: Any) -> None:

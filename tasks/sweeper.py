@@ -6,7 +6,8 @@ publish) pending deliveries never published or whose message was lost, retries t
 but whose countdown message did not come (or that were too long for a countdown), and
 processing deliveries whose lease expired (the worker died), skipping deliveries their route
 holds (paused, breaker open), and one probe delivery per open route whose probe is due
-(:func:`models.breaker.pick_probes`); then publishes each id. A
+(:func:`models.breaker.pick_probes`); then publishes each id the route's admission lets out
+(models/admission.py; the others wait for the dispatcher) and each probe. A
 published id that turns out not to be claimable is dropped quietly by the delivery task.
 Each pick counts in the row's ``republished`` (reset by a claim): from the second, a pending
 row goes to Postgres' claim even while a fast-claim key says duplicate, so a stale key (a
@@ -27,13 +28,14 @@ from sqlalchemy import text
 
 from models import breaker, retention, transitions
 from models.db import session_scope
-from tasks import capacity, get_runtime
+from tasks import capacity, dispatcher, get_runtime
 from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
 from tasks.deliver import deliver
+from tasks.durable import on_connection
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.logs import get_logger
-from webhooks.metrics import BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
+from webhooks.metrics import ADMISSIONS, BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
 
 log = get_logger(__name__)
 
@@ -60,7 +62,7 @@ def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
             grace=rt.settings.publish_grace,
         )
         oldest = session.execute(_OLDEST_UNFINISHED, {"now": now}).scalar_one_or_none()
-    picked += probed(probes)
+    picked = admitted(rt, picked) + probed(probes)
     OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, float(oldest)))
     published = []
     for delivery_id, event_id, source in picked:
@@ -76,6 +78,28 @@ def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
     if picked:
         log.info("sweep.published", count=len(published), picked=len(picked))
     return published
+
+
+def admitted(
+    rt: Runtime, picked: list[tuple[int, str | None, str | None]]
+) -> list[tuple[int, str | None, str | None]]:
+    """The picked deliveries admission lets out now (models/admission.py); the others wait
+    for the dispatcher. Redis or Postgres failing here fails open: all are published."""
+    if not picked or not rt.settings.admission:
+        return picked
+    dispatches = [Dispatch(*p) for p in picked]
+    try:
+        out = on_connection(
+            rt.engine,
+            lambda raw: dispatcher.offer(
+                rt.redis, raw, dispatches, rt.settings.route_max_in_flight
+            ),
+        )
+    except Exception as exc:  # noqa: BLE001 (see the docstring)
+        ADMISSIONS.labels("failed_open").inc(len(picked))
+        log.warning("sweep.admission_failed_open", error_class=type(exc).__name__)
+        return picked
+    return [(d.delivery_id, d.event_id, d.source) for d in out]
 
 
 def probed(probes: list[breaker.Probe]) -> list[tuple[int, str | None, str | None]]:

@@ -113,6 +113,12 @@ BREAKER_STATE = Gauge(
     ["route"],
     multiprocess_mode="mostrecent",
 )
+ADMISSIONS = Counter(
+    "webhooks_admissions_total",
+    "Deliveries offered to admission (models/admission.py) by outcome: admitted, waiting,"
+    " duplicate, drained (admitted from waiting), failed_open (Redis or Postgres failed)",
+    ["outcome"],
+)
 
 # Capacity (tasks/capacity.py): measured by each maintenance run, on a worker.
 FAST_TIER_KEYS = Gauge(

@@ -154,6 +154,17 @@ class Settings(BaseSettings):
     breaker_min_requests: int = Field(default=10, ge=1)
     breaker_failure_ratio: float = Field(default=0.7, gt=0, le=1)
     breaker_probe_interval: timedelta = timedelta(seconds=30)
+    # Admission (models/admission.py): deliveries of one route admitted to the broker and not
+    # finished at once, unless the route sets its own (`routes update --max-in-flight`). The
+    # default, 20, is below the 50 slots of one default worker: a route's backlog leaves
+    # the other routes free slots (README "Fairness and limits").
+    route_max_in_flight: int = Field(default=20, ge=1, le=100_000)
+    # How often each worker's dispatcher admits waiting deliveries (round-robin across routes).
+    dispatch_interval: timedelta = timedelta(milliseconds=50)
+    # false: this worker runs no dispatcher (another worker's, on any host, does the work).
+    dispatcher: bool = True
+    # false: no admission at all (every delivery published at once, as before issue 23).
+    admission: bool = True
     # Seed of the workers' jitter source: reproducible retry delays in tests; None = OS entropy.
     retry_seed: int | None = None
 

@@ -505,10 +505,27 @@ def routes_list(source: str, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(views)
         return
-    table = Table("id", "handler", "events", "options", "active", "breaker")
+    table = Table("id", "handler", "events", "options", "active", "breaker", "limits")
     for v in views:
-        row(table, v["id"], v["handler"], v["events"], v["options"], v["active"], _breaker_cell(v))
+        row(
+            table,
+            v["id"],
+            v["handler"],
+            v["events"],
+            v["options"],
+            v["active"],
+            _breaker_cell(v),
+            _limits_cell(v, e.settings.route_max_in_flight),
+        )
     console.print(table)
+
+
+def _limits_cell(v: dict[str, Any], default_budget: int) -> str:
+    """The route's in-flight budget and rate limit, for the routes table and `routes show`."""
+    limits = v["limits"]
+    budget = limits["max_in_flight"]
+    flight = f"{budget} in flight" if budget else f"{default_budget} in flight (default)"
+    return f"{flight}, rate {limits['rate_limit'] or 'unlimited'}"
 
 
 def _registry(e: Env) -> Any:
@@ -586,12 +603,55 @@ def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
     say(escape(f"route {view['id']}: {view['handler']} for {view['events']}"))
     if view["paused"]:
         say(escape(f"paused since {view['paused_at']}: {view['pause_reason']}"))
+    say(escape(f"limits: {_limits_cell(view, e.settings.route_max_in_flight)}"))
     say(
         escape(
             f"breaker {b['state']} (trips {b['trips']}, opened {b['opened_at']}, next probe "
             f"{b['probe_at']}); window since {b['window_started_at']}: "
             f"{b['window_failures']} failures of {b['window_requests']} requests"
         )
+    )
+
+
+@routes_app.command("update")
+@handle_errors
+def routes_update(
+    route_id: RouteIdArg,
+    rate_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--rate-limit", help="Most calls to the downstream: 50/s, 3000/m, 100/h, none."
+        ),
+    ] = None,
+    max_in_flight: Annotated[
+        str | None,
+        typer.Option(
+            "--max-in-flight",
+            help="Most deliveries in flight at once, or none (the default budget).",
+        ),
+    ] = None,
+    reason: ReasonOpt = None,
+    operator: OperatorOpt = None,
+) -> None:
+    """Set the route's delivery limits (audited): they hold across every worker and host;
+    waiting for them is not an attempt."""
+    from models.admission import parse_max_in_flight, parse_rate  # noqa: PLC0415
+
+    values: dict[str, Any] = {}
+    if rate_limit is not None:
+        values["rate"] = parse_rate(rate_limit)
+    if max_in_flight is not None:
+        values["max_in_flight"] = parse_max_in_flight(max_in_flight)
+    e = env()
+    with e.session() as session:
+        changed = breaker.set_limits(
+            session, route_id, _change(operator, reason or "limits updated"), now=None, **values
+        )
+    after = changed.target["after"]
+    _say_route(
+        "updated",
+        changed,
+        f": {_limits_cell({'limits': after}, e.settings.route_max_in_flight)}",
     )
 
 

@@ -1,0 +1,399 @@
+"""Admission in front of Celery: a delivery is published to the broker only while its route is
+under its in-flight budget and its rate limit (issue 23, items 1 and 2).
+
+Why admission and not per-route queues: the broker's one queue is first in, first out, so a
+6,000-event burst on one route puts every other route's events behind it. Admission keeps at
+most ``max_in_flight`` of a route's deliveries in the broker and the workers at once; the
+rest wait as pending rows (Postgres stays the record) and in a per-route waiting set in
+Redis, from which the dispatcher (:mod:`tasks.dispatcher`) admits them round-robin across
+routes (A, B, C, A, B, C), oldest first within a route. Per-route queues would need a Celery
+queue per route on every worker, declared ahead: routes come and go at run time.
+
+State in Redis (``adm:`` keys, one Lua script per call, so a decision is atomic across every
+receiver, worker and host):
+
+- ``adm:f:<route>``: the route's in-flight set, delivery id -> admission time (ms). ``ZADD``
+  at admission; a member leaves when :func:`reconcile` finds its row finished (succeeded,
+  retrying, dead), its lease expired (the worker died), or it pending past the publish grace
+  after admission (the message was lost; the sweeper publishes it again, through admission).
+  So a lost finish heals itself within one dispatch interval: Postgres says what is done.
+- ``adm:w:<route>``: the route's waiting set, delivery id -> id (ids grow with time: oldest
+  first). ``adm:routes`` / ``adm:waiting``: the routes that have members in either.
+- ``adm:r:<route>``: the rate limiter's theoretical arrival time (GCRA without burst: the
+  admissions of a route are at least ``period / count`` apart, so no one-second window holds
+  more than the rate).
+
+Admitting an id that is already in flight answers "duplicate" (published once, whoever
+admitted it first): a receiver and a dispatcher, or two dispatchers, never admit one
+delivery twice while Redis holds the set.
+
+Fail safe: a flushed Redis loses the sets. The waiting rows are pending in Postgres; the
+sweeper picks them after the publish grace and offers them to admission again (only the
+sweeper: its pick moves the row's next_attempt_at and counts ``republished``, which the
+worker's claim relies on to see through a stale fast-claim key, and its grace keeps a row
+whose message is still in the broker from being published twice). The in-flight sets are
+re-learned from Postgres (the processing rows under a live lease) by the next
+:func:`reconcile` (the ``adm:epoch`` key tells a flush); deliveries published and not yet
+claimed at the flush are the only ones not counted: the budget is exceeded by those, for the
+one request each makes. Redis unreachable: admission fails open (publish, as before
+admission existed), counted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import redis
+
+PREFIX = "adm:"
+# Waiting deliveries one dispatch admits at most (it runs again at once when it hit this).
+DRAIN_LIMIT = 500
+
+_RATE = re.compile(r"^\s*(\d+)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$", re.IGNORECASE)
+_PERIODS = {"s": 1, "m": 60, "h": 3600}
+
+
+class LimitError(ValueError):
+    """A limit that cannot be set (its text says which and why)."""
+
+
+@dataclass(frozen=True)
+class Rate:
+    """``count`` calls per ``period_s`` seconds, evenly spaced."""
+
+    count: int
+    period_s: int
+
+    @property
+    def interval_ms(self) -> float:
+        return 1000.0 * self.period_s / self.count
+
+    def __str__(self) -> str:
+        unit = {1: "s", 60: "m", 3600: "h"}.get(self.period_s)
+        return f"{self.count}/{unit}" if unit else f"{self.count}/{self.period_s}s"
+
+
+def parse_rate(text: str) -> Rate | None:
+    """``50/s``, ``3000/m``, ``10000/h`` or ``none``; raises LimitError otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    found = _RATE.match(text)
+    if found is None:
+        raise LimitError(f"rate limit {text!r}: expected N/s, N/m, N/h or none (e.g. 50/s)")
+    count = int(found.group(1))
+    if not 1 <= count <= 1_000_000:
+        raise LimitError(f"rate limit {text!r}: the count must be 1 to 1000000")
+    return Rate(count, _PERIODS[found.group(2)[0].lower()])
+
+
+def parse_max_in_flight(text: str) -> int | None:
+    """A positive count, or ``none`` (the default budget); raises LimitError otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise LimitError(f"max in flight {text!r}: expected a whole number or none") from None
+    if not 1 <= value <= 100_000:
+        raise LimitError(f"max in flight {text!r}: must be 1 to 100000")
+    return value
+
+
+@dataclass(frozen=True)
+class RouteLimits:
+    """What admission needs of a route: its budget, its rate, whether it is held (paused or
+    its breaker not closed: the claim would not take its deliveries, so none is admitted)."""
+
+    route_id: int
+    max_in_flight: int
+    rate: Rate | None
+    held: bool
+
+    def args(self) -> list[Any]:
+        return [self.route_id, self.max_in_flight, self.rate.interval_ms if self.rate else 0]
+
+
+# A route's limits from its row (NULL budget: the default one).
+_LIMITS_COLUMNS = """r.id, r.max_in_flight, r.rate_count, r.rate_period_s,
+       (r.paused_at IS NOT NULL OR r.breaker_state <> 'closed')"""
+
+
+def _limits(row: Sequence[Any], default_budget: int) -> RouteLimits:
+    rate = None if row[2] is None else Rate(int(row[2]), int(row[3]))
+    budget = default_budget if row[1] is None else int(row[1])
+    return RouteLimits(int(row[0]), budget, rate, bool(row[4]))
+
+
+def routes_of(
+    conn: psycopg.Connection[Any], ids: Sequence[int], default_budget: int
+) -> dict[int, RouteLimits]:
+    """Each delivery's route and its limits (one statement; deliveries whose route is gone
+    are missing: the caller publishes them, and the worker makes them dead letters)."""
+    rows = conn.execute(
+        f"SELECT d.id, {_LIMITS_COLUMNS} FROM deliveries d JOIN routes r ON r.id = d.route_id"  # noqa: S608
+        " WHERE d.id = ANY(%(ids)s::bigint[])",
+        {"ids": list(ids)},
+    ).fetchall()
+    return {int(row[0]): _limits(row[1:], default_budget) for row in rows}
+
+
+def limits_of(
+    conn: psycopg.Connection[Any], route_ids: Iterable[int], default_budget: int
+) -> dict[int, RouteLimits]:
+    rows = conn.execute(
+        f"SELECT {_LIMITS_COLUMNS} FROM routes r WHERE r.id = ANY(%(ids)s::bigint[])",  # noqa: S608
+        {"ids": list(route_ids)},
+    ).fetchall()
+    return {int(row[0]): _limits(row, default_budget) for row in rows}
+
+
+# Shared by both scripts: may the route take one more delivery now? (budget, then rate)
+_LUA_COMMON = """
+local prefix = ARGV[1]
+local now = tonumber(ARGV[2])
+local function fits(route, budget, interval)
+    if redis.call('ZCARD', prefix .. 'f:' .. route) >= budget then return false end
+    if interval > 0 then
+        local tat = tonumber(redis.call('GET', prefix .. 'r:' .. route) or '0')
+        if tat > now then return false end
+        local ttl = math.ceil(interval) + 1000
+        redis.call('SET', prefix .. 'r:' .. route, tostring(now + interval), 'PX', ttl)
+    end
+    return true
+end
+local function admit(route, id)
+    redis.call('ZADD', prefix .. 'f:' .. route, now, id)
+    redis.call('SADD', prefix .. 'routes', route)
+    redis.call('ZREM', prefix .. 'w:' .. route, id)
+end
+"""
+
+# Offer deliveries: ARGV 3.. = (route, id, budget, interval ms, held) per delivery. Answers
+# per delivery: 'a' admitted (publish it), 'd' already in flight (do not), 'w' waiting.
+_ADMIT = (
+    _LUA_COMMON
+    + """
+local out = {}
+for i = 3, #ARGV, 5 do
+    local route, id = ARGV[i], ARGV[i + 1]
+    local budget, interval = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+    if redis.call('ZSCORE', prefix .. 'f:' .. route, id) then
+        table.insert(out, 'd')
+    elseif ARGV[i + 4] == '0' and fits(route, budget, interval) then
+        admit(route, id)
+        table.insert(out, 'a')
+    else
+        redis.call('ZADD', prefix .. 'w:' .. route, id, id)
+        redis.call('SADD', prefix .. 'waiting', route)
+        table.insert(out, 'w')
+    end
+end
+return out
+"""
+)
+
+# Admit waiting deliveries round-robin: ARGV 3 = most to admit, 4.. = (route, budget,
+# interval ms) per route that may admit. Answers route, id, route, id, ... and, last, the
+# earliest instant (ms) a rate-limited route may admit again (0: none waits on a rate).
+_DRAIN = (
+    _LUA_COMMON
+    + """
+local limit = tonumber(ARGV[3])
+local routes = {}
+for i = 4, #ARGV, 3 do
+    table.insert(routes, {ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])})
+end
+local out, wake, count = {}, 0, 0
+while #routes > 0 and count < limit do
+    local still = {}
+    for _, r in ipairs(routes) do
+        if count < limit then
+            local waiting = prefix .. 'w:' .. r[1]
+            if redis.call('ZCARD', waiting) == 0 then
+                redis.call('SREM', prefix .. 'waiting', r[1])
+            elseif fits(r[1], r[2], r[3]) then
+                local id = redis.call('ZRANGE', waiting, 0, 0)[1]
+                admit(r[1], id)
+                table.insert(out, r[1])
+                table.insert(out, id)
+                count = count + 1
+                table.insert(still, r)
+            elseif r[3] > 0 then
+                local tat = tonumber(redis.call('GET', prefix .. 'r:' .. r[1]) or '0')
+                if tat > now and (wake == 0 or tat < wake) then wake = tat end
+            end
+        end
+    end
+    routes = still
+end
+table.insert(out, tostring(wake))
+return out
+"""
+)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The receiver's or the sweeper's deliveries, sorted by what admission decided."""
+
+    admitted: list[int]
+    duplicate: list[int]
+    waiting: list[int]
+    unknown: list[int]  # no route found: published as before (the worker decides)
+
+
+class Admission:
+    """The Redis side of admission (one client; the clock is Redis' own ``TIME``, shared by
+    every host, or a test's pinned milliseconds)."""
+
+    def __init__(self, client: redis.Redis, *, prefix: str = PREFIX) -> None:
+        self.client = client
+        self.prefix = prefix
+        self._admit = client.register_script(_ADMIT)
+        self._drain = client.register_script(_DRAIN)
+
+    def now_ms(self) -> float:
+        seconds, micros = self.client.time()
+        return seconds * 1000.0 + micros / 1000.0
+
+    def offer(self, ids: Sequence[int], routes: dict[int, RouteLimits]) -> Offer:
+        """One round trip for the whole batch: admit what fits per route, in order."""
+        known = [i for i in ids if i in routes]
+        unknown = [i for i in ids if i not in routes]
+        if not known:
+            return Offer([], [], [], unknown)
+        args: list[Any] = [self.prefix, self.now_ms()]
+        for i in known:
+            limits = routes[i]
+            args += [*limits.args()[:1], i, *limits.args()[1:], 1 if limits.held else 0]
+        answers = self._admit(args=args)
+        out: dict[bytes, list[int]] = {b"a": [], b"d": [], b"w": []}
+        for i, answer in zip(known, answers, strict=True):
+            out[answer if isinstance(answer, bytes) else str(answer).encode()].append(i)
+        return Offer(out[b"a"], out[b"d"], out[b"w"], unknown)
+
+    def waiting_routes(self) -> list[int]:
+        return sorted(int(r) for r in self.client.smembers(self.prefix + "waiting"))
+
+    def drain(self, limits: Iterable[RouteLimits], *, most: int = DRAIN_LIMIT) -> Drained:
+        """Admit waiting deliveries round-robin across these routes (held ones skipped)."""
+        args: list[Any] = [self.prefix, self.now_ms(), most]
+        for route in limits:
+            if not route.held:
+                args += route.args()
+        if len(args) == 3:
+            return Drained([], 0.0)
+        answer = self._drain(args=args)
+        pairs = [(int(answer[i]), int(answer[i + 1])) for i in range(0, len(answer) - 1, 2)]
+        return Drained(pairs, float(answer[-1]))
+
+    def in_flight(self) -> dict[int, dict[int, float]]:
+        """Every route's in-flight set: route -> {delivery id: admitted at (ms)}."""
+        routes = sorted(int(r) for r in self.client.smembers(self.prefix + "routes"))
+        pipe = self.client.pipeline(transaction=False)
+        for route in routes:
+            pipe.zrange(f"{self.prefix}f:{route}", 0, -1, withscores=True)
+        found = pipe.execute() if routes else []
+        return {
+            route: {int(m): float(s) for m, s in members}
+            for route, members in zip(routes, found, strict=True)
+        }
+
+    def release(self, done: dict[int, list[int]]) -> None:
+        """Take finished deliveries out of their routes' in-flight sets."""
+        pipe = self.client.pipeline(transaction=False)
+        for route, ids in done.items():
+            if ids:
+                pipe.zrem(f"{self.prefix}f:{route}", *ids)
+        pipe.execute()
+
+    def relearn(self, processing: dict[int, list[int]]) -> bool:
+        """After a flush (no ``epoch`` key; one caller wins it): the processing rows are in
+        flight again. The pending ones are not put back to wait: the sweeper offers them
+        again (the module docstring says why). False when another caller re-learnt."""
+        if not self.client.set(self.prefix + "epoch", "1", nx=True):
+            return False
+        now = self.now_ms()
+        pipe = self.client.pipeline(transaction=False)
+        for route, ids in processing.items():
+            pipe.zadd(f"{self.prefix}f:{route}", {str(i): now for i in ids}, nx=True)
+            pipe.sadd(self.prefix + "routes", route)
+        pipe.execute()
+        return True
+
+    def requeue(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Admitted deliveries whose publish failed: waiting again, their slots free."""
+        pipe = self.client.pipeline(transaction=False)
+        for route, i in pairs:
+            pipe.zrem(f"{self.prefix}f:{route}", i)
+            pipe.zadd(f"{self.prefix}w:{route}", {str(i): i})
+            pipe.sadd(self.prefix + "waiting", route)
+        pipe.execute()
+
+    def counts(self, route_id: int) -> tuple[int, int]:
+        """(in flight, waiting) of one route, as admission sees them now."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zcard(f"{self.prefix}f:{route_id}")
+        pipe.zcard(f"{self.prefix}w:{route_id}")
+        in_flight, waiting = pipe.execute()
+        return int(in_flight), int(waiting)
+
+
+@dataclass(frozen=True)
+class Drained:
+    """(route, delivery id) admitted, in round-robin order; ``wake_ms``: the earliest instant
+    a rate-limited route may admit again (0.0: none is waiting on its rate)."""
+
+    admitted: list[tuple[int, int]]
+    wake_ms: float
+
+
+# Which in-flight members are finished: not pending or processing any more, processing with
+# its lease run out (the worker died: the sweeper publishes it again), or still pending past
+# the grace after its admission (its message was lost or held: the sweeper again).
+_FINISHED = """
+    SELECT want.id FROM unnest(%(ids)s::bigint[], %(admitted)s::double precision[])
+         AS want(id, admitted_ms)
+    LEFT JOIN deliveries d ON d.id = want.id
+    WHERE d.id IS NULL
+       OR d.status NOT IN ('pending', 'processing')
+       OR (d.status = 'processing' AND d.lease_until <= now())
+       OR (d.status = 'pending'
+           AND to_timestamp(want.admitted_ms / 1000.0) < now() - %(grace)s)
+"""
+
+# What is in flight after a flush: the processing rows under a live lease.
+_PROCESSING = """
+    SELECT route_id, array_agg(id) FROM deliveries
+    WHERE status = 'processing' AND lease_until > now()
+    GROUP BY route_id
+"""
+
+
+def reconcile(conn: psycopg.Connection[Any], admission: Admission, *, grace: timedelta) -> int:
+    """Free the in-flight slots of finished deliveries (Postgres decides), re-learning the
+    sets first after a Redis flush. Returns how many slots it freed."""
+    if not admission.client.exists(admission.prefix + "epoch"):
+        rows = conn.execute(_PROCESSING).fetchall()
+        admission.relearn({int(r[0]): [int(i) for i in r[1]] for r in rows})
+    flights = admission.in_flight()
+    ids = [i for members in flights.values() for i in members]
+    if not ids:
+        return 0
+    admitted = [ms for members in flights.values() for ms in members.values()]
+    finished = {
+        int(r[0])
+        for r in conn.execute(
+            _FINISHED, {"ids": ids, "admitted": admitted, "grace": grace}
+        ).fetchall()
+    }
+    if finished:
+        admission.release(
+            {route: [i for i in members if i in finished] for route, members in flights.items()}
+        )
+    return len(finished)

@@ -1,0 +1,141 @@
+"""The dispatcher: admits waiting deliveries round-robin across routes (models/admission.py).
+
+Each worker runs one in its main process, in a thread started when the worker is ready
+(``WEBHOOKS_DISPATCHER=false`` turns it off). Every ``WEBHOOKS_DISPATCH_INTERVAL`` (50 ms),
+or sooner when a rate-limited route's next slot comes first, it
+
+1. frees the in-flight slots of finished deliveries (:func:`models.admission.reconcile`:
+   Postgres decides what is finished), re-learning the sets after a Redis flush;
+2. admits waiting deliveries of the routes that are not held, round-robin (A, B, C, A, B,
+   C), oldest first within a route, each route within its budget and rate, in one Lua
+   script: two dispatchers on two hosts never admit one delivery twice;
+3. publishes them (messages of up to ``WEBHOOKS_DELIVERY_BATCH`` ids, as the receiver does).
+
+Killed at any point it loses nothing: a delivery is a pending row before and after. Admitted
+and not published (a kill between 2 and 3), it is freed by the next reconcile after the
+publish grace and the sweeper offers it again; a failed publish puts it back to waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+
+from models import admission
+from models.admission import Admission, RouteLimits
+from tasks.claims import make_client
+from tasks.config import Dispatch
+from webhooks import metrics
+from webhooks.logs import get_logger
+from webhooks.settings import Settings
+
+log = get_logger(__name__)
+
+Publish = Callable[[Sequence[Dispatch]], None]
+# Seconds a failing dispatcher waits before it tries again (one line per failure).
+FAILURE_DELAY = 1.0
+
+
+class Dispatcher:
+    """One dispatcher: its own Postgres connection (autocommit) and Redis client."""
+
+    def __init__(self, settings: Settings, publish: Publish) -> None:
+        self.settings = settings
+        self.publish = publish
+        self.admission = Admission(make_client(settings.redis_url, settings.redis_socket_timeout))
+        self._conn: psycopg.Connection[Any] | None = None
+        self._reconciled = 0.0
+
+    def conn(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(
+                self.settings.psycopg_dsn, autocommit=True, connect_timeout=5
+            )
+        return self._conn
+
+    def once(self) -> float:
+        """One round; returns the seconds to wait before the next."""
+        interval = self.settings.dispatch_interval.total_seconds()
+        conn = self.conn()
+        if time.monotonic() - self._reconciled >= interval:
+            admission.reconcile(conn, self.admission, grace=self.settings.publish_grace)
+            self._reconciled = time.monotonic()
+        routes = self.admission.waiting_routes()
+        if not routes:
+            return interval
+        limits = admission.limits_of(conn, routes, self.settings.route_max_in_flight)
+        drained = self.admission.drain(limits.values())
+        if drained.admitted:
+            self._publish(drained.admitted, limits)
+        if len(drained.admitted) >= admission.DRAIN_LIMIT:
+            return 0.0
+        if drained.wake_ms:
+            until = (drained.wake_ms - self.admission.now_ms()) / 1000.0
+            return max(0.001, min(interval, until))
+        return interval
+
+    def _publish(self, pairs: list[tuple[int, int]], limits: dict[int, RouteLimits]) -> None:
+        try:
+            self.publish([Dispatch(i) for _, i in pairs])
+        except Exception as exc:  # noqa: BLE001 (waiting again: the next round retries)
+            self.admission.requeue(pairs)
+            log.warning("dispatch.publish_failed", deliveries=len(pairs), error=type(exc).__name__)
+            return
+        metrics.ADMISSIONS.labels("drained").inc(len(pairs))
+        log.debug("dispatch.admitted", deliveries=len(pairs), routes=len(limits))
+
+    def run(self, stop: threading.Event) -> None:
+        """Rounds until ``stop``; a failing round (Postgres or Redis away) is logged and
+        tried again after :data:`FAILURE_DELAY`."""
+        while not stop.is_set():
+            try:
+                wait = self.once()
+            except Exception as exc:  # noqa: BLE001 (see the docstring)
+                log.warning("dispatch.failed", error_class=type(exc).__name__)
+                self.close()
+                wait = FAILURE_DELAY
+            if wait:
+                stop.wait(wait)
+        self.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+
+def start(settings: Settings) -> threading.Event:
+    """The worker's dispatcher thread (daemon); set the returned event to stop it."""
+    from ingest.publisher import Publisher  # noqa: PLC0415 (the broker side, lazily)
+
+    publisher = Publisher(settings)
+    dispatcher = Dispatcher(settings, publisher.publish_sync)
+    stop = threading.Event()
+    threading.Thread(target=dispatcher.run, args=(stop,), name="dispatcher", daemon=True).start()
+    log.info("worker.dispatcher", interval=settings.dispatch_interval.total_seconds())
+    return stop
+
+
+def offer(
+    client: Any,
+    conn: psycopg.Connection[Any],
+    dispatches: Sequence[Dispatch],
+    default_budget: int,
+) -> list[Dispatch]:
+    """The deliveries of ``dispatches`` to publish now (the receiver's and the sweeper's
+    path): one statement for their routes, one Lua call for the whole batch; the rest wait
+    for the dispatcher. Raises on a Redis or Postgres failure (the caller fails open)."""
+    ids = [d.delivery_id for d in dispatches]
+    routes = admission.routes_of(conn, ids, default_budget)
+    decided = Admission(client).offer(ids, routes)
+    metrics.ADMISSIONS.labels("admitted").inc(len(decided.admitted) + len(decided.unknown))
+    metrics.ADMISSIONS.labels("waiting").inc(len(decided.waiting))
+    metrics.ADMISSIONS.labels("duplicate").inc(len(decided.duplicate))
+    publish = set(decided.admitted) | set(decided.unknown)
+    return [d for d in dispatches if d.delivery_id in publish]
