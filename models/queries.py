@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select, tuple_
+from sqlalchemy import and_, exists, func, or_, select, true, tuple_
 from sqlalchemy.orm import Session
 
 from models.catalog import get_source, glob_to_like
@@ -285,15 +285,16 @@ def _delivery_of_receipt() -> Any:
 
 
 # Events filtered by a delivery status: when at most this many deliveries (of the source) are
-# in that status, the query starts from them (ix_deliveries_source_status, index-only) and
-# sorts their receipts; above it, the status is common and walking the receipts newest first
-# with an EXISTS per receipt finds a page sooner. (Benchmark: bench/results_console.txt.)
+# in that status, the query starts from them (ix_deliveries_source_status, index-only), looks
+# each one's receipt up by its key (a LATERAL probe, pruned to one partition) and sorts those;
+# above it, the status is common and walking the receipts newest first with an EXISTS per
+# receipt finds a page sooner. (Benchmark and plans: bench/results_console.txt.)
 RARE_STATUS_ROWS = 20_000
 
 
 def _rare_status_keys(session: Session, status: str, source_id: int | None) -> Any:
-    """The (receipt_id, expires_at) of the deliveries in ``status``, as a materialized CTE,
-    when there are at most RARE_STATUS_ROWS of them; None when there are more."""
+    """The distinct (receipt_id, expires_at) of the deliveries in ``status`` (of the source),
+    as a subquery, when there are at most RARE_STATUS_ROWS of them; None when there are more."""
     conds: list[Any] = [Delivery.status == status]
     if source_id is not None:
         conds.append(Delivery.source_id == source_id)
@@ -301,13 +302,19 @@ def _rare_status_keys(session: Session, status: str, source_id: int | None) -> A
     found = session.execute(select(func.count()).select_from(probe)).scalar_one()
     if found > RARE_STATUS_ROWS:
         return None
-    return (
-        select(Delivery.receipt_id, Delivery.expires_at)
-        .where(*conds)
-        .distinct()
-        .cte("status_keys")
-        .prefix_with("MATERIALIZED")
-    )
+    return select(Delivery.receipt_id, Delivery.expires_at).where(*conds).distinct().subquery()
+
+
+_EVENT_COLUMNS = (
+    Receipt.id,
+    Receipt.expires_at,
+    Receipt.source_id,
+    Receipt.event_id,
+    Receipt.event_type,
+    Receipt.received_at,
+    Receipt.occurred_at,
+    Receipt.payload_dropped_at,
+)
 
 
 def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
@@ -316,31 +323,33 @@ def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     if not 1 <= flt.limit <= MAX_LIST_LIMIT:
         raise QueryError(f"--limit must be between 1 and {MAX_LIST_LIMIT}")
     conds = receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
+    if flt.before is not None:
+        conds.append(tuple_(Receipt.received_at, Receipt.id) < tuple_(*flt.before))
     status_keys = None
     if flt.status is not None:
         status_keys = _rare_status_keys(session, flt.status, _source_id(session, flt.source))
         if status_keys is None:
             conds.append(exists().where(_delivery_of_receipt(), Delivery.status == flt.status))
-    if flt.before is not None:
-        conds.append(tuple_(Receipt.received_at, Receipt.id) < tuple_(*flt.before))
-    query = select(
-        Receipt.id,
-        Receipt.expires_at,
-        Source.public_id,
-        Source.name,
-        Receipt.event_id,
-        Receipt.event_type,
-        Receipt.received_at,
-        Receipt.occurred_at,
-        Receipt.payload_dropped_at,
-    ).join(Source, Source.id == Receipt.source_id)
-    if status_keys is not None:
-        sk = status_keys.c
-        query = query.join(
-            status_keys, and_(Receipt.id == sk.receipt_id, Receipt.expires_at == sk.expires_at)
+    if status_keys is None:
+        found: Any = select(*_EVENT_COLUMNS).where(*conds).subquery()
+    else:
+        # One receipt per key: a delivery's receipt is the one with its (id, expires_at).
+        found = (
+            select(*_EVENT_COLUMNS)
+            .where(
+                Receipt.id == status_keys.c.receipt_id,
+                Receipt.expires_at == status_keys.c.expires_at,
+                *conds,
+            )
+            .limit(1)
+            .lateral()
         )
+    start = found if status_keys is None else status_keys.join(found, true())
+    query = select(found, Source.public_id, Source.name).select_from(
+        start.join(Source, Source.id == found.c.source_id)
+    )
     rows = session.execute(
-        query.where(*conds).order_by(Receipt.received_at.desc(), Receipt.id.desc()).limit(flt.limit)
+        query.order_by(found.c.received_at.desc(), found.c.id.desc()).limit(flt.limit)
     ).all()
     counts: dict[int, dict[str, int]] = {r.id: {} for r in rows}
     if rows:
