@@ -9,14 +9,17 @@ confirmation replays exactly what the preview counted.
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import console, queries
 from models.queries import EventFilter, ReplayFilter
+from tests.conftest import ADMIN_DSN, make_settings
 from tests.factories import MadeSource
 from tests.operators_support import accept, kill, ops_settings, source_with, succeed
 from webhooks.settings import Settings
@@ -144,3 +147,49 @@ def test_the_preview_freezes_the_ids_the_filter_selects_and_samples_the_first(
     assert capped.ids == tuple(sorted(dead + other_type))[:5]
     with sessions() as session, pytest.raises(queries.QueryError):
         console.preview(session, ReplayFilter(source.public_id, status="pending"), limit=10)
+
+
+_PARTITION_INDEXES = text(
+    """
+    SELECT count(*) FILTER (WHERE c.relkind = 'I'), count(*) FILTER (WHERE c.relkind = 'i'),
+           (SELECT count(*) FROM pg_inherits i JOIN pg_class p ON p.oid = i.inhrelid
+            WHERE i.inhparent = 'deliveries'::regclass)
+    FROM pg_class c
+    WHERE c.relname = 'ix_deliveries_source_status'
+       OR c.oid IN (SELECT i.inhrelid FROM pg_inherits i
+                    WHERE i.inhparent = 'ix_deliveries_source_status'::regclass)
+    """
+)
+
+
+def test_migration_0015_indexes_every_partition_and_downgrades() -> None:
+    """0015 puts ix_deliveries_source_status on the partitioned parent, so on every
+    partition; downgrading to 0014 removes it and upgrading again restores it."""
+    from alembic import command  # noqa: PLC0415
+
+    from models.db import alembic_config, make_engine, upgrade  # noqa: PLC0415
+
+    name = f"webhooks_m15_{uuid.uuid4().hex[:8]}"
+    settings = make_settings(database_url=f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}")
+    try:
+        upgrade(settings)
+        engine = make_engine(settings, pool_size=1)
+        try:
+            with engine.connect() as conn:
+                parent, children, partitions = conn.execute(_PARTITION_INDEXES).one()
+            assert (parent, children) == (1, partitions)
+            assert partitions > 0
+            command.downgrade(alembic_config(settings), "0014")
+            with engine.connect() as conn:
+                gone = conn.execute(
+                    text("SELECT to_regclass('ix_deliveries_source_status')")
+                ).scalar_one()
+            assert gone is None
+            upgrade(settings)
+            with engine.connect() as conn:
+                assert conn.execute(_PARTITION_INDEXES).one() == (1, partitions, partitions)
+        finally:
+            engine.dispose()
+    finally:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
