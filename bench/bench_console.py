@@ -22,6 +22,7 @@ Uses its own database (dropped after unless --keep).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import statistics
@@ -40,6 +41,7 @@ from sqlalchemy import event, text  # noqa: E402
 
 from ingest.admin import AdminServer  # noqa: E402
 from models import catalog, queries  # noqa: E402
+from models import console as reads  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from models.queries import EventFilter, ReplayFilter  # noqa: E402
 from webhooks.crypto import SecretBox  # noqa: E402
@@ -200,6 +202,57 @@ def explain(cfg: Settings, work: Any, title: str) -> None:
     engine.dispose()
 
 
+# The statements before issue 21's performance work (commit 24f2fee), run verbatim on the same
+# database in the same run: the baseline the new figures are a ratio of.
+BASELINE_EVENTS = """
+SELECT r.id, r.expires_at, s.public_id, s.name, r.event_id, r.event_type, r.received_at,
+       r.occurred_at, r.payload_dropped_at
+FROM receipts r JOIN sources s ON s.id = r.source_id
+WHERE r.source_id = %(sid)s
+  AND EXISTS (SELECT 1 FROM deliveries d WHERE d.receipt_id = r.id
+              AND d.expires_at = r.expires_at AND d.status = 'dead')
+ORDER BY r.received_at DESC, r.id DESC LIMIT 50
+"""
+BASELINE_PREVIEW = """
+SELECT d.id, d.receipt_id, s.public_id, r.event_id, r.event_type,
+       coalesce(rt.handler, '(route removed)'), d.status, d.generation, d.dead_reason,
+       r.received_at, r.payload IS NOT NULL
+FROM deliveries d
+JOIN receipts r ON d.receipt_id = r.id AND d.expires_at = r.expires_at
+JOIN sources s ON s.id = d.source_id
+LEFT JOIN routes rt ON rt.id = d.route_id
+WHERE d.status = 'dead' AND r.source_id = %(sid)s
+ORDER BY d.id LIMIT 100001
+"""
+
+
+def baseline(cfg: Settings, source: str, runs: int) -> dict[str, list[float]]:
+    """Wall time of the old statements and of the new query functions, alternating, on one
+    connection each (no HTTP): the same-run comparison."""
+    engine = make_engine(cfg, pool_size=1)
+    sessions = make_sessionmaker(engine)
+    with sessions() as session:
+        sid = catalog.get_source(session, source).id
+    out: dict[str, list[float]] = {k: [] for k in ("events old", "events new", "preview old",
+                                                   "preview new")}  # fmt: skip
+    flt = EventFilter(source, None, "dead", limit=50)
+    rflt = ReplayFilter(source, None, "dead")
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{DB}") as conn:
+        for _ in range(runs):
+            ms, _r = timed(lambda: conn.execute(BASELINE_EVENTS, {"sid": sid}).fetchall())
+            out["events old"].append(ms)
+            with sessions() as session, session.begin():
+                ms, _r = timed(lambda session=session: queries.list_events(session, flt))
+            out["events new"].append(ms)
+            ms, _r = timed(lambda: conn.execute(BASELINE_PREVIEW, {"sid": sid}).fetchall())
+            out["preview old"].append(ms)
+            with sessions() as session, session.begin():
+                ms, _r = timed(lambda session=session: reads.preview(session, rflt, limit=100_001))
+            out["preview new"].append(ms)
+    engine.dispose()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--receipts", type=int, default=1_000_000)
@@ -209,6 +262,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
     cfg = settings(args.port)
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (2 cores)")
     reset_database()
     public = seed(cfg, args.receipts, args.sources)
     server = AdminServer(cfg, host="127.0.0.1", port=args.port)
@@ -255,6 +309,15 @@ def main() -> None:
                 f"{name:<36} {len(runs):>4} {statistics.median(runs):>8.1f} {p95(runs):>8.1f} "
                 f"{max(runs):>8.1f}"
             )
+        print(f"load average after the pages: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        same = baseline(cfg, source, max(5, args.requests // 4))
+        print("\nsame run, no HTTP: the old statements (24f2fee) against the new query functions")
+        print(f"{'query':<36} {'n':>4} {'p50 ms':>8} {'p95 ms':>8}")
+        for name, runs in same.items():
+            print(f"{name:<36} {len(runs):>4} {statistics.median(runs):>8.1f} {p95(runs):>8.1f}")
+        for what in ("events", "preview"):
+            ratio = statistics.median(same[f"{what} old"]) / statistics.median(same[f"{what} new"])
+            print(f"{what}: old p50 / new p50 = {ratio:.1f}x")
         explain(
             cfg,
             lambda s: queries.list_events(s, EventFilter(source, None, "dead", limit=50)),
@@ -262,10 +325,8 @@ def main() -> None:
         )
         explain(
             cfg,
-            lambda s: queries.candidates_by_filter(
-                s, ReplayFilter(source, None, "dead"), limit=100_001
-            ),
-            "dead preview (plan_replay's candidates)",
+            lambda s: reads.preview(s, ReplayFilter(source, None, "dead"), limit=100_001),
+            "dead preview (console.preview: the frozen ids and the sample)",
         )
         from tasks.context import idempotency_key  # noqa: PLC0415
 

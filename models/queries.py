@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select, tuple_
+from sqlalchemy import and_, exists, func, or_, select, true, tuple_
 from sqlalchemy.orm import Session
 
 from models.catalog import get_source, glob_to_like
@@ -259,7 +259,7 @@ def _source_id(session: Session, ref: str | None) -> int | None:
     return None if ref is None else get_source(session, ref).id
 
 
-def _receipt_conditions(
+def receipt_conditions(
     session: Session,
     source: str | None,
     event_type: str | None,
@@ -284,32 +284,72 @@ def _delivery_of_receipt() -> Any:
     return and_(Delivery.receipt_id == Receipt.id, Delivery.expires_at == Receipt.expires_at)
 
 
+# Events filtered by a delivery status: when at most this many deliveries (of the source) are
+# in that status, the query starts from them (ix_deliveries_source_status, index-only), looks
+# each one's receipt up by its key (a LATERAL probe, pruned to one partition) and sorts those;
+# above it, the status is common and walking the receipts newest first with an EXISTS per
+# receipt finds a page sooner. (Benchmark and plans: bench/results_console.txt.)
+RARE_STATUS_ROWS = 20_000
+
+
+def _rare_status_keys(session: Session, status: str, source_id: int | None) -> Any:
+    """The distinct (receipt_id, expires_at) of the deliveries in ``status`` (of the source),
+    as a subquery, when there are at most RARE_STATUS_ROWS of them; None when there are more."""
+    conds: list[Any] = [Delivery.status == status]
+    if source_id is not None:
+        conds.append(Delivery.source_id == source_id)
+    probe = select(Delivery.id).where(*conds).limit(RARE_STATUS_ROWS + 1).subquery()
+    found = session.execute(select(func.count()).select_from(probe)).scalar_one()
+    if found > RARE_STATUS_ROWS:
+        return None
+    return select(Delivery.receipt_id, Delivery.expires_at).where(*conds).distinct().subquery()
+
+
+_EVENT_COLUMNS = (
+    Receipt.id,
+    Receipt.expires_at,
+    Receipt.source_id,
+    Receipt.event_id,
+    Receipt.event_type,
+    Receipt.received_at,
+    Receipt.occurred_at,
+    Receipt.payload_dropped_at,
+)
+
+
 def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     """Newest first."""
     check_status(flt.status)
     if not 1 <= flt.limit <= MAX_LIST_LIMIT:
         raise QueryError(f"--limit must be between 1 and {MAX_LIST_LIMIT}")
-    conds = _receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
-    if flt.status is not None:
-        conds.append(exists().where(_delivery_of_receipt(), Delivery.status == flt.status))
+    conds = receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
     if flt.before is not None:
         conds.append(tuple_(Receipt.received_at, Receipt.id) < tuple_(*flt.before))
-    rows = session.execute(
-        select(
-            Receipt.id,
-            Receipt.expires_at,
-            Source.public_id,
-            Source.name,
-            Receipt.event_id,
-            Receipt.event_type,
-            Receipt.received_at,
-            Receipt.occurred_at,
-            Receipt.payload_dropped_at,
+    status_keys = None
+    if flt.status is not None:
+        status_keys = _rare_status_keys(session, flt.status, _source_id(session, flt.source))
+        if status_keys is None:
+            conds.append(exists().where(_delivery_of_receipt(), Delivery.status == flt.status))
+    if status_keys is None:
+        found: Any = select(*_EVENT_COLUMNS).where(*conds).subquery()
+    else:
+        # One receipt per key: a delivery's receipt is the one with its (id, expires_at).
+        found = (
+            select(*_EVENT_COLUMNS)
+            .where(
+                Receipt.id == status_keys.c.receipt_id,
+                Receipt.expires_at == status_keys.c.expires_at,
+                *conds,
+            )
+            .limit(1)
+            .lateral()
         )
-        .join(Source, Source.id == Receipt.source_id)
-        .where(*conds)
-        .order_by(Receipt.received_at.desc(), Receipt.id.desc())
-        .limit(flt.limit)
+    start = found if status_keys is None else status_keys.join(found, true())
+    query = select(found, Source.public_id, Source.name).select_from(
+        start.join(Source, Source.id == found.c.source_id)
+    )
+    rows = session.execute(
+        query.order_by(found.c.received_at.desc(), found.c.id.desc()).limit(flt.limit)
     ).all()
     counts: dict[int, dict[str, int]] = {r.id: {} for r in rows}
     if rows:
@@ -777,7 +817,12 @@ def candidates_by_filter(session: Session, flt: ReplayFilter, *, limit: int) -> 
     At most ``limit`` rows; the caller asks for one more than it accepts to detect overflow.
     """
     check_status(flt.status, REPLAYABLE_STATES)
-    conds = _receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
+    conds = receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
+    source_id = _source_id(session, flt.source)
+    if source_id is not None:
+        # The same rows (a delivery's source is its receipt's); this one lets the planner start
+        # from the deliveries' (source_id, status) index instead of every receipt of the source.
+        conds.append(Delivery.source_id == source_id)
     rows = session.execute(
         _candidate_query().where(Delivery.status == flt.status, *conds).limit(limit)
     ).all()

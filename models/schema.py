@@ -203,6 +203,11 @@ class Delivery(Base):
         Index(None, "status", "source_id", "route_id"),
         # Dead letters of each partition, found without a scan (retention holds them).
         Index("ix_deliveries_dead", "dead_at", postgresql_where=text("status = 'dead'")),
+        # The console (0015): one source's deliveries in one state, index-only: the receipt
+        # keys for the events list and the ids, in order, for the dead-letter preview.
+        Index(
+            "ix_deliveries_source_status", "source_id", "status", "id", "receipt_id", "expires_at"
+        ),
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 

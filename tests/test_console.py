@@ -438,6 +438,40 @@ def test_bulk_replay_by_filter_replays_exactly_the_previewed_rows(
     assert page.locator(f"#audit tr[data-id='{replay_id}']").count() == 0
 
 
+def test_a_bulk_confirmation_replays_the_frozen_preview_not_rows_dead_since(
+    page: Page,
+    api: Receiver,
+    worker: Worker,
+    ops: Settings,
+    sessions: sessionmaker[Session],
+    engine: Engine,
+) -> None:
+    """The preview freezes the matching ids (the sample shows the first 10 of 12); a delivery
+    that dies after the preview, matching the same filter, is not part of the replay."""
+    source = source_with(sessions, ops, "flaky")
+    matching = [d for _ in range(12) for d in accept(ops, source, event_type="frozen.failed")]
+    kill(sessions, matching)
+    page.goto(f"{api.admin_url}/console/dead?source={source.public_id}&type=frozen.*")
+    page.check("#scope-all")
+    page.click("#preview-replay")
+    assert page.inner_text("#preview-count") == "12"
+    assert page.locator("#sample tbody tr").count() == 10
+    late = accept(ops, source, event_type="frozen.failed")
+    kill(sessions, late)  # matches the filter now, after the preview
+    page.fill("#reason", "frozen: downstream back")
+    page.fill("#rate", "50")
+    page.click("#confirm-button")
+    page.wait_for_url(f"{api.admin_url}/console/replays/*")
+    replay_id = int(page.url.rsplit("/", 1)[1])
+    expect(page.locator("#replay-status")).to_have_text("done", timeout=30_000)
+    for d in matching:
+        wait_status(engine, d, "succeeded", timeout=30)
+    assert _status(engine, late) == {late[0]: "dead"}
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT * FROM replays WHERE id = :i"), {"i": replay_id}).one()
+    assert (row.planned, row.replayed, row.skipped) == (12, 12, 0)
+
+
 def test_a_running_replay_can_be_cancelled(
     page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
 ) -> None:

@@ -113,8 +113,11 @@ class PendingPlan:
     filter_as_given: dict[str, Any]
     ids: tuple[int, ...]
     flt: ReplayFilter | None
+    # By ids: the candidates as planned. By filter: the sample only; ``frozen`` holds every
+    # matching id, and the confirmation reads the candidates of exactly those.
     candidates: tuple[queries.Candidate, ...]
     made_at: datetime
+    frozen: tuple[int, ...] = ()
 
 
 class Console:
@@ -590,25 +593,47 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
                 given = {"ids": list(ids)}
             operator = session.operator
 
-            def plan(s: Session) -> tuple[queries.Candidate, ...]:
+            def plan(s: Session) -> reads.Preview:
+                if flt is not None:
+                    # All matching: the ids are frozen now, the rows read at the confirmation.
+                    return reads.preview(s, flt, limit=replays.MAX_PLAN + 1)
                 if action == "replay":
                     req = replays.ReplayRequest(operator, "preview", "console", given, ids, flt)
-                    return replays.plan_replay(s, req).candidates
-                dreq = discards.DiscardRequest(operator, "preview", "console", given, ids, flt)
-                return discards.plan_discard(s, dreq).candidates
+                    found = replays.plan_replay(s, req).candidates
+                else:
+                    dreq = discards.DiscardRequest(operator, "preview", "console", given, ids, flt)
+                    found = discards.plan_discard(s, dreq).candidates
+                return reads.Preview(tuple(f.delivery_id for f in found), found)
 
-            candidates = await c.db(plan)
+            shown = await c.db(plan)
+            if shown.count > replays.MAX_PLAN:
+                what = "deliveries" if action == "replay" else "dead letters"
+                return c.error(
+                    request,
+                    session,
+                    f"more than {replays.MAX_PLAN} {what} match; narrow the filter "
+                    "(type, since or until)",
+                )
         except (queries.QueryError, CatalogError, ReplayError, DiscardError) as exc:
             return c.error(request, session, str(exc))
-        pending = PendingPlan(operator, action, given, ids, flt, candidates, c.clock.now())
-        token = c.keep_plan(pending) if candidates else None
+        pending = PendingPlan(
+            operator,
+            action,
+            given,
+            ids,
+            flt,
+            shown.sample,
+            c.clock.now(),
+            frozen=shown.ids if flt is not None else (),
+        )
+        token = c.keep_plan(pending) if shown.count else None
         return c.page(
             request,
             "preview.html",
             {
                 "action": action,
-                "count": len(candidates),
-                "sample": candidates[:10],
+                "count": shown.count,
+                "sample": shown.sample[:10],
                 "given": given,
                 "plan": token,
                 "default_rate": replays.DEFAULT_RATE,
@@ -629,6 +654,14 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
             return c.error(
                 request, session, "this preview expired or was already confirmed: preview again"
             )
+        if pending.frozen:
+            # The ids the preview counted, read now (the rows move only through guarded SQL
+            # at execution, which skips any that are no longer dead).
+            try:
+                rows = await c.db(lambda s: queries.candidates_by_ids(s, pending.frozen))
+            except queries.NotFoundError as exc:
+                return c.error(request, session, f"{exc}: preview again")
+            pending.candidates = tuple(rows)
         if pending.action == "discard":
             dreq = discards.DiscardRequest(
                 session.operator,
