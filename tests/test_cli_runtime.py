@@ -297,6 +297,9 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         banner = run.out.text.split("pipeline running", 1)[1]
         assert f"{receiver}/webhooks/<source_id>" in banner
         assert f"{admin}/metrics" in banner
+        # No admin token here: the API and the console are off, and the banner offers neither.
+        assert "admin API off" in banner
+        assert "/console/" not in banner
         assert f"{flower}  user admin, password: WEBHOOKS_FLOWER_PASSWORD in the environment" in (
             banner
         )

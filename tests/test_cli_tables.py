@@ -174,3 +174,25 @@ def test_routes_list_without_a_source_lists_every_route_whole(
     assert "…" not in one.stdout
     folded = "".join(ln.split("│")[-2].strip() for ln in one.stdout.splitlines() if "│" in ln)
     assert f"url={url}" in folded
+
+
+def test_the_demos_delivery_table_fits_80_columns_without_cutting_a_status() -> None:
+    """``webhooks demo``'s live table at 80 columns: ids, handlers and statuses whole (it
+    printed ``suc…`` and ``fla…`` in a boxed table)."""
+    from webhooks.cli.operators import _states_table  # noqa: PLC0415
+
+    states = [
+        queries.DeliveryState("evt_demo_caf4a85e_1", "order.created", 1, "log", "succeeded", 1, 0),
+        queries.DeliveryState(
+            "evt_demo_caf4a85e_4", "payment.captured", 4, "flaky", "succeeded", 2, 0
+        ),
+    ]
+    out = Console(width=80, record=True)
+    out.print(_states_table(states, "after the replay"))
+    text = out.export_text()
+    assert "…" not in text
+    for st in states:
+        assert st.event_id in text
+        assert st.handler in text
+    assert text.count("succeeded") == 2
+    assert max(len(line) for line in text.splitlines()) <= 80

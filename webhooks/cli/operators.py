@@ -554,8 +554,19 @@ def _send(
 
 
 def _states_table(states: list[queries.DeliveryState], title: str) -> Table:
+    # 80 columns without cutting a status or a handler: no box, short headers (tries = the
+    # attempts, gen = the idempotency key's generation), the event type folds if it must.
     table = Table(
-        "event", "type", "delivery", "handler", "status", "attempts", "key gen", title=title
+        "event",
+        "type",
+        "delivery",
+        "handler",
+        "status",
+        "tries",
+        "gen",
+        title=title,
+        box=None,
+        pad_edge=False,
     )
     colours = {"succeeded": "green", "dead": "red", "retrying": "yellow"}
     for st in states:
@@ -564,7 +575,8 @@ def _states_table(states: list[queries.DeliveryState], title: str) -> Table:
             table, st.event_id, st.event_type, st.delivery_id, st.handler,
             Text(st.status, style=colour), st.attempts, st.generation,
         )  # fmt: skip
-    return whole(table, "event", "type", "delivery")
+    table.columns[1].overflow = "fold"
+    return whole(table, "event", "delivery", "handler", "status")
 
 
 def _watch(

@@ -587,6 +587,7 @@ def _banner(e: Env, out: Output, metrics_port: int, no_flower: bool) -> None:
     if tokens:
         where = "; ".join(_where(e, variable) for variable in tokens)
         lines.append(f"  admin API {admin}/admin  tokens: {where}")
+        lines.append(f"  console   {admin}/console/  (log in with an admin token)")
     else:
         lines.append("  admin API off (set WEBHOOKS_ADMIN_TOKENS to enable it)")
     lines.append(f"  metrics   {admin}/metrics (receiver, no token)")
