@@ -32,7 +32,7 @@ from models.db import session_scope
 from tasks import capacity, dispatcher, get_runtime
 from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
 from tasks.deliver import deliver
-from tasks.durable import on_connection
+from tasks.durable import CONNECTION_ERRORS, discard_pooled, on_connection
 from tasks.runtime import Runtime
 from webhooks.clock import pinned
 from webhooks.logs import get_logger
@@ -141,7 +141,16 @@ def sweep() -> int:
         options: dict[str, Any] = dispatch.reprs()
         deliver.apply_async(args=(dispatch.delivery_id,), **options)
 
-    return len(sweep_once(get_runtime(), publish))
+    rt = get_runtime()
+    try:
+        return len(sweep_once(rt, publish))
+    except CONNECTION_ERRORS as exc:
+        # Postgres restarting or unreachable: a handled condition, one line; the next sweep
+        # (WEBHOOKS_SWEEP_INTERVAL) picks up where this one could not. The pool is renewed so
+        # that sweep does not meet the same dead connections.
+        discard_pooled(rt.engine)
+        log.warning("sweep.failed", error_class=type(exc).__name__)
+        return 0
 
 
 @shared_task(name=MAINTENANCE_TASK, ignore_result=True)
@@ -153,9 +162,15 @@ def maintenance() -> str:
     rt = get_runtime()
     capacity.record_fast_tier(rt.redis)
     try:
-        report = retention.run_maintenance(rt.engine, rt.settings, pinned(rt.clock))
-    finally:
-        capacity.record_partitions(rt.engine, rt.settings, pinned(rt.clock))
+        try:
+            report = retention.run_maintenance(rt.engine, rt.settings, pinned(rt.clock))
+        finally:
+            capacity.record_partitions(rt.engine, rt.settings, pinned(rt.clock))
+    except CONNECTION_ERRORS as exc:
+        # As for the sweep: one line, and the next run (hourly) does the work.
+        discard_pooled(rt.engine)
+        log.warning("maintenance.failed", error_class=type(exc).__name__)
+        return "failed"
     log.info(
         "maintenance.done",
         mode=report.mode,
