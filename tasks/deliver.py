@@ -101,7 +101,7 @@ from models.admission import Admission
 from models.breaker import held
 from models.partitions import leaf_suffix
 from models.transitions import Claim, ClaimedEvent, Held, IllegalTransition
-from tasks import breaker, get_runtime
+from tasks import breaker, dispatcher, get_runtime
 from tasks.claims import FastClaim
 from tasks.config import DELIVER_TASK, Dispatch
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo, idempotency_key
@@ -158,6 +158,9 @@ class Report:
     source: str | None = None
     detail: str | None = None
     countdown: float | None = None  # retry: the next copy's countdown; None: the sweeper's
+    # The route of a finished attempt (succeeded, retry, dead): its admission slot is freed
+    # as soon as the task ends (:func:`release_slots`), not at the dispatcher's next reconcile.
+    route_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -620,7 +623,9 @@ def _succeeded(rt: Runtime, done: _Done, *, confirm: bool = True) -> Report:
         degraded=fast.degraded,
     )
     row = done.claimed.row
-    return Report("succeeded", found.id, found.attempt, row.event_id, row.public_id)
+    return Report(
+        "succeeded", found.id, found.attempt, row.event_id, row.public_id, route_id=found.route_id
+    )
 
 
 def _lost(rt: Runtime, found: Claim, fast: FastClaim, row: ClaimedEvent) -> Report:
@@ -722,6 +727,7 @@ def _fail(
             row.event_id,
             row.public_id,
             f"{decision.reason}: {error}",
+            route_id=found.route_id,
         )
     RETRIES.inc()
     DELIVERIES.labels(outcome="retry").inc()
@@ -747,6 +753,7 @@ def _fail(
         row.public_id,
         error,
         {"countdown": decision.countdown, "admission": decision.delay.total_seconds()}.get(via),
+        route_id=found.route_id,
     )
 
 
@@ -869,8 +876,35 @@ def deliver(self: Task[Any, Any], delivery_id: int | list[int]) -> str:
         options: dict[str, Any] = {"countdown": countdown, **dispatch.reprs()}
         self.apply_async(args=(dispatch.delivery_id,), **options)
 
+    rt = get_runtime()
     if not isinstance(delivery_id, list):
-        return celery_state(run_delivery(get_runtime(), ids[0], publish_retry=publish_retry))
+        report = run_delivery(rt, ids[0], publish_retry=publish_retry)
+        release_slots(rt, [report])
+        return celery_state(report)
     from tasks.batch import run_batch  # noqa: PLC0415 (it imports this module)
 
-    return celery_batch_state(run_batch(get_runtime(), ids, publish_retry=publish_retry))
+    reports = run_batch(rt, ids, publish_retry=publish_retry)
+    release_slots(rt, reports)
+    return celery_batch_state(reports)
+
+
+def release_slots(rt: Runtime, reports: list[Report]) -> None:
+    """Free the admission slots (models/admission.py) of the attempts that finished here, at
+    once, and wake this process's dispatcher to fill them: a route at its in-flight budget
+    gets its next delivery now, not after the next reconcile (which still frees whatever this
+    misses: a failure here is logged and changes nothing else). Without it a lone route ran
+    well under its budget's worth of concurrent calls (bench_forward: 0.58x main at budget 40)."""
+    if not rt.settings.admission:
+        return
+    done: dict[int, list[int]] = {}
+    for report in reports:
+        if report.route_id is not None:
+            done.setdefault(report.route_id, []).append(report.delivery_id)
+    if not done:
+        return
+    try:
+        Admission(rt.redis).release(done)
+    except Exception as exc:  # noqa: BLE001 (the dispatcher's reconcile frees them later)
+        log.warning("delivery.release_failed", error_class=type(exc).__name__)
+        return
+    dispatcher.wake()

@@ -39,6 +39,14 @@ log = get_logger(__name__)
 Publish = Callable[[Sequence[Dispatch]], None]
 # Seconds a failing dispatcher waits before it tries again (one line per failure).
 FAILURE_DELAY = 1.0
+# Set by a task of this process that freed admission slots (tasks.deliver.release_slots): the
+# dispatcher runs its next round now rather than at the end of its interval.
+_WAKE = threading.Event()
+
+
+def wake() -> None:
+    """Ask this process's dispatcher (if it runs one) for a round now."""
+    _WAKE.set()
 
 
 class Dispatcher:
@@ -101,7 +109,8 @@ class Dispatcher:
                 self.close()
                 wait = FAILURE_DELAY
             if wait:
-                stop.wait(wait)
+                _WAKE.wait(wait)
+            _WAKE.clear()
         self.close()
 
     def close(self) -> None:
@@ -113,7 +122,8 @@ class Dispatcher:
 
 
 def start(settings: Settings) -> threading.Event:
-    """The worker's dispatcher thread (daemon); set the returned event to stop it."""
+    """The worker's dispatcher thread (daemon); set the returned event to stop it (it stops
+    within one dispatch interval)."""
     from ingest.publisher import Publisher  # noqa: PLC0415 (the broker side, lazily)
 
     publisher = Publisher(settings)

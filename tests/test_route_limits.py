@@ -499,3 +499,35 @@ def test_routes_update_sets_limits_audited_shows_them_and_refuses_bad_input(
         {"max_in_flight": None, "rate_limit": None},
         {"max_in_flight": 5, "rate_limit": "3000/m"},
     ]
+
+
+def test_a_finished_attempt_frees_its_routes_slot_at_once_not_at_the_next_reconcile(
+    sessions: sessionmaker[Session], engine: Engine, tmp_path: Path, downstream: Downstream
+) -> None:
+    """The worker frees the admission slot of each attempt it finished, as the task ends.
+    No dispatcher runs here (``WEBHOOKS_DISPATCHER=false``), so no reconcile can have freed
+    them: before this, the slots stayed taken until a dispatcher's next reconcile, and a lone
+    route at its budget ran far fewer calls at once than its budget (bench_forward)."""
+    overrides: dict[str, Any] = {"dispatcher": False}
+    settings = worker_settings(**overrides)
+    source = make_source(sessions, settings, routes=[downstream.route("/quiet")])
+    (route_id,) = source.route_ids
+    _limits(sessions, route_id, max_in_flight=5)
+    ids = _accept(settings, source, 4)
+    publisher = Publisher(settings)
+    client = redis.Redis.from_url(CLAIMS_URL)
+    in_flight = f"{admission.PREFIX}f:{route_id}"
+    try:
+        with running_worker("slots", tmp_path, **overrides):
+            publisher.submit("slots", [Dispatch(i) for i in ids])
+            wait_for(lambda: _statuses(engine, ids) == {"succeeded"}, timeout=60, what="all 4")
+            # Admitted by the publisher (4 of a budget of 5), then freed by the worker.
+            wait_for(
+                lambda: client.zcard(in_flight) == 0,
+                timeout=10,
+                what="the route's slots to be free with no dispatcher running",
+            )
+    finally:
+        publisher.close()
+        client.close()
+    assert len(downstream.of("/quiet")) == 4
