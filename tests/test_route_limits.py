@@ -394,28 +394,37 @@ def test_a_redis_flush_mid_drain_exceeds_the_limits_for_one_window_at_most_and_l
 ) -> None:
     """Admission's sets and rate state vanish mid-drain: the in-flight counts are re-learnt
     from Postgres, the waiting rows offered again by the sweeper. Measured at the
-    downstream: every delivery called once, and the rate (5/s) exceeded within one
-    one-second span at most (the messages already in the broker when Redis forgot them)."""
-    settings = worker_settings()
+    downstream: every delivery called once, and the rate (20/s, +5%: the issue's floor)
+    exceeded within one one-second span at most (the messages already in the broker when
+    Redis forgot them). At 5/s the 5% could not absorb one call: admissions 200 ms apart
+    reach the downstream with the claim's jitter, six in 0.97 s."""
+    # A 5 s publish grace, not the suite's 1 s: a delivery admitted and not claimed within
+    # the grace is taken for a lost message and its slot freed (models/admission.py), and on
+    # a busy test machine a first claim can take longer (seen: three calls in 40 ms before
+    # the flush, peak 3 over a budget of 2). The default grace is 30 s.
+    overrides: dict[str, Any] = {"publish_grace": timedelta(seconds=5)}
+    settings = worker_settings(**overrides)
     source = make_source(sessions, settings, routes=[downstream.route("/limited")])
     (route_id,) = source.route_ids
-    _limits(sessions, route_id, max_in_flight=2, rate=admission.Rate(5, 1))
-    ids = _accept(settings, source, 40)
+    _limits(sessions, route_id, max_in_flight=2, rate=admission.Rate(20, 1))
+    ids = _accept(settings, source, 80)
     publisher = Publisher(settings)
     with (
-        running_worker("flush-a", tmp_path, concurrency=4),
-        running_worker("flush-b", tmp_path, concurrency=4),
-        running_beat(tmp_path),
+        running_worker("flush-a", tmp_path, concurrency=4, **overrides),
+        running_worker("flush-b", tmp_path, concurrency=4, **overrides),
+        running_beat(tmp_path, **overrides),
     ):
         publisher.submit("flush", [Dispatch(i) for i in ids])
-        wait_for(lambda: len(downstream.of("/limited")) >= 10, timeout=30, what="the drain")
+        wait_for(lambda: len(downstream.of("/limited")) >= 20, timeout=30, what="the drain")
         flush_redis(CLAIMS_URL)
         wait_for(lambda: _statuses(engine, ids) == {"succeeded"}, timeout=90, what="the rest")
     publisher.close()
+    # No more than the budget at once, before the flush or after it.
+    assert downstream.peak("/limited") <= 2 + 2  # + what was in the broker at the flush
     keys = [k for k in downstream.seen if k.startswith("/limited ")]
-    assert len(downstream.of("/limited")) == len(set(keys)) == 40  # each once
+    assert len(downstream.of("/limited")) == len(set(keys)) == 80  # each once
     starts = [s for s, _ in downstream.of("/limited")]
-    over = [s for s in starts if sum(1 for t in starts if s <= t < s + 1.0) > 5]
+    over = [s for s in starts if sum(1 for t in starts if s <= t < s + 1.0) > 21]
     assert not over or max(over) - min(over) < 1.0, over
 
 
