@@ -146,6 +146,9 @@ def test_a_worker_exports_the_capacity_gauges_after_maintenance(tmp_path: Path) 
             concurrency=1,
             worker_metrics_port=port,
             metrics_dir=str(tmp_path / "metrics"),
+            # No dispatcher: its admission keys (adm:*) would share the claims database and
+            # the count of keys this test planted.
+            admission=False,
         ) as worker:
             wait_for_port(port, worker.proc)
             broker.maintenance()

@@ -554,8 +554,8 @@ def _send(
 
 
 def _states_table(states: list[queries.DeliveryState], title: str) -> Table:
-    # 80 columns without cutting a status or a handler: no box, short headers (tries = the
-    # attempts, gen = the idempotency key's generation), the event type folds if it must.
+    # 80 columns without cutting anything: no box, short headers (tries = the attempts, gen =
+    # the idempotency key's generation).
     table = Table(
         "event",
         "type",
@@ -575,8 +575,10 @@ def _states_table(states: list[queries.DeliveryState], title: str) -> Table:
             table, st.event_id, st.event_type, st.delivery_id, st.handler,
             Text(st.status, style=colour), st.attempts, st.generation,
         )  # fmt: skip
-    table.columns[1].overflow = "fold"
-    return whole(table, "event", "delivery", "handler", "status")
+    # Ids and types whole; a handler or status too long for what is left folds, never cut.
+    table.columns[3].overflow = "fold"
+    table.columns[4].overflow = "fold"
+    return whole(table, "event", "type", "delivery")
 
 
 def _watch(

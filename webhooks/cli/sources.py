@@ -554,8 +554,11 @@ def routes_list(
     for v in views:
         state = "disabled" if not v["active"] else "paused" if v["paused"] else _breaker_cell(v)
         row(table, v["id"], v["source"], v["handler"], v["events"], state)
+    # Event types fold rather than push the state out: another route's long list of types
+    # must not cut this one's state at 80 columns.
+    table.columns[3].overflow = "fold"
     show_table(
-        whole(table, "id", "source", "handler", "events", "state"),
+        whole(table, "id", "source", "handler", "state"),
         "routes list SOURCE for a source's options; --json for every field",
     )
 
