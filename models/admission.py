@@ -148,6 +148,20 @@ def routes_of(
     return {int(row[0]): _limits(row[1:], default_budget) for row in rows}
 
 
+def labels_of(conn: psycopg.Connection[Any], ids: Sequence[int]) -> dict[int, tuple[str, str]]:
+    """Each delivery's event id and source public id, for the message's keyword arguments
+    (what Flower shows and searches), as every other publisher sends them. One statement;
+    a delivery whose receipt or source is gone is missing (published with its id alone)."""
+    rows = conn.execute(
+        "SELECT d.id, r.event_id, s.public_id FROM deliveries d"
+        " JOIN receipts r ON r.id = d.receipt_id AND r.expires_at = d.expires_at"
+        " JOIN sources s ON s.id = d.source_id"
+        " WHERE d.id = ANY(%(ids)s::bigint[])",
+        {"ids": list(ids)},
+    ).fetchall()
+    return {int(row[0]): (str(row[1]), str(row[2])) for row in rows}
+
+
 def limits_of(
     conn: psycopg.Connection[Any], route_ids: Iterable[int], default_budget: int
 ) -> dict[int, RouteLimits]:

@@ -80,7 +80,8 @@ class Dispatcher:
         limits = admission.limits_of(conn, routes, self.settings.route_max_in_flight)
         drained = self.admission.drain(limits.values())
         if drained.admitted:
-            self._publish(drained.admitted, limits)
+            labels = admission.labels_of(conn, [i for _, i in drained.admitted])
+            self._publish(drained.admitted, limits, labels)
         if len(drained.admitted) >= admission.DRAIN_LIMIT:
             return 0.0
         if drained.wake_ms:
@@ -88,9 +89,14 @@ class Dispatcher:
             return max(0.001, min(interval, until))
         return interval
 
-    def _publish(self, pairs: list[tuple[int, int]], limits: dict[int, RouteLimits]) -> None:
+    def _publish(
+        self,
+        pairs: list[tuple[int, int]],
+        limits: dict[int, RouteLimits],
+        labels: dict[int, tuple[str, str]],
+    ) -> None:
         try:
-            self.publish([Dispatch(i) for _, i in pairs])
+            self.publish([Dispatch(i, *labels.get(i, (None, None))) for _, i in pairs])
         except Exception as exc:  # noqa: BLE001 (waiting again: the next round retries)
             self.admission.requeue(pairs)
             log.warning("dispatch.publish_failed", deliveries=len(pairs), error=type(exc).__name__)
