@@ -44,7 +44,7 @@ def free_port() -> int:
 # The Redis server the suite uses (its databases 4-15); another port lets two suites run side by
 # side, each against a redis-server of its own (``WEBHOOKS_TEST_REDIS_PORT=6390 make test``).
 #
-# Under pytest-xdist (``make test``) each worker process starts a redis-server of its own, on a
+# Under pytest-xdist (``pytest -n 2``; ``make test`` runs one process) each worker process starts a redis-server of its own, on a
 # free port, stopped when the process exits: the suite's Redis databases are fixed numbers, so
 # two processes sharing one server would consume each other's messages and flush each other's
 # keys. Postgres needs nothing: every process makes a database of its own.

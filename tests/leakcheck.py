@@ -4,8 +4,8 @@ Tests register secrets and request bodies with :func:`remember`; every subproces
 starts logs into :data:`LOG_DIR`. ``tests/test_zz_no_leaks.py`` runs last and fails if any
 log line contains any remembered value.
 
-``make test`` runs the suite in several processes (pytest-xdist) and then the serial part in
-one more: they share one ``WEBHOOKS_TEST_LOG_DIR``, and each process also writes what it
+A run in several processes (``pytest -n 2 -m 'not serial'``, then ``pytest -m serial``)
+gives every part one ``WEBHOOKS_TEST_LOG_DIR``, and each process also writes what it
 remembers there (``sensitive-<pid>.hex``), so the last check reads every process's logs and
 every process's secrets. Without that variable a run keeps both to itself.
 """

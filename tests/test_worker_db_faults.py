@@ -99,7 +99,7 @@ def test_terminated_connections_between_effect_and_commit_repeat_nothing(
     _run_through_fault(tmp_path, sessions, engine, fault)
 
 
-# It stops and starts the machine's Postgres: under `make test` it runs in the serial part,
+# It stops and starts the machine's Postgres: marked serial, for runs in several processes
 # when no other test is running.
 @pytest.mark.serial
 def test_postgres_restart_between_effect_and_commit_repeats_nothing(

@@ -1,7 +1,7 @@
 """Runs last: no log line of any process the suite started contains a secret or a body.
 
-Under ``make test`` it runs in the serial part, after the parallel part, and reads the logs and
-the remembered values of every process of the run (:mod:`tests.leakcheck`).
+In a run of several processes (``pytest -n 2 -m 'not serial'``, then ``-m serial``) it runs
+last and reads the logs and the remembered values of every process (:mod:`tests.leakcheck`).
 """
 
 from __future__ import annotations
