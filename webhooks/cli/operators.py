@@ -9,6 +9,7 @@ printed literally (:mod:`webhooks.cli.render`).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections import Counter
@@ -792,7 +793,9 @@ def _flower_row(e: Env, delivery_id: int) -> str:
     except (httpx.HTTPError, ValueError):
         return fallback
     for task_id, task in tasks.items():
-        if task.get("args") == f"({delivery_id},)":
+        # "(7,)", or "([6, 7],)" for a message the publisher packed (its state is its worst
+        # delivery's: FAILURE when one of them went dead).
+        if delivery_id in [int(i) for i in re.findall(r"\d+", str(task.get("args") or ""))]:
             return f"{base}/task/{task_id}"
     return fallback
 
