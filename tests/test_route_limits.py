@@ -363,8 +363,8 @@ def test_kill_9_of_a_worker_and_its_dispatcher_mid_drain_then_a_redis_flush_lose
     # and offers the rows that were waiting when the flush emptied admission's sets.
     with (
         running_worker("a", tmp_path, concurrency=4) as a,
-        running_worker("b", tmp_path, concurrency=4),
-        running_beat(tmp_path),
+        running_worker("b", tmp_path, concurrency=4) as b,
+        running_beat(tmp_path) as beat,
     ):
         publisher.submit("crash", [Dispatch(i) for i in ids])
 
@@ -387,7 +387,26 @@ def test_kill_9_of_a_worker_and_its_dispatcher_mid_drain_then_a_redis_flush_lose
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: done() >= 20, timeout=60, what="the drain to go on without a")
         flush_redis(CLAIMS_URL)  # admission's sets and rate state gone
-        wait_for(lambda: done() == 40, timeout=90, what="the rest after the flush")
+        try:
+            wait_for(lambda: done() == 40, timeout=90, what="the rest after the flush")
+        except TimeoutError:
+            # Seen once in a full run: say which rows are stuck and what b and the beat did.
+            with engine.connect() as conn:
+                stuck = conn.execute(
+                    text(
+                        "SELECT id, status, attempts, redeliveries, republished, next_attempt_at,"
+                        " lease_until, now() FROM deliveries WHERE id = ANY(:ids)"
+                        " AND status <> 'succeeded'"
+                    ),
+                    {"ids": ids},
+                ).all()
+            warnings = [
+                line
+                for proc in (b, beat)
+                for line in proc.json_lines()
+                if line.get("level") in ("warning", "error")
+            ]
+            raise AssertionError(f"stuck: {stuck}; warnings: {warnings[-20:]}") from None
     publisher.close()
     assert all(len(effects(engine, i)) == 1 for i in ids)
 
