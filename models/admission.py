@@ -59,6 +59,12 @@ import redis
 PREFIX = "adm:"
 # Waiting deliveries one dispatch admits at most (it runs again at once when it hit this).
 DRAIN_LIMIT = 500
+# Work-conserving default budget: a route on the default budget that is the only route with
+# deliveries waiting may have up to this many times the live workers' slots in flight (the
+# broker holds at most one more round of them ahead of a newcomer's delivery).
+ELASTIC_FACTOR = 2
+# A dispatcher's slots count in the live total for this long after its last heartbeat (ms).
+SLOTS_TTL_MS = 5000
 
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$", re.IGNORECASE)
 _PERIODS = {"s": 1, "m": 60, "h": 3600}
@@ -119,9 +125,14 @@ class RouteLimits:
     max_in_flight: int
     rate: Rate | None
     held: bool
+    # On the default budget (no max_in_flight of its own): the dispatcher may let it use idle
+    # workers beyond the budget while no other route has deliveries waiting (Admission.drain).
+    # A budget set by hand is the downstream's protection and is never exceeded.
+    elastic: bool = False
 
-    def args(self) -> list[Any]:
-        return [self.route_id, self.max_in_flight, self.rate.interval_ms if self.rate else 0]
+    @property
+    def interval_ms(self) -> float:
+        return self.rate.interval_ms if self.rate else 0
 
 
 # A route's limits from its row (NULL budget: the default one).
@@ -132,7 +143,7 @@ _LIMITS_COLUMNS = """r.id, r.max_in_flight, r.rate_count, r.rate_period_s,
 def _limits(row: Sequence[Any], default_budget: int) -> RouteLimits:
     rate = None if row[2] is None else Rate(int(row[2]), int(row[3]))
     budget = default_budget if row[1] is None else int(row[1])
-    return RouteLimits(int(row[0]), budget, rate, bool(row[4]))
+    return RouteLimits(int(row[0]), budget, rate, bool(row[4]), elastic=row[1] is None)
 
 
 def routes_of(
@@ -217,17 +228,22 @@ return out
 """
 )
 
-# Admit waiting deliveries round-robin: ARGV 3 = most to admit, 4.. = (route, budget,
-# interval ms) per route that may admit. Answers route, id, route, id, ... and, last, the
-# earliest instant (ms) a rate-limited route may admit again (0: none waits on a rate).
+# Admit waiting deliveries round-robin: ARGV 3 = most to admit, 4 = the elastic budget (the
+# live workers' slots times ELASTIC_FACTOR), 5.. = (route, budget, interval ms, elastic 0/1)
+# per route that may admit. A lone elastic route (the only one passed: no other route that
+# may admit has deliveries waiting) takes the larger of its budget and the elastic one.
+# Answers route, id, route, id, ... and, last, the earliest instant (ms) a rate-limited route
+# may admit again (0: none waits on a rate).
 _DRAIN = (
     _LUA_COMMON
     + """
 local limit = tonumber(ARGV[3])
+local cap = tonumber(ARGV[4])
 local routes = {}
-for i = 4, #ARGV, 3 do
+for i = 5, #ARGV, 4 do
     table.insert(routes, {ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])})
 end
+if #routes == 1 and ARGV[8] == '1' and cap > routes[1][2] then routes[1][2] = cap end
 local out, wake, count = {}, 0, 0
 while #routes > 0 and count < limit do
     local still = {}
@@ -290,7 +306,13 @@ class Admission:
         args: list[Any] = [self.prefix, self.now_ms()]
         for i in known:
             limits = routes[i]
-            args += [*limits.args()[:1], i, *limits.args()[1:], 1 if limits.held else 0]
+            args += [
+                limits.route_id,
+                i,
+                limits.max_in_flight,
+                limits.interval_ms,
+                1 if limits.held else 0,
+            ]
         answers = self._admit(args=args)
         out: dict[bytes, list[int]] = {b"a": [], b"d": [], b"w": []}
         for i, answer in zip(known, answers, strict=True):
@@ -300,17 +322,43 @@ class Admission:
     def waiting_routes(self) -> list[int]:
         return sorted(int(r) for r in self.client.smembers(self.prefix + "waiting"))
 
-    def drain(self, limits: Iterable[RouteLimits], *, most: int = DRAIN_LIMIT) -> Drained:
-        """Admit waiting deliveries round-robin across these routes (held ones skipped)."""
-        args: list[Any] = [self.prefix, self.now_ms(), most]
+    def drain(
+        self, limits: Iterable[RouteLimits], *, most: int = DRAIN_LIMIT, elastic: int = 0
+    ) -> Drained:
+        """Admit waiting deliveries round-robin across these routes (held ones skipped).
+        ``elastic``: the in-flight budget a lone route on the default budget may use
+        (:meth:`live_slots` times :data:`ELASTIC_FACTOR`; 0: none)."""
+        args: list[Any] = [self.prefix, self.now_ms(), most, elastic]
         for route in limits:
             if not route.held:
-                args += route.args()
-        if len(args) == 3:
+                args += [
+                    route.route_id,
+                    route.max_in_flight,
+                    route.interval_ms,
+                    1 if route.elastic else 0,
+                ]
+        if len(args) == 4:
             return Drained([], 0.0)
         answer = self._drain(args=args)
         pairs = [(int(answer[i]), int(answer[i + 1])) for i in range(0, len(answer) - 1, 2)]
         return Drained(pairs, float(answer[-1]))
+
+    def heartbeat(self, worker: str, slots: int) -> int:
+        """Count ``worker``'s slots among the live ones for :data:`SLOTS_TTL_MS`; returns the
+        live workers' slots in total (every dispatcher's last heartbeat within the TTL)."""
+        now = self.now_ms()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(self.prefix + "seen", {worker: now + SLOTS_TTL_MS})
+        pipe.hset(self.prefix + "slots", worker, slots)
+        pipe.zrangebyscore(self.prefix + "seen", now, "+inf")
+        pipe.hgetall(self.prefix + "slots")
+        _, _, live, counts = pipe.execute()
+        gone = set(counts) - set(live)
+        if gone:  # dispatchers silent past the TTL: forgotten
+            pipe.zrem(self.prefix + "seen", *gone)
+            pipe.hdel(self.prefix + "slots", *gone)
+            pipe.execute()
+        return sum(int(counts[w]) for w in live if w in counts)
 
     def in_flight(self) -> dict[int, dict[int, float]]:
         """Every route's in-flight set: route -> {delivery id: admitted at (ms)}."""

@@ -9,7 +9,11 @@ or sooner when a rate-limited route's next slot comes first, it
 2. moves the retries that are due (Postgres' clock) to their routes' waiting sets;
 3. admits waiting deliveries of the routes that are not held, round-robin (A, B, C, A, B,
    C), oldest first within a route, each route within its budget and rate, in one Lua
-   script: two dispatchers on two hosts never admit one delivery twice;
+   script: two dispatchers on two hosts never admit one delivery twice. Work-conserving:
+   while a route on the default budget is the only one with deliveries waiting, it may use
+   the idle workers, up to :data:`models.admission.ELASTIC_FACTOR` times the live workers'
+   slots (each dispatcher counts its worker's slots in Redis every
+   :data:`HEARTBEAT_INTERVAL`); a budget set by hand (``--max-in-flight``) is never exceeded;
 4. publishes them (messages of up to ``WEBHOOKS_DELIVERY_BATCH`` ids, as the receiver does).
 
 Killed at any point it loses nothing: a delivery is a pending row before and after. Admitted
@@ -19,6 +23,8 @@ publish grace and the sweeper offers it again; a failed publish puts it back to 
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +45,8 @@ log = get_logger(__name__)
 Publish = Callable[[Sequence[Dispatch]], None]
 # Seconds a failing dispatcher waits before it tries again (one line per failure).
 FAILURE_DELAY = 1.0
+# Seconds between a dispatcher's counts of its worker's slots among the live ones.
+HEARTBEAT_INTERVAL = 1.0
 # Set by a task of this process that freed admission slots (tasks.deliver.release_slots): the
 # dispatcher runs its next round now rather than at the end of its interval.
 _WAKE = threading.Event()
@@ -58,6 +66,9 @@ class Dispatcher:
         self.admission = Admission(make_client(settings.redis_url, settings.redis_socket_timeout))
         self._conn: psycopg.Connection[Any] | None = None
         self._reconciled = 0.0
+        self._name = f"{socket.gethostname()}:{os.getpid()}"
+        self._beat = float("-inf")
+        self._elastic = 0
 
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
@@ -78,7 +89,7 @@ class Dispatcher:
         if not routes:
             return interval
         limits = admission.limits_of(conn, routes, self.settings.route_max_in_flight)
-        drained = self.admission.drain(limits.values())
+        drained = self.admission.drain(limits.values(), elastic=self.elastic())
         if drained.admitted:
             labels = admission.labels_of(conn, [i for _, i in drained.admitted])
             self._publish(drained.admitted, limits, labels)
@@ -88,6 +99,15 @@ class Dispatcher:
             until = (drained.wake_ms - self.admission.now_ms()) / 1000.0
             return max(0.001, min(interval, until))
         return interval
+
+    def elastic(self) -> int:
+        """The in-flight budget a lone route on the default budget may use: the live
+        workers' slots (this one's counted now and then) times the elastic factor."""
+        if time.monotonic() - self._beat >= HEARTBEAT_INTERVAL:
+            live = self.admission.heartbeat(self._name, self.settings.worker_slots)
+            self._elastic = live * admission.ELASTIC_FACTOR
+            self._beat = time.monotonic()
+        return self._elastic
 
     def _publish(
         self,

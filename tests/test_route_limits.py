@@ -190,12 +190,69 @@ def test_a_burst_on_one_route_leaves_a_trickle_on_another_on_time(
         )
         late = [c[0] - s for s, c in zip(sent, downstream.of("/quiet"), strict=True)]
         assert max(late) < 1.0, late
-        assert downstream.peak("/burst") <= 2
+        # Work-conserving: the burst is the only route with deliveries waiting (the trickle's
+        # are admitted as they come), so it uses the idle slots beyond its default budget of
+        # 2, never more than the worker's four.
+        assert 2 < downstream.peak("/burst") <= 4
         wait_for(
             lambda: _statuses(engine, burst_ids) == {"succeeded"}, timeout=60, what="the burst"
         )
     publisher.close()
     assert len(downstream.of("/burst")) == 60
+
+
+def test_a_lone_route_on_the_default_budget_uses_idle_slots_and_shares_them_when_another_waits() -> (
+    None
+):
+    """Admission's Lua drain on a real Redis: the elastic budget applies to the only route
+    with deliveries waiting, when its budget is the default one; a budget set by hand, or a
+    second route waiting, holds each route to its own budget."""
+    client = redis.Redis.from_url(CLAIMS_URL)
+    gate = admission.Admission(client, prefix="elastic-test:")
+    default = admission.RouteLimits(1, 2, None, held=False, elastic=True)
+    other = admission.RouteLimits(2, 2, None, held=False, elastic=True)
+    by_hand = admission.RouteLimits(3, 2, None, held=False, elastic=False)
+    try:
+        waiting = {1: range(100, 120), 2: range(200, 220), 3: range(300, 320)}
+        for limits in (default, other, by_hand):
+            gate.offer(
+                list(waiting[limits.route_id]), dict.fromkeys(waiting[limits.route_id], limits)
+            )
+        assert [gate.counts(r)[0] for r in (1, 2, 3)] == [2, 2, 2]  # offers keep the budget
+
+        def drained(*routes: admission.RouteLimits) -> dict[int, int]:
+            out: dict[int, int] = {}
+            for route, _ in gate.drain(routes, elastic=8).admitted:
+                out[route] = out.get(route, 0) + 1
+            return out
+
+        assert drained(by_hand) == {}  # set by hand: never beyond 2, alone or not
+        assert drained(default, other) == {}  # two routes waiting: each at its own budget
+        assert drained(default) == {1: 6}  # alone: up to the elastic budget of 8
+        assert gate.counts(1) == (8, 12)
+        assert drained(other) == {2: 6}
+        gate.release({1: list(range(100, 108))})
+        assert drained(default, other) == {1: 2}  # shared again: back to its budget
+    finally:
+        for key in client.scan_iter("elastic-test:*"):
+            client.delete(key)
+        client.close()
+
+
+def test_the_elastic_budget_counts_the_slots_of_live_dispatchers_only() -> None:
+    client = redis.Redis.from_url(CLAIMS_URL)
+    gate = admission.Admission(client, prefix="slots-test:")
+    try:
+        assert gate.heartbeat("host-a:1", 50) == 50
+        assert gate.heartbeat("host-b:2", 8) == 58
+        # host-a's last heartbeat is older than the TTL (its score is its expiry, in ms)
+        client.zadd("slots-test:seen", {"host-a:1": gate.now_ms() - 1})
+        assert gate.heartbeat("host-b:2", 8) == 8
+        assert client.hkeys("slots-test:slots") == [b"host-b:2"]
+    finally:
+        for key in client.scan_iter("slots-test:*"):
+            client.delete(key)
+        client.close()
 
 
 # -- limits, measured at the downstream ------------------------------------------------------
