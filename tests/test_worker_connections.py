@@ -274,3 +274,60 @@ def test_a_later_partitions_claim_failing_leaves_no_earlier_claim_forgotten(
         assert _batch(made, [second]) == ["succeeded"]  # nothing holds it back afterwards
     finally:
         made.close()
+
+
+class _RoundTrips:
+    """Counts, in this process, the SQL statements sent through psycopg (each ``execute``, and
+    each COMMIT or ROLLBACK of an open transaction) and the Redis round trips (each packed
+    send: a pipeline is one)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import redis.connection  # noqa: PLC0415
+
+        self.sql: list[str] = []
+        self.redis = 0
+        counter = self
+        execute, commit, rollback = (
+            psycopg.Cursor.execute,
+            psycopg.Connection.commit,
+            psycopg.Connection.rollback,
+        )
+        send = redis.connection.AbstractConnection.send_packed_command
+
+        def counted_execute(cur: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            counter.sql.append(" ".join(str(query).split())[:60])
+            return execute(cur, query, *args, **kwargs)
+
+        def ending(original: Any, word: str) -> Any:
+            def end(conn: Any) -> None:
+                if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    counter.sql.append(word)
+                original(conn)
+
+            return end
+
+        def counted_send(conn: Any, *args: Any, **kwargs: Any) -> None:
+            counter.redis += 1
+            send(conn, *args, **kwargs)
+
+        monkeypatch.setattr(psycopg.Cursor, "execute", counted_execute)
+        monkeypatch.setattr(psycopg.Connection, "commit", ending(commit, "COMMIT"))
+        monkeypatch.setattr(psycopg.Connection, "rollback", ending(rollback, "ROLLBACK"))
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted_send)
+
+
+def test_a_message_of_one_id_costs_three_statements_and_two_redis_round_trips(
+    sessions: sessionmaker[Session], runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The measured floor of a lone delivery (bench_workers at 1 id per message): its probe,
+    its guarded claim and its guarded success, each one autocommit statement, and its fast
+    claim taken then promoted, one Redis command each. Nothing else on the way."""
+    settings = worker_settings()
+    source = make_source(sessions, settings)
+    warm, delivery_id = (accept_event(settings, source)[1].delivery_ids[0] for _ in range(2))
+    assert deliver_one(runtime, warm, publish_retry=_no_publish) == "succeeded"  # pooled
+    counted = _RoundTrips(monkeypatch)
+    assert deliver_one(runtime, delivery_id, publish_retry=_no_publish) == "succeeded"
+    monkeypatch.undo()
+    assert len(counted.sql) == 3, counted.sql
+    assert counted.redis == 2
