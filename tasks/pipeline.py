@@ -203,9 +203,10 @@ class _StaleConnection(Exception):
 
 @dataclass(frozen=True)
 class Report:
-    """What one run of the task did, for the task's Celery state (what Flower shows) and
-    the tests: the outcome (succeeded, retry, dead, duplicate, skipped, missing, lost,
-    unrecorded: the database stayed away longer than WEBHOOKS_RECORD_RETRY_SECONDS), and
+    """What the task did with one delivery, for the task's Celery state (what Flower
+    shows) and the tests: the outcome (succeeded, retry, dead, duplicate, skipped, held,
+    missing, lost, isolated, unclaimed, unrecorded: the database stayed away longer than
+    WEBHOOKS_RECORD_RETRY_SECONDS), and
     for a claimed delivery its attempt, event, source and the reason of a retry or death
     (payload-free, as stored)."""
 
@@ -217,7 +218,8 @@ class Report:
     detail: str | None = None
     countdown: float | None = None  # retry: the next copy's countdown; None: the sweeper's
     # The route of a finished attempt (succeeded, retry, dead): its admission slot is freed
-    # as soon as the task ends (:func:`release_slots`), not at the dispatcher's next reconcile.
+    # as soon as the task ends (:func:`tasks.deliver.release_slots`), not at the dispatcher's
+    # next reconcile.
     route_id: int | None = None
 
 
