@@ -4,13 +4,16 @@ leaf partitions, and on the parents when that leaf does not exist."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 import sqlalchemy.exc
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -19,7 +22,7 @@ from tasks.pipeline import deliver_one, run
 from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
 from tests.netproxy import CuttableProxy
-from tests.workers import attempts, delivery, flush_redis, worker_settings
+from tests.workers import attempts, delivery, flush_redis, wait_for, worker_settings
 from webhooks.settings import Settings
 
 
@@ -183,6 +186,62 @@ def test_postgres_unreachable_fails_the_message_and_leaves_nothing_behind(
         proxy.close()
     for delivery_id in ids:
         assert delivery(engine, delivery_id).status == "succeeded"
+
+
+def _record_retries() -> float:
+    return REGISTRY.get_sample_value("webhooks_record_retries_total", {"action": "succeed"}) or 0.0
+
+
+@SIZES
+def test_a_success_meeting_a_dead_database_is_recorded_once_it_is_back_not_repeated(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path, n: int
+) -> None:
+    """Issue 19: the handlers have made their effect (``gate``: a call, then a wait) when
+    every database connection of the worker is cut. Their success is not given back: its
+    record is retried on fresh connections until the database is reachable again, then
+    commits. One attempt and one call each."""
+    base = worker_settings()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    route = {"handler": "gate", "options": {"marker_dir": str(marks)}}
+    source = make_source(sessions, base, routes=[route])
+    ids = [accept_event(base, source)[1].delivery_ids[0] for _ in range(n)]
+    proxy = CuttableProxy(5432)
+    settings = worker_settings(
+        database_url=f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{base.database_name()}",
+        db_connect_timeout=1.0,
+        record_retry_seconds=30.0,
+    )
+    made = build_runtime(settings, worker="record-retry")
+    outcomes: list[list[str]] = []
+    runner = threading.Thread(target=lambda: outcomes.append(_run(made, ids)))
+    try:
+        runner.start()
+        wait_for(
+            lambda: len(list(marks.glob("*.*.*"))) == n,
+            timeout=30,
+            what="every handler to have made its effect",
+        )
+        proxy.cut()
+        retried = _record_retries()
+        (marks / "open").write_text("")
+        wait_for(
+            lambda: _record_retries() > retried,
+            timeout=30,
+            what="the success's record to fail and be tried again",
+        )
+        proxy.restore()
+        runner.join(timeout=40)
+    finally:
+        proxy.restore()
+        runner.join(timeout=40)
+        made.close()
+        proxy.close()
+    assert outcomes == [["succeeded"] * n]
+    for delivery_id in ids:
+        assert delivery(engine, delivery_id).status == "succeeded"
+        assert [a.outcome for a in attempts(engine, delivery_id)] == ["succeeded"]
+        assert len(list(marks.glob(f"{delivery_id}.*"))) == 1  # one call
 
 
 def test_a_later_partitions_claim_failing_leaves_no_earlier_claim_forgotten(
