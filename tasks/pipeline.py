@@ -664,7 +664,7 @@ def _finish(rt: Runtime, done: list[_Done], publish_retry: PublishRetry) -> list
         except Unrecorded:
             reports += [_unrecorded(d.claimed) for d in group]
             continue
-        except Exception as exc:  # noqa: BLE001 (each one's attempt failed, as alone)
+        except Exception as exc:  # noqa: BLE001 (each one's attempt failed, like a handler error)
             reports += [_fail_done(rt, d, exc, publish_retry) for d in group]
             continue
         if len(won) < len(group):  # a lease lost, or a commit retried after its answer was lost
