@@ -18,7 +18,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from tasks import pipeline
-from tasks.pipeline import deliver_one, run
+from tasks.pipeline import FINISH_WINDOW, deliver_one, in_waves, run
 from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
 from tests.netproxy import CuttableProxy
@@ -343,3 +343,26 @@ def test_a_message_costs_three_statements_and_two_redis_round_trips(
     one_row = n == 1
     assert ("= ANY(" not in counted.sql[0]) is one_row, counted.sql
     assert ("unnest" not in " ".join(counted.sql[1:])) is one_row, counted.sql
+
+
+def test_a_bare_id_runs_its_handler_in_the_calling_thread_a_list_in_a_handler_thread(
+    runtime: Runtime,
+) -> None:
+    """A message of one bare id carries its handler's own Celery limits (a prefork child
+    enforces them with signals in its main thread), so the calling thread runs the handler;
+    a list, even of one, carries the batch backstop and each handler gets a thread and
+    limits of its own (tasks.pools). pytest runs this in the main thread, as a prefork
+    child runs its task."""
+    assert threading.current_thread() is threading.main_thread()
+
+    def job() -> threading.Thread:
+        return threading.current_thread()
+
+    assert list(in_waves(runtime, [job], FINISH_WINDOW, inline=True)) == [
+        [(0, threading.main_thread())]
+    ]
+    ((index, ran_in),) = next(iter(in_waves(runtime, [job], FINISH_WINDOW)))
+    assert index == 0
+    assert ran_in is not threading.main_thread()
+    assert isinstance(ran_in, threading.Thread)
+    assert ran_in.name.startswith("handler")
