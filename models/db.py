@@ -72,7 +72,7 @@ def make_engine(
     settings: Settings, *, pool_size: int | None = None, pre_ping: bool = True
 ) -> Engine:
     """``pre_ping``: a round trip per checkout to replace connections that died while pooled.
-    The worker turns it off and recovers from a dead connection itself (tasks.deliver); its
+    The worker turns it off and recovers from a dead connection itself (tasks.pipeline); its
     other statements (sweeper, maintenance) are then discarded once by SQLAlchemy's
     disconnect handling and run again on the next beat."""
     return create_engine(

@@ -110,7 +110,10 @@ class ClaimStore:
 
     def acquire_many(self, wanted: list[tuple[int, int]]) -> list[FastClaim]:
         """:meth:`acquire` for several (delivery id, generation) pairs in one round trip (a
-        pipeline, not a transaction: each SET NX wins or loses on its own)."""
+        pipeline, not a transaction: each SET NX wins or loses on its own); one pair is a
+        plain :meth:`acquire` (no pipeline to build for one command)."""
+        if len(wanted) == 1:
+            return [self.acquire(*wanted[0])]
         keys = [self.key(delivery_id, generation) for delivery_id, generation in wanted]
         tokens = [secrets.token_hex(8) for _ in keys]
         try:
@@ -143,7 +146,11 @@ class ClaimStore:
         return claims
 
     def confirm_many(self, confirmed: list[tuple[FastClaim, timedelta]]) -> None:
-        """:meth:`confirm` for several keys in one round trip."""
+        """:meth:`confirm` for several keys in one round trip; one key is a plain
+        :meth:`confirm`."""
+        if len(confirmed) == 1:
+            self.confirm(*confirmed[0])
+            return
         confirmed = [(claim, ttl) for claim, ttl in confirmed if not claim.degraded]
         if not confirmed:
             return

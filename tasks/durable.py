@@ -17,7 +17,7 @@ attempt matches none either.
 After a connection error every connection pooled before it is replaced at its next checkout
 (:func:`discard_pooled`): a Postgres restart kills them all, and the next statements must not
 each discover that on their own. This is the one mechanism for every statement of the
-worker: the claim's stale-connection guard (:mod:`tasks.deliver`) uses it too.
+worker: the claim's stale-connection guard (:mod:`tasks.pipeline`) uses it too.
 
 Each failed try is one structured warning line with the error's class; no traceback (a lost
 connection is an expected condition, not a bug).

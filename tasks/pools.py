@@ -11,25 +11,25 @@ gevent
     Celery runs each task in a greenlet under ``gevent.Timeout(hard limit)``; it has no soft
     limit. :func:`soft_limit` adds one (the same ``SoftTimeLimitExceeded``, the same
     retryable failure); at the hard limit the ``Timeout`` is raised in the task's greenlet
-    and :mod:`tasks.deliver` fails the attempt (retry now) before Celery records the
+    and :mod:`tasks.pipeline` fails the attempt (retry now) before Celery records the
     timeout. Both need the handler to yield (any socket, ``time.sleep``, a query): a handler
     that spins on the CPU freezes every greenlet of the process, so :func:`start_watchdog`
     kills the process once its event loop has not run for the hard limit, which is then
     exactly prefork's crash path (lease, sweeper, ``max_redeliveries``). Each handler of a
-    batch (:mod:`tasks.batch`) runs in a greenlet of its own under the same soft limit and a
+    batch (:mod:`tasks.pipeline`) runs in a greenlet of its own under the same soft limit and a
     hard ``Timeout`` of its own.
 threads
     Celery's thread pool enforces neither limit (``celery.concurrency.thread`` takes no
     timeout). :func:`time_limits` does: a watchdog thread raises ``SoftTimeLimitExceeded``
     in the handler's thread at the soft limit and :class:`HardTimeLimitExceeded` (not an
     ``Exception``: a handler's ``except Exception`` cannot swallow it) at the hard limit,
-    after which :mod:`tasks.deliver` fails the attempt (retry now). Such an exception lands
+    after which :mod:`tasks.pipeline` fails the attempt (retry now). Such an exception lands
     between two Python bytecodes: a thread blocked inside one C call (a ``time.sleep(600)``,
     a socket read without timeout) does not see it, so at ``1.5 x`` the hard limit the
     watchdog kills the process (prefork's crash path again; ``forward``'s own I/O timeouts,
     below the soft limit, keep it from ever getting there).
 
-A message carrying several deliveries (:mod:`tasks.batch`) runs each handler in a thread of
+A message carrying several deliveries (:mod:`tasks.pipeline`) runs each handler in a thread of
 its own (a greenlet under gevent), under every pool, prefork included: each handler gets the
 soft and hard limits above and a stuck one fails its own delivery, not its batch-mates.
 Celery's limits on such a message are a backstop at twice the hard limit
@@ -77,9 +77,10 @@ CrashReporter = Callable[[list[Held], list[Held]], None]
 
 class _Crashes:
     reporter: CrashReporter | None = None
-    # Every delivery attempt this process holds, from its claim to its report (run_delivery,
-    # run_batch): whatever a kill takes with it. Plain dict operations (atomic under the
-    # GIL): the gevent watchdog reads it from a native thread while the loop is blocked.
+    # Every delivery attempt this process holds, from its claim to its report
+    # (tasks.pipeline.run): whatever a kill takes with it. Plain dict operations (atomic
+    # under the GIL): the gevent watchdog reads it from a native thread while the loop is
+    # blocked.
     in_flight: dict[tuple[int, int], Held] = {}  # noqa: RUF012 (process-wide by design)
 
 

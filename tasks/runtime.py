@@ -32,7 +32,7 @@ WORKER_POOL_SIZE = 2
 def engine_pool_size(settings: Settings) -> int:
     """Connections one worker process keeps. Prefork: one task per process, so two, or up
     to ``WEBHOOKS_DB_POOL_SIZE`` when it is set to run batches (WEBHOOKS_DELIVERY_BATCH),
-    whose handlers run at once and may each hold one through ``ctx.session`` (tasks.batch).
+    whose handlers run at once and may each hold one through ``ctx.session`` (tasks.pipeline).
     Threads and gevent: one per slot up to ``WEBHOOKS_DB_POOL_SIZE``; a task holds a
     connection only for its own statements (not while its handler waits on a downstream), so
     ~10 serve 100 slots, and a task that finds them all busy waits for one (SQLAlchemy's

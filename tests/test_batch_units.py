@@ -14,7 +14,8 @@ from celery.exceptions import Retry
 
 from ingest.publisher import Publisher
 from tasks.config import DELIVERIES_QUEUE, Dispatch, batch_time_limits, batches, message
-from tasks.deliver import DeadLetter, Report, celery_batch_state, message_ids
+from tasks.deliver import DeadLetter, celery_batch_state, message_ids
+from tasks.pipeline import Report
 from tests.conftest import make_settings
 from tests.workers import BROKER_URL, flush_redis, wait_for
 from webhooks.settings import MAX_DELIVERY_BATCH

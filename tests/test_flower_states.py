@@ -199,7 +199,7 @@ def test_task_states_tell_retry_failure_success_and_duplicate(
 def test_a_batch_message_shows_each_delivery_and_its_outcome(
     engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
 ) -> None:
-    """Several deliveries published together travel in one message (tasks.batch): Flower's
+    """Several deliveries published together travel in one message (tasks.pipeline): Flower's
     row for it lists every delivery id, event id and source it carried, takes the state of
     its worst outcome, and its text gives each delivery's own outcome; the retry of one of
     them comes back as a row of its own."""

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import breaker, catalog
 from tasks.config import Dispatch
-from tasks.deliver import deliver_one
+from tasks.pipeline import deliver_one
 from tasks.runtime import build_runtime
 from tests.factories import accept_event, make_source
 from tests.workers import delivery, worker_settings

@@ -1,4 +1,4 @@
-"""Several deliveries in one message (issue 12, tasks.batch): each keeps its own attempt,
+"""Several deliveries in one message (issue 12, tasks.pipeline): each keeps its own attempt,
 retry and dead-letter fate, its effect happens once through kill -9 before and after the
 batch's success commit, a stuck handler fails alone at the hard limit, and two workers
 racing copies of one batch with the fast tier down still give one success each. Real

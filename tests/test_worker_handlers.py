@@ -16,10 +16,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks.webhooks import Webhook
 
 from tasks.context import Event, HandlerContext
-from tasks.deliver import deliver_one
 from tasks.errors import RetryableError
 from tasks.handlers import register
 from tasks.handlers.subscription import apply_subscription_event
+from tasks.pipeline import deliver_one
 from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL, record_effect

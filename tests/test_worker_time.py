@@ -22,9 +22,8 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.batch import run_batch
 from tasks.config import Dispatch
-from tasks.deliver import deliver_one
+from tasks.pipeline import deliver_one, run
 from tasks.runtime import Runtime, build_runtime
 from tasks.sweeper import sweep_once
 from tests.factories import accept_event, make_source
@@ -201,7 +200,7 @@ def test_a_held_key_yields_to_postgres_from_the_sweepers_second_republish(
     """The sweeper moves next_attempt_at a grace ahead as it re-publishes, so the copy it
     sends never finds its row overdue: after the first re-publish the key still decides (a
     copy racing a live claim looks the same), after the second Postgres does. One delivery
-    alone and one in a message of several (the batch's probe)."""
+    alone and one in a list of ids (a batch of one: the same probe)."""
     # Publish grace 1 s. Without admission: the sweeper's picks are published as they come
     # (with it, a picked row stays in its route's in-flight set until the dispatcher's
     # reconcile frees it as lost, tests/test_route_limits.py; the claim's rule is the same).
@@ -224,12 +223,12 @@ def test_a_held_key_yields_to_postgres_from_the_sweepers_second_republish(
             client.set(first.claims.key(delivery_id, 0), "lost-success", px=86_400_000)
         sweep_once(first, publish)  # 2 s on: past the grace, re-published once
         assert deliver_one(first, alone, publish_retry=_no_publish) == "duplicate"
-        assert [r.outcome for r in run_batch(first, [in_batch], publish_retry=_no_publish)] == [
+        assert [r.outcome for r in run(first, [in_batch], publish_retry=_no_publish)] == [
             "duplicate"
         ]
         sweep_once(second, publish)  # a grace later: re-published twice
         assert deliver_one(second, alone, publish_retry=_no_publish) == "succeeded"
-        assert [r.outcome for r in run_batch(second, [in_batch], publish_retry=_no_publish)] == [
+        assert [r.outcome for r in run(second, [in_batch], publish_retry=_no_publish)] == [
             "succeeded"
         ]
     finally:

@@ -18,10 +18,10 @@ from prometheus_client import REGISTRY
 from tasks.claims import ClaimStore, claim_key, make_client
 from tasks.config import DELIVERIES_QUEUE, MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
 from tasks.context import idempotency_key
-from tasks.deliver import describe_error
 from tasks.errors import HandlerRegistrationError, PermanentError, UnknownHandlerError
 from tasks.handlers import load_registry, register
 from tasks.handlers.forward import parse_retry_after
+from tasks.pipeline import describe_error
 from tasks.policy import (
     DEAD_MAX_AGE,
     DEAD_MAX_ATTEMPTS,

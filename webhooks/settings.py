@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     # How long the receiver's publisher waits, once a delivery is ready, for more to publish
     # with it (seconds), when deliveries arrive closer together than this (a lone delivery
     # after a quiet spell goes out at once): messages of several ids cost the workers far
-    # less per delivery (tasks/batch.py, bench/results_forward.txt). 0: never wait.
+    # less per delivery (tasks/pipeline.py, bench/results_forward.txt). 0: never wait.
     publish_linger: float = Field(default=0.01, ge=0, le=1)
     # The most deliveries waiting in a receiver process for its publisher thread. Past it (a
     # broker slower than the receiver, the thread restarting) a delivery stays pending in
@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     # 50 against 0.36x at 100 for a 100 ms downstream), one process per CPU for prefork.
     worker_pool: Literal["threads", "gevent", "prefork"] = "threads"
     worker_concurrency: int | None = Field(default=None, ge=1, le=2000)
-    # Most delivery ids in one task message (docs/workers.md, tasks/batch.py). The
+    # Most delivery ids in one task message (docs/workers.md, tasks/pipeline.py). The
     # receiver's publisher packs the deliveries it finds queued together, up to this many per
     # message; a worker claims them in one statement, runs their handlers concurrently and
     # records their successes in one statement, each delivery keeping its own attempt, retry
