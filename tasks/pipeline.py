@@ -618,7 +618,16 @@ def _run_claimed(
                 # recording one. The delivery stays processing; its lease runs out and the
                 # sweeper republishes it, as after a crash. Finish the others first.
                 errors.append(outcome)
-        for report in _finish(rt, done, publish_retry):
+        try:
+            finished = _finish(rt, done, publish_retry)
+        except Exception as exc:  # noqa: BLE001 (raised once every handler is accounted for)
+            # Recording these outcomes failed on a database error that is not a lost
+            # connection's (those are retried in _finish): their deliveries keep their lease,
+            # as after a crash. The handlers still running are waited for and their outcomes
+            # recorded first: none is left claimed and forgotten.
+            errors.append(exc)
+            continue
+        for report in finished:
             reports[report.delivery_id] = report
     if errors:
         raise errors[0]

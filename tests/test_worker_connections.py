@@ -244,6 +244,85 @@ def test_a_success_meeting_a_dead_database_is_recorded_once_it_is_back_not_repea
         assert len(list(marks.glob(f"{delivery_id}.*"))) == 1  # one call
 
 
+_REFUSE_FINISH = """
+CREATE SEQUENCE IF NOT EXISTS test_finish_refused;
+CREATE OR REPLACE FUNCTION test_refuse_finish() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF OLD.id = {victim} AND NEW.status <> 'processing' THEN
+        PERFORM nextval('test_finish_refused');  -- not rolled back: the test sees it fired
+        RAISE EXCEPTION 'test: finishing delivery refused';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER test_refuse_finish BEFORE UPDATE ON deliveries
+    FOR EACH ROW EXECUTE FUNCTION test_refuse_finish();
+"""
+
+
+def test_a_finishing_error_while_batch_mates_run_leaves_none_of_them_claimed_and_forgotten(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """Issue 19: one delivery of a message returns at once and recording its outcome fails on
+    a database error that is not a lost connection (a trigger refuses every update of its row
+    past the claim: its success, then its failure's record). Its two batch-mates are still in
+    their handlers. They are waited for and their successes recorded before the error is
+    raised; the refused one keeps its lease (as after a crash). Before, the error escaped at
+    once and the batch-mates stayed processing until their leases ran out: a second call."""
+    settings = worker_settings()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    quick = make_source(
+        sessions, settings, routes=[{"handler": "touch", "options": {"marker_dir": str(marks)}}]
+    )
+    gated = make_source(
+        sessions, settings, routes=[{"handler": "gate", "options": {"marker_dir": str(marks)}}]
+    )
+    victim = accept_event(settings, quick)[1].delivery_ids[0]
+    mates = [accept_event(settings, gated)[1].delivery_ids[0] for _ in range(2)]
+    made = build_runtime(settings, worker="finish-refused")
+    raised: list[BaseException] = []
+
+    def message() -> None:
+        try:
+            run(made, [victim, *mates], publish_retry=_no_publish)
+        except BaseException as exc:  # noqa: BLE001 (what the task would raise)
+            raised.append(exc)
+
+    def refused() -> bool:
+        with engine.connect() as conn:
+            return bool(
+                conn.exec_driver_sql("SELECT is_called FROM test_finish_refused").scalar_one()
+            )
+
+    runner = threading.Thread(target=message)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(_REFUSE_FINISH.format(victim=int(victim)))
+    try:
+        runner.start()
+        wait_for(refused, timeout=30, what="the victim's finish to be refused")
+        assert {p.name.split(".")[0] for p in marks.glob("*.*.*")} == {
+            str(i) for i in (victim, *mates)
+        }  # every handler made its call; the two mates wait at the gate
+        (marks / "open").write_text("")
+        runner.join(timeout=30)
+        assert not runner.is_alive()
+    finally:
+        (marks / "open").write_text("")
+        runner.join(timeout=30)
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER IF EXISTS test_refuse_finish ON deliveries")
+            conn.exec_driver_sql("DROP FUNCTION IF EXISTS test_refuse_finish()")
+            conn.exec_driver_sql("DROP SEQUENCE IF EXISTS test_finish_refused")
+        made.close()
+    assert len(raised) == 1
+    assert "refused" in str(raised[0])
+    for delivery_id in mates:
+        assert delivery(engine, delivery_id).status == "succeeded"
+        assert [a.outcome for a in attempts(engine, delivery_id)] == ["succeeded"]
+    assert delivery(engine, victim).status == "processing"  # its lease hands it on
+    assert len(list(marks.glob("*.*.*"))) == 3  # one call each
+
+
 def test_a_later_partitions_claim_failing_leaves_no_earlier_claim_forgotten(
     engine: Engine, sessions: sessionmaker[Session]
 ) -> None:
