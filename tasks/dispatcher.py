@@ -47,6 +47,11 @@ Publish = Callable[[Sequence[Dispatch]], None]
 FAILURE_DELAY = 1.0
 # Seconds between a dispatcher's counts of its worker's slots among the live ones.
 HEARTBEAT_INTERVAL = 1.0
+# Seconds at least between the starts of two rounds woken by finished tasks: every finished
+# task wakes the dispatcher, and the wakes that come closer than this are served by one
+# round (a round costs a few Redis and Postgres round trips; one round per finished task cost
+# a quarter more CPU per delivery, bench_forward).
+MIN_ROUND_GAP = 0.02
 # Set by a task of this process that freed admission slots (tasks.deliver.release_slots): the
 # dispatcher runs its next round now rather than at the end of its interval.
 _WAKE = threading.Event()
@@ -128,14 +133,19 @@ class Dispatcher:
         """Rounds until ``stop``; a failing round (Postgres or Redis away) is logged and
         tried again after :data:`FAILURE_DELAY`."""
         while not stop.is_set():
+            started = time.monotonic()
             try:
                 wait = self.once()
             except Exception as exc:  # noqa: BLE001 (see the docstring)
                 log.warning("dispatch.failed", error_class=type(exc).__name__)
                 self.close()
                 wait = FAILURE_DELAY
-            if wait:
-                _WAKE.wait(wait)
+            if wait and _WAKE.wait(wait):
+                # Woken by a finished task: the next round waits for the gap, never past the
+                # instant this round asked for (a rate-limited route's next slot).
+                rest = min(MIN_ROUND_GAP, wait) - (time.monotonic() - started)
+                if rest > 0:
+                    stop.wait(rest)
             _WAKE.clear()
         self.close()
 

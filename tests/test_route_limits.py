@@ -4,6 +4,7 @@ that counts calls and concurrency per route."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.publisher import Publisher
 from models import admission, breaker, catalog
+from tasks import dispatcher
 from tasks.config import Dispatch
 from tasks.runtime import build_runtime
 from tasks.sweeper import sweep_once
@@ -253,6 +255,40 @@ def test_the_elastic_budget_counts_the_slots_of_live_dispatchers_only() -> None:
         for key in client.scan_iter("slots-test:*"):
             client.delete(key)
         client.close()
+
+
+def test_wakes_from_finished_tasks_are_served_together_not_one_round_each() -> None:
+    """Every finished task wakes its worker's dispatcher; a round costs Redis and Postgres
+    round trips, so wakes closer than MIN_ROUND_GAP share one round (a real dispatcher thread
+    on the test database and Redis, woken about a thousand times a second)."""
+    rounds: list[float] = []
+
+    class Counting(dispatcher.Dispatcher):
+        def once(self) -> float:
+            rounds.append(time.monotonic())
+            return super().once()
+
+    counting = Counting(worker_settings(), lambda dispatches: None)
+    stop = threading.Event()
+    thread = threading.Thread(target=counting.run, args=(stop,))
+    thread.start()
+    wakes = 0
+    try:
+        wait_for(lambda: rounds, timeout=10, what="the first round")
+        started = time.monotonic()
+        while time.monotonic() - started < 0.6:
+            dispatcher.wake()
+            wakes += 1
+            time.sleep(0.001)
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        thread.join(10)
+    served = [t for t in rounds if started <= t <= started + elapsed]
+    assert wakes > 150
+    assert len(served) <= elapsed / 0.02 + 2, (len(served), wakes)  # one per 20 ms at most
+    gaps = [b - a for a, b in itertools.pairwise(served)]
+    assert min(gaps) >= dispatcher.MIN_ROUND_GAP * 0.9, gaps
 
 
 # -- limits, measured at the downstream ------------------------------------------------------
