@@ -2,10 +2,12 @@
 
 Each worker runs one in its main process, in a thread started when the worker is ready
 (``WEBHOOKS_DISPATCHER=false`` turns it off). Every ``WEBHOOKS_DISPATCH_INTERVAL`` (50 ms),
-or sooner when a rate-limited route's next slot comes first, it
+sooner when a rate-limited route's next slot comes first or a finished task wakes it (wakes
+closer than :data:`MIN_ROUND_GAP` share a round), it
 
-1. frees the in-flight slots of finished deliveries (:func:`models.admission.reconcile`:
-   Postgres decides what is finished), re-learning the sets after a Redis flush;
+1. at most every :data:`RECONCILE_INTERVAL` (0.5 s), frees the in-flight slots of finished
+   deliveries that their tasks did not free (:func:`models.admission.reconcile`: Postgres
+   decides what is finished), re-learning the sets after a Redis flush;
 2. moves the retries that are due (Postgres' clock) to their routes' waiting sets;
 3. admits waiting deliveries of the routes that are not held, round-robin (A, B, C, A, B,
    C), oldest first within a route, each route within its budget and rate, in one Lua
@@ -45,6 +47,10 @@ log = get_logger(__name__)
 Publish = Callable[[Sequence[Dispatch]], None]
 # Seconds a failing dispatcher waits before it tries again (one line per failure).
 FAILURE_DELAY = 1.0
+# Seconds at least between two reconciles (step 1): a finished task frees its own slots at
+# once (tasks.deliver.release_slots); the reconcile is for what that misses (a crash, a lost
+# message, a flush), and its statement costs the more the more deliveries are in flight.
+RECONCILE_INTERVAL = 0.5
 # Seconds between a dispatcher's counts of its worker's slots among the live ones.
 HEARTBEAT_INTERVAL = 1.0
 # Seconds at least between the starts of two rounds woken by finished tasks: every finished
@@ -86,7 +92,7 @@ class Dispatcher:
         """One round; returns the seconds to wait before the next."""
         interval = self.settings.dispatch_interval.total_seconds()
         conn = self.conn()
-        if time.monotonic() - self._reconciled >= interval:
+        if time.monotonic() - self._reconciled >= max(interval, RECONCILE_INTERVAL):
             admission.reconcile(conn, self.admission, grace=self.settings.publish_grace)
             self._reconciled = time.monotonic()
         admission.promote_due(conn, self.admission)

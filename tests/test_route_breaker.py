@@ -355,11 +355,18 @@ def test_a_paused_route_makes_no_attempt_until_resumed_and_both_are_audited(
         wait_for(delivered, timeout=30, what="the resumed route to drain", interval=0.25)
     broker.close()
     with sessions() as s:
-        audit = catalog.list_audit(s, action="route.")
+        audit = _audit_of(s, route_id)
     assert [(a.action, a.operator, a.reason) for a in audit[:2]] == [
         ("route.resume", "bob", "maintenance over"),
         ("route.pause", "alice", "downstream maintenance until 14:00"),
     ]
+
+
+def _audit_of(session: Session, route_id: int) -> list[catalog.AuditRecord]:
+    """This route's audit rows, most recent first (other tests' rows may carry a pinned
+    clock's later instants, and would sort first in the whole log)."""
+    rows = catalog.list_audit(session, action="route.", limit=1000)
+    return [a for a in rows if a.target.get("route") == route_id]
 
 
 def test_routes_pause_show_list_and_resume_from_the_cli(
@@ -392,7 +399,7 @@ def test_routes_pause_show_list_and_resume_from_the_cli(
     assert "not paused" in again.stderr
     assert json.loads(run("routes", "show", str(route_id), "--json").stdout)["paused"] is False
     with sessions() as s:
-        audit = catalog.list_audit(s, action="route.")
+        audit = _audit_of(s, route_id)
     assert [(a.action, a.operator, a.via) for a in audit[:2]] == [
         ("route.resume", "bob", "cli"),
         ("route.pause", "alice", "cli"),
