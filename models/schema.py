@@ -208,6 +208,18 @@ class Delivery(Base):
         Index(
             "ix_deliveries_source_status", "source_id", "status", "id", "receipt_id", "expires_at"
         ),
+        # The console (0016): one source's deliveries in one state, newest first, index-only:
+        # the events list by a rare status walks it and stops after a page (created_at is
+        # never before the receipt's received_at: the accept functions write both from one
+        # instant).
+        Index(
+            "ix_deliveries_source_created",
+            "source_id",
+            "status",
+            "created_at",
+            "receipt_id",
+            "expires_at",
+        ),
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 
