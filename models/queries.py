@@ -286,10 +286,10 @@ def _delivery_of_receipt() -> Any:
 
 # Events filtered by a delivery status: when at most this many deliveries (of the source) are
 # in that status, the query starts from them; above it, the status is common and walking the
-# receipts newest first with an EXISTS per receipt finds a page sooner. From a rare status of
-# one source it walks ix_deliveries_source_created newest first and stops after a page
-# (_walk_by_created); without a source it reads every key (ix_deliveries_source_status),
-# probes each one's receipt and sorts those. (Benchmark and plans: bench/results_console.txt.)
+# receipts newest first with an EXISTS per receipt finds a page sooner. With a source it walks
+# that source's deliveries newest first and stops after a page (_walk_by_created); without
+# one it reads every delivery in the status, probes each one's receipt and sorts those.
+# (Benchmark and plans: bench/results_console.txt.)
 RARE_STATUS_ROWS = 20_000
 
 # The walk reads the index in batches: the first of WALK_FIRST_BATCH x the page size, each
@@ -310,13 +310,10 @@ def _is_rare_status(session: Session, status: str, source_id: int | None) -> boo
     return bool(found <= RARE_STATUS_ROWS)
 
 
-def _status_keys(status: str, source_id: int | None) -> Any:
-    """The distinct (receipt_id, expires_at) of the deliveries in ``status`` (of the source),
-    as a subquery."""
-    conds: list[Any] = [Delivery.status == status]
-    if source_id is not None:
-        conds.append(Delivery.source_id == source_id)
-    return select(Delivery.receipt_id, Delivery.expires_at).where(*conds).distinct().subquery()
+def _status_keys(status: str) -> Any:
+    """The distinct (receipt_id, expires_at) of the deliveries in ``status``, as a subquery."""
+    where = Delivery.status == status
+    return select(Delivery.receipt_id, Delivery.expires_at).where(where).distinct().subquery()
 
 
 _EVENT_COLUMNS = (
@@ -420,7 +417,7 @@ def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
         if source_id is not None:
             rows = _walk_by_created(session, flt.status, source_id, conds, flt.limit, flt.since)
         else:
-            status_keys = _status_keys(flt.status, None)
+            status_keys = _status_keys(flt.status)
             # One receipt per key: a delivery's receipt is the one with its (id, expires_at).
             probed = (
                 select(*_EVENT_COLUMNS)
