@@ -102,6 +102,16 @@ FROM deliveries d
 """
 
 
+# What the console's indexes cost next to the table they index (every delivery written and
+# every status change writes an entry in each).
+SIZES = """
+SELECT p.relname, sum(pg_relation_size(i.inhrelid)) / 1048576.0
+FROM pg_class p JOIN pg_inherits i ON i.inhparent = p.oid
+WHERE p.relname IN ('deliveries', 'ix_deliveries_source_status', 'ix_deliveries_source_created')
+GROUP BY p.relname ORDER BY p.relname
+"""
+
+
 def reset_database() -> None:
     with psycopg.connect(ADMIN, autocommit=True) as conn:
         conn.execute(
@@ -140,11 +150,13 @@ def seed(cfg: Settings, receipts: int, sources: int) -> list[str]:
                 " (SELECT count(*) FROM deliveries WHERE status = 'dead')"
             )
         ).one()
+        sizes = conn.execute(text(SIZES)).all()
     engine.dispose()
     print(
         f"seeded {counts[0]:,} receipts, {counts[1]:,} deliveries ({counts[2]:,} dead) over "
         f"{sources} sources in {time.perf_counter() - started:.1f}s"
     )
+    print("sizes (all partitions): " + ", ".join(f"{name} {mb:.0f} MB" for name, mb in sizes))
     return public
 
 
