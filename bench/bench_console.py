@@ -190,7 +190,7 @@ def explain(cfg: Settings, work: Any, title: str) -> None:
 
     @event.listens_for(engine, "before_cursor_execute")
     def grab(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
-        if statement.lstrip().upper().startswith("SELECT") and "EXPLAIN" not in statement:
+        if statement.lstrip().upper().startswith(("SELECT", "WITH")) and "EXPLAIN" not in statement:
             captured.append((statement, params))
 
     sessions = make_sessionmaker(engine)

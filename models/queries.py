@@ -368,13 +368,14 @@ def _walk_by_created(
             .where(*where)
             .order_by(*(c.desc() for c in walked))
             .limit(batch)
-            .subquery()
+            .cte("walk")
         )
+        key_columns = (keys.c.walk_created_at, keys.c.walk_receipt_id, keys.c.walk_expires_at)
         # One receipt per key (LATERAL, pruned to its partition at run time), or none when it
-        # fails the other filters.
+        # fails the other filters; of those only the batch's first ``limit`` can be on the
+        # page, so only they leave the database.
         receipt = (
-            select(*_EVENT_COLUMNS, Source.public_id, Source.name)
-            .join(Source, Source.id == Receipt.source_id)
+            select(*_EVENT_COLUMNS)
             .where(
                 Receipt.id == keys.c.walk_receipt_id,
                 Receipt.expires_at == keys.c.walk_expires_at,
@@ -383,15 +384,28 @@ def _walk_by_created(
             .limit(1)
             .lateral()
         )
+        top = (
+            select(receipt)
+            .select_from(keys.join(receipt, true()))
+            .distinct()  # a receipt with two deliveries in the status is one row of the page
+            .order_by(receipt.c.received_at.desc(), receipt.c.id.desc())
+            .limit(limit)
+            .subquery()
+        )
+        # Where the batch ended (its oldest key) and how many keys it read.
+        edge = select(*key_columns).order_by(*key_columns).limit(1).subquery()
+        size = select(func.count()).select_from(keys).scalar_subquery()
         rows = session.execute(
-            select(keys, receipt).select_from(keys.outerjoin(receipt, true()))
+            select(edge, size.label("walked"), top, Source.public_id, Source.name).select_from(
+                edge.outerjoin(top, true()).outerjoin(Source, Source.id == top.c.source_id)
+            )
         ).all()
         for r in rows:
             if r.id is not None:
                 found[(r.id, r.expires_at)] = r
-        if len(rows) < batch:
+        if not rows or rows[0].walked < batch:
             break  # every delivery in the status walked
-        last = min((r.walk_created_at, r.walk_receipt_id, r.walk_expires_at) for r in rows)
+        last = (rows[0].walk_created_at, rows[0].walk_receipt_id, rows[0].walk_expires_at)
         horizon = last[0]
         if sum(1 for r in found.values() if r.received_at > horizon) >= limit:
             break
