@@ -310,12 +310,6 @@ def _is_rare_status(session: Session, status: str, source_id: int | None) -> boo
     return bool(found <= RARE_STATUS_ROWS)
 
 
-def _status_keys(status: str) -> Any:
-    """The distinct (receipt_id, expires_at) of the deliveries in ``status``, as a subquery."""
-    where = Delivery.status == status
-    return select(Delivery.receipt_id, Delivery.expires_at).where(where).distinct().subquery()
-
-
 _EVENT_COLUMNS = (
     Receipt.id,
     Receipt.expires_at,
@@ -417,6 +411,31 @@ def _walk_by_created(
     return ranked[:limit]
 
 
+def _probe_every_key(session: Session, status: str, conds: list[Any], limit: int) -> list[Any]:
+    """The first ``limit`` receipts (newest first) meeting ``conds`` that have a delivery in
+    ``status`` (any source): every such delivery's receipt probed by its key, then sorted."""
+    keys = (
+        select(Delivery.receipt_id, Delivery.expires_at)
+        .where(Delivery.status == status)
+        .distinct()
+        .subquery()
+    )
+    # One receipt per key: a delivery's receipt is the one with its (id, expires_at).
+    probed = (
+        select(*_EVENT_COLUMNS)
+        .where(Receipt.id == keys.c.receipt_id, Receipt.expires_at == keys.c.expires_at, *conds)
+        .limit(1)
+        .lateral()
+    )
+    query = (
+        select(probed, Source.public_id, Source.name)
+        .select_from(keys.join(probed, true()).join(Source, Source.id == probed.c.source_id))
+        .order_by(probed.c.received_at.desc(), probed.c.id.desc())
+        .limit(limit)
+    )
+    return list(session.execute(query).all())
+
+
 def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     """Newest first."""
     check_status(flt.status)
@@ -425,48 +444,24 @@ def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     conds = receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
     if flt.before is not None:
         conds.append(tuple_(Receipt.received_at, Receipt.id) < tuple_(*flt.before))
-    source_id = _source_id(session, flt.source)
     rows: list[Any]
+    source_id = None if flt.status is None else _source_id(session, flt.source)
     if flt.status is not None and _is_rare_status(session, flt.status, source_id):
         if source_id is not None:
             rows = _walk_by_created(session, flt.status, source_id, conds, flt.limit, flt.since)
         else:
-            status_keys = _status_keys(flt.status)
-            # One receipt per key: a delivery's receipt is the one with its (id, expires_at).
-            probed = (
-                select(*_EVENT_COLUMNS)
-                .where(
-                    Receipt.id == status_keys.c.receipt_id,
-                    Receipt.expires_at == status_keys.c.expires_at,
-                    *conds,
-                )
-                .limit(1)
-                .lateral()
-            )
-            rows = list(
-                session.execute(
-                    select(probed, Source.public_id, Source.name)
-                    .select_from(
-                        status_keys.join(probed, true()).join(
-                            Source, Source.id == probed.c.source_id
-                        )
-                    )
-                    .order_by(probed.c.received_at.desc(), probed.c.id.desc())
-                    .limit(flt.limit)
-                ).all()
-            )
+            rows = _probe_every_key(session, flt.status, conds, flt.limit)
     else:
         if flt.status is not None:
             conds.append(exists().where(_delivery_of_receipt(), Delivery.status == flt.status))
         found = select(*_EVENT_COLUMNS).where(*conds).subquery()
-        rows = list(
-            session.execute(
-                select(found, Source.public_id, Source.name)
-                .select_from(found.join(Source, Source.id == found.c.source_id))
-                .order_by(found.c.received_at.desc(), found.c.id.desc())
-                .limit(flt.limit)
-            ).all()
+        query = (
+            select(found, Source.public_id, Source.name)
+            .select_from(found.join(Source, Source.id == found.c.source_id))
+            .order_by(found.c.received_at.desc(), found.c.id.desc())
+            .limit(flt.limit)
         )
+        rows = list(session.execute(query).all())
     counts: dict[int, dict[str, int]] = {r.id: {} for r in rows}
     if rows:
         keys = [(r.id, r.expires_at) for r in rows]

@@ -38,13 +38,15 @@ def ops() -> Settings:
     return ops_settings()
 
 
-def _pages(session: Session, source: str, status: str, limit: int) -> list[int]:
+def _pages(
+    session: Session, source: str | None, status: str, limit: int, event_type: str | None = None
+) -> list[int]:
     """Every page, following the cursor as the console does (received_at, id of the last)."""
     seen: list[int] = []
     before = None
     while True:
         rows = queries.list_events(
-            session, EventFilter(source, None, status, limit=limit, before=before)
+            session, EventFilter(source, event_type, status, limit=limit, before=before)
         )
         seen += [r.id for r in rows]
         if len(rows) < limit:
@@ -97,11 +99,17 @@ def test_events_by_status_are_the_same_rows_in_the_same_order_either_way(
         assert [r.id for r in first] == expected
         assert all(r.deliveries.get(status, 0) >= 1 for r in first)
         # Above the threshold it walks the receipts newest first with an EXISTS.
+        with sessions() as session:
+            # No source: every key of the status probed and sorted (any source's mix.event).
+            anywhere = _pages(session, None, status, limit=3, event_type="mix.event")
         monkeypatch.setattr(queries, "RARE_STATUS_ROWS", 0)
         with sessions() as session:
             common = _pages(session, source.public_id, status, limit=3)
+            common_anywhere = _pages(session, None, status, limit=3, event_type="mix.event")
         monkeypatch.undo()
         assert common == expected, status
+        assert anywhere == common_anywhere, status
+        assert [r for r in anywhere if r in expected] == expected, status
 
 
 @contextmanager
