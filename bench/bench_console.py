@@ -107,7 +107,7 @@ FROM deliveries d
 SIZES = """
 SELECT p.relname, sum(pg_relation_size(i.inhrelid)) / 1048576.0
 FROM pg_class p JOIN pg_inherits i ON i.inhparent = p.oid
-WHERE p.relname IN ('deliveries', 'ix_deliveries_source_status', 'ix_deliveries_source_created')
+WHERE p.relname IN ('deliveries', 'ix_deliveries_source_status', 'ix_deliveries_source_dead')
 GROUP BY p.relname ORDER BY p.relname
 """
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select, true, tuple_
+from sqlalchemy import and_, exists, func, literal_column, or_, select, true, tuple_
 from sqlalchemy.orm import Session
 
 from models.catalog import get_source, glob_to_like
@@ -286,9 +286,11 @@ def _delivery_of_receipt() -> Any:
 
 # Events filtered by a delivery status: when at most this many deliveries (of the source) are
 # in that status, the query starts from them; above it, the status is common and walking the
-# receipts newest first with an EXISTS per receipt finds a page sooner. With a source it walks
-# that source's deliveries newest first and stops after a page (_walk_by_created); without
-# one it reads every delivery in the status, probes each one's receipt and sorts those.
+# receipts newest first with an EXISTS per receipt finds a page sooner. For a source's dead
+# deliveries (the dead-letter view, and the floor of issue 21) it walks them newest first and
+# stops after a page (_walk_by_created, on a partial index the hot path never writes); for
+# another rare status, or without a source, it reads every delivery in the status (of the
+# source), probes each one's receipt and sorts those.
 # (Benchmark and plans: bench/results_console.txt.)
 RARE_STATUS_ROWS = 20_000
 
@@ -324,17 +326,16 @@ _EVENT_COLUMNS = (
 
 def _walk_by_created(
     session: Session,
-    status: str,
     source_id: int,
     conds: list[Any],
     limit: int,
     since: datetime | None,
 ) -> list[Any]:
     """The first ``limit`` receipts (newest first by received_at, id) meeting ``conds`` that
-    have a delivery of the source in ``status``: exactly what probing every such delivery's
+    have a dead delivery of the source: exactly what probing every such delivery's
     receipt and sorting would return, reading only the newest deliveries.
 
-    The walk reads the deliveries newest first by created_at (ix_deliveries_source_created,
+    The walk reads the deliveries newest first by created_at (ix_deliveries_source_dead,
     index-only) and probes each one's receipt by its key. A delivery is never created before
     its receipt was received: ``webhooks_accept`` and ``webhooks_accept_many`` (the only
     writers of deliveries) stamp both columns from one instant, and nothing updates either
@@ -350,7 +351,12 @@ def _walk_by_created(
     after: tuple[datetime, int, datetime] | None = None
     batch = WALK_FIRST_BATCH * limit
     while True:
-        where: list[Any] = [Delivery.source_id == source_id, Delivery.status == status]
+        # 'dead' inline, not a parameter: the partial index's predicate must be provable
+        # from the statement text, generic plans included.
+        where: list[Any] = [
+            Delivery.source_id == source_id,
+            Delivery.status == literal_column("'dead'"),
+        ]
         if after is not None:
             where.append(tuple_(*walked) < tuple_(*after))
         keys = (
@@ -411,15 +417,16 @@ def _walk_by_created(
     return ranked[:limit]
 
 
-def _probe_every_key(session: Session, status: str, conds: list[Any], limit: int) -> list[Any]:
+def _probe_every_key(
+    session: Session, status: str, source_id: int | None, conds: list[Any], limit: int
+) -> list[Any]:
     """The first ``limit`` receipts (newest first) meeting ``conds`` that have a delivery in
-    ``status`` (any source): every such delivery's receipt probed by its key, then sorted."""
-    keys = (
-        select(Delivery.receipt_id, Delivery.expires_at)
-        .where(Delivery.status == status)
-        .distinct()
-        .subquery()
-    )
+    ``status`` (of the source, or any source): every such delivery's receipt probed by its
+    key, then sorted."""
+    where: list[Any] = [Delivery.status == status]
+    if source_id is not None:
+        where.append(Delivery.source_id == source_id)  # ix_deliveries_source_status
+    keys = select(Delivery.receipt_id, Delivery.expires_at).where(*where).distinct().subquery()
     # One receipt per key: a delivery's receipt is the one with its (id, expires_at).
     probed = (
         select(*_EVENT_COLUMNS)
@@ -447,10 +454,10 @@ def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     rows: list[Any]
     source_id = None if flt.status is None else _source_id(session, flt.source)
     if flt.status is not None and _is_rare_status(session, flt.status, source_id):
-        if source_id is not None:
-            rows = _walk_by_created(session, flt.status, source_id, conds, flt.limit, flt.since)
+        if source_id is not None and flt.status == "dead":
+            rows = _walk_by_created(session, source_id, conds, flt.limit, flt.since)
         else:
-            rows = _probe_every_key(session, flt.status, conds, flt.limit)
+            rows = _probe_every_key(session, flt.status, source_id, conds, flt.limit)
     else:
         if flt.status is not None:
             conds.append(exists().where(_delivery_of_receipt(), Delivery.status == flt.status))

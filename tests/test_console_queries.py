@@ -91,7 +91,7 @@ def test_events_by_status_are_the_same_rows_in_the_same_order_either_way(
     for status, expected in (("dead", with_dead), ("succeeded", with_succeeded)):
         with sessions() as session:
             # Few rows: the query walks the deliveries newest first by created_at
-            # (ix_deliveries_source_created); limit 3 takes several batches per page.
+            # (ix_deliveries_source_dead); limit 3 takes several batches per page.
             rare = _pages(session, source.public_id, status, limit=3)
             first = queries.list_events(session, EventFilter(source.public_id, None, status))
         # A receipt whose two deliveries are both dead is listed once, newest first.
@@ -319,7 +319,7 @@ _PARTITION_INDEXES = """
 
 @pytest.mark.parametrize(
     ("revision", "index"),
-    [("0015", "ix_deliveries_source_status"), ("0016", "ix_deliveries_source_created")],
+    [("0015", "ix_deliveries_source_status"), ("0016", "ix_deliveries_source_dead")],
 )
 def test_console_migrations_index_every_partition_and_downgrade(revision: str, index: str) -> None:
     """0015 and 0016 put their index on the partitioned parent, so on every partition;
