@@ -102,6 +102,16 @@ FROM deliveries d
 """
 
 
+# What the console's indexes cost next to the table they index (every delivery written and
+# every status change writes an entry in each).
+SIZES = """
+SELECT p.relname, sum(pg_relation_size(i.inhrelid)) / 1048576.0
+FROM pg_class p JOIN pg_inherits i ON i.inhparent = p.oid
+WHERE p.relname IN ('deliveries', 'ix_deliveries_source_status', 'ix_deliveries_source_dead')
+GROUP BY p.relname ORDER BY p.relname
+"""
+
+
 def reset_database() -> None:
     with psycopg.connect(ADMIN, autocommit=True) as conn:
         conn.execute(
@@ -140,11 +150,13 @@ def seed(cfg: Settings, receipts: int, sources: int) -> list[str]:
                 " (SELECT count(*) FROM deliveries WHERE status = 'dead')"
             )
         ).one()
+        sizes = conn.execute(text(SIZES)).all()
     engine.dispose()
     print(
         f"seeded {counts[0]:,} receipts, {counts[1]:,} deliveries ({counts[2]:,} dead) over "
         f"{sources} sources in {time.perf_counter() - started:.1f}s"
     )
+    print("sizes (all partitions): " + ", ".join(f"{name} {mb:.0f} MB" for name, mb in sizes))
     return public
 
 
@@ -160,7 +172,7 @@ def login(client: httpx.Client, base: str) -> str:
     return found.group(1)
 
 
-def timed(call: Any) -> tuple[float, httpx.Response]:
+def timed(call: Any) -> tuple[float, Any]:
     started = time.perf_counter()
     response = call()
     return (time.perf_counter() - started) * 1000, response
@@ -178,7 +190,7 @@ def explain(cfg: Settings, work: Any, title: str) -> None:
 
     @event.listens_for(engine, "before_cursor_execute")
     def grab(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
-        if statement.lstrip().upper().startswith("SELECT") and "EXPLAIN" not in statement:
+        if statement.lstrip().upper().startswith(("SELECT", "WITH")) and "EXPLAIN" not in statement:
             captured.append((statement, params))
 
     sessions = make_sessionmaker(engine)
@@ -226,24 +238,73 @@ ORDER BY d.id LIMIT 100001
 """
 
 
+# The events list by source + status=dead as main ran it before migration 0016 (commit
+# bd40862: console events by a rare status from ix_deliveries_source_status, every key's
+# receipt probed, then sorted), verbatim: the count probe, the page, the page's counts.
+MAIN_EVENTS_PROBE = """
+SELECT count(*) AS count_1
+FROM (SELECT deliveries.id AS id
+FROM deliveries
+WHERE deliveries.status = %(status_1)s::VARCHAR AND deliveries.source_id = %(source_id_1)s::BIGINT
+ LIMIT %(param_1)s::INTEGER) AS anon_1
+"""
+MAIN_EVENTS_PAGE = """
+SELECT anon_1.id, anon_1.expires_at, anon_1.source_id, anon_1.event_id, anon_1.event_type, anon_1.received_at, anon_1.occurred_at, anon_1.payload_dropped_at, sources.public_id, sources.name
+FROM (SELECT DISTINCT deliveries.receipt_id AS receipt_id, deliveries.expires_at AS expires_at
+FROM deliveries
+WHERE deliveries.status = %(status_1)s::VARCHAR AND deliveries.source_id = %(source_id_1)s::BIGINT) AS anon_2 JOIN LATERAL (SELECT receipts.id AS id, receipts.expires_at AS expires_at, receipts.source_id AS source_id, receipts.event_id AS event_id, receipts.event_type AS event_type, receipts.received_at AS received_at, receipts.occurred_at AS occurred_at, receipts.payload_dropped_at AS payload_dropped_at
+FROM receipts
+WHERE receipts.id = anon_2.receipt_id AND receipts.expires_at = anon_2.expires_at AND receipts.source_id = %(source_id_2)s::BIGINT
+ LIMIT %(param_1)s::INTEGER) AS anon_1 ON true JOIN sources ON sources.id = anon_1.source_id ORDER BY anon_1.received_at DESC, anon_1.id DESC
+ LIMIT %(param_2)s::INTEGER
+"""  # noqa: E501
+
+
+def main_events(conn: psycopg.Connection[Any], sid: int) -> list[Any]:
+    """main's list_events(source, status=dead) as it ran before 0016: its statements with its
+    parameters (the two source lookups, sub-millisecond, left out)."""
+    conn.execute(MAIN_EVENTS_PROBE, {"status_1": "dead", "source_id_1": sid, "param_1": 20001})
+    page = {"status_1": "dead", "source_id_1": sid, "source_id_2": sid, "param_1": 1,
+            "param_2": 50}  # fmt: skip
+    rows = conn.execute(MAIN_EVENTS_PAGE, page).fetchall()
+    if rows:
+        pairs = ", ".join(f"(%(row_1_{i}_1)s, %(row_1_{i}_2)s)" for i in range(1, len(rows) + 1))
+        keys: dict[str, Any] = {}
+        for i, r in enumerate(rows, start=1):
+            keys[f"row_1_{i}_1"], keys[f"row_1_{i}_2"] = r[0], r[1]
+        conn.execute(
+            "SELECT deliveries.receipt_id, deliveries.status, count(*) AS count_1 \n"
+            "FROM deliveries \n"
+            f"WHERE row(deliveries.receipt_id, deliveries.expires_at) IN ({pairs}) "
+            "GROUP BY deliveries.receipt_id, deliveries.status",
+            keys,
+        ).fetchall()
+    return rows
+
+
 def baseline(cfg: Settings, source: str, runs: int) -> dict[str, list[float]]:
-    """Wall time of the old statements and of the new query functions, alternating, on one
-    connection each (no HTTP): the same-run comparison."""
+    """Wall time of the old statements (24f2fee), of main's events statements (bd40862) and
+    of the new query functions, alternating, on one connection each (no HTTP): the same-run
+    comparison."""
     engine = make_engine(cfg, pool_size=1)
     sessions = make_sessionmaker(engine)
     with sessions() as session:
         sid = catalog.get_source(session, source).id
-    out: dict[str, list[float]] = {k: [] for k in ("events old", "events new", "preview old",
-                                                   "preview new")}  # fmt: skip
+    out: dict[str, list[float]] = {k: [] for k in ("events old", "events main", "events new",
+                                                   "preview old", "preview new")}  # fmt: skip
     flt = EventFilter(source, None, "dead", limit=50)
     rflt = ReplayFilter(source, None, "dead")
     with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{DB}") as conn:
         for _ in range(runs):
-            ms, _r = timed(lambda: conn.execute(BASELINE_EVENTS, {"sid": sid}).fetchall())
+            ms, old = timed(lambda: conn.execute(BASELINE_EVENTS, {"sid": sid}).fetchall())
             out["events old"].append(ms)
+            ms, before = timed(lambda: main_events(conn, sid))
+            out["events main"].append(ms)
             with sessions() as session, session.begin():
-                ms, _r = timed(lambda session=session: queries.list_events(session, flt))
+                ms, new = timed(lambda session=session: queries.list_events(session, flt))
             out["events new"].append(ms)
+            # The same 50 receipts in the same order, whichever statement found them.
+            assert [r[0] for r in old] == [r[0] for r in before] == [e.id for e in new]
             ms, _r = timed(lambda: conn.execute(BASELINE_PREVIEW, {"sid": sid}).fetchall())
             out["preview old"].append(ms)
             with sessions() as session, session.begin():
@@ -311,13 +372,18 @@ def main() -> None:
             )
         print(f"load average after the pages: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         same = baseline(cfg, source, max(5, args.requests // 4))
-        print("\nsame run, no HTTP: the old statements (24f2fee) against the new query functions")
+        print(
+            "\nsame run, no HTTP: the old statements (24f2fee), main's events statements"
+            " (bd40862, before 0016) and the new query functions"
+        )
         print(f"{'query':<36} {'n':>4} {'p50 ms':>8} {'p95 ms':>8}")
         for name, runs in same.items():
             print(f"{name:<36} {len(runs):>4} {statistics.median(runs):>8.1f} {p95(runs):>8.1f}")
-        for what in ("events", "preview"):
-            ratio = statistics.median(same[f"{what} old"]) / statistics.median(same[f"{what} new"])
-            print(f"{what}: old p50 / new p50 = {ratio:.1f}x")
+        for what, base in (("events", "old"), ("events", "main"), ("preview", "old")):
+            ratio = statistics.median(same[f"{what} {base}"]) / statistics.median(
+                same[f"{what} new"]
+            )
+            print(f"{what}: {base} p50 / new p50 = {ratio:.1f}x")
         explain(
             cfg,
             lambda s: queries.list_events(s, EventFilter(source, None, "dead", limit=50)),

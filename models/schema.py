@@ -208,6 +208,18 @@ class Delivery(Base):
         Index(
             "ix_deliveries_source_status", "source_id", "status", "id", "receipt_id", "expires_at"
         ),
+        # The console (0016): one source's dead deliveries, newest first, index-only: the
+        # events list by source and dead walks it and stops after a page (created_at is never
+        # before the receipt's received_at: the accept functions write both from one
+        # instant). Partial: the hot path's inserts and status changes never write it.
+        Index(
+            "ix_deliveries_source_dead",
+            "source_id",
+            "created_at",
+            "receipt_id",
+            "expires_at",
+            postgresql_where=text("status = 'dead'"),
+        ),
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 
