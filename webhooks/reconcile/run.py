@@ -1,0 +1,302 @@
+"""One reconciliation run of one source: list what the provider sent in the window, compare
+with the receipts in the source's scope, and recover what is missing.
+
+The comparison is keyed on the event id, the receiver's dedup key, in the source's scope. The
+window never reaches past the source's dedup TTL: an older receipt may have expired, so a
+missing one would not mean a missed event, and recovering it could run an effect twice.
+
+Stripe: each missing event object is accepted through the receiver's accept transaction
+(``webhooks_accept``), so it gets its deliveries and runs like any webhook; the same
+transaction sets ``webhooks.arrived_via`` so its receipt says ``reconcile``, and stores no
+body digest (the object is not the body Stripe signs), so a webhook of the same event arriving
+later is a duplicate, and so is a recovery arriving after the webhook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import catalog
+from models.schema import SourceSecret
+from webhooks import metrics
+from webhooks.crypto import SecretBox
+from webhooks.durations import format_duration
+from webhooks.logs import get_logger
+from webhooks.reconcile import options
+from webhooks.reconcile.paging import Listing, Page, ProviderEvent, walk
+from webhooks.settings import Settings
+from webhooks.ttl import expires_at
+
+log = get_logger("reconcile")
+
+DEFAULT_MAX_PAGES = 20
+# publish(delivery_id, event_id, source public id) -> queued (ingest.publisher.CeleryPublisher)
+Publish = Callable[[int, str, str], bool]
+Fetcher = Callable[[str, str, datetime], Callable[[str | None], Page]]
+
+
+class ReconcileError(Exception):
+    """The run cannot start (no credential, bad window, provider not supported): one line,
+    nothing changed."""
+
+
+@dataclass(frozen=True)
+class Target:
+    id: int
+    public_id: str
+    name: str
+    provider: str
+    config: dict[str, Any]
+    api_key: str | None = field(repr=False)  # never logged, never printed
+    secret_id: str | None  # the newest active secret: the accept transaction's authority
+    ttl: timedelta
+
+
+@dataclass
+class Report:
+    source: str
+    name: str
+    provider: str
+    since: datetime
+    until: datetime
+    dry_run: bool
+    listing: Listing
+    missing: list[ProviderEvent]
+    recovered: int = 0
+    arrived_meanwhile: int = 0  # missing when compared, a webhook before the recovery
+    queued: int = 0  # deliveries published at once (the others: the sweeper)
+
+    @property
+    def error(self) -> str | None:
+        return None if self.listing.error is None else str(self.listing.error)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "name": self.name,
+            "provider": self.provider,
+            "since": self.since,
+            "until": self.until,
+            "dry_run": self.dry_run,
+            "listed": len(self.listing.events),
+            "pages": self.listing.pages,
+            "truncated": self.listing.truncated,
+            "rate_limited_waits": self.listing.waits,
+            "missing": [
+                {"event_id": e.event_id, "type": e.event_type, "created": e.created}
+                for e in self.missing
+            ],
+            "recovered": self.recovered,
+            "arrived_meanwhile": self.arrived_meanwhile,
+            "error": self.error,
+        }
+
+
+def fetcher(provider: str) -> Fetcher:
+    if provider == "stripe":
+        from webhooks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415
+
+        return events_fetcher
+    raise ReconcileError(f"reconciliation does not support provider {provider!r}")
+
+
+def load_target(session: Session, box: SecretBox, settings: Settings, ref: str) -> Target:
+    source = catalog.get_source(session, ref)
+    if not options.supported(source.provider):
+        known = ", ".join(sorted(options.SPECS))
+        raise ReconcileError(
+            f"source {source.public_id} ({source.name}): reconciliation supports {known}, "
+            f"not {source.provider!r}"
+        )
+    secret_id = session.scalars(
+        select(SourceSecret.id)
+        .where(SourceSecret.source_id == source.id, SourceSecret.revoked_at.is_(None))
+        .order_by(SourceSecret.created_at.desc())
+        .limit(1)
+    ).first()
+    ciphertext = source.reconcile_ciphertext
+    return Target(
+        id=source.id,
+        public_id=source.public_id,
+        name=source.name,
+        provider=source.provider,
+        config=dict(source.config or {}),
+        api_key=None if ciphertext is None else box.decrypt(bytes(ciphertext)),
+        secret_id=secret_id,
+        ttl=catalog.source_effective_ttl(source, settings).total,
+    )
+
+
+def check_window(target: Target, since: timedelta) -> None:
+    if since <= timedelta(0):
+        raise ReconcileError("--since must be positive")
+    if since > target.ttl:
+        raise ReconcileError(
+            f"--since {format_duration(since)} reaches past source {target.public_id}'s dedup "
+            f"TTL ({format_duration(target.ttl)}): an older receipt may have expired, so a "
+            "missing one would not mean a missed event; use a shorter window"
+        )
+    horizon = timedelta(days=options.SPECS[target.provider].horizon_days)
+    if since > horizon:
+        raise ReconcileError(
+            f"--since {format_duration(since)}: {target.provider} lists "
+            f"{format_duration(horizon)} of events at most"
+        )
+
+
+def received(session: Session, source_id: int, event_ids: Sequence[str]) -> set[str]:
+    """The event ids with a receipt in the source's scope (expired or not)."""
+    found: set[str] = set()
+    ids = list(dict.fromkeys(event_ids))
+    for start in range(0, len(ids), 1000):
+        rows = session.execute(
+            text(
+                "SELECT DISTINCT event_id FROM receipts"
+                " WHERE source_id = :s AND event_id = ANY(:ids)"
+            ),
+            {"s": source_id, "ids": ids[start : start + 1000]},
+        )
+        found.update(r[0] for r in rows)
+    return found
+
+
+def reconcile(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    box: SecretBox,
+    ref: str,
+    *,
+    since: timedelta,
+    dry_run: bool,
+    max_pages: int = DEFAULT_MAX_PAGES,
+    sleep: Callable[[float], None],
+    publish: Publish | None = None,
+) -> Report:
+    """One run; ReconcileError before anything is asked of the provider or written."""
+    if max_pages < 1:
+        raise ReconcileError("--max-pages must be at least 1")
+    with sessions() as session:
+        target = load_target(session, box, settings, ref)
+        until = session.scalar(select(func.now()))
+    assert until is not None
+    if target.api_key is None:
+        raise ReconcileError(
+            f"source {target.public_id} ({target.name}) has no reconciliation credential: "
+            f"webhooks sources update {target.name} --api-key KEY"
+        )
+    check_window(target, since)
+    base = options.base_of(target.provider, target.config)
+    start = until - since
+    fetch = fetcher(target.provider)(target.api_key, base, start)
+    log.info("reconcile.started", source=target.public_id, since=start, dry_run=dry_run)
+    listing = walk(fetch, max_pages=max_pages, sleep=sleep)
+    label = target.public_id
+    if listing.error is not None:
+        metrics.RECONCILE_API_ERRORS.labels(label, str(listing.error.status or "none")).inc()
+        log.warning(
+            "reconcile.api_error",
+            source=label,
+            status=listing.error.status,
+            pages=listing.pages,
+        )
+    with sessions() as session:
+        have = received(session, target.id, [e.event_id for e in listing.events])
+    unique = {e.event_id: e for e in listing.events if e.event_id not in have}
+    missing = sorted(unique.values(), key=lambda e: (e.created, e.event_id))
+    metrics.RECONCILE_MISSING.labels(label).inc(len(missing))
+    report = Report(
+        source=label,
+        name=target.name,
+        provider=target.provider,
+        since=start,
+        until=until,
+        dry_run=dry_run,
+        listing=listing,
+        missing=missing,
+    )
+    if missing and not dry_run:
+        _recover(settings, target, report, publish)
+    log.info(
+        "reconcile.finished",
+        source=label,
+        listed=len(listing.events),
+        pages=listing.pages,
+        truncated=listing.truncated,
+        missing=len(missing),
+        recovered=report.recovered,
+        arrived_meanwhile=report.arrived_meanwhile,
+        dry_run=dry_run,
+    )
+    return report
+
+
+def _recover(settings: Settings, target: Target, report: Report, publish: Publish | None) -> None:
+    if target.secret_id is None:
+        raise ReconcileError(
+            f"source {target.public_id} has no active secret: the accept transaction "
+            "authorises each event with one (webhooks secrets add)"
+        )
+    with psycopg.connect(settings.psycopg_dsn) as conn:
+        for event in report.missing:
+            status, delivery_ids = accept_recovered(conn, settings, target, event)
+            if status == "accepted":
+                report.recovered += 1
+                metrics.RECONCILE_RECOVERED.labels(target.public_id).inc()
+                log.info(
+                    "reconcile.recovered",
+                    source=target.public_id,
+                    event_id=event.event_id,
+                    deliveries=len(delivery_ids),
+                )
+                for delivery_id in delivery_ids if publish is not None else ():
+                    assert publish is not None
+                    report.queued += publish(delivery_id, event.event_id, target.public_id)
+            elif status == "duplicate":
+                report.arrived_meanwhile += 1
+            else:
+                raise ReconcileError(
+                    f"source {target.public_id}: its secret was revoked during the run; "
+                    f"{report.recovered} recovered before that, run again"
+                )
+
+
+def accept_recovered(
+    conn: psycopg.Connection[Any], settings: Settings, target: Target, event: ProviderEvent
+) -> tuple[str, tuple[int, ...]]:
+    """Accept one recovered event object through the receiver's accept function, in one
+    transaction that marks its receipt ``reconcile``. Returns (accepted | duplicate | revoked,
+    delivery ids)."""
+    from ingest.store import ACCEPT_SQL, NewReceipt, accept_params, decide  # noqa: PLC0415
+
+    assert event.body is not None
+    assert target.secret_id is not None
+    with conn.transaction():
+        now = conn.execute("SELECT now()").fetchone()
+        assert now is not None
+        receipt = NewReceipt(
+            source_id=target.id,
+            secret_id=target.secret_id,
+            event_id=event.event_id,
+            event_type=event.event_type,
+            occurred_at=event.created,
+            # The event time comes from the provider's API over TLS: it anchors the expiry,
+            # as the signed time of a webhook does.
+            expires_at=expires_at(event.created, now[0], target.ttl),
+            received_at=None,
+            digest=b"",
+            content_type="application/json",
+            payload=event.body,
+            ttl=target.ttl,
+        )
+        params = accept_params(receipt, settings.publish_grace)
+        params["digest"] = None  # not the body the provider signs: compares with nothing
+        conn.execute("SELECT set_config('webhooks.arrived_via', 'reconcile', true)")
+        outcome = decide(conn.execute(ACCEPT_SQL, params).fetchone())
+    return outcome.status, outcome.delivery_ids
