@@ -1,0 +1,151 @@
+"""Local fakes of the provider APIs reconciliation talks to (issue 22), served by
+``http.server`` in a thread on 127.0.0.1: realistic pages, pagination, rate limiting and
+errors, scripted per test. Each request is recorded (path, query, when, whether the
+credential matched) so a test can assert what the client did."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    at: float  # time.monotonic()
+    authorised: bool
+    status: int = 200
+
+
+@dataclass
+class Scripted:
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+class FakeStripe:
+    """``GET /v1/events``: newest first, ``created[gte]``, ``limit`` (the fake serves at most
+    ``page_size`` a page, as Stripe may serve fewer than asked), ``starting_after``; every other
+    path 404. ``fail(n, ...)`` scripts the answer of the n-th events request (1-based)."""
+
+    def __init__(self, api_key: str, page_size: int = 5) -> None:
+        self.api_key = api_key
+        self.page_size = page_size
+        self.events: list[dict[str, Any]] = []
+        self.seen: list[Seen] = []
+        self.script: dict[int, Scripted] = {}
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def add_event(self, event_id: str, created: int, event_type: str = "invoice.paid") -> None:
+        with self.lock:
+            self.events.append(
+                {
+                    "id": event_id,
+                    "object": "event",
+                    "api_version": "2024-06-20",
+                    "created": created,
+                    "type": event_type,
+                    "livemode": False,
+                    "pending_webhooks": 0,
+                    "request": {"id": None, "idempotency_key": None},
+                    "data": {"object": {"id": f"in_{event_id[-8:]}", "object": "invoice"}},
+                }
+            )
+
+    def fail(self, nth: int, status: int, headers: dict[str, str] | None = None) -> None:
+        kind = "rate_limit_error" if status == 429 else "api_error"
+        body = {"error": {"type": kind, "message": f"scripted {status}"}}
+        self.script[nth] = Scripted(status, headers or {}, body)
+
+    def events_requests(self) -> list[Seen]:
+        return [s for s in self.seen if s.path == "/v1/events"]
+
+    def answer(
+        self, method: str, path: str, query: dict[str, list[str]], auth: str | None
+    ) -> tuple[int, dict[str, str], dict[str, Any]]:
+        authorised = auth == f"Bearer {self.api_key}"
+        seen = Seen(method, path, query, time.monotonic(), authorised)
+        with self.lock:
+            self.seen.append(seen)
+            if not authorised:
+                seen.status = 401
+                return 401, {}, {"error": {"type": "invalid_request_error", "message": "bad key"}}
+            if method != "GET" or path != "/v1/events":
+                seen.status = 404
+                return 404, {}, {"error": {"type": "invalid_request_error", "message": "no"}}
+            scripted = self.script.pop(len(self.events_requests()), None)
+            if scripted is not None:
+                seen.status = scripted.status
+                return scripted.status, scripted.headers, scripted.body
+            gte = int(query.get("created[gte]", ["0"])[0])
+            limit = min(int(query.get("limit", ["10"])[0]), self.page_size)
+            listed = sorted(
+                (e for e in self.events if e["created"] >= gte),
+                key=lambda e: (e["created"], e["id"]),
+                reverse=True,
+            )
+            after = query.get("starting_after", [None])[0]
+            if after is not None:
+                ids = [e["id"] for e in listed]
+                listed = listed[ids.index(after) + 1 :]
+            page = listed[:limit]
+            return (
+                200,
+                {},
+                {
+                    "object": "list",
+                    "url": "/v1/events",
+                    "has_more": len(listed) > limit,
+                    "data": page,
+                },
+            )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    fake: Any
+
+    def _serve(self) -> None:
+        parts = urlsplit(self.path)
+        status, headers, body = self.fake.answer(
+            self.command, parts.path, parse_qs(parts.query), self.headers.get("Authorization")
+        )
+        raw = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(raw)
+
+    do_GET = _serve  # noqa: N815
+    do_POST = _serve  # noqa: N815
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+@contextmanager
+def serving(fake: Any) -> Iterator[Any]:
+    handler = type("Handler", (_Handler,), {"fake": fake})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

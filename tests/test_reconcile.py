@@ -1,0 +1,331 @@
+"""Reconciliation (issue 22): the real ``webhooks`` CLI against a local fake of Stripe's API
+(the ``stripe`` library pointed at ``api_base``), real Postgres, and the real receiver for
+deduplication both ways."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests.conftest import test_env
+from tests.factories import MadeSource, accept_event, make_source
+from tests.fake_providers import FakeStripe, serving
+from tests.leakcheck import remember
+from tests.operators_support import cli
+from tests.processes import receiver
+from tests.signing import sign_stripe
+from webhooks.crypto import SecretBox
+from webhooks.reconcile.paging import (
+    MAX_WAIT,
+    MAX_WAITS,
+    ApiError,
+    Page,
+    ProviderEvent,
+    RateLimited,
+    walk,
+)
+from webhooks.reconcile.run import accept_recovered, load_target
+from webhooks.settings import Settings
+
+
+def _key() -> str:
+    key = f"rk_test_{uuid.uuid4().hex}"
+    remember(key)
+    return key
+
+
+def _stripe_source(
+    sessions: sessionmaker[Session], settings: Settings, fake: FakeStripe | None
+) -> MadeSource:
+    made = make_source(sessions, settings, provider="stripe", routes=[{"handler": "log"}])
+    remember(made.secret)
+    if fake is not None:
+        done = cli(
+            "sources", "update", made.name, "--api-key", fake.api_key,
+            "--config", f"api_base={fake.url}", env=test_env(),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert fake.api_key not in done.stdout + done.stderr
+        assert f"reconcile: api {fake.url}, key set, every off" in done.stdout
+    return made
+
+
+def _receipts(engine: Engine, source_id: int) -> dict[str, Any]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT r.event_id, r.arrived_via, r.body_digest IS NULL AS no_digest,"
+                " r.payload, (SELECT count(*) FROM deliveries d WHERE d.receipt_id = r.id"
+                " AND d.expires_at = r.expires_at) AS deliveries"
+                " FROM receipts r WHERE r.source_id = :s"
+            ),
+            {"s": source_id},
+        )
+        return {r.event_id: r for r in rows}
+
+
+def _conflicts(engine: Engine, source_id: int) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM conflicts WHERE source_id = :s"), {"s": source_id}
+            ).scalar_one()
+        )
+
+
+def _reconcile(source: str, *args: str) -> tuple[int, dict[str, Any], str]:
+    done = cli("reconcile", source, "--json", *args, env=test_env(), timeout=120)
+    view = json.loads(done.stdout) if done.stdout.strip() else {}
+    return done.returncode, view, done.stderr
+
+
+def test_reconcile_finds_exactly_the_missing_stripe_events_and_recovers_each_once(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """12 events over 3 pages, 5 of them received as webhooks: a dry run lists the other 7
+    and writes nothing; a run accepts each of the 7 once (deliveries, arrived_via reconcile,
+    no digest) while waiting out a 429 as its Retry-After says; a second run finds nothing."""
+    fake = FakeStripe(_key(), page_size=5)
+    with serving(fake):
+        source = _stripe_source(sessions, settings, fake)
+        now = int(time.time())
+        ids = [f"evt_{uuid.uuid4().hex[:20]}" for _ in range(12)]
+        for n, event_id in enumerate(ids):
+            fake.add_event(event_id, now - 60 * (n + 1))
+        received = [*ids[::3][:4], ids[-1]]
+        for event_id in received:
+            accept_event(settings, source, event_id=event_id, event_type="invoice.paid")
+        missing = sorted(set(ids) - set(received))
+        before = _receipts(engine, source.id)
+
+        code, view, err = _reconcile(source.name, "--dry-run")
+        assert code == 0, err
+        assert sorted(m["event_id"] for m in view["missing"]) == missing
+        assert view["listed"] == 12
+        assert view["pages"] == 3
+        assert view["recovered"] == 0
+        assert _receipts(engine, source.id).keys() == before.keys()
+
+        fake.fail(len(fake.events_requests()) + 2, 429, {"Retry-After": "1"})
+        code, view, err = _reconcile(source.public_id)
+        assert code == 0, err
+        assert sorted(m["event_id"] for m in view["missing"]) == missing
+        assert view["recovered"] == 7
+        assert view["rate_limited_waits"] == [1.0]
+        requests = fake.events_requests()
+        limited = next(i for i, s in enumerate(requests) if s.status == 429)
+        assert requests[limited + 1].at - requests[limited].at >= 1.0
+        assert requests[limited + 1].query == requests[limited].query  # the same page again
+
+        rows = _receipts(engine, source.id)
+        assert sorted(rows) == sorted(ids)
+        for event_id in missing:
+            assert rows[event_id].arrived_via == "reconcile"
+            assert rows[event_id].no_digest
+            assert rows[event_id].deliveries == 1
+            assert json.loads(rows[event_id].payload)["id"] == event_id
+        for event_id in received:
+            assert rows[event_id].arrived_via == "webhook"
+            assert not rows[event_id].no_digest
+
+        code, view, err = _reconcile(source.name)
+        assert code == 0, err
+        assert view["missing"] == []
+        assert view["recovered"] == 0
+        after = _receipts(engine, source.id)
+        assert {k: v.deliveries for k, v in after.items()} == dict.fromkeys(ids, 1)
+
+
+def test_a_webhook_after_reconciliation_is_a_duplicate_and_so_is_the_reverse(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    fake = FakeStripe(_key())
+    with serving(fake):
+        source = _stripe_source(sessions, settings, fake)
+        recovered_id = f"evt_{uuid.uuid4().hex[:20]}"
+        created = int(time.time()) - 30
+        fake.add_event(recovered_id, created)
+        code, view, err = _reconcile(source.name)
+        assert code == 0, err
+        assert view["recovered"] == 1
+
+        with receiver() as running:
+            # Stripe's own body of the event: other bytes than the API's object.
+            headers, body = sign_stripe(
+                source.secret, event_id=recovered_id, event_type="invoice.paid", timestamp=created
+            )
+            answer = httpx.post(
+                f"{running.url}/webhooks/{source.public_id}", headers=headers, content=body
+            )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "duplicate"
+
+    # The reverse: the webhook arrives between the comparison and the recovery.
+    webhook_id = f"evt_{uuid.uuid4().hex[:20]}"
+    accept_event(settings, source, event_id=webhook_id, event_type="invoice.paid")
+    box = SecretBox(settings.secret_key.get_secret_value())
+    with sessions() as session:
+        target = load_target(session, box, settings, source.public_id)
+    event = ProviderEvent(
+        webhook_id, "invoice.paid", datetime.now(UTC), b'{"id": "%s"}' % webhook_id.encode()
+    )
+    with psycopg.connect(settings.psycopg_dsn) as conn:
+        assert accept_recovered(conn, settings, target, event) == ("duplicate", ())
+
+    rows = _receipts(engine, source.id)
+    assert {k: (v.arrived_via, v.deliveries) for k, v in rows.items()} == {
+        recovered_id: ("reconcile", 1),
+        webhook_id: ("webhook", 1),
+    }
+    assert _conflicts(engine, source.id) == 0
+
+
+def test_a_500_stops_the_listing_keeps_what_came_before_and_exits_non_zero(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    fake = FakeStripe(_key(), page_size=2)
+    with serving(fake):
+        source = _stripe_source(sessions, settings, fake)
+        now = int(time.time())
+        ids = [f"evt_{uuid.uuid4().hex[:20]}" for _ in range(5)]
+        for n, event_id in enumerate(ids):
+            fake.add_event(event_id, now - 10 * (n + 1))
+        fake.fail(2, 500)
+        code, view, _ = _reconcile(source.name)
+        assert code == 1
+        assert view["error"] == "Stripe API error 500"
+        assert view["pages"] == 1
+        assert sorted(m["event_id"] for m in view["missing"]) == sorted(ids[:2])  # newest page
+        assert view["recovered"] == 2
+        human = cli("reconcile", source.name, "--max-pages", "1", env=test_env())
+        assert human.returncode == 0, human.stderr
+        assert "stopped after --max-pages pages with more to list" in human.stdout
+        code, view, err = _reconcile(source.name)
+        assert code == 0, err
+        assert view["recovered"] == 3
+    assert sorted(_receipts(engine, source.id)) == sorted(ids)
+
+
+def test_bad_input_is_one_clear_line_and_changes_nothing(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    source = _stripe_source(sessions, settings, None)
+    env = test_env()
+
+    no_key = cli("reconcile", source.name, env=env)
+    assert no_key.returncode == 1
+    lines = no_key.stderr.strip().splitlines()
+    assert len(lines) == 1, no_key.stderr
+    assert "has no reconciliation credential" in lines[0]
+    assert f"webhooks sources update {source.name} --api-key KEY" in lines[0]
+
+    key = _key()
+    refused = cli(
+        "sources", "update", source.name, "--api-key", key,
+        "--config", "api_base=http://api.example.com", env=env,
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert "plain http is allowed only to loopback" in refused.stderr
+    assert key not in refused.stdout + refused.stderr
+    shown = json.loads(cli("sources", "show", source.name, "--json", env=env).stdout)
+    assert shown["config"] == {}
+    assert shown["reconcile"]["api_key"] == "not set"  # nothing changed, not even the key
+    assert shown["reconcile"]["api_base"] == "https://api.stripe.com"
+
+    for config, says in (
+        ("api_base=ftp://127.0.0.1/", "must be an https:// URL"),
+        ("api_base=https://user:pw@api.stripe.com", "must not carry credentials"),
+    ):
+        bad = cli("sources", "update", source.name, "--config", config, env=env)
+        assert bad.returncode == 1
+        assert says in bad.stderr
+
+    ok = cli("sources", "update", source.name, "--api-key", "-", env=env, input_text=key + "\n")
+    assert ok.returncode == 0, ok.stderr
+    long = cli("reconcile", source.name, "--since", "30d", env=env)
+    assert long.returncode == 1
+    assert "reaches past source" in long.stderr
+    assert "dedup TTL" in long.stderr
+    for args in (("sources", "show", source.name), ("sources", "show", source.name, "--json")):
+        out = cli(*args, env=env)
+        assert key not in out.stdout + out.stderr
+        assert "key set" in out.stdout or '"api_key": "set"' in out.stdout
+
+    github = make_source(sessions, settings, provider="github")
+    remember(github.secret)
+    other = cli("reconcile", github.name, env=env)
+    assert other.returncode == 1
+    assert "reconciliation supports stripe, not 'github'" in other.stderr
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text("SELECT reconcile_ciphertext FROM sources WHERE id = :s"), {"s": source.id}
+        ).scalar_one()
+    assert key.encode() not in bytes(stored)  # encrypted at rest
+
+
+# The page walk's bounds (pure, with an injected sleep) ----------------------------------------
+
+
+def _pages(script: list[Any]) -> Any:
+    calls: list[str | None] = []
+
+    def fetch(cursor: str | None) -> Page:
+        calls.append(cursor)
+        step = script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+    return fetch, calls
+
+
+def _event(n: int) -> ProviderEvent:
+    return ProviderEvent(f"evt_{n}", "t", datetime.now(UTC) - timedelta(minutes=n))
+
+
+def test_walk_honours_retry_after_up_to_a_cap_and_a_bounded_number_of_times() -> None:
+    slept: list[float] = []
+    fetch, calls = _pages(
+        [
+            RateLimited(3.0),
+            Page([_event(1)], "evt_1"),
+            RateLimited(3600.0),
+            RateLimited(None),
+            Page([_event(2)], None),
+        ]
+    )
+    listing = walk(fetch, max_pages=10, sleep=slept.append)
+    assert slept == [3.0, MAX_WAIT, 8.0]  # as said; capped; none said: 2 s x 2^(waits so far)
+    assert calls == [None, None, "evt_1", "evt_1", "evt_1"]
+    assert [e.event_id for e in listing.events] == ["evt_1", "evt_2"]
+    assert listing.error is None
+
+    slept.clear()
+    fetch, _ = _pages([RateLimited(0.5)] * (MAX_WAITS + 1))
+    listing = walk(fetch, max_pages=10, sleep=slept.append)
+    assert len(slept) == MAX_WAITS
+    assert listing.error is not None
+    assert listing.error.status == 429
+
+
+def test_walk_stops_after_max_pages_and_on_an_api_error() -> None:
+    fetch, calls = _pages([Page([_event(n)], f"evt_{n}") for n in range(5)])
+    listing = walk(fetch, max_pages=3, sleep=pytest.fail)
+    assert listing.truncated
+    assert listing.pages == 3
+    assert len(calls) == 3
+
+    fetch, _ = _pages([Page([_event(1)], "evt_1"), ApiError(503, "Stripe API error 503")])
+    listing = walk(fetch, max_pages=3, sleep=pytest.fail)
+    assert not listing.truncated
+    assert [e.event_id for e in listing.events] == ["evt_1"]
+    assert str(listing.error) == "Stripe API error 503"
