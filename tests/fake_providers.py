@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -149,3 +150,97 @@ def serving(fake: Any) -> Iterator[Any]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+class FakeGitHub:
+    """One hook's deliveries API: ``GET /{hook}/deliveries`` newest first, ``per_page`` (at
+    most ``page_size`` served), the next page's ``cursor`` in ``Link``; ``POST
+    /{hook}/deliveries/{id}/attempts`` answers 202 and calls ``on_redeliver(delivery)`` (a
+    test sends the signed webhook to the receiver there), then lists the redelivery as a new
+    delivery with the same guid. ``fail(n, ...)`` scripts the n-th request of any kind."""
+
+    def __init__(self, token: str, hook: str, page_size: int = 3) -> None:
+        self.token = token
+        self.hook = hook
+        self.page_size = page_size
+        self.deliveries: list[dict[str, Any]] = []  # newest first
+        self.seen: list[Seen] = []
+        self.script: dict[int, Scripted] = {}
+        self.on_redeliver: Any = None
+        self.lock = threading.Lock()
+        self.url = ""
+        self._ids = iter(range(90_000_000, 99_999_999))
+
+    def add_delivery(
+        self, guid: str, delivered_at: datetime, *, status_code: int, event: str = "issues"
+    ) -> int:
+        delivery_id = next(self._ids)
+        with self.lock:
+            self.deliveries.insert(
+                0,
+                {
+                    "id": delivery_id,
+                    "guid": guid,
+                    "delivered_at": delivered_at.isoformat().replace("+00:00", "Z"),
+                    "redelivery": False,
+                    "duration": 0.27,
+                    "status": "OK"
+                    if status_code < 300
+                    else f"Invalid HTTP Response: {status_code}",
+                    "status_code": status_code,
+                    "event": event,
+                    "action": "opened",
+                    "installation_id": None,
+                    "repository_id": 1,
+                },
+            )
+            self.deliveries.sort(key=lambda d: d["delivered_at"], reverse=True)
+        return delivery_id
+
+    def fail(self, nth: int, status: int, headers: dict[str, str] | None = None) -> None:
+        self.script[nth] = Scripted(status, headers or {}, {"message": f"scripted {status}"})
+
+    def attempts(self) -> list[str]:
+        return [s.path for s in self.seen if s.method == "POST" and s.status == 202]
+
+    def answer(
+        self, method: str, path: str, query: dict[str, list[str]], auth: str | None
+    ) -> tuple[int, dict[str, str], Any]:
+        seen = Seen(method, path, query, time.monotonic(), auth == f"Bearer {self.token}")
+        with self.lock:
+            self.seen.append(seen)
+            scripted = self.script.pop(len(self.seen), None)
+        if not seen.authorised:
+            seen.status = 401
+            return 401, {}, {"message": "Bad credentials"}
+        if scripted is not None:
+            seen.status = scripted.status
+            return scripted.status, scripted.headers, scripted.body
+        prefix = f"/{self.hook}/deliveries"
+        if method == "GET" and path == prefix:
+            with self.lock:
+                listed = list(self.deliveries)
+            start = int(query.get("cursor", ["0"])[0])
+            size = min(int(query.get("per_page", ["30"])[0]), self.page_size)
+            headers = {}
+            if start + size < len(listed):
+                headers["Link"] = (
+                    f'<{self.url}{prefix}?per_page={size}&cursor={start + size}>; rel="next"'
+                )
+            return 200, headers, listed[start : start + size]
+        if method == "POST" and path.startswith(prefix + "/") and path.endswith("/attempts"):
+            delivery_id = int(path.split("/")[-2])
+            with self.lock:
+                found = [d for d in self.deliveries if d["id"] == delivery_id]
+            if not found:
+                seen.status = 404
+                return 404, {}, {"message": "Not Found"}
+            if self.on_redeliver is not None:
+                self.on_redeliver(found[0])
+            self.add_delivery(
+                found[0]["guid"], datetime.now(UTC), status_code=202, event=found[0]["event"]
+            )
+            seen.status = 202
+            return 202, {}, {}
+        seen.status = 404
+        return 404, {}, {"message": "Not Found"}

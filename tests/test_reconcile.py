@@ -18,11 +18,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tests.conftest import test_env
 from tests.factories import MadeSource, accept_event, make_source
-from tests.fake_providers import FakeStripe, serving
+from tests.fake_providers import FakeGitHub, FakeStripe, serving
 from tests.leakcheck import remember
 from tests.operators_support import cli
 from tests.processes import receiver
-from tests.signing import sign_stripe
+from tests.signing import sign_github, sign_stripe
 from webhooks.crypto import SecretBox
 from webhooks.reconcile.paging import (
     MAX_WAIT,
@@ -260,11 +260,14 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
         assert key not in out.stdout + out.stderr
         assert "key set" in out.stdout or '"api_key": "set"' in out.stdout
 
-    github = make_source(sessions, settings, provider="github")
-    remember(github.secret)
-    other = cli("reconcile", github.name, env=env)
+    shopify = make_source(sessions, settings, provider="shopify")
+    remember(shopify.secret)
+    other = cli("reconcile", shopify.name, env=env)
     assert other.returncode == 1
-    assert "reconciliation supports stripe, not 'github'" in other.stderr
+    assert "reconciliation supports github, stripe, not 'shopify'" in other.stderr
+    option = cli("sources", "update", shopify.name, "--config", "api_base=https://x.io", env=env)
+    assert option.returncode == 1
+    assert "option 'api_base' is for reconciliation" in option.stderr
     with engine.connect() as conn:
         stored = conn.execute(
             text("SELECT reconcile_ciphertext FROM sources WHERE id = :s"), {"s": source.id}
@@ -329,3 +332,78 @@ def test_walk_stops_after_max_pages_and_on_an_api_error() -> None:
     assert not listing.truncated
     assert [e.event_id for e in listing.events] == ["evt_1"]
     assert str(listing.error) == "Stripe API error 503"
+
+
+# GitHub: redelivery through the hook deliveries API -------------------------------------------
+
+
+def test_github_redelivers_exactly_the_failed_deliveries_without_a_receipt(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Six deliveries over three pages: two OK (received), one failed that we received all
+    the same (GitHub timed out on our answer), one guid failed twice, two failed once, and one
+    older than the window. Only the three failed guids without a receipt are redelivered, each
+    once, its latest attempt; the signed webhooks then arrive at the real receiver; a second
+    run asks nothing."""
+    hook = "repos/octo/hello/hooks/42"
+    fake = FakeGitHub(_key(), hook, page_size=2)
+    source = make_source(sessions, settings, provider="github", routes=[{"handler": "log"}])
+    remember(source.secret)
+    now = datetime.now(UTC)
+    guid = [str(uuid.uuid4()) for _ in range(7)]
+    with serving(fake), receiver() as running:
+
+        def redeliver(delivery: dict[str, Any]) -> None:
+            headers, body = sign_github(
+                source.secret, event_id=delivery["guid"], event_type="issues.opened"
+            )
+            answer = httpx.post(
+                f"{running.url}/webhooks/{source.public_id}", headers=headers, content=body
+            )
+            assert answer.status_code == 202, answer.text
+
+        fake.on_redeliver = redeliver
+        for n in (0, 1):
+            fake.add_delivery(guid[n], now - timedelta(minutes=50 + n), status_code=200)
+            accept_event(settings, source, event_id=guid[n], event_type="issues.opened")
+        fake.add_delivery(guid[2], now - timedelta(minutes=40), status_code=504)
+        accept_event(settings, source, event_id=guid[2], event_type="issues.opened")
+        fake.add_delivery(guid[3], now - timedelta(minutes=30), status_code=503)
+        latest = fake.add_delivery(guid[3], now - timedelta(minutes=20), status_code=503)
+        fourth = fake.add_delivery(guid[4], now - timedelta(minutes=10), status_code=401)
+        fifth = fake.add_delivery(guid[5], now - timedelta(minutes=5), status_code=0)
+        fake.add_delivery(guid[6], now - timedelta(days=2), status_code=503)
+
+        keyed = cli("sources", "update", source.name, "--api-key", fake.token, env=test_env())
+        assert keyed.returncode == 0, keyed.stderr
+        code, _, err = _reconcile(source.name)
+        assert code == 1
+        assert "names no hook" in err
+        done = cli(
+            "sources", "update", source.name, "--config", f"api_base={fake.url}",
+            "--config", f"hook={hook}", env=test_env(),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+        code, view, err = _reconcile(source.name, "--since", "1d", "--dry-run")
+        assert code == 0, err
+        assert sorted(m["event_id"] for m in view["missing"]) == sorted(guid[3:6])
+        assert fake.attempts() == []
+
+        fake.fail(len(fake.seen) + 5, 429, {"Retry-After": "1"})  # the first redelivery
+        code, view, err = _reconcile(source.name, "--since", "1d")
+        assert code == 0, err
+        assert view["recovered"] == 3
+        assert view["rate_limited_waits"] == [1.0]
+        assert sorted(fake.attempts()) == sorted(
+            f"/{hook}/deliveries/{i}/attempts" for i in (latest, fourth, fifth)
+        )
+
+        code, view, err = _reconcile(source.name, "--since", "1d")
+        assert code == 0, err
+        assert view["missing"] == []
+        assert len(fake.attempts()) == 3
+    rows = _receipts(engine, source.id)
+    assert sorted(rows) == sorted(guid[:6])
+    assert {rows[g].arrived_via for g in guid[3:6]} == {"webhook"}  # the real signed webhook
+    assert all(rows[g].deliveries == 1 for g in guid[:6])

@@ -33,8 +33,9 @@ def reconcile_command(
 ) -> None:
     """List the provider's events in the window, compare them with the source's receipts
     and print the missing ones; without --dry-run, recover each (Stripe: accepted from the
-    API's event object, with its deliveries). Exit code 1 when the provider's API failed
-    (what was found before the failure is still recovered)."""
+    API's event object, with its deliveries; GitHub: a redelivery request, the signed webhook
+    then arrives). Exit code 1 when the provider's API failed (what was found before the
+    failure is still recovered)."""
     window = parse_duration(since)
     e = env()
     if not e.keys_checked:
@@ -100,7 +101,13 @@ def _show(report: Report) -> None:
             if report.arrived_meanwhile
             else ""
         )
-        say(f"recovered {report.recovered}{meanwhile}")
+        if report.provider == "github":
+            say(
+                f"asked GitHub to redeliver {report.recovered}: they arrive as signed webhooks"
+                f"{meanwhile}"
+            )
+        else:
+            say(f"recovered {report.recovered}{meanwhile}")
     if report.error is not None:
         say(escape(f"error: {report.error}; run again to compare the rest"))
 

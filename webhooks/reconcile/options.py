@@ -34,10 +34,16 @@ SPECS: dict[str, ApiSpec] = {
         30,
         "GET /v1/events (30 days); missing events are accepted from the API's event object",
     ),
+    "github": ApiSpec(
+        "github",
+        "https://api.github.com",
+        3,
+        "GET /{hook}/deliveries (3 days); missing deliveries are redelivered by GitHub",
+    ),
 }
 
 # Options reconciliation reads from a source's config, per provider.
-OPTIONS: dict[str, tuple[str, ...]] = {"stripe": ("api_base",)}
+OPTIONS: dict[str, tuple[str, ...]] = {"stripe": ("api_base",), "github": ("api_base", "hook")}
 ALL_OPTIONS = frozenset(o for names in OPTIONS.values() for o in names)
 
 
@@ -63,7 +69,7 @@ def split(provider: str, config: Mapping[str, Any]) -> tuple[dict[str, Any], dic
     for key, value in ours.items():
         if not isinstance(value, str):
             raise ValueError(f"option {key!r} must be a string")
-        checked[key] = api_base(value) if key == "api_base" else value.strip()
+        checked[key] = CHECKS[key](value)
     return own, checked
 
 
@@ -88,6 +94,15 @@ def api_base(value: str) -> str:
     except ValueError:
         raise ValueError(f"api_base has a bad port: {text!r}") from None
     return text.rstrip("/")
+
+
+def _hook(value: str) -> str:
+    from webhooks.reconcile.github_api import check_hook  # noqa: PLC0415
+
+    return check_hook(value)
+
+
+CHECKS = {"api_base": api_base, "hook": _hook}
 
 
 def is_loopback(host: str) -> bool:

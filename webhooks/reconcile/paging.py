@@ -26,6 +26,8 @@ class ProviderEvent:
     created: datetime
     body: bytes | None = None
     ref: str | None = None  # the provider's handle for recovery (a GitHub delivery id)
+    # The provider saw it delivered (a 2xx from us): not missing whatever the receipts say.
+    delivered: bool = False
 
 
 @dataclass(frozen=True)

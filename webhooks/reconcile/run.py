@@ -30,7 +30,16 @@ from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration
 from webhooks.logs import get_logger
 from webhooks.reconcile import options
-from webhooks.reconcile.paging import Listing, Page, ProviderEvent, walk
+from webhooks.reconcile.paging import (
+    MAX_WAIT,
+    MAX_WAITS,
+    ApiError,
+    Listing,
+    Page,
+    ProviderEvent,
+    RateLimited,
+    walk,
+)
 from webhooks.settings import Settings
 from webhooks.ttl import expires_at
 
@@ -39,7 +48,6 @@ log = get_logger("reconcile")
 DEFAULT_MAX_PAGES = 20
 # publish(delivery_id, event_id, source public id) -> queued (ingest.publisher.CeleryPublisher)
 Publish = Callable[[int, str, str], bool]
-Fetcher = Callable[[str, str, datetime], Callable[[str | None], Page]]
 
 
 class ReconcileError(Exception):
@@ -99,12 +107,27 @@ class Report:
         }
 
 
-def fetcher(provider: str) -> Fetcher:
-    if provider == "stripe":
+def fetcher(target: Target, base: str, since: datetime) -> Callable[[str | None], Page]:
+    assert target.api_key is not None
+    if target.provider == "stripe":
         from webhooks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415
 
-        return events_fetcher
-    raise ReconcileError(f"reconciliation does not support provider {provider!r}")
+        return events_fetcher(target.api_key, base, since)
+    if target.provider == "github":
+        from webhooks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415
+
+        return deliveries_fetcher(target.api_key, base, _hook(target), since)
+    raise ReconcileError(f"reconciliation does not support provider {target.provider!r}")
+
+
+def _hook(target: Target) -> str:
+    hook = target.config.get("hook")
+    if not isinstance(hook, str) or not hook:
+        raise ReconcileError(
+            f"source {target.public_id} ({target.name}) names no hook: webhooks sources update "
+            f"{target.name} --config hook=repos/OWNER/REPO/hooks/ID (or orgs/ORG/hooks/ID)"
+        )
+    return hook
 
 
 def load_target(session: Session, box: SecretBox, settings: Settings, ref: str) -> Target:
@@ -194,7 +217,7 @@ def reconcile(
     check_window(target, since)
     base = options.base_of(target.provider, target.config)
     start = until - since
-    fetch = fetcher(target.provider)(target.api_key, base, start)
+    fetch = fetcher(target, base, start)
     log.info("reconcile.started", source=target.public_id, since=start, dry_run=dry_run)
     listing = walk(fetch, max_pages=max_pages, sleep=sleep)
     label = target.public_id
@@ -208,7 +231,12 @@ def reconcile(
         )
     with sessions() as session:
         have = received(session, target.id, [e.event_id for e in listing.events])
-    unique = {e.event_id: e for e in listing.events if e.event_id not in have}
+    # Newest first: the first of an event id is its latest delivery (GitHub redelivers that).
+    delivered = {e.event_id for e in listing.events if e.delivered}
+    unique: dict[str, ProviderEvent] = {}
+    for event in listing.events:
+        if event.event_id not in have and event.event_id not in delivered:
+            unique.setdefault(event.event_id, event)
     missing = sorted(unique.values(), key=lambda e: (e.created, e.event_id))
     metrics.RECONCILE_MISSING.labels(label).inc(len(missing))
     report = Report(
@@ -222,7 +250,10 @@ def reconcile(
         missing=missing,
     )
     if missing and not dry_run:
-        _recover(settings, target, report, publish)
+        if target.provider == "github":
+            _redeliver(target, base, report, sleep)
+        else:
+            _recover(settings, target, report, publish)
     log.info(
         "reconcile.finished",
         source=label,
@@ -265,6 +296,42 @@ def _recover(settings: Settings, target: Target, report: Report, publish: Publis
                     f"source {target.public_id}: its secret was revoked during the run; "
                     f"{report.recovered} recovered before that, run again"
                 )
+
+
+def _redeliver(target: Target, base: str, report: Report, sleep: Callable[[float], None]) -> None:
+    """GitHub: one redelivery request per missing delivery (its latest attempt), each 429
+    waited out like a page; the first other error stops the requests (the rest wait for the
+    next run)."""
+    from webhooks.reconcile.github_api import redeliver  # noqa: PLC0415
+
+    assert target.api_key is not None
+    hook = _hook(target)
+    for event in report.missing:
+        assert event.ref is not None
+        while True:
+            try:
+                redeliver(target.api_key, base, hook, event.ref)
+            except RateLimited as exc:
+                if len(report.listing.waits) >= MAX_WAITS:
+                    _stopped(report, target, ApiError(429, "rate limited: stopped"))
+                    return
+                wait = min(exc.retry_after if exc.retry_after is not None else 2.0, MAX_WAIT)
+                report.listing.waits.append(wait)
+                sleep(wait)
+                continue
+            except ApiError as exc:
+                _stopped(report, target, exc)
+                return
+            break
+        report.recovered += 1
+        metrics.RECONCILE_RECOVERED.labels(target.public_id).inc()
+        log.info("reconcile.redelivery_requested", source=target.public_id, event_id=event.event_id)
+
+
+def _stopped(report: Report, target: Target, error: ApiError) -> None:
+    report.listing.error = error
+    metrics.RECONCILE_API_ERRORS.labels(target.public_id, str(error.status or "none")).inc()
+    log.warning("reconcile.api_error", source=target.public_id, status=error.status)
 
 
 def accept_recovered(
