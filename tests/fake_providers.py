@@ -118,6 +118,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         parts = urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        raw_in = self.rfile.read(length) if length else b""
+        self.fake.last_body = json.loads(raw_in) if raw_in else {}
         status, headers, body = self.fake.answer(
             self.command, parts.path, parse_qs(parts.query), self.headers.get("Authorization")
         )
@@ -244,3 +247,112 @@ class FakeGitHub:
             return 202, {}, {}
         seen.status = 404
         return 404, {}, {"message": "Not Found"}
+
+
+class FakeSvix:
+    """One application's messages, ``GET /api/v1/app/{app}/msg`` (``after``, ``limit`` with
+    at most ``page_size`` served, ``iterator``), and ``POST
+    /api/v1/app/{app}/endpoint/{endpoint}/recover``: 202, recorded with its ``since``, and
+    ``on_recover(message)`` for each message of the window marked failed (a test sends the
+    signed webhook to the receiver there). ``fail(n, ...)`` scripts the n-th request."""
+
+    def __init__(self, token: str, app_id: str, endpoint_id: str, page_size: int = 3) -> None:
+        self.token = token
+        self.app_id = app_id
+        self.endpoint_id = endpoint_id
+        self.page_size = page_size
+        self.messages: list[dict[str, Any]] = []
+        self.failed: set[str] = set()
+        self.recovers: list[dict[str, Any]] = []
+        self.seen: list[Seen] = []
+        self.script: dict[int, Scripted] = {}
+        self.on_recover: Any = None
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def add_message(self, msg_id: str, at: datetime, *, failed: bool) -> None:
+        with self.lock:
+            self.messages.append(
+                {
+                    "id": msg_id,
+                    "eventType": "invoice.paid",
+                    "eventId": None,
+                    "payload": {},
+                    "channels": None,
+                    "timestamp": at.isoformat().replace("+00:00", "Z"),
+                    "tags": None,
+                }
+            )
+            if failed:
+                self.failed.add(msg_id)
+
+    def fail(self, nth: int, status: int) -> None:
+        self.script[nth] = Scripted(status, {}, {"code": "scripted", "detail": f"{status}"})
+
+    def answer(
+        self, method: str, path: str, query: dict[str, list[str]], auth: str | None
+    ) -> tuple[int, dict[str, str], Any]:
+        seen = Seen(method, path, query, time.monotonic(), auth == f"Bearer {self.token}")
+        with self.lock:
+            self.seen.append(seen)
+            scripted = self.script.pop(len(self.seen), None)
+        if not seen.authorised:
+            seen.status = 401
+            return 401, {}, {"code": "authentication_failed", "detail": "bad token"}
+        if scripted is not None:
+            seen.status = scripted.status
+            return scripted.status, scripted.headers, scripted.body
+        app = f"/api/v1/app/{self.app_id}"
+        if method == "GET" and path.rstrip("/") == f"{app}/msg":
+            after = datetime.fromisoformat(query["after"][0].replace("Z", "+00:00"))
+            with self.lock:
+                listed = sorted(
+                    (m for m in self.messages if _when(m["timestamp"]) > after),
+                    key=lambda m: m["timestamp"],
+                    reverse=True,
+                )
+            start = int(query.get("iterator", ["0"])[0])
+            size = min(int(query.get("limit", ["50"])[0]), self.page_size)
+            done = start + size >= len(listed)
+            return (
+                200,
+                {},
+                {
+                    "data": listed[start : start + size],
+                    "iterator": None if done else str(start + size),
+                    "prevIterator": None,
+                    "done": done,
+                },
+            )
+        if method == "POST" and path == f"{app}/endpoint/{self.endpoint_id}/recover":
+            seen.status = 202
+            since = self.last_body["since"]
+            self.recovers.append(self.last_body)
+            with self.lock:
+                resend = [
+                    m
+                    for m in self.messages
+                    if m["id"] in self.failed and _when(m["timestamp"]) >= _when(since)
+                ]
+                self.failed -= {m["id"] for m in resend}
+            for message in resend:
+                if self.on_recover is not None:
+                    self.on_recover(message)
+            return (
+                202,
+                {},
+                {
+                    "id": "qtask_1",
+                    "status": "running",
+                    "task": "endpoint.recover",
+                    "updatedAt": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+                },
+            )
+        seen.status = 404
+        return 404, {}, {"code": "not_found", "detail": "Not Found"}
+
+    last_body: dict[str, Any] = {}  # noqa: RUF012  (set by the handler before answer)
+
+
+def _when(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))

@@ -18,11 +18,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tests.conftest import test_env
 from tests.factories import MadeSource, accept_event, make_source
-from tests.fake_providers import FakeGitHub, FakeStripe, serving
+from tests.fake_providers import FakeGitHub, FakeStripe, FakeSvix, serving
 from tests.leakcheck import remember
 from tests.operators_support import cli
 from tests.processes import receiver
-from tests.signing import sign_github, sign_stripe
+from tests.signing import sign_github, sign_stripe, sign_svix
 from webhooks.crypto import SecretBox
 from webhooks.reconcile.paging import (
     MAX_WAIT,
@@ -407,3 +407,68 @@ def test_github_redelivers_exactly_the_failed_deliveries_without_a_receipt(
     assert sorted(rows) == sorted(guid[:6])
     assert {rows[g].arrived_via for g in guid[3:6]} == {"webhook"}  # the real signed webhook
     assert all(rows[g].deliveries == 1 for g in guid[:6])
+
+
+# Svix: recover for the window -------------------------------------------------------------
+
+
+def test_svix_recovers_the_window_once_and_the_resent_messages_arrive(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    fake = FakeSvix(f"sk_{uuid.uuid4().hex}", "app_2Q", "ep_7X", page_size=2)
+    remember(fake.token)
+    source = make_source(sessions, settings, provider="svix", routes=[{"handler": "log"}])
+    remember(source.secret)
+    now = datetime.now(UTC)
+    ids = [f"msg_{uuid.uuid4().hex[:24]}" for _ in range(5)]
+    with serving(fake), receiver() as running:
+        answers: list[int] = []
+
+        def resend(message: dict[str, Any]) -> None:
+            headers, body = sign_svix(source.secret, event_id=message["id"])
+            answer = httpx.post(
+                f"{running.url}/webhooks/{source.public_id}", headers=headers, content=body
+            )
+            answers.append(answer.status_code)
+
+        fake.on_recover = resend
+        for n, msg_id in enumerate(ids):
+            fake.add_message(msg_id, now - timedelta(minutes=10 * (n + 1)), failed=n in (1, 2, 4))
+        for msg_id in (ids[0], ids[3], ids[4]):  # ids[4] failed at Svix, but reached us
+            accept_event(settings, source, event_id=msg_id, event_type="invoice.paid")
+        done = cli(
+            "sources", "update", source.name, "--api-key", fake.token,
+            "--config", f"api_base={fake.url}", "--config", "app_id=app_2Q",
+            "--config", "endpoint_id=ep_7X", env=test_env(),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+        code, view, err = _reconcile(source.name, "--dry-run")
+        assert code == 0, err
+        assert sorted(m["event_id"] for m in view["missing"]) == sorted(ids[1:3])
+        assert view["pages"] == 3
+        assert fake.recovers == []
+
+        code, view, err = _reconcile(source.name)
+        assert code == 0, err
+        assert view["recovered"] == 2
+        assert len(fake.recovers) == 1
+        assert _when_z(fake.recovers[0]["since"]) == _when_z(view["since"])
+        assert sorted(answers) == [200, 202, 202]  # ids[4] resent: a duplicate
+
+        code, view, err = _reconcile(source.name)
+        assert code == 0, err
+        assert view["missing"] == []
+        assert len(fake.recovers) == 1
+
+        fake.fail(len(fake.seen) + 1, 500)
+        code, view, _ = _reconcile(source.name)
+        assert code == 1
+        assert view["error"] == "Svix API error 500"
+    rows = _receipts(engine, source.id)
+    assert sorted(rows) == sorted(ids)
+    assert all(r.deliveries == 1 for r in rows.values())
+
+
+def _when_z(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).replace(microsecond=0)

@@ -21,8 +21,14 @@ from webhooks.reconcile.run import ReconcileError, Report, reconcile
 def reconcile_command(
     source: Annotated[str, typer.Argument(metavar="SOURCE", help="Source id or name.")],
     since: Annotated[
-        str, typer.Option("--since", help="The window: events created this long ago or later.")
-    ] = "3d",
+        str | None,
+        typer.Option(
+            "--since",
+            help="The window: events created this long ago or later (default 3d, or the "
+            "source's dedup TTL when shorter).",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print what is missing; recover nothing.")
     ] = False,
@@ -36,7 +42,7 @@ def reconcile_command(
     API's event object, with its deliveries; GitHub: a redelivery request, the signed webhook
     then arrives). Exit code 1 when the provider's API failed (what was found before the
     failure is still recovered)."""
-    window = parse_duration(since)
+    window = None if since is None else parse_duration(since)
     e = env()
     if not e.keys_checked:
         e.check_keys()
@@ -101,7 +107,12 @@ def _show(report: Report) -> None:
             if report.arrived_meanwhile
             else ""
         )
-        if report.provider == "github":
+        if report.provider == "svix":
+            say(
+                f"asked Svix to recover the window: it resends the failed messages "
+                f"({report.recovered} missing here){meanwhile}"
+            )
+        elif report.provider == "github":
             say(
                 f"asked GitHub to redeliver {report.recovered}: they arrive as signed webhooks"
                 f"{meanwhile}"

@@ -10,6 +10,7 @@ in clear.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +41,20 @@ SPECS: dict[str, ApiSpec] = {
         3,
         "GET /{hook}/deliveries (3 days); missing deliveries are redelivered by GitHub",
     ),
+    "svix": ApiSpec(
+        "svix",
+        "https://api.svix.com",
+        90,
+        "GET /api/v1/app/{app_id}/msg; Svix resends the window's failed messages (recover)",
+    ),
 }
 
 # Options reconciliation reads from a source's config, per provider.
-OPTIONS: dict[str, tuple[str, ...]] = {"stripe": ("api_base",), "github": ("api_base", "hook")}
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "stripe": ("api_base",),
+    "github": ("api_base", "hook"),
+    "svix": ("api_base", "app_id", "endpoint_id"),
+}
 ALL_OPTIONS = frozenset(o for names in OPTIONS.values() for o in names)
 
 
@@ -102,7 +113,14 @@ def _hook(value: str) -> str:
     return check_hook(value)
 
 
-CHECKS = {"api_base": api_base, "hook": _hook}
+def _svix_id(value: str) -> str:
+    text = value.strip()
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,256}", text):
+        raise ValueError(f"Svix ids are letters, digits, '_', '.' and '-', got {value!r}")
+    return text
+
+
+CHECKS = {"api_base": api_base, "hook": _hook, "app_id": _svix_id, "endpoint_id": _svix_id}
 
 
 def is_loopback(host: str) -> bool:

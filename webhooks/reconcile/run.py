@@ -117,7 +117,22 @@ def fetcher(target: Target, base: str, since: datetime) -> Callable[[str | None]
         from webhooks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415
 
         return deliveries_fetcher(target.api_key, base, _hook(target), since)
+    if target.provider == "svix":
+        from webhooks.reconcile.svix_api import messages_fetcher  # noqa: PLC0415
+
+        return messages_fetcher(target.api_key, base, _svix(target)[0], since)
     raise ReconcileError(f"reconciliation does not support provider {target.provider!r}")
+
+
+def _svix(target: Target) -> tuple[str, str]:
+    app, endpoint = target.config.get("app_id"), target.config.get("endpoint_id")
+    if not isinstance(app, str) or not isinstance(endpoint, str):
+        raise ReconcileError(
+            f"source {target.public_id} ({target.name}) names no Svix application and endpoint:"
+            f" webhooks sources update {target.name} --config app_id=APP --config "
+            "endpoint_id=ENDPOINT"
+        )
+    return app, endpoint
 
 
 def _hook(target: Target) -> str:
@@ -155,6 +170,15 @@ def load_target(session: Session, box: SecretBox, settings: Settings, ref: str) 
         secret_id=secret_id,
         ttl=catalog.source_effective_ttl(source, settings).total,
     )
+
+
+DEFAULT_WINDOW = timedelta(days=3)
+
+
+def default_window(target: Target) -> timedelta:
+    """3 days, or less where the source's dedup TTL or the provider's horizon is shorter."""
+    horizon = timedelta(days=options.SPECS[target.provider].horizon_days)
+    return min(DEFAULT_WINDOW, target.ttl, horizon)
 
 
 def check_window(target: Target, since: timedelta) -> None:
@@ -196,13 +220,14 @@ def reconcile(
     box: SecretBox,
     ref: str,
     *,
-    since: timedelta,
+    since: timedelta | None,
     dry_run: bool,
     max_pages: int = DEFAULT_MAX_PAGES,
     sleep: Callable[[float], None],
     publish: Publish | None = None,
 ) -> Report:
-    """One run; ReconcileError before anything is asked of the provider or written."""
+    """One run; ReconcileError before anything is asked of the provider or written.
+    ``since`` None: :func:`default_window`."""
     if max_pages < 1:
         raise ReconcileError("--max-pages must be at least 1")
     with sessions() as session:
@@ -214,6 +239,7 @@ def reconcile(
             f"source {target.public_id} ({target.name}) has no reconciliation credential: "
             f"webhooks sources update {target.name} --api-key KEY"
         )
+    since = default_window(target) if since is None else since
     check_window(target, since)
     base = options.base_of(target.provider, target.config)
     start = until - since
@@ -252,6 +278,8 @@ def reconcile(
     if missing and not dry_run:
         if target.provider == "github":
             _redeliver(target, base, report, sleep)
+        elif target.provider == "svix":
+            _svix_recover(target, base, report)
         else:
             _recover(settings, target, report, publish)
     log.info(
@@ -326,6 +354,22 @@ def _redeliver(target: Target, base: str, report: Report, sleep: Callable[[float
         report.recovered += 1
         metrics.RECONCILE_RECOVERED.labels(target.public_id).inc()
         log.info("reconcile.redelivery_requested", source=target.public_id, event_id=event.event_id)
+
+
+def _svix_recover(target: Target, base: str, report: Report) -> None:
+    """Svix: one ``recover`` for the window; Svix resends each failed message of it."""
+    from webhooks.reconcile.svix_api import recover  # noqa: PLC0415
+
+    assert target.api_key is not None
+    app, endpoint = _svix(target)
+    try:
+        recover(target.api_key, base, app, endpoint, report.since)
+    except ApiError as exc:
+        _stopped(report, target, exc)
+        return
+    report.recovered = len(report.missing)
+    metrics.RECONCILE_RECOVERED.labels(target.public_id).inc(len(report.missing))
+    log.info("reconcile.recover_requested", source=target.public_id, missing=len(report.missing))
 
 
 def _stopped(report: Report, target: Target, error: ApiError) -> None:
