@@ -264,7 +264,7 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
     remember(shopify.secret)
     other = cli("reconcile", shopify.name, env=env)
     assert other.returncode == 1
-    assert "reconciliation supports github, stripe, not 'shopify'" in other.stderr
+    assert "reconciliation supports github, stripe, svix, not 'shopify'" in other.stderr
     option = cli("sources", "update", shopify.name, "--config", "api_base=https://x.io", env=env)
     assert option.returncode == 1
     assert "option 'api_base' is for reconciliation" in option.stderr
