@@ -472,3 +472,63 @@ def test_svix_recovers_the_window_once_and_the_resent_messages_arrive(
 
 def _when_z(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).replace(microsecond=0)
+
+
+# Beat's schedule ---------------------------------------------------------------------------
+
+
+def test_beat_reconciles_each_due_source_once_a_period_and_leaves_fresh_events_to_webhooks(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """The task's body on a worker's runtime (real Postgres, the fake API): only a source with
+    --reconcile-every and a credential is claimed, once per period on the database's clock;
+    an event created within the settle time is not recovered (its webhook is in flight)."""
+    from tasks.config import MAINTENANCE_QUEUE, RECONCILE_TASK, celery_config  # noqa: PLC0415
+    from tasks.reconcile import SETTLE, run_due  # noqa: PLC0415
+    from tasks.runtime import build_runtime  # noqa: PLC0415
+
+    conf = celery_config(settings)
+    assert conf["beat_schedule"]["reconcile"]["task"] == RECONCILE_TASK
+    assert conf["task_routes"][RECONCILE_TASK]["queue"] == MAINTENANCE_QUEUE
+
+    fake = FakeStripe(_key())
+    with serving(fake):
+        scheduled = _stripe_source(sessions, settings, fake)
+        unscheduled = _stripe_source(sessions, settings, fake)
+        keyless = _stripe_source(sessions, settings, None)
+        for made in (scheduled, keyless):
+            done = cli("sources", "update", made.name, "--reconcile-every", "1h", env=test_env())
+            assert done.returncode == 0, done.stderr
+        too_often = cli(
+            "sources", "update", scheduled.name, "--reconcile-every", "10s", env=test_env()
+        )
+        assert too_often.returncode == 1
+        assert "at least 1m" in too_often.stderr
+        now = int(time.time())
+        old, fresh = f"evt_{uuid.uuid4().hex[:20]}", f"evt_{uuid.uuid4().hex[:20]}"
+        fake.add_event(old, now - 3600)
+        fake.add_event(fresh, now - int(SETTLE.total_seconds()) // 2)
+
+        rt = build_runtime(settings, worker="reconcile-test")
+        try:
+            assert run_due(rt) == [scheduled.public_id]
+            assert run_due(rt) == []  # the period has not passed
+            with engine.begin() as conn:  # the last run two hours ago
+                conn.execute(
+                    text(
+                        "UPDATE sources SET reconciled_at = now() - interval '2 hours'"
+                        " WHERE id = :s"
+                    ),
+                    {"s": scheduled.id},
+                )
+            assert run_due(rt) == [scheduled.public_id]
+        finally:
+            rt.close()
+        assert {s.path for s in fake.seen} == {"/v1/events"}
+        assert len(fake.events_requests()) == 2
+    rows = _receipts(engine, scheduled.id)
+    assert {k: v.arrived_via for k, v in rows.items()} == {old: "reconcile"}
+    assert _receipts(engine, unscheduled.id) == {}
+    shown = json.loads(cli("sources", "show", scheduled.name, "--json", env=test_env()).stdout)
+    assert shown["reconcile"]["every"] == "1h"
+    assert shown["reconcile"]["last_run"] is not None

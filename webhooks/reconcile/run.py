@@ -225,9 +225,11 @@ def reconcile(
     max_pages: int = DEFAULT_MAX_PAGES,
     sleep: Callable[[float], None],
     publish: Publish | None = None,
+    settle: timedelta = timedelta(0),
 ) -> Report:
     """One run; ReconcileError before anything is asked of the provider or written.
-    ``since`` None: :func:`default_window`."""
+    ``since`` None: :func:`default_window`. Events created within ``settle`` of now are
+    left out of the comparison (beat's runs: their webhooks are usually in flight)."""
     if max_pages < 1:
         raise ReconcileError("--max-pages must be at least 1")
     with sessions() as session:
@@ -259,8 +261,11 @@ def reconcile(
         have = received(session, target.id, [e.event_id for e in listing.events])
     # Newest first: the first of an event id is its latest delivery (GitHub redelivers that).
     delivered = {e.event_id for e in listing.events if e.delivered}
+    settled = until - settle
     unique: dict[str, ProviderEvent] = {}
     for event in listing.events:
+        if event.created > settled and settle > timedelta(0):
+            continue
         if event.event_id not in have and event.event_id not in delivered:
             unique.setdefault(event.event_id, event)
     missing = sorted(unique.values(), key=lambda e: (e.created, e.event_id))
