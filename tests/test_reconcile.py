@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,10 +21,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from tests.conftest import test_env
 from tests.factories import MadeSource, accept_event, make_source
 from tests.fake_providers import FakeGitHub, FakeStripe, FakeSvix, serving
+from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
 from tests.operators_support import cli
 from tests.processes import receiver
 from tests.signing import sign_github, sign_stripe, sign_svix
+from tests.workers import BROKER_URL, CLAIMS_URL, flush_redis, running_worker, wait_for
 from webhooks.crypto import SecretBox
 from webhooks.reconcile.paging import (
     MAX_WAIT,
@@ -532,3 +536,117 @@ def test_beat_reconciles_each_due_source_once_a_period_and_leaves_fresh_events_t
     shown = json.loads(cli("sources", "show", scheduled.name, "--json", env=test_env()).stdout)
     assert shown["reconcile"]["every"] == "1h"
     assert shown["reconcile"]["last_run"] is not None
+
+
+# The drill ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_drill_receiver_down_during_a_load_reconcile_recovers_each_missed_event_once(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings, tmp_path: Path
+) -> None:
+    """60 Stripe events sent one after another to the real receiver; it is stopped after the
+    20th and a new one started at the 40th, so the 20 sent in between are refused at the
+    connection (the outage is counted in events, not waited out in seconds). One reconcile
+    finds exactly those 20 and recovers them; a real worker runs every event's effect once;
+    Stripe's late retries of the 20 are duplicates; replaying the whole window adds nothing."""
+    with engine.begin() as conn:
+        conn.execute(text(EFFECTS_DDL))
+    flush_redis()
+    env = test_env(WEBHOOKS_BROKER_URL=BROKER_URL, WEBHOOKS_REDIS_URL=CLAIMS_URL)
+    fake = FakeStripe(_key(), page_size=25)
+    source = make_source(sessions, settings, provider="stripe", routes=[{"handler": "effect"}])
+    remember(source.secret)
+    now = int(time.time())
+    events = [(f"evt_{uuid.uuid4().hex[:20]}", now - 120 + n) for n in range(60)]
+    missed: list[str] = []
+    with (
+        serving(fake),
+        running_worker("drill", tmp_path, concurrency=4),
+        httpx.Client(timeout=10) as client,
+        ExitStack() as stack,
+    ):
+        done = cli(
+            "sources", "update", source.name, "--api-key", fake.api_key,
+            "--config", f"api_base={fake.url}", env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+        def post(url: str, event_id: str, created: int) -> httpx.Response:
+            headers, body = sign_stripe(
+                source.secret, event_id=event_id, event_type="invoice.paid", timestamp=created
+            )
+            return client.post(f"{url}/webhooks/{source.public_id}", headers=headers, content=body)
+
+        first = stack.enter_context(
+            receiver(WEBHOOKS_BROKER_URL=BROKER_URL, WEBHOOKS_REDIS_URL=CLAIMS_URL)
+        )
+        url = first.url
+        for n, (event_id, created) in enumerate(events):
+            fake.add_event(event_id, created)  # Stripe has the event whatever happens next
+            if n == 20:
+                stack.close()  # the receiver goes down mid-load
+            if n == 40:
+                url = stack.enter_context(
+                    receiver(WEBHOOKS_BROKER_URL=BROKER_URL, WEBHOOKS_REDIS_URL=CLAIMS_URL)
+                ).url
+            try:
+                answer = post(url, event_id, created)
+            except httpx.TransportError:
+                missed.append(event_id)
+                continue
+            assert answer.status_code == 202, answer.text
+        assert missed == [e for e, _ in events[20:40]]
+
+        dry = cli("reconcile", source.name, "--dry-run", "--json", env=env)
+        assert dry.returncode == 0, dry.stderr
+        assert [m["event_id"] for m in json.loads(dry.stdout)["missing"]] == missed
+
+        run = cli("reconcile", source.name, "--json", env=env)
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["recovered"] == 20
+
+        def all_succeeded() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.execute(
+                        text(
+                            "SELECT count(*) = 60 AND bool_and(status = 'succeeded')"
+                            " FROM deliveries WHERE source_id = :s"
+                        ),
+                        {"s": source.id},
+                    ).scalar()
+                )
+
+        wait_for(all_succeeded, timeout=120, what="the 60 deliveries to succeed")
+
+        for event_id in missed:  # Stripe's own retries, once the receiver is back
+            answer = post(url, event_id, dict(events)[event_id])
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["status"] == "duplicate"
+
+        again = cli("reconcile", source.name, "--json", env=env)
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["missing"] == []
+
+    with engine.connect() as conn:
+        effects = conn.execute(
+            text(
+                "SELECT e.event_id, count(*) AS n FROM test_effects e"
+                " JOIN deliveries d ON d.id = e.delivery_id WHERE d.source_id = :s"
+                " GROUP BY e.event_id"
+            ),
+            {"s": source.id},
+        ).all()
+        via = dict(
+            conn.execute(
+                text(
+                    "SELECT arrived_via, count(*) FROM receipts WHERE source_id = :s"
+                    " GROUP BY arrived_via"
+                ),
+                {"s": source.id},
+            ).all()
+        )
+    assert {e.event_id: e.n for e in effects} == dict.fromkeys((e for e, _ in events), 1)
+    assert via == {"webhook": 40, "reconcile": 20}
+    assert _conflicts(engine, source.id) == 0
