@@ -35,13 +35,18 @@ class Scripted:
 
 
 class FakeStripe:
-    """``GET /v1/events``: newest first, ``created[gte]``, ``limit`` (the fake serves at most
+    """``GET /v1/webhook_endpoints/{endpoint_id}`` (its ``enabled_events``) and
+    ``GET /v1/events``: newest first, ``created[gte]``, ``limit`` (the fake serves at most
     ``page_size`` a page, as Stripe may serve fewer than asked), ``starting_after``; every other
     path 404. ``fail(n, ...)`` scripts the answer of the n-th events request (1-based)."""
 
-    def __init__(self, api_key: str, page_size: int = 5) -> None:
+    def __init__(
+        self, api_key: str, page_size: int = 5, enabled_events: tuple[str, ...] = ("*",)
+    ) -> None:
         self.api_key = api_key
         self.page_size = page_size
+        self.endpoint_id = "we_1Recon"
+        self.enabled_events = list(enabled_events)
         self.events: list[dict[str, Any]] = []
         self.seen: list[Seen] = []
         self.script: dict[int, Scripted] = {}
@@ -82,6 +87,20 @@ class FakeStripe:
             if not authorised:
                 seen.status = 401
                 return 401, {}, {"error": {"type": "invalid_request_error", "message": "bad key"}}
+            if method == "GET" and path == f"/v1/webhook_endpoints/{self.endpoint_id}":
+                return (
+                    200,
+                    {},
+                    {
+                        "id": self.endpoint_id,
+                        "object": "webhook_endpoint",
+                        "api_version": None,
+                        "enabled_events": self.enabled_events,
+                        "status": "enabled",
+                        "url": "https://example.invalid/webhooks/src",
+                        "livemode": False,
+                    },
+                )
             if method != "GET" or path != "/v1/events":
                 seen.status = 404
                 return 404, {}, {"error": {"type": "invalid_request_error", "message": "no"}}

@@ -55,7 +55,8 @@ def _stripe_source(
     if fake is not None:
         done = cli(
             "sources", "update", made.name, "--api-key", fake.api_key,
-            "--config", f"api_base={fake.url}", env=test_env(),
+            "--config", f"api_base={fake.url}", "--config", f"endpoint_id={fake.endpoint_id}",
+            env=test_env(),
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert fake.api_key not in done.stdout + done.stderr
@@ -98,13 +99,15 @@ def test_reconcile_finds_exactly_the_missing_stripe_events_and_recovers_each_onc
     """12 events over 3 pages, 5 of them received as webhooks: a dry run lists the other 7
     and writes nothing; a run accepts each of the 7 once (deliveries, arrived_via reconcile,
     no digest) while waiting out a 429 as its Retry-After says; a second run finds nothing."""
-    fake = FakeStripe(_key(), page_size=5)
+    fake = FakeStripe(_key(), page_size=5, enabled_events=("invoice.paid", "customer.*"))
     with serving(fake):
         source = _stripe_source(sessions, settings, fake)
         now = int(time.time())
         ids = [f"evt_{uuid.uuid4().hex[:20]}" for _ in range(12)]
         for n, event_id in enumerate(ids):
             fake.add_event(event_id, now - 60 * (n + 1))
+        # A type the endpoint does not subscribe to was never sent: never missing.
+        fake.add_event(f"evt_{uuid.uuid4().hex[:20]}", now - 90, "charge.refunded")
         received = [*ids[::3][:4], ids[-1]]
         for event_id in received:
             accept_event(settings, source, event_id=event_id, event_type="invoice.paid")
@@ -115,7 +118,7 @@ def test_reconcile_finds_exactly_the_missing_stripe_events_and_recovers_each_onc
         assert code == 0, err
         assert sorted(m["event_id"] for m in view["missing"]) == missing
         assert view["listed"] == 12
-        assert view["pages"] == 3
+        assert view["pages"] == 3  # 13 events, 5 a page
         assert view["recovered"] == 0
         assert _receipts(engine, source.id).keys() == before.keys()
 
@@ -255,6 +258,10 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
 
     ok = cli("sources", "update", source.name, "--api-key", "-", env=env, input_text=key + "\n")
     assert ok.returncode == 0, ok.stderr
+    no_endpoint = cli("reconcile", source.name, env=env)
+    assert no_endpoint.returncode == 1
+    assert "names no Stripe webhook endpoint" in no_endpoint.stderr
+    assert "--config endpoint_id=we_..." in no_endpoint.stderr
     long = cli("reconcile", source.name, "--since", "30d", env=env)
     assert long.returncode == 1
     assert "reaches past source" in long.stderr
@@ -277,6 +284,31 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
             text("SELECT reconcile_ciphertext FROM sources WHERE id = :s"), {"s": source.id}
         ).scalar_one()
     assert key.encode() not in bytes(stored)  # encrypted at rest
+
+    other_key = _key()
+    added = cli(
+        "sources", "add", f"rec-{uuid.uuid4().hex[:8]}", "--provider", "stripe",
+        "--api-key", other_key, "--config", "endpoint_id=we_1Added",
+        "--config", "api_base=http://127.0.0.1:9", "--reconcile-every", "off", "--json", env=env,
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    remember(json.loads(added.stdout)["secret"])
+    assert other_key not in added.stdout + added.stderr
+    assert json.loads(added.stdout)["reconcile"] == {
+        "supported": True,
+        "api_base": "http://127.0.0.1:9",
+        "api_key": "set",
+        "every": "off",
+        "last_run": None,
+    }
+    refused = cli(
+        "sources", "add", f"rec-{uuid.uuid4().hex[:8]}", "--provider", "shopify",
+        "--api-key", other_key, env=env,
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert "--api-key: reconciliation supports github, stripe, svix, not 'shopify'" in (
+        refused.stderr
+    )
 
 
 # The page walk's bounds (pure, with an injected sleep) ----------------------------------------
@@ -503,6 +535,8 @@ def test_beat_reconciles_each_due_source_once_a_period_and_leaves_fresh_events_t
         for made in (scheduled, keyless):
             done = cli("sources", "update", made.name, "--reconcile-every", "1h", env=test_env())
             assert done.returncode == 0, done.stderr
+            warned = "warning: no reconciliation credential: beat skips" in done.stdout
+            assert warned == (made is keyless)
         too_often = cli(
             "sources", "update", scheduled.name, "--reconcile-every", "10s", env=test_env()
         )
@@ -528,7 +562,10 @@ def test_beat_reconciles_each_due_source_once_a_period_and_leaves_fresh_events_t
             assert run_due(rt) == [scheduled.public_id]
         finally:
             rt.close()
-        assert {s.path for s in fake.seen} == {"/v1/events"}
+        assert {s.path for s in fake.seen} == {
+            "/v1/events",
+            f"/v1/webhook_endpoints/{fake.endpoint_id}",
+        }
         assert len(fake.events_requests()) == 2
     rows = _receipts(engine, scheduled.id)
     assert {k: v.arrived_via for k, v in rows.items()} == {old: "reconcile"}
@@ -568,7 +605,8 @@ def test_drill_receiver_down_during_a_load_reconcile_recovers_each_missed_event_
     ):
         done = cli(
             "sources", "update", source.name, "--api-key", fake.api_key,
-            "--config", f"api_base={fake.url}", env=env,
+            "--config", f"api_base={fake.url}", "--config", f"endpoint_id={fake.endpoint_id}",
+            env=env,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
 

@@ -94,19 +94,23 @@ def _api_key(value: str | None) -> str | None:
     return key
 
 
-def _reconcile_every(provider: str, value: str | None) -> int | None:
-    """Seconds, or 0 for 'off'; None when not given."""
+def _require_reconcilable(provider: str, option: str) -> None:
     from webhooks.reconcile import options  # noqa: PLC0415
 
+    if not options.supported(provider):
+        raise CliError(
+            f"{option}: reconciliation supports {', '.join(sorted(options.SPECS))}, "
+            f"not {provider!r}"
+        )
+
+
+def _reconcile_every(provider: str, value: str | None) -> int | None:
+    """Seconds, or 0 for 'off'; None when not given."""
     if value is None:
         return None
     if value.strip().lower() in ("off", "none", "0"):
         return 0
-    if not options.supported(provider):
-        raise CliError(
-            f"--reconcile-every: reconciliation supports {', '.join(sorted(options.SPECS))}, "
-            f"not {provider!r}"
-        )
+    _require_reconcilable(provider, "--reconcile-every")
     seconds = int(parse_duration(value).total_seconds())
     if seconds < 60:
         raise CliError("--reconcile-every must be at least 1m (or off)")
@@ -224,7 +228,7 @@ def sources_add(
     every = _reconcile_every(provider, reconcile_every)
     credential = _api_key(api_key)
     if credential is not None:
-        _reconcile_every(provider, "1h")  # the provider must be one reconciliation supports
+        _require_reconcilable(provider, "--api-key")
     e = env()
     with e.session() as session:
         source, created = catalog.create_source(
@@ -318,7 +322,7 @@ def sources_update(
         # Everything is checked before anything changes: bad input changes nothing.
         every = _reconcile_every(row.provider, reconcile_every)
         if credential is not None:
-            _reconcile_every(row.provider, "1h")  # a provider reconciliation supports
+            _require_reconcilable(row.provider, "--api-key")
         if pairs:
             merged = {**(row.config or {}), **pairs}
             merged = {k: v for k, v in merged.items() if v != ""}
@@ -363,6 +367,13 @@ def sources_update(
                 f"every {reconcile['every']}"
             )
         )
+        if reconcile["every"] != "off" and reconcile["api_key"] != "set":
+            say(
+                escape(
+                    f"warning: no reconciliation credential: beat skips {view['id']} until "
+                    f"webhooks sources update {view['name']} --api-key -"
+                )
+            )
 
 
 @sources_app.command("list")

@@ -51,7 +51,7 @@ SPECS: dict[str, ApiSpec] = {
 
 # Options reconciliation reads from a source's config, per provider.
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "stripe": ("api_base",),
+    "stripe": ("api_base", "endpoint_id"),
     "github": ("api_base", "hook"),
     "svix": ("api_base", "app_id", "endpoint_id"),
 }
@@ -116,11 +116,17 @@ def _hook(value: str) -> str:
 def _svix_id(value: str) -> str:
     text = value.strip()
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,256}", text):
-        raise ValueError(f"Svix ids are letters, digits, '_', '.' and '-', got {value!r}")
+        raise ValueError(f"ids are letters, digits, '_', '.' and '-', got {value!r}")
     return text
 
 
-CHECKS = {"api_base": api_base, "hook": _hook, "app_id": _svix_id, "endpoint_id": _svix_id}
+def _endpoint_id(value: str) -> str:
+    """Svix's endpoint id (``ep_...``), or Stripe's (``we_...``): ids of letters, digits and
+    ``_.-``."""
+    return _svix_id(value)
+
+
+CHECKS = {"api_base": api_base, "hook": _hook, "app_id": _svix_id, "endpoint_id": _endpoint_id}
 
 
 def is_loopback(host: str) -> bool:

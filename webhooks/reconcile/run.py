@@ -112,7 +112,7 @@ def fetcher(target: Target, base: str, since: datetime) -> Callable[[str | None]
     if target.provider == "stripe":
         from webhooks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415
 
-        return events_fetcher(target.api_key, base, since)
+        return events_fetcher(target.api_key, base, since, _stripe_endpoint(target))
     if target.provider == "github":
         from webhooks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415
 
@@ -122,6 +122,17 @@ def fetcher(target: Target, base: str, since: datetime) -> Callable[[str | None]
 
         return messages_fetcher(target.api_key, base, _svix(target)[0], since)
     raise ReconcileError(f"reconciliation does not support provider {target.provider!r}")
+
+
+def _stripe_endpoint(target: Target) -> str:
+    endpoint = target.config.get("endpoint_id")
+    if not isinstance(endpoint, str) or not endpoint:
+        raise ReconcileError(
+            f"source {target.public_id} ({target.name}) names no Stripe webhook endpoint (only "
+            "the event types it subscribes to can be missing): webhooks sources update "
+            f"{target.name} --config endpoint_id=we_..."
+        )
+    return endpoint
 
 
 def _svix(target: Target) -> tuple[str, str]:
