@@ -143,6 +143,11 @@ def test_reconcile_finds_exactly_the_missing_stripe_events_and_recovers_each_onc
         for event_id in received:
             assert rows[event_id].arrived_via == "webhook"
             assert not rows[event_id].no_digest
+        shown = cli("events", "show", missing[0], "--source", source.public_id, env=test_env())
+        assert shown.returncode == 0, shown.stderr
+        assert [ln.split() for ln in shown.stdout.splitlines() if ln.startswith("via:")] == [
+            ["via:", "reconcile"]
+        ]
 
         code, view, err = _reconcile(source.name)
         assert code == 0, err
