@@ -25,7 +25,7 @@ from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
 from tests.operators_support import cli
 from tests.processes import receiver
-from tests.signing import sign_github, sign_stripe, sign_svix
+from tests.signing import new_secret, sign_github, sign_stripe, sign_svix
 from tests.workers import BROKER_URL, CLAIMS_URL, flush_redis, running_worker, wait_for
 from webhooks.crypto import SecretBox
 from webhooks.reconcile.paging import (
@@ -291,14 +291,17 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
     assert key.encode() not in bytes(stored)  # encrypted at rest
 
     other_key = _key()
+    signing_secret = new_secret("stripe")  # given, so never printed (a generated one is)
+    remember(signing_secret)
     added = cli(
         "sources", "add", f"rec-{uuid.uuid4().hex[:8]}", "--provider", "stripe",
+        "--secret", signing_secret,
         "--api-key", other_key, "--config", "endpoint_id=we_1Added",
         "--config", "api_base=http://127.0.0.1:9", "--reconcile-every", "off", "--json", env=env,
     )  # fmt: skip
     assert added.returncode == 0, added.stderr
-    remember(json.loads(added.stdout)["secret"])
     assert other_key not in added.stdout + added.stderr
+    assert signing_secret not in added.stdout + added.stderr
     assert json.loads(added.stdout)["reconcile"] == {
         "supported": True,
         "api_base": "http://127.0.0.1:9",
