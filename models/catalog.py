@@ -205,7 +205,8 @@ KEY_SAMPLE = 200
 
 def check_stored_keys(session: Session, box: SecretBox, *, sample: int = KEY_SAMPLE) -> int:
     """Check that ``box`` (``WEBHOOKS_SECRET_KEY``) decrypts the stored secrets: the newest
-    ``sample`` active source secrets and route signing secrets. Returns how many were checked;
+    ``sample`` active source secrets, route signing secrets and reconciliation credentials
+    (each kind). Returns how many were checked;
     :class:`webhooks.crypto.KeyMismatch` naming the count it cannot read otherwise. Run at
     the start of the receiver, ``webhooks run`` and the CLI."""
     sources = session.scalars(
@@ -220,7 +221,13 @@ def check_stored_keys(session: Session, box: SecretBox, *, sample: int = KEY_SAM
         .order_by(Route.id.desc())
         .limit(sample)
     ).all()
-    return check_keys(box, [bytes(c) for c in [*sources, *routes] if c is not None])
+    credentials = session.scalars(
+        select(Source.reconcile_ciphertext)
+        .where(Source.reconcile_ciphertext.is_not(None))
+        .order_by(Source.id.desc())
+        .limit(sample)
+    ).all()
+    return check_keys(box, [bytes(c) for c in [*sources, *routes, *credentials] if c is not None])
 
 
 def source_ttl_overrides(source: Source) -> TtlOverrides:

@@ -25,6 +25,7 @@ log = get_logger("keys")
 _TARGETS = (
     ("source_secrets", "id", "ciphertext"),
     ("routes", "id", "signing_ciphertext"),
+    ("sources", "id", "reconcile_ciphertext"),  # reconciliation's API credential (0016)
 )
 
 

@@ -211,6 +211,7 @@ class EventDetail:
     payload_bytes: int | None
     payload_dropped_at: datetime | None
     deliveries: list[DeliveryView]
+    arrived_via: str = "webhook"  # or reconcile (webhooks reconcile recovered it)
 
 
 @dataclass(frozen=True)
@@ -510,6 +511,7 @@ def _receipt_query() -> Any:
             func.octet_length(Receipt.payload).label("payload_bytes"),
             Receipt.payload_dropped_at,
             Receipt.source_id,
+            Receipt.arrived_via,
         )
         .join(Source, Source.id == Receipt.source_id)
         .order_by(Receipt.received_at.desc())
@@ -623,6 +625,7 @@ def get_event(session: Session, ref: str | int, *, source: str | None = None) ->
         payload_bytes=r.payload_bytes,
         payload_dropped_at=r.payload_dropped_at,
         deliveries=_delivery_views(session, r),
+        arrived_via=r.arrived_via,
     )
 
 

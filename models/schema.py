@@ -36,6 +36,10 @@ DELIVERY_STATES = ("pending", "processing", "succeeded", "retrying", "dead", "di
 # Work retention never removes: not finished yet (a dead letter is held by its own retention).
 UNFINISHED_STATES = ("pending", "retrying", "processing")
 PARTITIONED_TABLES = ("receipts", "deliveries", "attempts")
+ARRIVED_VIA = ("webhook", "reconcile")
+ARRIVED_VIA_DEFAULT = (
+    "coalesce(nullif(current_setting('webhooks.arrived_via', true), ''), 'webhook')"
+)
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -65,6 +69,9 @@ class Source(Base):
     __table_args__ = (
         UniqueConstraint("account", "name"),
         # No CHECK on provider: providers come from a registry that plug-ins extend (0008).
+        CheckConstraint(
+            "reconcile_every_s IS NULL OR reconcile_every_s >= 60", name="reconcile_every"
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
@@ -84,6 +91,11 @@ class Source(Base):
     # A disabled source answers 410 Gone and writes nothing; what it accepted still runs.
     active: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # Reconciliation (webhooks.reconcile, migration 0016): the provider API credential,
+    # encrypted like the secrets (NULL: none); beat's schedule (NULL: off) and its last run.
+    reconcile_ciphertext: Mapped[bytes | None] = mapped_column(LargeBinary)
+    reconcile_every_s: Mapped[int | None] = mapped_column(BigInteger)
+    reconciled_at: Mapped[datetime | None] = mapped_column()
 
 
 class SourceSecret(Base):
@@ -160,6 +172,7 @@ class Receipt(Base):
         PrimaryKeyConstraint("source_id", "event_id", "expires_at"),
         Index(None, "id"),
         Index(None, "received_at"),
+        CheckConstraint("arrived_via IN ('webhook', 'reconcile')", name="arrived_via"),
         # Payload retention walks only the receipts that still hold a body.
         Index(
             "ix_receipts_payload_held",
@@ -179,8 +192,13 @@ class Receipt(Base):
     event_type: Mapped[str] = mapped_column(Text)
     occurred_at: Mapped[datetime | None] = mapped_column()
     received_at: Mapped[datetime] = mapped_column()
-    body_digest: Mapped[bytes] = mapped_column(LargeBinary)
+    # NULL for an event recovered from the provider's API (arrived_via reconcile): not the
+    # body the provider signs, so it compares with nothing (a later webhook is a duplicate).
+    body_digest: Mapped[bytes | None] = mapped_column(LargeBinary)
     content_type: Mapped[str | None] = mapped_column(Text)
+    # webhook | reconcile: the column's default reads the setting webhooks.arrived_via, which
+    # only reconciliation sets (SET LOCAL in its accept transaction; migration 0016).
+    arrived_via: Mapped[str] = mapped_column(Text, server_default=text(ARRIVED_VIA_DEFAULT))
     # The raw body, dropped after its retention (NULL afterwards; payload_dropped_at says when).
     payload: Mapped[bytes | None] = mapped_column(LargeBinary)
     payload_dropped_at: Mapped[datetime | None] = mapped_column()

@@ -29,7 +29,7 @@ from webhooks.settings import Settings, load_settings
 if TYPE_CHECKING:
     from tasks.runtime import Runtime
 
-TASK_MODULES = ("tasks.deliver", "tasks.sweeper")
+TASK_MODULES = ("tasks.deliver", "tasks.sweeper", "tasks.reconcile")
 # Multi-process metrics for prefork workers.
 OBSERVABILITY_MODULE = "tasks.observability"
 

@@ -19,6 +19,9 @@ from webhooks.settings import Settings
 DELIVER_TASK = "webhooks.deliver"
 SWEEP_TASK = "webhooks.sweep"
 MAINTENANCE_TASK = "webhooks.maintenance"
+RECONCILE_TASK = "webhooks.reconcile"
+# Beat checks for sources due for reconciliation this often (tasks.reconcile).
+RECONCILE_TICK = 60.0
 DELIVERIES_QUEUE = "deliveries"
 MAINTENANCE_QUEUE = "maintenance"
 
@@ -133,6 +136,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             DELIVER_TASK: {"queue": DELIVERIES_QUEUE},
             SWEEP_TASK: {"queue": MAINTENANCE_QUEUE},
             MAINTENANCE_TASK: {"queue": MAINTENANCE_QUEUE},
+            RECONCILE_TASK: {"queue": MAINTENANCE_QUEUE},
         },
         "worker_concurrency": settings.worker_slots,
         # No worker_pool here: the pool is named with -P, which must match
@@ -144,6 +148,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 "task": MAINTENANCE_TASK,
                 "schedule": settings.maintenance_interval.total_seconds(),
             },
+            # Each source's own period is its --reconcile-every (off by default).
+            "reconcile": {"task": RECONCILE_TASK, "schedule": RECONCILE_TICK},
         },
         "timezone": "UTC",
         "enable_utc": True,

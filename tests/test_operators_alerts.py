@@ -21,6 +21,8 @@ REQUIRED = {
     "WebhookFastTierMemoryHigh": "webhooks_fast_tier_maxmemory_bytes",
     "WebhookPartitionsAheadRunningOut": 'webhooks_partition_days{state="ahead"}',
     "WebhookPartitionsNotDropped": 'webhooks_partition_days{state="past"}',
+    # Issue 22: reconciliation found events the provider sent that never arrived.
+    "WebhookReconcileMissingEvents": "webhooks_reconcile_missing_total",
 }
 SUFFIXES = {
     "counter": ("_total",),

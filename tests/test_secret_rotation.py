@@ -89,6 +89,8 @@ def _not_current(engine: Engine, box: SecretBox) -> int:
             text(
                 "SELECT ciphertext FROM source_secrets UNION ALL"
                 " SELECT signing_ciphertext FROM routes WHERE signing_ciphertext IS NOT NULL"
+                " UNION ALL SELECT reconcile_ciphertext FROM sources"
+                " WHERE reconcile_ciphertext IS NOT NULL"
             )
         ).scalars()
         return sum(not box.is_current(bytes(c)) for c in stored)
@@ -112,6 +114,13 @@ class Interrupting(SecretBox):
 def test_rekey_is_resumable_and_idempotent(sessions: sessionmaker[Session], engine: Engine) -> None:
     settings = make_settings()
     made = [make_source(sessions, settings) for _ in range(3)]
+    api_key = f"rk_test_{uuid.uuid4().hex}"  # a reconciliation credential is rekeyed too
+    remember(api_key)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE sources SET reconcile_ciphertext = :c WHERE id = :s"),
+            {"c": SecretBox(OLD).encrypt(api_key), "s": made[0].id},
+        )
     box = SecretBox(f"{NEW},{OLD}")
     todo = _not_current(engine, box)
     assert todo >= len(made)
@@ -128,6 +137,11 @@ def test_rekey_is_resumable_and_idempotent(sessions: sessionmaker[Session], engi
     for source in made:
         secret, _ = _stored_secret(engine, source.id)
         assert newest_only.decrypt(secret) == source.secret
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text("SELECT reconcile_ciphertext FROM sources WHERE id = :s"), {"s": made[0].id}
+        ).scalar_one()
+    assert newest_only.decrypt(bytes(stored)) == api_key
 
 
 def _stored_secret(engine: Engine, source_id: int) -> tuple[bytes, Any]:

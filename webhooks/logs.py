@@ -19,7 +19,8 @@ import orjson
 import structlog
 
 FORBIDDEN_KEYS = frozenset(
-    {"secret", "secrets", "payload", "body", "data", "signature", "token", "password", "headers"}
+    {"secret", "secrets", "payload", "body", "data", "signature", "token", "password"}
+    | {"headers", "api_key"}
 )
 
 

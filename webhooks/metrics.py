@@ -152,6 +152,23 @@ DEAD_LETTERS_DISCARDED = Counter(
     ["via"],
 )
 
+# Reconciliation (webhooks reconcile, and beat's schedule on the workers).
+RECONCILE_MISSING = Counter(
+    "webhooks_reconcile_missing_total",
+    "Events the provider sent that had no receipt, found by reconciliation",
+    ["source"],
+)
+RECONCILE_RECOVERED = Counter(
+    "webhooks_reconcile_recovered_total",
+    "Missing events recovered by reconciliation (accepted, or redelivery requested)",
+    ["source"],
+)
+RECONCILE_API_ERRORS = Counter(
+    "webhooks_reconcile_api_errors_total",
+    "Reconciliation runs stopped by a provider API error, by HTTP status (none: no answer)",
+    ["source", "status"],
+)
+
 # Which process exposes which families (by family name: a counter's without ``_total``).
 Process = Literal["receiver", "worker"]
 RECEIVER_ONLY: tuple[Any, ...] = (
@@ -168,6 +185,9 @@ RECEIVER_ONLY: tuple[Any, ...] = (
     CLIENT_DISCONNECTS,
 )
 WORKER_ONLY: tuple[Any, ...] = (
+    RECONCILE_MISSING,
+    RECONCILE_RECOVERED,
+    RECONCILE_API_ERRORS,
     DELIVERIES,
     RETRIES,
     DEAD_LETTERS,

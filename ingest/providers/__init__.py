@@ -83,10 +83,15 @@ def validate_config(provider: str, config: Mapping[str, Any]) -> dict[str, Any]:
 
     Raises ValueError (:class:`UnknownProvider` for a name nobody registered) naming the bad
     option; a provider with a fixed scheme refuses every option rather than ignore it.
+    Reconciliation's options (``api_base``, :mod:`webhooks.reconcile.options`) are checked
+    there and kept; the provider's validator never sees them.
     """
+    from webhooks.reconcile import options  # noqa: PLC0415  (reconciliation's own options)
+
     found = registry.get(provider)
     try:
-        return found.validate_config(config)
+        own, reconcile = options.split(provider, config)
+        return {**found.validate_config(own), **reconcile}
     except ValueError as exc:
         raise ValueError(f"provider {provider!r}: {exc}") from None
 

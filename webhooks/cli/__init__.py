@@ -9,7 +9,16 @@ import typer
 import typer.core
 import typer.rich_utils
 
-from webhooks.cli import db, operators, pipeline, providers, retention, send, sources
+from webhooks.cli import (
+    db,
+    operators,
+    pipeline,
+    providers,
+    reconcile,
+    retention,
+    send,
+    sources,
+)
 from webhooks.cli.common import OPTIONS
 
 app = typer.Typer(
@@ -40,7 +49,7 @@ def _options(
     OPTIONS.env_file = env_file
 
 
-for module in (db, sources, send, providers, pipeline, operators, retention):
+for module in (db, sources, send, providers, pipeline, operators, retention, reconcile):
     module.register(app)
 
 

@@ -134,6 +134,7 @@ def events_show(
         ("type", detail.event_type),
         ("occurred", when(detail.occurred_at) or "-"),
         ("received", when(detail.received_at)),
+        ("via", detail.arrived_via),
         ("expires", when(detail.expires_at)),
         ("payload", payload),
     ):

@@ -60,6 +60,78 @@ def _duration(value: str | None) -> timedelta | None:
     return None if value is None else parse_duration(value)
 
 
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        help="The provider API credential reconciliation lists events with (Stripe: a "
+        "restricted key that can read events); '-' reads it from stdin. Stored encrypted, "
+        "never printed.",
+        show_default=False,
+    ),
+]
+ReconcileEveryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--reconcile-every",
+        help="Beat reconciles this source this often (1h, 30m; at least 1m), or 'off'.",
+        show_default=False,
+    ),
+]
+
+
+def _api_key(value: str | None) -> str | None:
+    """The --api-key value ('-': one line from stdin), checked; never echoed."""
+    if value is None:
+        return None
+    if value == "-":
+        import sys  # noqa: PLC0415
+
+        value = sys.stdin.readline().rstrip("\r\n")
+    key = value.strip()
+    if not key or any(c.isspace() for c in key) or len(key) > 4096:
+        raise CliError("--api-key must be one token without spaces (nothing was changed)")
+    return key
+
+
+def _require_reconcilable(provider: str, option: str) -> None:
+    from webhooks.reconcile import options  # noqa: PLC0415
+
+    if not options.supported(provider):
+        raise CliError(
+            f"{option}: reconciliation supports {', '.join(sorted(options.SPECS))}, "
+            f"not {provider!r}"
+        )
+
+
+def _reconcile_every(provider: str, value: str | None) -> int | None:
+    """Seconds, or 0 for 'off'; None when not given."""
+    if value is None:
+        return None
+    if value.strip().lower() in ("off", "none", "0"):
+        return 0
+    _require_reconcilable(provider, "--reconcile-every")
+    seconds = int(parse_duration(value).total_seconds())
+    if seconds < 60:
+        raise CliError("--reconcile-every must be at least 1m (or off)")
+    return seconds
+
+
+def _reconcile_view(source: Source) -> dict[str, Any]:
+    from webhooks.reconcile import options  # noqa: PLC0415
+
+    if not options.supported(source.provider):
+        return {"supported": False}
+    every = source.reconcile_every_s
+    return {
+        "supported": True,
+        "api_base": options.base_of(source.provider, source.config or {}),
+        "api_key": "set" if source.reconcile_ciphertext is not None else "not set",
+        "every": format_duration(timedelta(seconds=every)) if every else "off",
+        "last_run": source.reconciled_at,
+    }
+
+
 def _lay_out_partitions(e: Env) -> None:
     """A longer TTL needs partitions further ahead: lay them out now rather than on the first
     event that needs them."""
@@ -95,6 +167,7 @@ def _source_view(e: Env, source: Source) -> dict[str, Any]:
         "warning": ttl.warning(),
         "active": source.active,
         "created_at": source.created_at,
+        "reconcile": _reconcile_view(source),
     }
 
 
@@ -113,6 +186,7 @@ def _unknown_provider_view(source: Source) -> dict[str, Any]:
         "warning": f"provider {source.provider!r} is not installed (webhooks providers list)",
         "active": source.active,
         "created_at": source.created_at,
+        "reconcile": _reconcile_view(source),
     }
 
 
@@ -142,6 +216,8 @@ def sources_add(
     clock_skew: DurationOpt = None,
     replay_grace: DurationOpt = None,
     allow_weak_secret: WeakSecretOpt = False,
+    api_key: ApiKeyOpt = None,
+    reconcile_every: ReconcileEveryOpt = None,
     operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -149,6 +225,10 @@ def sources_add(
     (once)."""
     # The provider and its options are checked against the registry before anything else.
     options = validate_config(provider, _pairs(config, "--config"))
+    every = _reconcile_every(provider, reconcile_every)
+    credential = _api_key(api_key)
+    if credential is not None:
+        _require_reconcilable(provider, "--api-key")
     e = env()
     with e.session() as session:
         source, created = catalog.create_source(
@@ -172,6 +252,11 @@ def sources_add(
             allow_weak_secret=allow_weak_secret,
             operator=operator or login(),
         )
+        if credential is not None:
+            source.reconcile_ciphertext = _box(e).encrypt(credential)
+        if every:
+            source.reconcile_every_s = every
+        session.flush()
         view = _source_view(e, source)
     _lay_out_partitions(e)
     view["secret_id"] = created.id
@@ -198,9 +283,23 @@ def sources_update(
     replay_grace: DurationOpt = None,
     tolerance: DurationOpt = None,
     max_body: Annotated[int | None, typer.Option(help="Body size limit in bytes.")] = None,
+    config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--config",
+            help="Provider option KEY=VALUE, merged into the source's (KEY= removes it), "
+            "e.g. api_base=URL for reconciliation.",
+        ),
+    ] = None,
+    api_key: ApiKeyOpt = None,
+    clear_api_key: Annotated[
+        bool, typer.Option("--clear-api-key", help="Remove the reconciliation credential.")
+    ] = False,
+    reconcile_every: ReconcileEveryOpt = None,
     operator: OperatorOpt = None,
 ) -> None:
-    """Change a source's TTL terms, timestamp tolerance or body limit (audited)."""
+    """Change a source's TTL terms, timestamp tolerance, body limit, provider options or
+    reconciliation settings (audited; a credential is recorded as set, never its value)."""
     given = {
         "retry_window": retry_window,
         "queue_lag": queue_lag,
@@ -209,12 +308,35 @@ def sources_update(
         "tolerance": tolerance,
         "max_body": max_body,
     }
-    changed = {k: v for k, v in given.items() if v is not None}
-    if not changed:
+    changed: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    pairs = _pairs(config, "--config")
+    credential = _api_key(api_key)
+    if credential is not None and clear_api_key:
+        raise CliError("--api-key and --clear-api-key together: choose one")
+    asked = pairs or credential is not None or clear_api_key or reconcile_every is not None
+    if not changed and not asked:
         raise CliError("nothing to change: give at least one option (see --help)")
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
+        # Everything is checked before anything changes: bad input changes nothing.
+        every = _reconcile_every(row.provider, reconcile_every)
+        if credential is not None:
+            _require_reconcilable(row.provider, "--api-key")
+        if pairs:
+            merged = {**(row.config or {}), **pairs}
+            merged = {k: v for k, v in merged.items() if v != ""}
+            row.config = validate_config(row.provider, merged)
+            changed["config"] = row.config
+        if credential is not None:
+            row.reconcile_ciphertext = _box(e).encrypt(credential)
+            changed["api_key"] = "set"
+        if clear_api_key:
+            row.reconcile_ciphertext = None
+            changed["api_key"] = "removed"
+        if every is not None:
+            row.reconcile_every_s = every or None
+            changed["reconcile_every"] = reconcile_every
         catalog.update_source_ttl(
             session,
             e.settings,
@@ -233,9 +355,25 @@ def sources_update(
                 raise CliError("--max-body must be positive")
             row.max_body_bytes = max_body
         catalog.record_source_update(session, row, changed, operator or login())
+        session.flush()
         view = _source_view(e, row)
     _lay_out_partitions(e)
     console.print(f"updated {view['id']}: dedup ttl {view['dedup_ttl']}")
+    reconcile = view["reconcile"]
+    if reconcile["supported"] and {"config", "api_key", "reconcile_every"} & set(changed):
+        say(
+            escape(
+                f"reconcile: api {reconcile['api_base']}, key {reconcile['api_key']}, "
+                f"every {reconcile['every']}"
+            )
+        )
+        if reconcile["every"] != "off" and reconcile["api_key"] != "set":
+            say(
+                escape(
+                    f"warning: no reconciliation credential: beat skips {view['id']} until "
+                    f"webhooks sources update {view['name']} --api-key -"
+                )
+            )
 
 
 @sources_app.command("list")
@@ -301,6 +439,14 @@ def sources_show(source: str, as_json: JsonOpt = False) -> None:
         "created_at",
     ):
         say(f"{key + ':':<12} {escape(str(view[key]))}")
+    reconcile = view["reconcile"]
+    if reconcile["supported"]:
+        say(
+            escape(
+                f"reconcile:   api {reconcile['api_base']}, key {reconcile['api_key']}, "
+                f"every {reconcile['every']}, last run {reconcile['last_run'] or 'never'}"
+            )
+        )
     say(f"secrets:     {len(view['secrets'])}; routes: {len(view['routes'])}")
     for r in view["routes"]:
         state = "" if r["active"] else " (disabled)"

@@ -1,0 +1,377 @@
+"""Local fakes of the provider APIs reconciliation talks to (issue 22), served by
+``http.server`` in a thread on 127.0.0.1: realistic pages, pagination, rate limiting and
+errors, scripted per test. Each request is recorded (path, query, when, whether the
+credential matched) so a test can assert what the client did."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    at: float  # time.monotonic()
+    authorised: bool
+    status: int = 200
+
+
+@dataclass
+class Scripted:
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+class FakeStripe:
+    """``GET /v1/webhook_endpoints/{endpoint_id}`` (its ``enabled_events``) and
+    ``GET /v1/events``: newest first, ``created[gte]``, ``limit`` (the fake serves at most
+    ``page_size`` a page, as Stripe may serve fewer than asked), ``starting_after``; every other
+    path 404. ``fail(n, ...)`` scripts the answer of the n-th events request (1-based)."""
+
+    def __init__(
+        self, api_key: str, page_size: int = 5, enabled_events: tuple[str, ...] = ("*",)
+    ) -> None:
+        self.api_key = api_key
+        self.page_size = page_size
+        self.endpoint_id = "we_1Recon"
+        self.enabled_events = list(enabled_events)
+        self.events: list[dict[str, Any]] = []
+        self.seen: list[Seen] = []
+        self.script: dict[int, Scripted] = {}
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def add_event(self, event_id: str, created: int, event_type: str = "invoice.paid") -> None:
+        with self.lock:
+            self.events.append(
+                {
+                    "id": event_id,
+                    "object": "event",
+                    "api_version": "2024-06-20",
+                    "created": created,
+                    "type": event_type,
+                    "livemode": False,
+                    "pending_webhooks": 0,
+                    "request": {"id": None, "idempotency_key": None},
+                    "data": {"object": {"id": f"in_{event_id[-8:]}", "object": "invoice"}},
+                }
+            )
+
+    def fail(self, nth: int, status: int, headers: dict[str, str] | None = None) -> None:
+        kind = "rate_limit_error" if status == 429 else "api_error"
+        body = {"error": {"type": kind, "message": f"scripted {status}"}}
+        self.script[nth] = Scripted(status, headers or {}, body)
+
+    def events_requests(self) -> list[Seen]:
+        return [s for s in self.seen if s.path == "/v1/events"]
+
+    def answer(
+        self, method: str, path: str, query: dict[str, list[str]], auth: str | None
+    ) -> tuple[int, dict[str, str], dict[str, Any]]:
+        authorised = auth == f"Bearer {self.api_key}"
+        seen = Seen(method, path, query, time.monotonic(), authorised)
+        with self.lock:
+            self.seen.append(seen)
+            if not authorised:
+                seen.status = 401
+                return 401, {}, {"error": {"type": "invalid_request_error", "message": "bad key"}}
+            if method == "GET" and path == f"/v1/webhook_endpoints/{self.endpoint_id}":
+                return (
+                    200,
+                    {},
+                    {
+                        "id": self.endpoint_id,
+                        "object": "webhook_endpoint",
+                        "api_version": None,
+                        "enabled_events": self.enabled_events,
+                        "status": "enabled",
+                        "url": "https://example.invalid/webhooks/src",
+                        "livemode": False,
+                    },
+                )
+            if method != "GET" or path != "/v1/events":
+                seen.status = 404
+                return 404, {}, {"error": {"type": "invalid_request_error", "message": "no"}}
+            scripted = self.script.pop(len(self.events_requests()), None)
+            if scripted is not None:
+                seen.status = scripted.status
+                return scripted.status, scripted.headers, scripted.body
+            gte = int(query.get("created[gte]", ["0"])[0])
+            limit = min(int(query.get("limit", ["10"])[0]), self.page_size)
+            listed = sorted(
+                (e for e in self.events if e["created"] >= gte),
+                key=lambda e: (e["created"], e["id"]),
+                reverse=True,
+            )
+            after = query.get("starting_after", [None])[0]
+            if after is not None:
+                ids = [e["id"] for e in listed]
+                listed = listed[ids.index(after) + 1 :]
+            page = listed[:limit]
+            return (
+                200,
+                {},
+                {
+                    "object": "list",
+                    "url": "/v1/events",
+                    "has_more": len(listed) > limit,
+                    "data": page,
+                },
+            )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    fake: Any
+
+    def _serve(self) -> None:
+        parts = urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        raw_in = self.rfile.read(length) if length else b""
+        self.fake.last_body = json.loads(raw_in) if raw_in else {}
+        status, headers, body = self.fake.answer(
+            self.command, parts.path, parse_qs(parts.query), self.headers.get("Authorization")
+        )
+        raw = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(raw)
+
+    do_GET = _serve  # noqa: N815
+    do_POST = _serve  # noqa: N815
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+@contextmanager
+def serving(fake: Any) -> Iterator[Any]:
+    handler = type("Handler", (_Handler,), {"fake": fake})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+class FakeGitHub:
+    """One hook's deliveries API: ``GET /{hook}/deliveries`` newest first, ``per_page`` (at
+    most ``page_size`` served), the next page's ``cursor`` in ``Link``; ``POST
+    /{hook}/deliveries/{id}/attempts`` answers 202 and calls ``on_redeliver(delivery)`` (a
+    test sends the signed webhook to the receiver there), then lists the redelivery as a new
+    delivery with the same guid. ``fail(n, ...)`` scripts the n-th request of any kind."""
+
+    def __init__(self, token: str, hook: str, page_size: int = 3) -> None:
+        self.token = token
+        self.hook = hook
+        self.page_size = page_size
+        self.deliveries: list[dict[str, Any]] = []  # newest first
+        self.seen: list[Seen] = []
+        self.script: dict[int, Scripted] = {}
+        self.on_redeliver: Any = None
+        self.lock = threading.Lock()
+        self.url = ""
+        self._ids = iter(range(90_000_000, 99_999_999))
+
+    def add_delivery(
+        self, guid: str, delivered_at: datetime, *, status_code: int, event: str = "issues"
+    ) -> int:
+        delivery_id = next(self._ids)
+        with self.lock:
+            self.deliveries.insert(
+                0,
+                {
+                    "id": delivery_id,
+                    "guid": guid,
+                    "delivered_at": delivered_at.isoformat().replace("+00:00", "Z"),
+                    "redelivery": False,
+                    "duration": 0.27,
+                    "status": "OK"
+                    if status_code < 300
+                    else f"Invalid HTTP Response: {status_code}",
+                    "status_code": status_code,
+                    "event": event,
+                    "action": "opened",
+                    "installation_id": None,
+                    "repository_id": 1,
+                },
+            )
+            self.deliveries.sort(key=lambda d: d["delivered_at"], reverse=True)
+        return delivery_id
+
+    def fail(self, nth: int, status: int, headers: dict[str, str] | None = None) -> None:
+        self.script[nth] = Scripted(status, headers or {}, {"message": f"scripted {status}"})
+
+    def attempts(self) -> list[str]:
+        return [s.path for s in self.seen if s.method == "POST" and s.status == 202]
+
+    def answer(
+        self, method: str, path: str, query: dict[str, list[str]], auth: str | None
+    ) -> tuple[int, dict[str, str], Any]:
+        seen = Seen(method, path, query, time.monotonic(), auth == f"Bearer {self.token}")
+        with self.lock:
+            self.seen.append(seen)
+            scripted = self.script.pop(len(self.seen), None)
+        if not seen.authorised:
+            seen.status = 401
+            return 401, {}, {"message": "Bad credentials"}
+        if scripted is not None:
+            seen.status = scripted.status
+            return scripted.status, scripted.headers, scripted.body
+        prefix = f"/{self.hook}/deliveries"
+        if method == "GET" and path == prefix:
+            with self.lock:
+                listed = list(self.deliveries)
+            start = int(query.get("cursor", ["0"])[0])
+            size = min(int(query.get("per_page", ["30"])[0]), self.page_size)
+            headers = {}
+            if start + size < len(listed):
+                headers["Link"] = (
+                    f'<{self.url}{prefix}?per_page={size}&cursor={start + size}>; rel="next"'
+                )
+            return 200, headers, listed[start : start + size]
+        if method == "POST" and path.startswith(prefix + "/") and path.endswith("/attempts"):
+            delivery_id = int(path.split("/")[-2])
+            with self.lock:
+                found = [d for d in self.deliveries if d["id"] == delivery_id]
+            if not found:
+                seen.status = 404
+                return 404, {}, {"message": "Not Found"}
+            if self.on_redeliver is not None:
+                self.on_redeliver(found[0])
+            self.add_delivery(
+                found[0]["guid"], datetime.now(UTC), status_code=202, event=found[0]["event"]
+            )
+            seen.status = 202
+            return 202, {}, {}
+        seen.status = 404
+        return 404, {}, {"message": "Not Found"}
+
+
+class FakeSvix:
+    """One application's messages, ``GET /api/v1/app/{app}/msg`` (``after``, ``limit`` with
+    at most ``page_size`` served, ``iterator``), and ``POST
+    /api/v1/app/{app}/endpoint/{endpoint}/recover``: 202, recorded with its ``since``, and
+    ``on_recover(message)`` for each message of the window marked failed (a test sends the
+    signed webhook to the receiver there). ``fail(n, ...)`` scripts the n-th request."""
+
+    def __init__(self, token: str, app_id: str, endpoint_id: str, page_size: int = 3) -> None:
+        self.token = token
+        self.app_id = app_id
+        self.endpoint_id = endpoint_id
+        self.page_size = page_size
+        self.messages: list[dict[str, Any]] = []
+        self.failed: set[str] = set()
+        self.recovers: list[dict[str, Any]] = []
+        self.seen: list[Seen] = []
+        self.script: dict[int, Scripted] = {}
+        self.on_recover: Any = None
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def add_message(self, msg_id: str, at: datetime, *, failed: bool) -> None:
+        with self.lock:
+            self.messages.append(
+                {
+                    "id": msg_id,
+                    "eventType": "invoice.paid",
+                    "eventId": None,
+                    "payload": {},
+                    "channels": None,
+                    "timestamp": at.isoformat().replace("+00:00", "Z"),
+                    "tags": None,
+                }
+            )
+            if failed:
+                self.failed.add(msg_id)
+
+    def fail(self, nth: int, status: int) -> None:
+        self.script[nth] = Scripted(status, {}, {"code": "scripted", "detail": f"{status}"})
+
+    def answer(
+        self, method: str, path: str, query: dict[str, list[str]], auth: str | None
+    ) -> tuple[int, dict[str, str], Any]:
+        seen = Seen(method, path, query, time.monotonic(), auth == f"Bearer {self.token}")
+        with self.lock:
+            self.seen.append(seen)
+            scripted = self.script.pop(len(self.seen), None)
+        if not seen.authorised:
+            seen.status = 401
+            return 401, {}, {"code": "authentication_failed", "detail": "bad token"}
+        if scripted is not None:
+            seen.status = scripted.status
+            return scripted.status, scripted.headers, scripted.body
+        app = f"/api/v1/app/{self.app_id}"
+        if method == "GET" and path.rstrip("/") == f"{app}/msg":
+            after = datetime.fromisoformat(query["after"][0].replace("Z", "+00:00"))
+            with self.lock:
+                listed = sorted(
+                    (m for m in self.messages if _when(m["timestamp"]) > after),
+                    key=lambda m: m["timestamp"],
+                    reverse=True,
+                )
+            start = int(query.get("iterator", ["0"])[0])
+            size = min(int(query.get("limit", ["50"])[0]), self.page_size)
+            done = start + size >= len(listed)
+            return (
+                200,
+                {},
+                {
+                    "data": listed[start : start + size],
+                    "iterator": None if done else str(start + size),
+                    "prevIterator": None,
+                    "done": done,
+                },
+            )
+        if method == "POST" and path == f"{app}/endpoint/{self.endpoint_id}/recover":
+            seen.status = 202
+            since = self.last_body["since"]
+            self.recovers.append(self.last_body)
+            with self.lock:
+                resend = [
+                    m
+                    for m in self.messages
+                    if m["id"] in self.failed and _when(m["timestamp"]) >= _when(since)
+                ]
+                self.failed -= {m["id"] for m in resend}
+            for message in resend:
+                if self.on_recover is not None:
+                    self.on_recover(message)
+            return (
+                202,
+                {},
+                {
+                    "id": "qtask_1",
+                    "status": "running",
+                    "task": "endpoint.recover",
+                    "updatedAt": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+                },
+            )
+        seen.status = 404
+        return 404, {}, {"code": "not_found", "detail": "Not Found"}
+
+    last_body: dict[str, Any] = {}  # noqa: RUF012  (set by the handler before answer)
+
+
+def _when(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
