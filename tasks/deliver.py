@@ -128,7 +128,9 @@ def release_slots(rt: Runtime, reports: list[Report]) -> None:
     once, and wake this process's dispatcher to fill them: a route at its in-flight budget
     gets its next delivery now, not after the next reconcile (which still frees whatever this
     misses: a failure here is logged and changes nothing else). Without it a lone route ran
-    well under its budget's worth of concurrent calls (bench_forward: 0.58x main at budget 40)."""
+    well under its budget's worth of concurrent calls (bench_forward: 0.58x main at budget 40).
+    Where the dispatcher runs in this process (threads, gevent), it releases them in its next
+    round, all tasks' at once (:func:`tasks.dispatcher.defer_release`)."""
     if not rt.settings.admission:
         return
     done: dict[int, list[int]] = {}
@@ -137,6 +139,8 @@ def release_slots(rt: Runtime, reports: list[Report]) -> None:
             done.setdefault(report.route_id, []).append(report.delivery_id)
     if not done:
         return
+    if dispatcher.defer_release(done):
+        return  # this process's dispatcher releases them in its next round, with the others
     try:
         Admission(rt.redis).release(done)
     except Exception as exc:  # noqa: BLE001 (the dispatcher's reconcile frees them later)

@@ -25,6 +25,7 @@ publish grace and the sweeper offers it again; a failed publish puts it back to 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -63,9 +64,37 @@ MIN_ROUND_GAP = 0.02
 _WAKE = threading.Event()
 
 
+# Slots freed by this process's tasks, released by its own dispatcher in its next round (one
+# Redis pipeline for all of them, at most MIN_ROUND_GAP later) rather than one round trip per
+# task: only while a dispatcher runs in this very process (threads and gevent pools; a prefork
+# child runs none, and releases its own). Lost with the process: the reconcile frees them.
+_RELEASES: dict[int, list[int]] = {}
+_RELEASES_LOCK = threading.Lock()
+_RUNNING_IN: int | None = None  # the pid whose dispatcher thread runs
+
+
 def wake() -> None:
     """Ask this process's dispatcher (if it runs one) for a round now."""
     _WAKE.set()
+
+
+def defer_release(done: dict[int, list[int]]) -> bool:
+    """Hand finished deliveries' slots (route -> ids) to this process's dispatcher and wake it.
+    False when no dispatcher runs in this process: the caller releases them itself."""
+    if os.getpid() != _RUNNING_IN:
+        return False
+    with _RELEASES_LOCK:
+        for route, ids in done.items():
+            _RELEASES.setdefault(route, []).extend(ids)
+    _WAKE.set()
+    return True
+
+
+def _take_releases() -> dict[int, list[int]]:
+    with _RELEASES_LOCK:
+        taken = dict(_RELEASES)
+        _RELEASES.clear()
+    return taken
 
 
 class Dispatcher:
@@ -91,6 +120,9 @@ class Dispatcher:
     def once(self) -> float:
         """One round; returns the seconds to wait before the next."""
         interval = self.settings.dispatch_interval.total_seconds()
+        released = _take_releases()
+        if released:  # a failure here fails the round; the reconcile frees them later
+            self.admission.release(released)
         conn = self.conn()
         if time.monotonic() - self._reconciled >= max(interval, RECONCILE_INTERVAL):
             admission.reconcile(conn, self.admission, grace=self.settings.publish_grace)
@@ -138,6 +170,19 @@ class Dispatcher:
     def run(self, stop: threading.Event) -> None:
         """Rounds until ``stop``; a failing round (Postgres or Redis away) is logged and
         tried again after :data:`FAILURE_DELAY`."""
+        global _RUNNING_IN  # noqa: PLW0603
+        _RUNNING_IN = os.getpid()
+        try:
+            self._rounds(stop)
+        finally:
+            _RUNNING_IN = None
+            released = _take_releases()
+            if released:
+                with contextlib.suppress(Exception):  # the reconcile frees them later
+                    self.admission.release(released)
+            self.close()
+
+    def _rounds(self, stop: threading.Event) -> None:
         while not stop.is_set():
             started = time.monotonic()
             try:

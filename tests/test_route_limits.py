@@ -26,6 +26,8 @@ from ingest.publisher import Publisher
 from models import admission, breaker, catalog
 from tasks import dispatcher
 from tasks.config import Dispatch
+from tasks.deliver import release_slots
+from tasks.pipeline import Report
 from tasks.runtime import build_runtime
 from tasks.sweeper import sweep_once
 from tests.factories import accept_event, make_source
@@ -289,6 +291,42 @@ def test_wakes_from_finished_tasks_are_served_together_not_one_round_each() -> N
     assert len(served) <= elapsed / 0.02 + 2, (len(served), wakes)  # one per 20 ms at most
     gaps = [b - a for a, b in itertools.pairwise(served)]
     assert min(gaps) >= dispatcher.MIN_ROUND_GAP * 0.9, gaps
+
+
+def test_finished_tasks_hand_their_slots_to_this_process_dispatcher_or_free_them_directly() -> None:
+    """A task's finished deliveries free their admission slots at once: through the dispatcher
+    of its own process when one runs there (its next round releases every task's at once), or
+    directly when none does (a prefork child). Either way the in-flight set empties."""
+    settings = worker_settings()
+    client = redis.Redis.from_url(CLAIMS_URL)
+    gate = admission.Admission(client)
+    limits = admission.RouteLimits(900, 10, None, held=False)
+    rt = build_runtime(settings, worker="release-test")
+
+    def reports(ids: range) -> list[Report]:
+        return [Report("succeeded", i, 1, route_id=900) for i in ids]
+
+    try:
+        gate.offer(list(range(1, 5)), dict.fromkeys(range(1, 5), limits))
+        assert gate.counts(900) == (4, 0)
+        assert not dispatcher.defer_release({900: [1]})  # no dispatcher in this process
+        release_slots(rt, reports(range(1, 3)))
+        assert gate.counts(900) == (2, 0)  # freed directly, at once
+        stop = threading.Event()
+        running = dispatcher.Dispatcher(settings, lambda dispatches: None)
+        thread = threading.Thread(target=running.run, args=(stop,))
+        thread.start()
+        try:
+            wait_for(lambda: dispatcher.defer_release({}), timeout=10, what="the dispatcher to run")
+            release_slots(rt, reports(range(3, 5)))  # handed over, released by its round
+            wait_for(lambda: gate.counts(900) == (0, 0), timeout=10, what="the round's release")
+        finally:
+            stop.set()
+            thread.join(10)
+        assert not dispatcher.defer_release({900: [9]})  # stopped: tasks free their own again
+    finally:
+        rt.close()
+        client.close()
 
 
 # -- limits, measured at the downstream ------------------------------------------------------
