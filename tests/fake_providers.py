@@ -174,6 +174,29 @@ def serving(fake: Any) -> Iterator[Any]:
         thread.join(5)
 
 
+def _record(
+    fake: FakeGitHub | FakeSvix,
+    method: str,
+    path: str,
+    query: dict[str, list[str]],
+    auth: str | None,
+    unauthorised: dict[str, Any],
+) -> tuple[Seen, tuple[int, dict[str, str], Any] | None]:
+    """Log the request as the fake saw it; with it the answer when it is refused (401) or
+    scripted (the n-th request's status), else None: the fake answers it."""
+    seen = Seen(method, path, query, time.monotonic(), auth == f"Bearer {fake.token}")
+    with fake.lock:
+        fake.seen.append(seen)
+        scripted = fake.script.pop(len(fake.seen), None)
+    if not seen.authorised:
+        seen.status = 401
+        return seen, (401, {}, unauthorised)
+    if scripted is not None:
+        seen.status = scripted.status
+        return seen, (scripted.status, scripted.headers, scripted.body)
+    return seen, None
+
+
 class FakeGitHub:
     """One hook's deliveries API: ``GET /{hook}/deliveries`` newest first, ``per_page`` (at
     most ``page_size`` served), the next page's ``cursor`` in ``Link``; ``POST
@@ -228,16 +251,9 @@ class FakeGitHub:
     def answer(
         self, method: str, path: str, query: dict[str, list[str]], auth: str | None
     ) -> tuple[int, dict[str, str], Any]:
-        seen = Seen(method, path, query, time.monotonic(), auth == f"Bearer {self.token}")
-        with self.lock:
-            self.seen.append(seen)
-            scripted = self.script.pop(len(self.seen), None)
-        if not seen.authorised:
-            seen.status = 401
-            return 401, {}, {"message": "Bad credentials"}
-        if scripted is not None:
-            seen.status = scripted.status
-            return scripted.status, scripted.headers, scripted.body
+        seen, early = _record(self, method, path, query, auth, {"message": "Bad credentials"})
+        if early is not None:
+            return early
         prefix = f"/{self.hook}/deliveries"
         if method == "GET" and path == prefix:
             with self.lock:
@@ -311,16 +327,16 @@ class FakeSvix:
     def answer(
         self, method: str, path: str, query: dict[str, list[str]], auth: str | None
     ) -> tuple[int, dict[str, str], Any]:
-        seen = Seen(method, path, query, time.monotonic(), auth == f"Bearer {self.token}")
-        with self.lock:
-            self.seen.append(seen)
-            scripted = self.script.pop(len(self.seen), None)
-        if not seen.authorised:
-            seen.status = 401
-            return 401, {}, {"code": "authentication_failed", "detail": "bad token"}
-        if scripted is not None:
-            seen.status = scripted.status
-            return scripted.status, scripted.headers, scripted.body
+        seen, early = _record(
+            self,
+            method,
+            path,
+            query,
+            auth,
+            {"code": "authentication_failed", "detail": "bad token"},
+        )
+        if early is not None:
+            return early
         app = f"/api/v1/app/{self.app_id}"
         if method == "GET" and path.rstrip("/") == f"{app}/msg":
             after = datetime.fromisoformat(query["after"][0].replace("Z", "+00:00"))
