@@ -66,7 +66,7 @@ def split(provider: str, config: Mapping[str, Any]) -> tuple[dict[str, Any], dic
     """(the provider's own options, reconciliation's options, checked). A reconciliation
     option on a provider reconciliation does not know is refused (ValueError)."""
     if not isinstance(config, Mapping):
-        return dict(config), {}  # the provider's validator names the type
+        raise ValueError(f"config must be a mapping of options, not {type(config).__name__}")
     own = {k: v for k, v in config.items() if k not in ALL_OPTIONS}
     ours = {k: v for k, v in config.items() if k in ALL_OPTIONS}
     allowed = OPTIONS.get(provider, ())
