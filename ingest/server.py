@@ -86,6 +86,41 @@ def _plain(status: int, extra: bytes = b"") -> bytes:
     )
 
 
+class _Coalescing:
+    """The transport as a request's cycle sees it: what it writes in one turn of the event
+    loop (uvicorn writes a response's head at ``http.response.start`` and its body at
+    ``http.response.body``, the next step of the same turn) goes out as one send, at the end
+    of that turn. Two sends per response cost the receiver and the sender a wake-up and a
+    segment each; this is the receiver's whole answer in one. ``close`` sends what is held
+    first; everything else is the transport's own."""
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is None:
+            self._held = [data]
+            self._loop.call_soon(self.flush)
+        else:
+            self._held.append(data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held and not self._transport.is_closing():
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class ReceiverProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with head-size limits, read timeouts and a connection cap."""
 
@@ -100,6 +135,9 @@ class ReceiverProtocol(HttpToolsProtocol):
         self._head_pending = 0
         self._head_count = 0
         self._timer: asyncio.TimerHandle | None = None
+        # The current cycle's transport: what it holds goes out before anything this
+        # protocol writes itself (a refusal, a timeout's 408), so answers keep their order.
+        self._held: _Coalescing | None = None
 
     # Connection ---------------------------------------------------------------------------
 
@@ -110,6 +148,11 @@ class ReceiverProtocol(HttpToolsProtocol):
             self._refuse(503, "max_connections", retry)
             return
         self._arm(self._limits.header_timeout, "header_timeout")
+
+    def shutdown(self) -> None:
+        # uvicorn closes an idle connection at shutdown: a response held this turn goes first.
+        self._flush_held()
+        super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -130,6 +173,7 @@ class ReceiverProtocol(HttpToolsProtocol):
                 self._refuse(refused.status, refused.limit)
             else:
                 metrics.RECEIVER_LIMITS.labels(self.limit_prefix + "malformed_request").inc()
+                self._flush_held()
                 self.send_400_response("Invalid HTTP request received.")
                 self._refused = True
             return
@@ -162,6 +206,9 @@ class ReceiverProtocol(HttpToolsProtocol):
         self._head_done = True
         self._arm(self._limits.body_timeout, "body_timeout")
         super().on_headers_complete()
+        if self.cycle is not None:  # its answer goes out as one send (_Coalescing)
+            self._held = _Coalescing(self.transport, self.loop)
+            self.cycle.transport = self._held  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -173,6 +220,10 @@ class ReceiverProtocol(HttpToolsProtocol):
             raise _Refused(431, "header_bytes")
 
     # Timers and refusals ------------------------------------------------------------------
+
+    def _flush_held(self) -> None:
+        if self._held is not None:
+            self._held.flush()
 
     def _arm(self, seconds: float, limit: str) -> None:
         self._disarm()
@@ -189,6 +240,7 @@ class ReceiverProtocol(HttpToolsProtocol):
             return
         metrics.RECEIVER_LIMITS.labels(self.limit_prefix + limit).inc()
         self._refused = True
+        self._flush_held()
         if self.cycle is None or self.cycle.response_complete:
             # No request in progress: say why before closing (the head never completed).
             self.transport.write(_plain(408))
@@ -200,5 +252,6 @@ class ReceiverProtocol(HttpToolsProtocol):
         metrics.RECEIVER_LIMITS.labels(self.limit_prefix + limit).inc()
         self._refused = True
         self._disarm()
+        self._flush_held()
         self.transport.write(_plain(status, extra))
         self.transport.close()

@@ -186,7 +186,9 @@ def limits_of(
 # Shared by both scripts: may the route take one more delivery now? (budget, then rate)
 _LUA_COMMON = """
 local prefix = ARGV[1]
-local now = tonumber(ARGV[2])
+-- Redis' own clock, read by the script: one round trip per call, not two.
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
 local function fits(route, budget, interval)
     if redis.call('ZCARD', prefix .. 'f:' .. route) >= budget then return false end
     if interval > 0 then
@@ -204,13 +206,13 @@ local function admit(route, id)
 end
 """
 
-# Offer deliveries: ARGV 3.. = (route, id, budget, interval ms, held) per delivery. Answers
+# Offer deliveries: ARGV 2.. = (route, id, budget, interval ms, held) per delivery. Answers
 # per delivery: 'a' admitted (publish it), 'd' already in flight (do not), 'w' waiting.
 _ADMIT = (
     _LUA_COMMON
     + """
 local out = {}
-for i = 3, #ARGV, 5 do
+for i = 2, #ARGV, 5 do
     local route, id = ARGV[i], ARGV[i + 1]
     local budget, interval = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
     if redis.call('ZSCORE', prefix .. 'f:' .. route, id) then
@@ -228,8 +230,8 @@ return out
 """
 )
 
-# Admit waiting deliveries round-robin: ARGV 3 = most to admit, 4 = the elastic budget (the
-# live workers' slots times ELASTIC_FACTOR), 5.. = (route, budget, interval ms, elastic 0/1)
+# Admit waiting deliveries round-robin: ARGV 2 = most to admit, 3 = the elastic budget (the
+# live workers' slots times ELASTIC_FACTOR), 4.. = (route, budget, interval ms, elastic 0/1)
 # per route that may admit. A lone elastic route (the only one passed: no other route that
 # may admit has deliveries waiting) takes the larger of its budget and the elastic one.
 # Answers route, id, route, id, ... and, last, the earliest instant (ms) a rate-limited route
@@ -237,13 +239,13 @@ return out
 _DRAIN = (
     _LUA_COMMON
     + """
-local limit = tonumber(ARGV[3])
-local cap = tonumber(ARGV[4])
+local limit = tonumber(ARGV[2])
+local cap = tonumber(ARGV[3])
 local routes = {}
-for i = 5, #ARGV, 4 do
+for i = 4, #ARGV, 4 do
     table.insert(routes, {ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])})
 end
-if #routes == 1 and ARGV[8] == '1' and cap > routes[1][2] then routes[1][2] = cap end
+if #routes == 1 and ARGV[7] == '1' and cap > routes[1][2] then routes[1][2] = cap end
 local out, wake, count = {}, 0, 0
 while #routes > 0 and count < limit do
     local still = {}
@@ -285,7 +287,7 @@ class Offer:
 
 class Admission:
     """The Redis side of admission (one client; the clock is Redis' own ``TIME``, shared by
-    every host, or a test's pinned milliseconds)."""
+    every host: the scripts read it themselves)."""
 
     def __init__(self, client: redis.Redis, *, prefix: str = PREFIX) -> None:
         self.client = client
@@ -303,7 +305,7 @@ class Admission:
         unknown = [i for i in ids if i not in routes]
         if not known:
             return Offer([], [], [], unknown)
-        args: list[Any] = [self.prefix, self.now_ms()]
+        args: list[Any] = [self.prefix]  # the script reads Redis' TIME itself
         for i in known:
             limits = routes[i]
             args += [
@@ -328,7 +330,7 @@ class Admission:
         """Admit waiting deliveries round-robin across these routes (held ones skipped).
         ``elastic``: the in-flight budget a lone route on the default budget may use
         (:meth:`live_slots` times :data:`ELASTIC_FACTOR`; 0: none)."""
-        args: list[Any] = [self.prefix, self.now_ms(), most, elastic]
+        args: list[Any] = [self.prefix, most, elastic]
         for route in limits:
             if not route.held:
                 args += [
@@ -337,7 +339,7 @@ class Admission:
                     route.interval_ms,
                     1 if route.elastic else 0,
                 ]
-        if len(args) == 4:
+        if len(args) == 3:
             return Drained([], 0.0)
         answer = self._drain(args=args)
         pairs = [(int(answer[i]), int(answer[i + 1])) for i in range(0, len(answer) - 1, 2)]
