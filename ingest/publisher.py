@@ -41,6 +41,7 @@ import psycopg
 import redis
 from kombu.utils import json as kombu_json
 
+from models.admission import connect_generic
 from tasks.claims import make_client
 from tasks.config import DELIVER_TASK, DELIVERIES_QUEUE, Dispatch, batches, create_app, message
 from tasks.dispatcher import offer
@@ -232,9 +233,7 @@ class Publisher:
             return dispatches
         try:
             if self._admission_conn is None or self._admission_conn.closed:
-                self._admission_conn = psycopg.connect(
-                    self.settings.psycopg_dsn, autocommit=True, connect_timeout=5
-                )
+                self._admission_conn = connect_generic(self.settings.psycopg_dsn)
             if self._admission_redis is None:
                 self._admission_redis = make_client(
                     self.settings.redis_url, self.settings.redis_socket_timeout

@@ -116,6 +116,21 @@ def parse_max_in_flight(text: str) -> int | None:
     return value
 
 
+# For connections whose statements look rows up by id across every daily partition, where
+# nothing can be pruned while planning (``d.id = ANY(...)``: admission's routes and labels, the
+# worker's probes): psycopg prepares a statement after its fifth run, and Postgres then keeps
+# planning it anew for every execution, across all partitions (about 1 ms at 14 days, more
+# than the statement itself: bench/results_receiver.txt). A generic plan is made once and
+# still prunes at run time.
+GENERIC_PLANS = "-c plan_cache_mode=force_generic_plan"
+
+
+def connect_generic(dsn: str) -> psycopg.Connection[Any]:
+    """An autocommit connection with :data:`GENERIC_PLANS` (the dispatcher's and the
+    receiver's admission connections; the worker's engine sets the same option)."""
+    return psycopg.connect(dsn, autocommit=True, connect_timeout=5, options=GENERIC_PLANS)
+
+
 @dataclass(frozen=True)
 class RouteLimits:
     """What admission needs of a route: its budget, its rate, whether it is held (paused or

@@ -36,7 +36,7 @@ from typing import Any
 import psycopg
 
 from models import admission
-from models.admission import Admission, RouteLimits
+from models.admission import Admission, RouteLimits, connect_generic
 from tasks.claims import make_client
 from tasks.config import Dispatch
 from webhooks import metrics
@@ -112,9 +112,7 @@ class Dispatcher:
 
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(
-                self.settings.psycopg_dsn, autocommit=True, connect_timeout=5
-            )
+            self._conn = connect_generic(self.settings.psycopg_dsn)
         return self._conn
 
     def once(self) -> float:

@@ -17,6 +17,7 @@ import redis
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.admission import GENERIC_PLANS
 from models.db import make_engine, make_sessionmaker
 from models.installation import installation_id
 from tasks.claims import ClaimStore, make_client
@@ -68,9 +69,7 @@ class Runtime:
 def _generic_plans(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
     # The worker's statements are few, prepared, and hit daily partitions: a custom plan
     # re-plans every execution across all partitions, a generic one prunes at run time.
-    cparams["options"] = " ".join(
-        filter(None, [cparams.get("options"), "-c plan_cache_mode=force_generic_plan"])
-    )
+    cparams["options"] = " ".join(filter(None, [cparams.get("options"), GENERIC_PLANS]))
 
 
 def build_runtime(
