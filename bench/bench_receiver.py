@@ -351,6 +351,13 @@ def main() -> None:
     )
     parser.add_argument("--no-p99", action="store_true", help="skip the run at 80%% of ours")
     parser.add_argument(
+        "--ours-env",
+        action="append",
+        default=[],
+        metavar="WEBHOOKS_X=VALUE",
+        help="a setting for ours only (a value to try against --against's defaults)",
+    )
+    parser.add_argument(
         "--layout-days",
         type=int,
         help="diagnostic: drop the (empty) partitions more than this many days ahead first",
@@ -377,6 +384,8 @@ def main() -> None:
     for t in targets:
         if t in dbs:
             envs[t] = env_for(dbs[t], code[t])
+            if t == "ours":
+                envs[t].update(item.split("=", 1) for item in args.ours_env)
             source_id, secret = setup_database(envs[t], dbs[t], code[t])
             if args.layout_days is not None:
                 dropped = trim_layout(dbs[t], args.layout_days)
