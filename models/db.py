@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import psycopg
-from alembic import command
-from alembic.config import Config
 from psycopg import sql
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from webhooks.settings import Settings
+
+if TYPE_CHECKING:
+    # Alembic (a tenth of a second to import) only when migrating: every CLI command and
+    # process that opens a session imports this module.
+    from alembic.config import Config
 
 
 class DatabaseUnavailable(Exception):
@@ -119,6 +123,8 @@ def ensure_database(settings: Settings) -> bool:
 
 
 def alembic_config(settings: Settings) -> Config:
+    from alembic.config import Config  # noqa: PLC0415
+
     cfg = Config()
     cfg.set_main_option("script_location", "models:migrations")
     cfg.set_main_option("sqlalchemy.url", settings.database_url.replace("%", "%%"))
@@ -128,6 +134,8 @@ def alembic_config(settings: Settings) -> Config:
 
 def upgrade(settings: Settings, revision: str = "head") -> None:
     """Create the database when missing, migrate it, and lay out the receipt partitions."""
+    from alembic import command  # noqa: PLC0415
+
     from models import partitions  # noqa: PLC0415  (partitions imports this module)
 
     ensure_database(settings)

@@ -33,7 +33,7 @@ from typing import Any, Literal
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import queries, transitions
+from models import queries, replay_rates, transitions
 from models.queries import Candidate, ReplayFilter
 from models.schema import Replay
 from webhooks.clock import Clock, pinned
@@ -42,8 +42,10 @@ from webhooks.settings import Settings
 
 log = get_logger("replays")
 
-DEFAULT_RATE = 10.0  # replays per second unless the operator asks otherwise
-MAX_RATE = 5000.0  # the cap neither the CLI nor the API may exceed
+# Defined in models.replay_rates, which the CLI's `replay --rate` option reads without SQLAlchemy.
+DEFAULT_RATE = replay_rates.DEFAULT_RATE
+MAX_RATE = replay_rates.MAX_RATE
+
 # The most deliveries one chunk moves (one transaction); smaller at low rates, so that a
 # chunk is about a tenth of a second's worth and the pacing stays even.
 MAX_CHUNK = 500

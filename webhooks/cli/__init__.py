@@ -7,7 +7,6 @@ from typing import Annotated, Any
 
 import typer
 import typer.core
-import typer.rich_utils
 
 from webhooks.cli import (
     db,
@@ -58,7 +57,10 @@ def _plain_help() -> None:
     type column for a flag, and a docstring's paragraphs reflowed to the terminal's width.
     Typer 0.29 writes ``{source}`` and ``--json <bool>``, which read as template placeholders
     to fill in, and keeps the source's line breaks after the first paragraph, so an 80-column
-    terminal shows ragged half-lines. tests/test_cli_runtime.py checks every command's help."""
+    terminal shows ragged half-lines. tests/test_cli_runtime.py checks every command's help.
+
+    Typer imports its rich_utils (rich's markdown, tracebacks: a tenth of a second) only to
+    write help or an error, so the reflow is put in place when help is written, not here."""
     argument: Any = typer.core.TyperArgument
     option: Any = typer.core.TyperOption
     shown_type = option.display_type_rich
@@ -78,11 +80,21 @@ def _plain_help() -> None:
     def display_type_rich(self: Any, ctx: Any) -> str | None:
         return None if self.is_flag else shown_type(self, ctx)
 
+    def reflowing(format_help: Any) -> Any:
+        def wrapper(self: Any, ctx: Any, formatter: Any) -> Any:
+            import typer.rich_utils  # noqa: PLC0415
+
+            if hasattr(typer.rich_utils, "_fix_linebreaks"):
+                typer.rich_utils._fix_linebreaks = reflow
+            return format_help(self, ctx, formatter)
+
+        return wrapper
+
     if hasattr(argument, "_usage_display_name"):
         argument._usage_display_name = usage_name
     option.display_type_rich = display_type_rich
-    if hasattr(typer.rich_utils, "_fix_linebreaks"):
-        typer.rich_utils._fix_linebreaks = reflow
+    for command in (typer.core.TyperCommand, typer.core.TyperGroup):
+        command.format_help = reflowing(command.format_help)  # type: ignore[method-assign]
 
 
 _plain_help()

@@ -13,17 +13,22 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time
 from functools import cached_property, wraps
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from sqlalchemy import Engine
-from sqlalchemy.orm import Session, sessionmaker
 
 from webhooks.clock import Clock, SystemClock
-from webhooks.logs import configure_logging
-from webhooks.settings import Settings, SettingsError, load_settings
+
+# What a command needs (settings, the database, logging) is imported when it runs, not here,
+# and so in every module of this package: each `webhooks` process pays for what it imports,
+# `webhooks --help` imports neither pydantic nor SQLAlchemy, and `providers list` no SQLAlchemy.
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from webhooks.settings import Settings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -158,6 +163,9 @@ class Env:
 
 def env() -> Env:
     """Settings from the environment and the env file :func:`find_env_file` picks."""
+    from webhooks.logs import configure_logging  # noqa: PLC0415
+    from webhooks.settings import SettingsError, load_settings  # noqa: PLC0415
+
     source = find_env_file(OPTIONS.env_file, os.environ, Path.cwd(), project_root())
     exported: dict[str, str] = {}
     if source.path is not None:
@@ -196,18 +204,14 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
 
     @wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        import psycopg  # noqa: PLC0415
-        from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
-
-        from models.db import DatabaseUnavailable  # noqa: PLC0415
-        from webhooks.crypto import KeyMismatch  # noqa: PLC0415
-
         try:
             return func(*args, **kwargs)
-        except (CliError, SettingsError, DatabaseUnavailable, KeyMismatch, ValueError) as exc:
-            say_error(str(exc))
-            raise typer.Exit(1) from None
-        except (DBAPIError, psycopg.Error) as exc:
+        except Exception as exc:
+            if isinstance(exc, (CliError, ValueError, *_loaded(_USER_ERRORS))):
+                say_error(str(exc))
+                raise typer.Exit(1) from None
+            if not isinstance(exc, _loaded(_DATABASE_ERRORS)):
+                raise
             message = database_error(exc)
             if message is None:
                 raise
@@ -215,6 +219,24 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+# The errors :func:`handle_errors` turns into one line, by module and name: printed as they are
+# (settings, database unavailable, key mismatch), or as :func:`database_error` words them.
+_USER_ERRORS = (
+    ("webhooks.settings", "SettingsError"),
+    ("models.db", "DatabaseUnavailable"),
+    ("webhooks.crypto", "KeyMismatch"),
+)
+_DATABASE_ERRORS = (("sqlalchemy.exc", "DBAPIError"), ("psycopg", "Error"))
+
+
+def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
+    """The classes among ``names`` whose module is imported. An exception can only be an
+    instance of a class that exists, so checking these alone is the same as importing every
+    module first, which would make each command import psycopg and SQLAlchemy to start."""
+    found = (getattr(sys.modules.get(module), name, None) for module, name in names)
+    return tuple(cls for cls in found if isinstance(cls, type))
 
 
 def database_error(exc: BaseException) -> str | None:

@@ -16,8 +16,6 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from models import queries
-from models.queries import EventFilter, receipt_ref
 from webhooks.cli.common import console, env, handle_errors, print_json
 from webhooks.cli.render import (
     JsonOpt,
@@ -65,6 +63,9 @@ def events_list(
     as_json: JsonOpt = False,
 ) -> None:
     """List received events, newest first, with their deliveries' states."""
+    from models import queries  # noqa: PLC0415
+    from models.queries import EventFilter, receipt_ref  # noqa: PLC0415
+
     e = env()
     flt = EventFilter(source, event_type, status, parse_when(e, since), parse_when(e, until), limit)
     with e.session() as session:
@@ -116,6 +117,9 @@ def events_show(
     as_json: JsonOpt = False,
 ) -> None:
     """One event: the receipt, its deliveries and every attempt with its error."""
+    from models import queries  # noqa: PLC0415
+    from models.queries import receipt_ref  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         detail = queries.get_event(session, event, source=source)
@@ -160,6 +164,7 @@ def deliveries_show(
 ) -> None:
     """One delivery: its event, route and handler, status, attempts (replays marked), dead
     reason and downstream idempotency key."""
+    from models import queries  # noqa: PLC0415
     from tasks.context import idempotency_key  # noqa: PLC0415
 
     e = env()

@@ -15,20 +15,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
-from rich.live import Live
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy import select
 
-from models import catalog, queries, replays
-from models.queries import ReplayFilter
-from models.schema import Source
+from models import replay_rates
 from webhooks.cli import events
 from webhooks.cli.common import (
     CliError,
@@ -55,8 +49,14 @@ from webhooks.cli.render import (
     when,
     whole,
 )
-from webhooks.crypto import SecretBox
-from webhooks.logs import configure_logging
+
+# The database, HTTP and logging modules are imported by the commands that use them (see
+# webhooks.cli.common).
+if TYPE_CHECKING:
+    import httpx
+
+    from models import queries, replays
+    from models.queries import ReplayFilter
 
 dead_app = typer.Typer(help="Dead letters: deliveries that gave up.", no_args_is_help=True)
 replays_app = typer.Typer(help="The replay audit trail.", no_args_is_help=True)
@@ -71,6 +71,8 @@ audit_app = typer.Typer(
 @handle_errors
 def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
     """Dead deliveries grouped by source, route and reason, with counts."""
+    from models import queries  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         groups = queries.dead_letters(session, source=source)
@@ -141,6 +143,7 @@ def dead_discard(
     """
     from models import discards  # noqa: PLC0415
     from webhooks.clock import pinned  # noqa: PLC0415
+    from webhooks.logs import configure_logging  # noqa: PLC0415
 
     e = env()
     given, flt = _selection(
@@ -302,8 +305,8 @@ def replay(
         str | None, typer.Option("--as", help="Who is replaying (default: your login name).")
     ] = None,
     rate: Annotated[
-        float, typer.Option("--rate", help=f"At most N per second (max {replays.MAX_RATE:g}).")
-    ] = replays.DEFAULT_RATE,
+        float, typer.Option("--rate", help=f"At most N per second (max {replay_rates.MAX_RATE:g}).")
+    ] = replay_rates.DEFAULT_RATE,
     rerun_succeeded: Annotated[
         bool,
         typer.Option(
@@ -319,6 +322,8 @@ def replay(
     A dead delivery keeps its downstream idempotency key. A succeeded one runs again only
     with --rerun-succeeded, under a new key. Every run is audited: webhooks replays list.
     """
+    from models import replays  # noqa: PLC0415
+
     e = env()
     given, flt = _selection(
         e,
@@ -369,6 +374,17 @@ def replay(
 
 
 def _run(e: Env, plan: replays.Plan, *, show_progress: bool) -> replays.ReplayResult:
+    from rich.progress import (  # noqa: PLC0415
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    from models import replays  # noqa: PLC0415
+    from webhooks.logs import configure_logging  # noqa: PLC0415
+
     # Log lines go to stderr, warnings only: the terminal shows the progress and the summary
     # (and stdout stays pure JSON with --json); the audit row is the record.
     configure_logging("WARNING", json=e.settings.log_json)
@@ -427,6 +443,8 @@ def replays_list(
     as_json: JsonOpt = False,
 ) -> None:
     """Who replayed what, when (UTC) and why."""
+    from models import replays  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         rows = replays.list_replays(session, limit=limit)
@@ -474,6 +492,8 @@ def audit_list(
 ) -> None:
     """Who discarded dead letters, disabled, enabled or removed routes and sources, revoked
     secrets, when and why (replays have their own trail: webhooks replays list)."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         entries = catalog.list_audit(session, limit=limit, action=action)
@@ -509,6 +529,12 @@ def _receiver_url(e: Env) -> str:
 
 def _demo_source(e: Env) -> tuple[str, str]:
     """The demo source (created on first use) and its newest secret."""
+    from sqlalchemy import select  # noqa: PLC0415
+
+    from models import catalog  # noqa: PLC0415
+    from models.schema import Source  # noqa: PLC0415
+    from webhooks.crypto import SecretBox  # noqa: PLC0415
+
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     with e.session() as session:
         source = session.scalars(
@@ -590,6 +616,10 @@ def _watch(
     done: Callable[[list[queries.DeliveryState]], bool],
     timeout: float,
 ) -> list[queries.DeliveryState]:
+    from rich.live import Live  # noqa: PLC0415
+
+    from models import queries  # noqa: PLC0415
+
     deadline = time.monotonic() + timeout
     with Live(console=console, refresh_per_second=8) as live:
         while True:
@@ -686,6 +716,11 @@ def demo(
     fails until replayed), shows them move through the states, replays the dead one and
     prints a summary.
     """
+    import httpx  # noqa: PLC0415
+
+    from models import replays  # noqa: PLC0415
+    from webhooks.logs import configure_logging  # noqa: PLC0415
+
     e = env()
     configure_logging("WARNING", json=e.settings.log_json)
     base = (receiver or _receiver_url(e)).rstrip("/")
@@ -779,6 +814,8 @@ def demo(
 def _flower_row(e: Env, delivery_id: int) -> str:
     """The URL of the Flower page of the delivery's FAILURE task (its dead attempt), asked of
     Flower's API with the configured login; else where to search for it."""
+    import httpx  # noqa: PLC0415
+
     from tasks.config import DELIVER_TASK  # noqa: PLC0415
 
     base = f"http://127.0.0.1:{e.settings.flower_port}"
@@ -818,6 +855,8 @@ def _selection(
     both), a reason unless it is a dry run, no prompt in JSON mode. Returns the filter as
     given (for the audit row) and the filter itself (None for ids). ``status`` None: dead
     letters only, not an option of the command."""
+    from models.queries import ReplayFilter  # noqa: PLC0415
+
     has_filter = any(v is not None for v in (source, event_type, since, until))
     if ids and (has_filter or (status or "dead") != "dead"):
         raise CliError("give delivery ids or filter options, not both")

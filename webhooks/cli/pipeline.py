@@ -39,7 +39,6 @@ from typing import IO, TYPE_CHECKING, Annotated
 import typer
 
 from webhooks.cli.common import CliError, Env, cli_command, console, env, handle_errors, say_error
-from webhooks.logs import wants_colour, wants_json
 
 if TYPE_CHECKING:
     from ingest.admin import AdminServer
@@ -263,6 +262,8 @@ class Output:
     the terminal closed (SIGHUP) there is nobody to read them, and stopping must go on."""
 
     def __init__(self, *, relay: bool) -> None:
+        from webhooks.logs import wants_colour  # noqa: PLC0415
+
         self.relay = relay
         self.colour = relay and wants_colour(sys.stderr)
         self._lock = threading.Lock()
@@ -411,6 +412,8 @@ def _start(
         "PYTHONUNBUFFERED": "1",  # lines through the pipe as they are written
     }
     if out.relay:
+        from webhooks.logs import wants_json  # noqa: PLC0415
+
         # The children's stderr is a pipe to us: decide for them as for a terminal.
         child_env["WEBHOOKS_LOG_JSON"] = "true" if wants_json(settings.log_json) else "false"
         if out.colour:

@@ -4,7 +4,7 @@ recover them (issue 22; :mod:`webhooks.reconcile.run`)."""
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -12,9 +12,10 @@ from rich.table import Table
 
 from webhooks.cli.common import CliError, env, handle_errors, print_json
 from webhooks.cli.render import row, say, show_table, whole
-from webhooks.crypto import SecretBox
 from webhooks.durations import parse_duration
-from webhooks.reconcile.run import ReconcileError, Report, reconcile
+
+if TYPE_CHECKING:
+    from webhooks.reconcile.run import Report
 
 
 @handle_errors
@@ -42,6 +43,9 @@ def reconcile_command(
     API's event object, with its deliveries; GitHub: a redelivery request, the signed webhook
     then arrives). Exit code 1 when the provider's API failed (what was found before the
     failure is still recovered)."""
+    from webhooks.crypto import SecretBox  # noqa: PLC0415
+    from webhooks.reconcile.run import ReconcileError, reconcile  # noqa: PLC0415
+
     window = None if since is None else parse_duration(since)
     e = env()
     if not e.keys_checked:

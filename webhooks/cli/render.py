@@ -11,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 import getpass
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from models import queries
 from webhooks.cli.common import Env, console
+
+if TYPE_CHECKING:
+    from models import queries
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 SourceOpt = Annotated[str | None, typer.Option("--source", help="Source id or name.")]
@@ -62,6 +64,8 @@ def count(n: int, singular: str, plural: str | None = None) -> str:
 
 
 def parse_when(e: Env, text: str | None) -> datetime | None:
+    from models import queries  # noqa: PLC0415
+
     return None if text is None else queries.parse_time(text, now=e.clock.now())
 
 

@@ -8,7 +8,6 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
-from sqlalchemy.exc import OperationalError
 
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
 from webhooks.durations import format_duration
@@ -24,6 +23,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 @contextmanager
 def _database(e: Env) -> Iterator[None]:
     """A database that cannot be reached is a one-line error, not a traceback."""
+    from sqlalchemy.exc import OperationalError  # noqa: PLC0415
+
     from models.db import DatabaseUnavailable, describe_db_error  # noqa: PLC0415
 
     try:

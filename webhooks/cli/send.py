@@ -13,18 +13,17 @@ import json
 import secrets
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 from rich.markup import escape
 
-from ingest.providers import Batch, EventMeta, MalformedEvent, extract, sending
-from models import catalog, queries
-from models.schema import Source
 from webhooks.cli.common import CliError, Env, env, handle_errors
 from webhooks.cli.render import print_delivery, say
-from webhooks.crypto import SecretBox
+
+# HTTP, the providers and the database are imported by the command (see webhooks.cli.common).
+if TYPE_CHECKING:
+    import httpx
 
 FINISHED = frozenset({"succeeded", "dead"})
 MAX_COUNT = 1000
@@ -61,6 +60,10 @@ def read_data(value: str | None) -> Any:
 
 def _source_and_secret(e: Env, ref: str) -> tuple[str, str, dict[str, Any], str]:
     """(public id, provider, options, newest active secret) of the source."""
+    from models import catalog  # noqa: PLC0415
+    from models.schema import Source  # noqa: PLC0415
+    from webhooks.crypto import SecretBox  # noqa: PLC0415
+
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     with e.session() as session:
         source: Source = catalog.get_source(session, ref)
@@ -85,6 +88,8 @@ def _source_and_secret(e: Env, ref: str) -> tuple[str, str, dict[str, Any], str]
 
 def _ids(headers: dict[str, str], body: bytes, provider: str, config: dict[str, Any]) -> list[str]:
     """The event ids the receiver will store for this request (its own extract)."""
+    from ingest.providers import Batch, EventMeta, MalformedEvent, extract  # noqa: PLC0415
+
     lowered = {k.lower(): v for k, v in headers.items()}
     try:
         meta = extract(provider, lowered, body, config=config)
@@ -105,6 +110,8 @@ def _target(base: str | None, e: Env, public_id: str) -> str:
 
 
 def _post(client: httpx.Client, url: str, headers: dict[str, str], body: bytes) -> httpx.Response:
+    import httpx  # noqa: PLC0415
+
     try:
         return client.post(url, content=body, headers=headers)
     except httpx.HTTPError as exc:
@@ -122,6 +129,8 @@ def _answer(response: httpx.Response) -> str:
 def _follow(e: Env, public_id: str, ids: list[str], timeout: float) -> None:
     """Wait until every delivery of the events is finished (or ``timeout``), then show each
     as ``deliveries show`` does."""
+    from models import queries  # noqa: PLC0415
+
     deadline = time.monotonic() + timeout
     while True:
         with e.session() as session:
@@ -188,6 +197,10 @@ def send(
 
     Every built-in provider with a shared secret; SendGrid and Discord sign with their own
     private key, so no test event can be signed for them here."""
+    import httpx  # noqa: PLC0415
+
+    from ingest.providers import sending  # noqa: PLC0415
+
     if not 1 <= count <= MAX_COUNT:
         raise CliError(f"--count must be from 1 to {MAX_COUNT}, got {count}")
     if timeout <= 0:

@@ -4,15 +4,12 @@ they go, and take sources and routes out of service (and back) with an audit row
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ingest.providers import registry, validate_config
-from models import breaker, catalog
-from models.schema import Source
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
 from webhooks.cli.render import (
     OperatorOpt,
@@ -25,9 +22,14 @@ from webhooks.cli.render import (
     whole,
 )
 from webhooks.clock import pinned
-from webhooks.crypto import SecretBox
 from webhooks.durations import format_duration, parse_duration
-from webhooks.ttl import TtlConfigError, TtlOverrides
+
+# The catalog, providers and crypto are imported by the commands that use them (see
+# webhooks.cli.common).
+if TYPE_CHECKING:
+    from models import catalog
+    from models.schema import Source
+    from webhooks.crypto import SecretBox
 
 sources_app = typer.Typer(help="Webhook sources (one URL per source).", no_args_is_help=True)
 secrets_app = typer.Typer(help="A source's signing secrets (rotation).", no_args_is_help=True)
@@ -44,6 +46,12 @@ WeakSecretOpt = Annotated[
         "secrets must decode to 24+ bytes); recorded in the audit trail.",
     ),
 ]
+
+
+def _provider_names() -> list[str]:
+    from ingest.providers import registry  # noqa: PLC0415
+
+    return list(registry.names())
 
 
 def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
@@ -142,10 +150,15 @@ def _lay_out_partitions(e: Env) -> None:
 
 
 def _box(e: Env) -> SecretBox:
+    from webhooks.crypto import SecretBox  # noqa: PLC0415
+
     return SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
 
 
 def _source_view(e: Env, source: Source) -> dict[str, Any]:
+    from models import catalog  # noqa: PLC0415
+    from webhooks.ttl import TtlConfigError  # noqa: PLC0415
+
     try:
         ttl = catalog.source_effective_ttl(source, e.settings)
     except TtlConfigError as exc:
@@ -198,7 +211,7 @@ def sources_add(
         str,
         typer.Option(
             help="A registered provider (see `webhooks providers list`).",
-            autocompletion=lambda: list(registry.names()),
+            autocompletion=_provider_names,
         ),
     ],
     account: Annotated[str, typer.Option(help="Owning account (the dedup scope).")] = "default",
@@ -223,6 +236,10 @@ def sources_add(
 ) -> None:
     """Create a source (audited); prints its id, URL path and, when generated, its secret
     (once)."""
+    from ingest.providers import validate_config  # noqa: PLC0415
+    from models import catalog  # noqa: PLC0415
+    from webhooks.ttl import TtlOverrides  # noqa: PLC0415
+
     # The provider and its options are checked against the registry before anything else.
     options = validate_config(provider, _pairs(config, "--config"))
     every = _reconcile_every(provider, reconcile_every)
@@ -300,6 +317,10 @@ def sources_update(
 ) -> None:
     """Change a source's TTL terms, timestamp tolerance, body limit, provider options or
     reconciliation settings (audited; a credential is recorded as set, never its value)."""
+    from ingest.providers import validate_config  # noqa: PLC0415
+    from models import catalog  # noqa: PLC0415
+    from webhooks.ttl import TtlOverrides  # noqa: PLC0415
+
     given = {
         "retry_window": retry_window,
         "queue_lag": queue_lag,
@@ -387,6 +408,8 @@ def sources_list(
     """List sources (never a secret). Each source's URL is /webhooks/ID on the receiver."""
     from sqlalchemy import select  # noqa: PLC0415
 
+    from models.schema import Source  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         views = [_source_view(e, s) for s in session.scalars(select(Source).order_by(Source.id))]
@@ -418,6 +441,8 @@ def sources_list(
 @handle_errors
 def sources_show(source: str, as_json: JsonOpt = False) -> None:
     """Show one source with its secrets (ids and dates) and routes."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
@@ -463,6 +488,8 @@ def _secret_view(s: Any) -> dict[str, Any]:
 
 
 def _route_view(r: Any) -> dict[str, Any]:
+    from models import breaker  # noqa: PLC0415
+
     return {
         "id": r.id,
         "handler": r.handler,
@@ -490,6 +517,8 @@ def secrets_add(
     operator: OperatorOpt = None,
 ) -> None:
     """Add a secret (rotation): every active secret verifies (audited)."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
@@ -510,6 +539,8 @@ def secrets_add(
 @handle_errors
 def secrets_list(source: str, as_json: JsonOpt = False) -> None:
     """A source's secrets: ids and dates only."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         views = [
@@ -537,6 +568,8 @@ def secrets_revoke(
 ) -> None:
     """Revoke a secret: it stops verifying at once, in every receiver (audited: who, which
     secret, when; see `webhooks audit list --action secret`)."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         audit_id = catalog.revoke_secret(
@@ -622,6 +655,8 @@ def routes_add(
     """Bind a handler to a source, optionally for matching event types only (audited).
 
     The handler must be registered here (webhooks handlers list)."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     _registry(e).require(handler)
     with e.session() as session:
@@ -656,6 +691,8 @@ def routes_list(
     as_json: JsonOpt = False,
 ) -> None:
     """A source's routes, or every route with its source."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         if source is not None:
@@ -724,6 +761,8 @@ def _registry(e: Env) -> Any:
 
 
 def _change(operator: str | None, reason: str | None) -> catalog.Change:
+    from models import catalog  # noqa: PLC0415
+
     return catalog.Change(operator=operator or login(), reason=reason or "", via="cli")
 
 
@@ -748,6 +787,8 @@ def routes_disable(
     """Stop routing new events to this route (audited). Its deliveries that are not finished
     go dead with route_inactive when a worker picks them up; replay them after
     `routes enable`."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         changed = catalog.set_route_active(
@@ -768,6 +809,8 @@ def routes_enable(
     route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
 ) -> None:
     """Route new events to this route again (audited); its handler must be registered."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     registry = _registry(e)
     with e.session() as session:
@@ -782,6 +825,8 @@ def routes_enable(
 @handle_errors
 def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
     """One route: its handler, and whether it is paused and its circuit breaker's state."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         view = _route_view(catalog.get_route(session, route_id))
@@ -824,6 +869,7 @@ def routes_update(
 ) -> None:
     """Set the route's delivery limits (audited): they hold across every worker and host;
     waiting for them is not an attempt."""
+    from models import breaker  # noqa: PLC0415
     from models.admission import parse_max_in_flight, parse_rate  # noqa: PLC0415
 
     values: dict[str, Any] = {}
@@ -851,6 +897,8 @@ def routes_pause(
 ) -> None:
     """Hold this route's deliveries without attempting them (audited): new events are still
     accepted and stored; `routes resume` delivers them."""
+    from models import breaker  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         changed = breaker.set_paused(session, route_id, True, _change(operator, reason), now=None)
@@ -863,6 +911,8 @@ def routes_resume(
     route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
 ) -> None:
     """Deliver a paused route's held deliveries again (audited; the sweeper publishes them)."""
+    from models import breaker  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         changed = breaker.set_paused(
@@ -878,6 +928,8 @@ def routes_remove(
 ) -> None:
     """Delete a route (audited). Refused while it has deliveries that are not finished or
     dead (disable it instead); finished ones keep their history."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         changed = catalog.remove_route(session, route_id, _change(operator, reason), now=None)
@@ -898,6 +950,8 @@ def sources_disable(
 ) -> None:
     """Refuse new webhooks for this source: its URL answers 410 Gone and writes nothing
     (audited). What it already accepted still runs."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         row_ = catalog.get_source(session, source)
@@ -921,6 +975,8 @@ def sources_enable(
     operator: OperatorOpt = None,
 ) -> None:
     """Accept webhooks for this source again (audited)."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     with e.session() as session:
         row_ = catalog.get_source(session, source)
@@ -938,6 +994,8 @@ def handlers_list(
 ) -> None:
     """Handlers a route can name: the built-ins, the webhooks.handlers entry points and the
     modules in WEBHOOKS_HANDLER_MODULES, with the active routes using each."""
+    from models import catalog  # noqa: PLC0415
+
     e = env()
     infos = _registry(e).describe()
     with e.session() as session:
