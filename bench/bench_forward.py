@@ -455,6 +455,13 @@ def main() -> None:
     parser.add_argument("--bare-concurrency", type=int, default=100)
     parser.add_argument("--batch", type=int, default=None, help="WEBHOOKS_DELIVERY_BATCH")
     parser.add_argument("--linger", type=float, default=None, help="WEBHOOKS_PUBLISH_LINGER")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="WEBHOOKS_X=VALUE",
+        help="a setting for ours' receiver and worker (a value to try)",
+    )
     parser.add_argument("--redis-port", type=int, default=6394)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_forward.txt")
     args = parser.parse_args()
@@ -464,6 +471,7 @@ def main() -> None:
         env["WEBHOOKS_DELIVERY_BATCH"] = str(args.batch)
     if args.linger is not None:
         env["WEBHOOKS_PUBLISH_LINGER"] = str(args.linger)
+    env.update(item.split("=", 1) for item in args.env)
     os.environ.update(env)
     source, secret = setup(env)
     logdir = Path(tempfile.mkdtemp(prefix="bench-forward-"))
