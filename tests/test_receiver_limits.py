@@ -16,7 +16,7 @@ from contextlib import ExitStack
 
 import httpx
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.conftest import count_rows
@@ -258,3 +258,85 @@ def _assert_one_line_per_disconnect(rcv: Receiver) -> None:
         r["level"] == "warning" and set(r) == {"event", "level", "source", "timestamp"}
         for r in warnings
     ), warnings
+
+
+# The hot route called directly (ingest.app.ReceiverApp) and its answers sent whole
+# (ingest.server._Coalescing): pipelined requests, a Connection: close, the other routes.
+
+
+def _request(path: str, headers: dict[str, str], body: bytes, *, close: bool = False) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}"]
+    head += [f"{k}: {v}" for k, v in headers.items() if k.lower() != "content-length"]
+    if close:
+        head.append("Connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _answers(raw: bytes) -> list[tuple[int, bytes]]:
+    """(status, body) of each response in ``raw``, in order (Content-Length framing)."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in lines
+            if line.lower().startswith(b"content-length")
+        )
+        out.append((status, rest[:length]))
+        raw = rest[length:]
+    return out
+
+
+def test_pipelined_webhooks_are_answered_whole_and_in_order_then_closed(
+    rcv: Receiver, source: MadeSource, engine: Engine
+) -> None:
+    """Three signed events in one send, the last asking to close: three whole answers in the
+    order asked (202, 200 duplicate, 202), then the close; each event recorded once."""
+    stamp = time.time()
+    first = sign("stripe", source.secret, event_id=f"evt_pipe_a_{stamp}")
+    second = sign("stripe", source.secret, event_id=f"evt_pipe_b_{stamp}")
+    path = f"/webhooks/{source.public_id}"
+    wire = _request(path, *first) + _request(path, *first) + _request(path, *second, close=True)
+    with socket.create_connection(("127.0.0.1", rcv.port), timeout=10) as sock:
+        sock.sendall(wire)
+        answers = _answers(_read_all(sock))
+    assert [status for status, _ in answers] == [202, 200, 202]
+    assert f"evt_pipe_a_{stamp}".encode() in answers[0][1]
+    assert b"duplicate" in answers[1][1]
+    assert f"evt_pipe_b_{stamp}".encode() in answers[2][1]
+    with engine.connect() as conn:
+        recorded = conn.execute(
+            text("SELECT count(*) FROM receipts WHERE source_id = :s"), {"s": source.id}
+        ).scalar_one()
+    assert recorded == 2
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("POST", "/webhooks/src_aaaaaaaaaaaaaaaaaaaa/extra", 404),  # two segments: no route
+        ("POST", "/webhooks/", 404),  # no id at all
+        ("PUT", "/webhooks/src_aaaaaaaaaaaaaaaaaaaa", 405),  # Starlette's answer, as before
+        ("GET", "/webhooks/src_aaaaaaaaaaaaaaaaaaaa", 404),  # the GET handshake route
+    ],
+)
+def test_what_is_not_the_hot_route_is_still_starlettes(
+    rcv: Receiver, method: str, path: str, status: int
+) -> None:
+    response = httpx.request(method, rcv.url + path, content=b"{}", timeout=10)
+    assert response.status_code == status, response.text
+
+
+def test_an_unknown_source_on_the_hot_route_is_404_without_reading_the_body(
+    rcv: Receiver,
+) -> None:
+    """The direct call still answers before the body: a declared 10 MB body never sent."""
+    with socket.create_connection(("127.0.0.1", rcv.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /webhooks/src_bbbbbbbbbbbbbbbbbbbb HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 10000000\r\nConnection: close\r\n\r\n"
+        )
+        answers = _answers(_read_all(sock))
+    assert [status for status, _ in answers] == [404]
