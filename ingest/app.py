@@ -63,7 +63,6 @@ from ingest.providers import (
 )
 from ingest.publisher import Publisher
 from ingest.store import NewReceipt, SourceRecord, Store
-from tasks.config import Dispatch
 from webhooks import metrics
 from webhooks.clock import Clock, SystemClock, pinned
 from webhooks.crypto import SecretBox, SecretDecryptError
@@ -286,9 +285,7 @@ class Receiver:
             metrics.TTL_RAISED.labels(label).inc()
         # After the commit: hand the ids to the publisher thread; its failures are counted
         # there and the sweeper covers them, so the answer does not wait for the broker.
-        self.publisher.submit(
-            label, [Dispatch(i, meta.event_id, source.public_id) for i in outcome.delivery_ids]
-        )
+        self.publisher.submit(label, outcome.dispatches(meta.event_id, source.public_id))
         metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
         return self._answer(
             label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id
@@ -378,9 +375,7 @@ class Receiver:
             elif outcome.status == "conflict":
                 metrics.CONFLICTS.labels(label).inc()
             else:
-                dispatches += [
-                    Dispatch(i, event.event_id, source.public_id) for i in outcome.delivery_ids
-                ]
+                dispatches += outcome.dispatches(event.event_id, source.public_id)
         if source.ttl_raised:
             metrics.TTL_RAISED.labels(label).inc()
         if dispatches:

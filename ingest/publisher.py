@@ -226,9 +226,10 @@ class Publisher:
             log.warning("publish_failed", deliveries=len(batch), error=exc.__class__.__name__)
 
     def admitted(self, dispatches: Sequence[Dispatch]) -> Sequence[Dispatch]:
-        """What admission lets out now (models/admission.py: one statement for the routes,
-        one Lua call for the batch); the rest wait for the dispatcher as pending rows. A
-        failure of either fails open (everything published, as before admission), counted."""
+        """What admission lets out now (models/admission.py: one Lua call for the batch; the
+        routes' limits came with the accept, so no statement unless a dispatch lacks them);
+        the rest wait for the dispatcher as pending rows. A failure of either fails open
+        (everything published, as before admission), counted."""
         if not self.settings.admission:
             return dispatches
         try:

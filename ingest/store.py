@@ -38,6 +38,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from ingest.providers import registry
+from tasks.config import Dispatch, RouteRow
 from webhooks import metrics
 from webhooks.crypto import SecretBox
 from webhooks.settings import Settings
@@ -66,7 +67,7 @@ GROUP BY s.id
 # per-event advisory lock, then inserts the receipt unless a live one exists, one delivery per
 # matching route, and a conflict row when the digest differs; all or nothing.
 ACCEPT_SQL = """
-SELECT authorised, receipt_id, existing_digest, delivery_ids
+SELECT authorised, receipt_id, existing_digest, delivery_ids, route_limits
 FROM webhooks_accept(%(source_id)s, %(secret_id)s, %(event_id)s, %(event_type)s,
                      %(occurred_at)s, %(expires_at)s, %(now)s::timestamptz, %(digest)s,
                      %(content_type)s, %(payload)s, %(grace)s, %(ttl)s)
@@ -77,7 +78,7 @@ FROM webhooks_accept(%(source_id)s, %(secret_id)s, %(event_id)s, %(event_type)s,
 # array, the digests and bodies as binary arrays (``%b``: the text array format would escape
 # every quote of every JSON body); one row per element with its 1-based position.
 ACCEPT_MANY_SQL = """
-SELECT ord, authorised, receipt_id, existing_digest, delivery_ids
+SELECT ord, authorised, receipt_id, existing_digest, delivery_ids, route_limits
 FROM webhooks_accept_many(%(items)s::json, %(digests)b::bytea[], %(payloads)b::bytea[],
                           %(grace)s, %(now)s::timestamptz)
 """
@@ -118,6 +119,17 @@ class Outcome:
     status: str  # "accepted" | "duplicate" | "conflict" | "revoked"
     receipt_id: int | None
     delivery_ids: tuple[int, ...]
+    # For each delivery id, in order, what admission reads of its route (migration 0018:
+    # route id, max_in_flight, rate_count, rate_period_s, held), as the accept read it.
+    route_limits: tuple[RouteRow, ...] = ()
+
+    def dispatches(self, event_id: str, source: str) -> list[Dispatch]:
+        """Its deliveries to publish, each with its route's limits when the accept read them."""
+        routes: Sequence[RouteRow | None] = self.route_limits or [None] * len(self.delivery_ids)
+        return [
+            Dispatch(i, event_id, source, route)
+            for i, route in zip(self.delivery_ids, routes, strict=True)
+        ]
 
 
 @dataclass(frozen=True)
@@ -207,11 +219,15 @@ def decide(row: TupleRow | None) -> Outcome:
     """Interpret the accept statement's single row (pure)."""
     if row is None:
         raise RuntimeError("accept statement returned no row")
-    authorised, receipt_id, _existing_digest, delivery_ids = row
+    authorised, receipt_id, _existing_digest, delivery_ids, route_limits = row
     if not authorised:
         return Outcome("revoked", None, ())
     if receipt_id is not None:
-        return Outcome("accepted", int(receipt_id), tuple(int(i) for i in delivery_ids))
+        ids = tuple(int(i) for i in delivery_ids)
+        routes = tuple(tuple(r) for r in route_limits)
+        if len(routes) != len(ids):
+            raise RuntimeError("accept statement returned route limits that do not match")
+        return Outcome("accepted", int(receipt_id), ids, routes)
     return Outcome("duplicate", None, ())
 
 

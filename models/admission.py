@@ -155,7 +155,9 @@ _LIMITS_COLUMNS = """r.id, r.max_in_flight, r.rate_count, r.rate_period_s,
        (r.paused_at IS NOT NULL OR r.breaker_state <> 'closed')"""
 
 
-def _limits(row: Sequence[Any], default_budget: int) -> RouteLimits:
+def limits_from_row(row: Sequence[Any], default_budget: int) -> RouteLimits:
+    """A route's limits from the columns of ``_LIMITS_COLUMNS`` (held may be 0/1: the accept
+    functions return them as one bigint array, migration 0018)."""
     rate = None if row[2] is None else Rate(int(row[2]), int(row[3]))
     budget = default_budget if row[1] is None else int(row[1])
     return RouteLimits(int(row[0]), budget, rate, bool(row[4]), elastic=row[1] is None)
@@ -171,7 +173,7 @@ def routes_of(
         " WHERE d.id = ANY(%(ids)s::bigint[])",
         {"ids": list(ids)},
     ).fetchall()
-    return {int(row[0]): _limits(row[1:], default_budget) for row in rows}
+    return {int(row[0]): limits_from_row(row[1:], default_budget) for row in rows}
 
 
 def labels_of(conn: psycopg.Connection[Any], ids: Sequence[int]) -> dict[int, tuple[str, str]]:
@@ -195,7 +197,7 @@ def limits_of(
         f"SELECT {_LIMITS_COLUMNS} FROM routes r WHERE r.id = ANY(%(ids)s::bigint[])",  # noqa: S608
         {"ids": list(route_ids)},
     ).fetchall()
-    return {int(row[0]): _limits(row, default_budget) for row in rows}
+    return {int(row[0]): limits_from_row(row, default_budget) for row in rows}
 
 
 # Shared by both scripts: may the route take one more delivery now? (budget, then rate)

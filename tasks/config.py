@@ -26,12 +26,21 @@ DELIVERIES_QUEUE = "deliveries"
 MAINTENANCE_QUEUE = "maintenance"
 
 
+# What admission reads of a delivery's route: (route id, max_in_flight, rate_count,
+# rate_period_s, held 0/1), NULL (None) where the route has no limit of its own
+# (models.admission._LIMITS_COLUMNS; the accept functions return it, migration 0018).
+RouteRow = tuple[int | None, ...]
+
+
 class Dispatch(NamedTuple):
     """One delivery to publish, with what Flower shows of it (ids only, never a payload)."""
 
     delivery_id: int
     event_id: str | None = None
     source: str | None = None
+    # Its route's limits as the accept read them (the receiver's deliveries): admission
+    # needs no statement of its own for them. None: admission reads them (routes_of).
+    route: RouteRow | None = None
 
     def reprs(self) -> dict[str, str]:
         """``argsrepr`` / ``kwargsrepr`` of its task message, the same from every publisher

@@ -226,10 +226,18 @@ def offer(
     default_budget: int,
 ) -> list[Dispatch]:
     """The deliveries of ``dispatches`` to publish now (the receiver's and the sweeper's
-    path): one statement for their routes, one Lua call for the whole batch; the rest wait
-    for the dispatcher. Raises on a Redis or Postgres failure (the caller fails open)."""
+    path): one Lua call for the whole batch; the rest wait for the dispatcher. The routes'
+    limits come with the receiver's deliveries (its accept read them); one statement reads
+    those of the others. Raises on a Redis or Postgres failure (the caller fails open)."""
     ids = [d.delivery_id for d in dispatches]
-    routes = admission.routes_of(conn, ids, default_budget)
+    routes = {
+        d.delivery_id: admission.limits_from_row(d.route, default_budget)
+        for d in dispatches
+        if d.route is not None
+    }
+    unknown = [d.delivery_id for d in dispatches if d.route is None]
+    if unknown:
+        routes.update(admission.routes_of(conn, unknown, default_budget))
     decided = Admission(client).offer(ids, routes)
     metrics.ADMISSIONS.labels("admitted").inc(len(decided.admitted) + len(decided.unknown))
     metrics.ADMISSIONS.labels("waiting").inc(len(decided.waiting))

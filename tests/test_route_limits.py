@@ -4,18 +4,22 @@ that counts calls and concurrency per route."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import itertools
 import json
 import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psycopg
 import pytest
 import redis
@@ -23,6 +27,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.publisher import Publisher
+from ingest.store import NewReceipt, Outcome, Store
 from models import admission, breaker, catalog
 from tasks import dispatcher
 from tasks.config import Dispatch
@@ -42,6 +47,7 @@ from tests.workers import (
     wait_for,
     worker_settings,
 )
+from webhooks.crypto import SecretBox
 from webhooks.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -414,6 +420,105 @@ def test_retries_wait_for_admission_within_the_limits_and_the_wait_is_no_attempt
             text("SELECT count(*) FROM attempts WHERE delivery_id = ANY(:ids)"), {"ids": ids}
         ).scalar_one()
     assert (set(attempts), tries) == ({2}, 32)
+
+
+def test_the_accept_returns_each_deliverys_route_limits_as_admission_would_read_them(
+    sessions: sessionmaker[Session],
+) -> None:
+    """Migration 0018: both accept functions return, for each delivery id in order, its
+    route's limits, read in the accept's own statement, so the receiver's publisher needs no
+    statement of its own for them. They must be exactly what ``routes_of`` reads: a budget
+    set by hand, a rate, the default budget (elastic), a pause and an open breaker (held)."""
+    settings = worker_settings()
+    source = make_source(
+        sessions, settings, routes=[{"handler": "log"}, {"handler": "log"}, {"handler": "log"}]
+    )
+    limited, paused, plain = source.route_ids
+    _limits(sessions, limited, max_in_flight=3, rate=admission.Rate(50, 1))
+    with sessions() as s, s.begin():
+        breaker.set_paused(s, paused, True, catalog.Change("test", "maintenance"), now=None)
+    budget = settings.route_max_in_flight
+    one = accept_event(settings, source)[1]
+    many = asyncio.run(_accept_batch(settings, source, 3))
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        for outcome in [one, *many]:
+            assert outcome.status == "accepted"
+            assert len(outcome.delivery_ids) == 3
+            read = admission.routes_of(conn, list(outcome.delivery_ids), budget)
+            carried = {
+                d.delivery_id: admission.limits_from_row(d.route, budget)
+                for d in outcome.dispatches("evt", "src")
+                if d.route is not None
+            }
+            assert carried == read
+        conn.execute("UPDATE routes SET breaker_state = 'open' WHERE id = %s", (plain,))
+    by_route = {
+        limits.route_id: limits
+        for limits in (
+            admission.limits_from_row(row, budget)
+            for row in accept_event(settings, source)[1].route_limits
+        )
+    }
+    assert by_route[limited] == admission.RouteLimits(
+        limited, 3, admission.Rate(50, 1), held=False, elastic=False
+    )
+    assert by_route[paused].held
+    assert by_route[paused].elastic
+    assert by_route[plain].held  # its breaker is open
+    assert by_route[plain].max_in_flight == budget
+
+
+async def _accept_batch(settings: Settings, source: Any, n: int) -> list[Outcome]:
+    """``n`` new events through the batch function (``Store.accept_all``: one statement)."""
+    store = Store(settings, SecretBox(settings.secret_key.get_secret_value()))
+    await store.open()
+    try:
+        now = datetime.now(UTC)
+        receipts = []
+        for _ in range(n):
+            event_id = f"evt_{uuid.uuid4().hex}"
+            body = orjson.dumps({"id": event_id})
+            receipts.append(
+                NewReceipt(
+                    source_id=source.id,
+                    secret_id=source.secret_id,
+                    event_id=event_id,
+                    event_type="test.event",
+                    occurred_at=None,
+                    expires_at=now + timedelta(days=1),
+                    received_at=None,
+                    digest=hashlib.sha256(body).digest(),
+                    content_type="application/json",
+                    payload=body,
+                    ttl=timedelta(days=1),
+                )
+            )
+        return await store.accept_all(receipts)
+    finally:
+        await store.close()
+
+
+def test_admission_reads_the_routes_only_of_deliveries_that_do_not_carry_them(
+    sessions: sessionmaker[Session],
+) -> None:
+    """The receiver's deliveries carry their routes' limits: offering them uses no database
+    connection at all (a closed one would raise). A delivery without them (the sweeper's,
+    a retry's) is read with ``routes_of``: the same closed connection then fails the offer,
+    which the callers fail open."""
+    settings = worker_settings()
+    source = make_source(sessions, settings, routes=[{"handler": "log"}])
+    client = redis.Redis.from_url(CLAIMS_URL)
+    budget = settings.route_max_in_flight
+    closed = psycopg.connect(settings.psycopg_dsn, autocommit=True)
+    closed.close()
+    carried = accept_event(settings, source)[1].dispatches("evt", source.public_id)
+    assert [d.route is not None for d in carried] == [True]
+    assert dispatcher.offer(client, closed, carried, budget) == carried
+    (bare,) = accept_event(settings, source)[1].delivery_ids
+    with pytest.raises(psycopg.OperationalError):
+        dispatcher.offer(client, closed, [Dispatch(bare)], budget)
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        assert dispatcher.offer(client, conn, [Dispatch(bare)], budget) == [Dispatch(bare)]
 
 
 def test_the_sweeper_leaves_deliveries_waiting_for_admission_alone_and_takes_the_lost_ones(
