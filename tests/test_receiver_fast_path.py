@@ -6,6 +6,7 @@ plans for admission's by-id statements, and the start-up objects frozen.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from ingest.server import _Coalescing
 from webhooks.settings import Settings
@@ -119,3 +120,56 @@ def test_the_receiver_freezes_what_it_loaded_at_start(settings: Settings) -> Non
         assert asyncio.run(started()) > 50_000
     finally:
         gc.unfreeze()
+
+
+def test_a_shutdown_in_the_turn_an_answer_was_written_sends_it_before_closing() -> None:
+    """uvicorn's graceful shutdown closes a connection whose response is complete at once:
+    an answer written in that same turn is still held by ``_Coalescing``, and must go out
+    before the close (``ReceiverProtocol.shutdown``), or the sender never gets its 202."""
+    from uvicorn.config import Config  # noqa: PLC0415
+    from uvicorn.server import ServerState  # noqa: PLC0415
+
+    from ingest.server import Limits, ReceiverProtocol  # noqa: PLC0415
+
+    class Transport(_Recorder):
+        def get_extra_info(self, name: str) -> None:  # type: ignore[override]
+            return None
+
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            pass
+
+    class Protocol(ReceiverProtocol):
+        limits = Limits(8192, 50, 10.0, 10.0, 10)
+
+    async def scenario() -> tuple[list[bytes], bool]:
+        protocol: Protocol | None = None
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            assert protocol is not None
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 202,
+                    "headers": [(b"content-length", b"8")],
+                }
+            )
+            await send({"type": "http.response.body", "body": b"accepted"})
+            protocol.shutdown()  # the server's shutdown, in the turn the answer was written
+
+        config = Config(app=app, lifespan="off", proxy_headers=False, log_config=None)
+        protocol = Protocol(config, ServerState(), {}, _loop=asyncio.get_running_loop())
+        transport = Transport()
+        protocol.connection_made(transport)  # type: ignore[arg-type]
+        protocol.data_received(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
+        for _ in range(20):  # the cycle's task runs; the held answer's turn ends
+            await asyncio.sleep(0)
+        return transport.sent, transport.closed
+
+    sent, closed = asyncio.run(scenario())
+    assert closed
+    assert len(sent) == 1
+    assert sent[0].startswith(b"HTTP/1.1 202 ")
+    assert sent[0].endswith(b"\r\n\r\naccepted")
