@@ -132,6 +132,26 @@ def alembic_config(settings: Settings) -> Config:
     return cfg
 
 
+def migrations_behind(settings: Settings, engine: Engine) -> tuple[str | None, str] | None:
+    """(the database's revision, the code's head) when the database lacks a migration this
+    code has (none at all: None first), else None: at head, or ahead of this code (a newer
+    release migrated it; the older code reads only what it knew, so it runs)."""
+    from alembic.runtime.migration import MigrationContext  # noqa: PLC0415
+    from alembic.script import ScriptDirectory  # noqa: PLC0415
+
+    scripts = ScriptDirectory.from_config(alembic_config(settings))
+    head = scripts.get_current_head()
+    assert head is not None
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+    if current == head:
+        return None
+    known = {script.revision for script in scripts.walk_revisions()}
+    if current is not None and current not in known:
+        return None  # ahead: a revision this code does not have
+    return current, head
+
+
 def upgrade(settings: Settings, revision: str = "head") -> None:
     """Create the database when missing, migrate it, and lay out the receipt partitions."""
     from alembic import command  # noqa: PLC0415

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.conftest import ADMIN_DSN, BIN, free_port, make_settings, test_env
+from tests.conftest import ADMIN_DSN, BIN, free_port, make_settings, test_env, wait_for_port
 from tests.factories import make_source
 from tests.processes import receiver
 from tests.signing import sign
@@ -112,6 +112,44 @@ def test_db_upgrade_and_run_name_the_cause_too(tmp_path: Path) -> None:
     bad_role = "postgresql://no_such_role_x:pw@127.0.0.1:5432/webhooks_x"
     line = one_line(webhooks("db", "upgrade", WEBHOOKS_DATABASE_URL=bad_role))
     assert "authentication failed" in line, line
+
+
+def test_serve_refuses_a_database_a_migration_behind_the_code_in_one_line() -> None:
+    """The receiver's accept statement needs the newest migration (0018 changed what it
+    returns): on a database left at 0017, or never migrated, ``webhooks serve`` refuses to
+    start with one line naming the revisions and the fix, instead of answering every webhook
+    with an error. Once upgraded, it starts."""
+    from alembic import command  # noqa: PLC0415
+
+    from models.db import alembic_config, ensure_database  # noqa: PLC0415
+
+    name = f"webhooks_behind_{uuid.uuid4().hex[:8]}"
+    url = f"postgresql://postgres@127.0.0.1:5432/{name}"
+    settings = make_settings(database_url=url)
+    try:
+        ensure_database(settings)
+        line = one_line(webhooks("serve", "--port", str(free_port()), WEBHOOKS_DATABASE_URL=url))
+        assert f"127.0.0.1:5432/{name} is at migration none, this code needs 0018" in line, line
+        assert "webhooks db upgrade" in line
+        command.upgrade(alembic_config(settings), "0017")
+        line = one_line(webhooks("serve", "--port", str(free_port()), WEBHOOKS_DATABASE_URL=url))
+        assert "is at migration 0017, this code needs 0018: run `webhooks db upgrade`" in line
+        command.upgrade(alembic_config(settings), "head")
+        port = free_port()
+        proc = subprocess.Popen(
+            [str(BIN / "webhooks"), "serve", "--port", str(port), "--workers", "1"],
+            env=test_env(WEBHOOKS_DATABASE_URL=url, WEBHOOKS_ADMIN_PORT=str(free_port())),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            wait_for_port(port, proc)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_a_key_that_does_not_match_the_database_is_refused_in_one_line(

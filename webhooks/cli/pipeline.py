@@ -57,7 +57,7 @@ def serve(
     from ingest.server import ReceiverProtocol  # noqa: PLC0415
 
     e = env()
-    _check_keys_if_reachable(e)
+    _check_database_if_reachable(e)
     settings = e.settings
     several = (workers or settings.receiver_workers) > 1
     scratch = None  # a metrics directory of our own, removed at the end
@@ -94,19 +94,29 @@ def serve(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _check_keys_if_reachable(e: Env) -> None:
-    """Refuse to start (one line) when WEBHOOKS_SECRET_KEY cannot decrypt the stored secrets:
-    every signed request would fail. A database that cannot be reached now does not stop the
-    receiver (it answers 503 until Postgres is back; each request still gets 503, never 500,
-    if the key is wrong)."""
+def _check_database_if_reachable(e: Env) -> None:
+    """Refuse to start (one line) on a database a migration behind this code (the accept
+    statement would fail every request: migration 0018 changed what it returns), or when
+    WEBHOOKS_SECRET_KEY cannot decrypt the stored secrets (every signed request would fail).
+    A database that cannot be reached now does not stop the receiver (one warning; it answers
+    503 until Postgres is back; each request still gets 503, never 500, if the key is wrong)."""
     from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
 
+    from models.db import UPGRADE_HINT, migrations_behind, where  # noqa: PLC0415
+
     try:
+        behind = migrations_behind(e.settings, e.engine)
+        if behind is not None:
+            current, head = behind
+            raise CliError(
+                f"Postgres at {where(e.settings.database_url)} is at migration"
+                f" {current or 'none'}, this code needs {head}: {UPGRADE_HINT}"
+            )
         e.check_keys()
     except DBAPIError as exc:
         from webhooks.logs import get_logger  # noqa: PLC0415
 
-        get_logger("serve").warning("keys.check_skipped", error_class=type(exc.orig).__name__)
+        get_logger("serve").warning("startup.checks_skipped", error_class=type(exc.orig).__name__)
 
 
 def _admin_server(
