@@ -25,9 +25,8 @@ Create Date: 2026-12-02
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from collections.abc import Sequence
-from pathlib import Path
 
 from alembic import op
 
@@ -73,12 +72,8 @@ DROP_MANY = "DROP FUNCTION webhooks_accept_many(json, bytea[], bytea[], interval
 
 
 def _revision_0012(name: str) -> str:
-    path = Path(__file__).with_name("0012_accept_floor_discard_ids.py")
-    spec = importlib.util.spec_from_file_location(f"_revision_{path.stem}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """A function body as revision 0012 created it (its module, imported by name)."""
+    module = importlib.import_module("models.migrations.versions.0012_accept_floor_discard_ids")
     body: str = getattr(module, name)
     return body
 
