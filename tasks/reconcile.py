@@ -20,7 +20,7 @@ from datetime import timedelta
 from celery import shared_task
 from sqlalchemy import text
 
-from tasks import get_runtime
+from tasks import periodic_runtime
 from tasks.config import RECONCILE_TASK, RECONCILE_TICK
 from tasks.durable import CONNECTION_ERRORS, discard_pooled
 from tasks.runtime import Runtime
@@ -95,7 +95,9 @@ def run_due(
 
 @shared_task(name=RECONCILE_TASK, ignore_result=True)
 def reconcile_due() -> int:
-    rt = get_runtime()
+    rt = periodic_runtime("reconcile.failed")
+    if rt is None:
+        return 0
     try:
         return len(run_due(rt))
     except CONNECTION_ERRORS as exc:
