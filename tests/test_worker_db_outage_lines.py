@@ -6,15 +6,23 @@ proxy the test cuts, so Postgres keeps running for everyone else."""
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
 
+from models.db import make_engine
+from tasks.runtime import engine_pool_size
 from tests.conftest import TEST_DB
 from tests.netproxy import CuttableProxy
-from tests.workers import Worker, flush_redis, running_beat, running_worker, wait_for
-
-pytestmark = pytest.mark.slow
+from tests.workers import (
+    Worker,
+    flush_redis,
+    running_beat,
+    running_worker,
+    wait_for,
+    worker_settings,
+)
 
 SWEPT = re.compile(r"Task webhooks\.sweep\[[^\]]+\] succeeded in")
 
@@ -37,6 +45,7 @@ def _fails_twice_then_sweeps_once_restored(worker: Worker, proxy: CuttableProxy)
     return failed
 
 
+@pytest.mark.slow
 def test_a_sweep_without_its_database_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     """Twice: a worker that starts while Postgres is unreachable (its first task cannot build
     the process's runtime), then the same worker losing its open connections mid-run."""
@@ -60,3 +69,38 @@ def test_a_sweep_without_its_database_is_one_line_not_a_traceback(tmp_path: Path
     assert "raised unexpected" not in log
     lines = [ln for ln in log.splitlines() if "sweep.failed" in ln]
     assert all('"error_class":' in ln for ln in lines), lines[:3]
+
+
+def test_a_worker_connection_gives_up_on_a_silent_peer_within_a_minute() -> None:
+    """A peer gone without a reset (a host or network lost) sends nothing a blocked read
+    would see: the socket of every engine connection (the worker's, here) has keepalive
+    probes (10 s idle, every 5 s, 3 missed) and a 30 s limit on unacknowledged data, so a
+    sweep stuck on one fails and the next starts, instead of waiting forever."""
+    engine = make_engine(worker_settings(), pool_size=engine_pool_size(worker_settings()))
+    try:
+        with engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            sock = socket.socket(fileno=raw.pgconn.socket)
+            try:
+                options = {
+                    name: sock.getsockopt(level, option)
+                    for name, level, option in [
+                        ("keepalive", socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                        ("idle", socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                        ("interval", socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                        ("count", socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                        ("user_timeout_ms", socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+                    ]
+                }
+            finally:
+                sock.detach()  # the connection's own socket: not closed here
+    finally:
+        engine.dispose()
+    assert options == {
+        "keepalive": 1,
+        "idle": 10,
+        "interval": 5,
+        "count": 3,
+        "user_timeout_ms": 30_000,
+    }
