@@ -16,8 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 import pytest
@@ -123,6 +125,16 @@ def test_env(**overrides: str) -> dict[str, str]:
 
 
 test_env.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+T = TypeVar("T")
+
+
+def run_each(calls: Iterable[Callable[[], T]]) -> list[T]:
+    """Independent subprocess runs (CLI calls that change nothing, or nothing the others
+    read), two at a time, results in order: the suite runs one test at a time, so a test
+    waiting on one CLI process left the machine's second core idle."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda call: call(), calls))
 
 
 def make_settings(**overrides: object) -> Settings:
