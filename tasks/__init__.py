@@ -23,7 +23,7 @@ from celery.signals import (
 )
 
 from tasks.config import create_app
-from webhooks.logs import configure_logging
+from webhooks.logs import configure_logging, get_logger
 from webhooks.settings import Settings, load_settings
 
 if TYPE_CHECKING:
@@ -107,6 +107,21 @@ def get_runtime() -> Runtime:
             if _runtime is None:
                 _runtime = build_runtime(get_settings())
     return _runtime
+
+
+def periodic_runtime(failed: str) -> Runtime | None:
+    """:func:`get_runtime` for a periodic task (sweep, maintenance, reconcile), or None when
+    Postgres cannot be reached to build it: a worker that started during an outage has no
+    runtime until its first statement succeeds. One warning line, ``failed`` with the error's
+    class, as for a run that loses its database midway, never a traceback a second; the
+    next run tries again."""
+    from tasks.durable import CONNECTION_ERRORS  # noqa: PLC0415
+
+    try:
+        return get_runtime()
+    except CONNECTION_ERRORS as exc:
+        get_logger("tasks").warning(failed, error_class=type(exc).__name__)
+        return None
 
 
 def _configure_logging(**_: Any) -> None:

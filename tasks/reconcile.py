@@ -5,7 +5,8 @@ has passed since its last scheduled run, on the maintenance queue.
 A source is claimed by one guarded UPDATE on the database's clock (``reconciled_at`` moved to
 ``now()`` only if the period has passed; SKIP LOCKED), so two workers, or a beat that ran
 twice, never run one source twice in a period. A run that fails is not retried before its
-next period: the next run's window covers the same events. Recovered Stripe events are left
+next period: the next run's window covers the same events (within a run, a dropped
+connection is tried again: :func:`webhooks.reconcile.paging.walk`). Recovered Stripe events are left
 pending for the sweeper to publish (``WEBHOOKS_PUBLISH_GRACE``); events created in the last
 :data:`SETTLE` are left to their webhooks, which are usually in flight.
 """
@@ -13,12 +14,13 @@ pending for the sweeper to publish (``WEBHOOKS_PUBLISH_GRACE``); events created 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from celery import shared_task
 from sqlalchemy import text
 
-from tasks import get_runtime
+from tasks import periodic_runtime
 from tasks.config import RECONCILE_TASK, RECONCILE_TICK
 from tasks.durable import CONNECTION_ERRORS, discard_pooled
 from tasks.runtime import Runtime
@@ -53,8 +55,14 @@ def claim_due(rt: Runtime) -> str | None:
         return session.execute(CLAIM_DUE).scalar()
 
 
-def run_due(rt: Runtime, *, limit: int = MAX_SOURCES_PER_TICK) -> list[str]:
-    """Reconcile each due source (at most ``limit``); returns their public ids."""
+def run_due(
+    rt: Runtime,
+    *,
+    limit: int = MAX_SOURCES_PER_TICK,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[str]:
+    """Reconcile each due source (at most ``limit``); returns their public ids. ``sleep``:
+    the waits of a run (a 429's, a dropped connection's)."""
     done: list[str] = []
     while len(done) < limit:
         public_id = claim_due(rt)
@@ -69,7 +77,7 @@ def run_due(rt: Runtime, *, limit: int = MAX_SOURCES_PER_TICK) -> list[str]:
                 public_id,
                 since=None,
                 dry_run=False,
-                sleep=time.sleep,
+                sleep=sleep,
                 settle=SETTLE,
             )
         except ReconcileError as exc:
@@ -87,7 +95,9 @@ def run_due(rt: Runtime, *, limit: int = MAX_SOURCES_PER_TICK) -> list[str]:
 
 @shared_task(name=RECONCILE_TASK, ignore_result=True)
 def reconcile_due() -> int:
-    rt = get_runtime()
+    rt = periodic_runtime("reconcile.failed")
+    if rt is None:
+        return 0
     try:
         return len(run_due(rt))
     except CONNECTION_ERRORS as exc:

@@ -29,7 +29,7 @@ from sqlalchemy import text
 from models import breaker, retention, transitions
 from models.admission import Admission
 from models.db import session_scope
-from tasks import capacity, dispatcher, get_runtime
+from tasks import capacity, dispatcher, periodic_runtime
 from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
 from tasks.deliver import deliver
 from tasks.durable import CONNECTION_ERRORS, discard_pooled, on_connection
@@ -141,7 +141,9 @@ def sweep() -> int:
         options: dict[str, Any] = dispatch.reprs()
         deliver.apply_async(args=(dispatch.delivery_id,), **options)
 
-    rt = get_runtime()
+    rt = periodic_runtime("sweep.failed")
+    if rt is None:
+        return 0
     try:
         return len(sweep_once(rt, publish))
     except CONNECTION_ERRORS as exc:
@@ -159,7 +161,9 @@ def maintenance() -> str:
     expired ones dropped (or a batched delete), payloads past their retention cleared. Then
     the capacity gauges (:mod:`tasks.capacity`), read even when retention failed: a failing
     drop is what the past-days gauge is there to show."""
-    rt = get_runtime()
+    rt = periodic_runtime("maintenance.failed")
+    if rt is None:
+        return "failed"
     capacity.record_fast_tier(rt.redis)
     try:
         try:

@@ -6,6 +6,8 @@ credential matched) so a test can assert what the client did."""
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -132,10 +134,31 @@ class FakeStripe:
             )
 
 
+class _Resets:
+    """Which requests (1-based, in the order the server reads them) get their connection
+    reset instead of an answer."""
+
+    def __init__(self, nths: tuple[int, ...]) -> None:
+        self.nths = set(nths)
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self.lock:
+            self.count += 1
+            return self.count in self.nths
+
+
 class _Handler(BaseHTTPRequestHandler):
     fake: Any
+    resets: _Resets
 
     def _serve(self) -> None:
+        if self.resets.take():  # a dropped connection: RST (linger 0), no answer, not seen
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+            return
         parts = urlsplit(self.path)
         length = int(self.headers.get("Content-Length") or 0)
         raw_in = self.rfile.read(length) if length else b""
@@ -159,12 +182,22 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+# serve_forever checks for shutdown() every poll_interval (0.5 s by default): each fake's
+# exit waited a quarter of a second on average for nothing.
+POLL = 0.05
+
+
 @contextmanager
-def serving(fake: Any) -> Iterator[Any]:
-    handler = type("Handler", (_Handler,), {"fake": fake})
+def serving(fake: Any, *, reset: tuple[int, ...] = ()) -> Iterator[Any]:
+    """Serve ``fake`` on 127.0.0.1. ``reset``: the n-th requests (1-based) have their
+    connection reset unanswered, as a network or a provider's load balancer may; the fake
+    does not see them."""
+    handler = type("Handler", (_Handler,), {"fake": fake, "resets": _Resets(reset)})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": POLL}, daemon=True
+    )
     thread.start()
     try:
         yield fake

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -15,7 +16,15 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.conftest import ADMIN_DSN, BIN, free_port, make_settings, test_env, wait_for_port
+from tests.conftest import (
+    ADMIN_DSN,
+    BIN,
+    free_port,
+    make_settings,
+    run_each,
+    test_env,
+    wait_for_port,
+)
 from tests.factories import make_source
 from tests.processes import receiver
 from tests.signing import sign
@@ -96,8 +105,12 @@ def _cases(unmigrated: str) -> list[tuple[str, str, str]]:
 def test_an_unusable_postgres_is_one_line_naming_where_and_why(
     command: list[str], unmigrated: str
 ) -> None:
-    for url, where, cause in _cases(unmigrated):
-        line = one_line(webhooks(*command, WEBHOOKS_DATABASE_URL=url))
+    cases = _cases(unmigrated)
+    results = run_each(
+        partial(webhooks, *command, WEBHOOKS_DATABASE_URL=url) for url, _, _ in cases
+    )
+    for (_, where, cause), result in zip(cases, results, strict=True):
+        line = one_line(result)
         assert where in line, line
         assert cause in line, line
         assert "pw" not in line  # never the password
@@ -156,8 +169,9 @@ def test_a_key_that_does_not_match_the_database_is_refused_in_one_line(
     sessions: sessionmaker[Session], settings: Settings
 ) -> None:
     make_source(sessions, settings, provider="github")
-    for command in (["sources", "list"], ["dead", "list"], ["send", "src_x"], ["audit", "list"]):
-        line = one_line(webhooks(*command, WEBHOOKS_SECRET_KEY=OTHER_KEY))
+    commands = (["sources", "list"], ["dead", "list"], ["send", "src_x"], ["audit", "list"])
+    for result in run_each(partial(webhooks, *c, WEBHOOKS_SECRET_KEY=OTHER_KEY) for c in commands):
+        line = one_line(result)
         assert "WEBHOOKS_SECRET_KEY cannot decrypt" in line, line
         assert "stored secrets checked" in line
     # serve refuses to start; run refuses before it starts anything.

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import uuid
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Engine, text
 
-from tests.conftest import BIN, test_env
+from tests.conftest import BIN, run_each, test_env
 from tests.leakcheck import remember
 
 
@@ -211,8 +212,8 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(engine: Engine) -> None:
         (("routes", "add", "src_nope", "--handler", "log"), "no such source"),
         (("sources", "show", "src_nope"), "no such source"),
     ]
-    for args, message in cases:
-        result = webhooks(*args)
+    results = run_each(partial(webhooks, *args) for args, _ in cases)
+    for (args, message), result in zip(cases, results, strict=True):
         assert result.returncode == 1, (args, result.stdout)
         assert message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr

@@ -68,7 +68,9 @@ class HugeAnswer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -252,7 +254,9 @@ class Recorder:
         if tls is not None:
             tls.sni_callback = lambda _sock, name, _ctx: recorder.sni.append(name)  # type: ignore[assignment,misc]
             self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.conftest import test_env
+from tests.conftest import free_port, test_env
 from tests.factories import MadeSource, accept_event, make_source
 from tests.fake_providers import FakeGitHub, FakeStripe, FakeSvix, serving
 from tests.handlers_for_tests import EFFECTS_DDL
@@ -29,12 +29,14 @@ from tests.signing import new_secret, sign_github, sign_stripe, sign_svix
 from tests.workers import BROKER_URL, CLAIMS_URL, flush_redis, running_worker, wait_for
 from webhooks.crypto import SecretBox
 from webhooks.reconcile.paging import (
+    MAX_RECONNECTS,
     MAX_WAIT,
     MAX_WAITS,
     ApiError,
     Page,
     ProviderEvent,
     RateLimited,
+    Unreachable,
     walk,
 )
 from webhooks.reconcile.run import accept_recovered, load_target
@@ -364,6 +366,71 @@ def test_walk_honours_retry_after_up_to_a_cap_and_a_bounded_number_of_times() ->
     assert listing.error.status == 429
 
 
+def test_walk_tries_a_dropped_connection_again_a_bounded_number_of_times() -> None:
+    """A connection refused or reset before an answer is tried again (the same page) after
+    0.5, 1, 2 s, at most MAX_RECONNECTS times a run; an API error with no status that is not
+    a dropped connection still stops the walk at once."""
+    slept: list[float] = []
+    fetch, calls = _pages(
+        [
+            Unreachable("Stripe API at x did not answer"),
+            Page([_event(1)], "evt_1"),
+            Unreachable("Stripe API at x did not answer"),
+            Unreachable("Stripe API at x did not answer"),
+            Page([_event(2)], None),
+        ]
+    )
+    listing = walk(fetch, max_pages=10, sleep=slept.append)
+    assert slept == [0.5, 1.0, 2.0]
+    assert listing.reconnects == [0.5, 1.0, 2.0]
+    assert calls == [None, None, "evt_1", "evt_1", "evt_1"]
+    assert [e.event_id for e in listing.events] == ["evt_1", "evt_2"]
+    assert listing.error is None
+
+    slept.clear()
+    fetch, calls = _pages([Unreachable("Stripe API at x did not answer")] * (MAX_RECONNECTS + 1))
+    listing = walk(fetch, max_pages=10, sleep=slept.append)
+    assert len(slept) == MAX_RECONNECTS
+    assert len(calls) == MAX_RECONNECTS + 1
+    assert isinstance(listing.error, Unreachable)
+    assert listing.error.status is None
+
+    fetch, calls = _pages([ApiError(None, "Stripe endpoint we_x subscribes to no event")])
+    listing = walk(fetch, max_pages=10, sleep=pytest.fail)
+    assert len(calls) == 1
+    assert str(listing.error) == "Stripe endpoint we_x subscribes to no event"
+
+
+def test_each_provider_reports_a_refused_connection_as_unreachable_and_a_500_as_an_error() -> None:
+    """Nothing listens on the port: Unreachable (tried again by walk) for each provider's
+    listing; an answer, even a 500, is an ApiError with its status (never tried again)."""
+    from webhooks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415
+    from webhooks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415
+    from webhooks.reconcile.svix_api import messages_fetcher  # noqa: PLC0415
+
+    since = datetime.now(UTC) - timedelta(hours=1)
+    nobody = f"http://127.0.0.1:{free_port()}"
+    fetchers = [
+        events_fetcher("rk_test_x", nobody, since, "we_1Recon"),
+        deliveries_fetcher("ghp_x", nobody, "repos/o/r/hooks/1", since),
+        messages_fetcher("sk_x", nobody, "app_x", since),
+    ]
+    for fetch in fetchers:
+        with pytest.raises(Unreachable) as refused:
+            fetch(None)
+        assert refused.value.status is None
+        assert "did not answer" in str(refused.value)
+
+    fake = FakeStripe(_key())
+    fake.fail(1, 500)
+    with serving(fake):
+        fetch = events_fetcher(fake.api_key, fake.url, since, fake.endpoint_id)
+        with pytest.raises(ApiError) as failed:
+            fetch(None)
+    assert not isinstance(failed.value, Unreachable)
+    assert failed.value.status == 500
+
+
 def test_walk_stops_after_max_pages_and_on_an_api_error() -> None:
     fetch, calls = _pages([Page([_event(n)], f"evt_{n}") for n in range(5)])
     listing = walk(fetch, max_pages=3, sleep=pytest.fail)
@@ -581,6 +648,46 @@ def test_beat_reconciles_each_due_source_once_a_period_and_leaves_fresh_events_t
     shown = json.loads(cli("sources", "show", scheduled.name, "--json", env=test_env()).stdout)
     assert shown["reconcile"]["every"] == "1h"
     assert shown["reconcile"]["last_run"] is not None
+
+
+def test_a_scheduled_run_survives_connections_reset_before_an_answer(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """The provider resets the run's first connection (the endpoint's request) and the first
+    one of the events list: the run tries each again after its wait (injected, none slept)
+    and recovers the missing event once, instead of failing until its next period."""
+    from tasks.reconcile import run_due  # noqa: PLC0415
+    from tasks.runtime import build_runtime  # noqa: PLC0415
+
+    fake = FakeStripe(_key())
+    with serving(fake, reset=(1, 3)):
+        made = _stripe_source(sessions, settings, fake)
+        done = cli("sources", "update", made.name, "--reconcile-every", "1h", env=test_env())
+        assert done.returncode == 0, done.stderr
+        old = f"evt_{uuid.uuid4().hex[:20]}"
+        fake.add_event(old, int(time.time()) - 3600)
+        with engine.begin() as conn:  # only this source is due (others may be, from before)
+            conn.execute(
+                text(
+                    "UPDATE sources SET reconciled_at = now() WHERE id <> :s"
+                    " AND reconcile_every_s IS NOT NULL"
+                ),
+                {"s": made.id},
+            )
+        assert fake.seen == []  # setting the source up asked nothing of the API
+        rt = build_runtime(settings, worker="reconcile-reset-test")
+        slept: list[float] = []
+        try:
+            assert run_due(rt, sleep=slept.append) == [made.public_id]
+        finally:
+            rt.close()
+    assert slept == [0.5, 1.0]
+    assert [s.path for s in fake.seen] == [
+        f"/v1/webhook_endpoints/{fake.endpoint_id}",
+        "/v1/events",
+    ]
+    rows = _receipts(engine, made.id)
+    assert {k: (v.arrived_via, v.deliveries) for k, v in rows.items()} == {old: ("reconcile", 1)}
 
 
 # The drill ---------------------------------------------------------------------------------

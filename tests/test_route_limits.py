@@ -92,7 +92,9 @@ class Downstream:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
 
     def route(self, path: str) -> dict[str, Any]:
         return {"handler": "forward", "options": {"url": self.base + path, "allow_private": "true"}}

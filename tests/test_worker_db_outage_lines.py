@@ -5,54 +5,102 @@ proxy the test cuts, so Postgres keeps running for everyone else."""
 
 from __future__ import annotations
 
+import re
+import socket
 from pathlib import Path
 
 import pytest
 
+from models.db import make_engine
+from tasks.runtime import engine_pool_size
 from tests.conftest import TEST_DB
 from tests.netproxy import CuttableProxy
-from tests.workers import flush_redis, running_beat, running_worker, wait_for
+from tests.workers import (
+    Worker,
+    flush_redis,
+    running_beat,
+    running_worker,
+    wait_for,
+    worker_settings,
+)
 
-pytestmark = pytest.mark.slow
+SWEPT = re.compile(r"Task webhooks\.sweep\[[^\]]+\] succeeded in")
 
 
+def _fails_twice_then_sweeps_once_restored(worker: Worker, proxy: CuttableProxy) -> int:
+    """Two sweeps fail while the proxy is cut; restored, a sweep succeeds after them."""
+    before = worker.output().count("sweep.failed")
+    wait_for(
+        lambda: worker.output().count("sweep.failed") >= before + 2,
+        timeout=30,
+        what="two sweeps to fail while the database is unreachable",
+    )
+    failed = worker.output().count("sweep.failed") - before
+    proxy.restore()
+    wait_for(
+        lambda: SWEPT.search(worker.output().rsplit("sweep.failed", 1)[1]),
+        timeout=30,
+        what="a sweep to run through once the database is back",
+    )
+    return failed
+
+
+@pytest.mark.slow
 def test_a_sweep_without_its_database_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """Twice: a worker that starts while Postgres is unreachable (its first task cannot build
+    the process's runtime), then the same worker losing its open connections mid-run."""
     flush_redis()
     proxy = CuttableProxy(5432)
+    proxy.cut()  # new connections are refused
     via_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{TEST_DB}"
     try:
         with (
             running_worker("outage", tmp_path, database_url=via_proxy) as worker,
             running_beat(tmp_path),
         ):
-            wait_for(
-                lambda: "Task webhooks.sweep[" in worker.output(),
-                timeout=30,
-                what="a first sweep while the database answers",
-            )
+            failed = [_fails_twice_then_sweeps_once_restored(worker, proxy)]
             proxy.cut()  # open connections die; new ones are refused
-            wait_for(
-                lambda: worker.output().count("sweep.failed") >= 2,
-                timeout=30,
-                what="two sweeps to fail while the database is unreachable",
-            )
-            failed = worker.output().count("sweep.failed")
-            proxy.restore()
-
-            def swept_after_the_outage() -> bool:
-                after = worker.output().rsplit("sweep.failed", 1)[1]
-                return "Task webhooks.sweep[" in after and "succeeded in" in after
-
-            wait_for(
-                swept_after_the_outage,
-                timeout=30,
-                what="a sweep to run through once the database is back",
-            )
+            failed.append(_fails_twice_then_sweeps_once_restored(worker, proxy))
             log = worker.output()
     finally:
         proxy.close()
-    assert failed >= 2
+    assert min(failed) >= 2
     assert "Traceback" not in log, log[-3000:]
     assert "raised unexpected" not in log
     lines = [ln for ln in log.splitlines() if "sweep.failed" in ln]
     assert all('"error_class":' in ln for ln in lines), lines[:3]
+
+
+def test_a_worker_connection_gives_up_on_a_silent_peer_within_a_minute() -> None:
+    """A peer gone without a reset (a host or network lost) sends nothing a blocked read
+    would see: the socket of every engine connection (the worker's, here) has keepalive
+    probes (10 s idle, every 5 s, 3 missed) and a 30 s limit on unacknowledged data, so a
+    sweep stuck on one fails and the next starts, instead of waiting forever."""
+    engine = make_engine(worker_settings(), pool_size=engine_pool_size(worker_settings()))
+    try:
+        with engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            sock = socket.socket(fileno=raw.pgconn.socket)
+            try:
+                options = {
+                    name: sock.getsockopt(level, option)
+                    for name, level, option in [
+                        ("keepalive", socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                        ("idle", socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                        ("interval", socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                        ("count", socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                        ("user_timeout_ms", socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+                    ]
+                }
+            finally:
+                sock.detach()  # the connection's own socket: not closed here
+    finally:
+        engine.dispose()
+    assert options == {
+        "keepalive": 1,
+        "idle": 10,
+        "interval": 5,
+        "count": 3,
+        "user_timeout_ms": 30_000,
+    }

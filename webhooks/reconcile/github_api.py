@@ -19,10 +19,19 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
-from webhooks.reconcile.paging import ApiError, Page, ProviderEvent, RateLimited, retry_after
+from webhooks.reconcile.paging import (
+    ApiError,
+    Page,
+    ProviderEvent,
+    RateLimited,
+    Unreachable,
+    retry_after,
+)
 
 PAGE_SIZE = 100
 TIMEOUT = 30.0
+# Refused, reset or closed before an answer (not a timeout): walk tries a listing again.
+UNANSWERED: Final = (httpx.NetworkError, httpx.RemoteProtocolError)
 HOOK: Final = re.compile(r"(repos/[\w.-]+/[\w.-]+|orgs/[\w.-]+)/hooks/\d+")
 
 
@@ -86,6 +95,8 @@ def deliveries_fetcher(
             params["cursor"] = cursor
         try:
             answer = client.get(f"/{hook}/deliveries", params=params)
+        except UNANSWERED:
+            raise Unreachable(f"GitHub API at {base} did not answer") from None
         except httpx.HTTPError:
             raise ApiError(None, f"GitHub API at {base} did not answer") from None
         _raise_for(answer, "the deliveries list")

@@ -1,8 +1,11 @@
 """Walking a provider API's pages within a run's bounds (pure but for the injected sleep).
 
 A 429 is waited out, honouring ``Retry-After`` (capped at :data:`MAX_WAIT` seconds, and at
-most :data:`MAX_WAITS` times a run); any other API error stops the walk, keeping what was
-listed before it; the walk stops after ``max_pages`` pages.
+most :data:`MAX_WAITS` times a run); a connection refused or reset before an answer
+(:class:`Unreachable`) is tried again after a short wait, at most :data:`MAX_RECONNECTS` times
+a run (one dropped connection must not fail a scheduled run until its next period); any other
+API error stops the walk, keeping what was listed before it; the walk stops after
+``max_pages`` pages.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from datetime import datetime
 MAX_WAIT = 60.0  # seconds: the longest Retry-After honoured as given
 MAX_WAITS = 5  # 429s waited out per run, then the run stops
 DEFAULT_WAIT = 2.0  # a 429 without Retry-After: 2, 4, 8 ... seconds
+MAX_RECONNECTS = 3  # connections refused or reset per run, then the run stops
+RECONNECT_WAIT = 0.5  # before the next try: 0.5, 1, 2 seconds
 
 
 @dataclass(frozen=True)
@@ -52,12 +57,22 @@ class ApiError(Exception):
         self.status = status
 
 
+class Unreachable(ApiError):
+    """No answer: the connection was refused, reset or closed before a response. Another
+    try is safe (listing is read-only) and usually answered. A timeout is not one of these:
+    the API was slow for the whole timeout, and the next run tries again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message)
+
+
 @dataclass
 class Listing:
     events: list[ProviderEvent] = field(default_factory=list)
     pages: int = 0
     truncated: bool = False  # stopped at max_pages with more pages to list
     waits: list[float] = field(default_factory=list)  # each 429's wait, in seconds
+    reconnects: list[float] = field(default_factory=list)  # each wait after Unreachable
     error: ApiError | None = None  # the walk stopped on it; events holds what came before
 
 
@@ -96,6 +111,14 @@ def walk(
                 wait = DEFAULT_WAIT * 2 ** len(listing.waits)
             wait = min(wait, MAX_WAIT)
             listing.waits.append(wait)
+            sleep(wait)
+            continue
+        except Unreachable as exc:
+            if len(listing.reconnects) >= MAX_RECONNECTS:
+                listing.error = exc
+                return listing
+            wait = RECONNECT_WAIT * 2 ** len(listing.reconnects)
+            listing.reconnects.append(wait)
             sleep(wait)
             continue
         except ApiError as exc:

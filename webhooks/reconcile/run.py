@@ -304,6 +304,7 @@ def reconcile(
         listed=len(listing.events),
         pages=listing.pages,
         truncated=listing.truncated,
+        reconnects=len(listing.reconnects),
         missing=len(missing),
         recovered=report.recovered,
         arrived_meanwhile=report.arrived_meanwhile,

@@ -3,8 +3,9 @@
 ``GET /v1/webhook_endpoints/{endpoint_id}`` first: only the event types the source's endpoint
 subscribes to (``enabled_events``; ``*``: all) were ever sent to it, so only those can be
 missing. Then ``GET /v1/events?created[gte]=...`` newest first, 100 a page,
-``starting_after`` the last id of the page before. The library's own retries are off:
-:func:`webhooks.reconcile.paging.walk` decides (429 and ``Retry-After``). Errors are
+``starting_after`` the last id of the page before. The library's own retries are off (they
+would also repeat 5xx answers, with its own sleeps): :func:`webhooks.reconcile.paging.walk`
+decides (429 and ``Retry-After``; a connection refused or reset: :class:`Unreachable`). Errors are
 reported by status and code only: never the API's message, which may quote part of the key.
 """
 
@@ -17,7 +18,14 @@ from typing import Any, cast
 
 import orjson
 
-from webhooks.reconcile.paging import ApiError, Page, ProviderEvent, RateLimited, retry_after
+from webhooks.reconcile.paging import (
+    ApiError,
+    Page,
+    ProviderEvent,
+    RateLimited,
+    Unreachable,
+    retry_after,
+)
 
 PAGE_SIZE = 100
 
@@ -27,6 +35,15 @@ def _header(headers: Any, name: str) -> str | None:
         if str(key).lower() == name:
             return str(value)
     return None
+
+
+def _unanswered(exc: Exception) -> bool:
+    """The library's connection error was a refused, reset or closed connection (requests'
+    ConnectionError), not a timeout (requests' ConnectTimeout is both: not retried)."""
+    import requests  # noqa: PLC0415  (the stripe library's HTTP client)
+
+    cause = exc.__cause__
+    return isinstance(cause, requests.ConnectionError) and not isinstance(cause, requests.Timeout)
 
 
 def events_fetcher(
@@ -56,7 +73,9 @@ def events_fetcher(
             raise ApiError(
                 exc.http_status, f"Stripe API error {exc.http_status} {exc.code or ''}".strip()
             ) from None
-        except stripe.APIConnectionError:
+        except stripe.APIConnectionError as exc:
+            if _unanswered(exc):
+                raise Unreachable(f"Stripe API at {base} did not answer") from None
             raise ApiError(None, f"Stripe API at {base} did not answer") from None
         except stripe.StripeError as exc:
             code = f" {exc.code}" if exc.code else ""

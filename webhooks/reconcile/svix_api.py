@@ -20,7 +20,7 @@ import pydantic
 from svix.api import MessageListOptions, RecoverIn, Svix, SvixOptions
 from svix.exceptions import HttpError
 
-from webhooks.reconcile.paging import ApiError, Page, ProviderEvent, RateLimited
+from webhooks.reconcile.paging import ApiError, Page, ProviderEvent, RateLimited, Unreachable
 
 PAGE_SIZE = 100
 
@@ -37,6 +37,8 @@ def _raised(exc: Exception, base: str) -> Exception:
         if status in (401, 403):
             return ApiError(status, f"Svix refused the API token ({status})")
         return ApiError(status, f"Svix API error {status}")
+    if isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError):
+        return Unreachable(f"Svix API at {base} did not answer")  # walk tries again
     if isinstance(exc, pydantic.ValidationError):
         return ApiError(None, f"Svix API at {base} answered a body its client cannot read")
     return ApiError(None, f"Svix API at {base} did not answer")
