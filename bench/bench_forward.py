@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -173,6 +174,19 @@ class Drain:
     rate: float
     cpu_ms: float
     rss: float
+    # From the worker's start to the first message taken (its boot: imports, connections),
+    # which the figures above leave out; the earlier measure of ours counted it (see drain).
+    boot_s: float = 0.0
+    boot_cpu_s: float = 0.0
+    n: int = 0
+
+    @property
+    def rate_with_boot(self) -> float:
+        return self.n / (self.n / self.rate + self.boot_s)
+
+    @property
+    def cpu_ms_with_boot(self) -> float:
+        return self.cpu_ms + 1000 * self.boot_cpu_s / self.n
 
 
 @dataclass
@@ -288,6 +302,11 @@ def succeeded(conn: psycopg.Connection[object]) -> int:
     return int(row[0])  # type: ignore[index]
 
 
+def claimed(conn: psycopg.Connection[object]) -> bool:
+    row = conn.execute("SELECT EXISTS (SELECT 1 FROM deliveries WHERE status <> 'pending')")
+    return bool(row.fetchone()[0])  # type: ignore[index]
+
+
 def queued(client: redis.Redis) -> int:
     return int(client.llen(DELIVERIES_QUEUE))
 
@@ -296,8 +315,15 @@ def progress(text: str) -> None:
     print(f"  .. {text}", file=sys.stderr, flush=True)
 
 
-def drain(worker: Worker, client: redis.Redis, n: int, done: object) -> Drain:
-    while queued(client) >= n:
+def drain(worker: Worker, n: int, taken: Callable[[], bool], done: object) -> Drain:
+    """Events/s and CPU per event from the first message the worker takes (``taken``) to the
+    n-th event done. Before 2026-12-02 (session 9) ours' clock started when its worker was
+    launched: its check, ``queued >= n``, never held for ours (the receiver packs several ids
+    in a message, and admission keeps most of them out of the broker), so ours' figures
+    counted the worker's boot (about 1 CPU second, 1.3-3.5 s on this machine) and bare's did
+    not. Both measures are reported (``rate_with_boot``)."""
+    launched, boot_cpu0 = time.perf_counter(), cpu_seconds(worker.proc.pid)
+    while not taken():
         worker.check()
         time.sleep(0.002)
     start, cpu0 = time.perf_counter(), cpu_seconds(worker.proc.pid)
@@ -307,7 +333,7 @@ def drain(worker: Worker, client: redis.Redis, n: int, done: object) -> Drain:
     elapsed = time.perf_counter() - start
     cpu, rss = cpu_seconds(worker.proc.pid) - cpu0, rss_mib(worker.proc.pid)
     progress(f"drained {n} in {elapsed:.1f} s")
-    return Drain(n / elapsed, 1000 * cpu / n, rss)
+    return Drain(n / elapsed, 1000 * cpu / n, rss, start - launched, cpu0 - boot_cpu0, n)
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -356,7 +382,9 @@ class Bench:
         self.publish_bare(n)
         worker = self.bare_worker()
         try:
-            return drain(worker, self.broker, n, lambda: downstream_stats()["count"])
+            return drain(
+                worker, n, lambda: queued(self.broker) < n, lambda: downstream_stats()["count"]
+            )
         finally:
             worker.stop()
 
@@ -364,9 +392,17 @@ class Bench:
         n = self.args.events
         self._fresh(conn)
         asyncio.run(sender.burst(n))
+        # The receiver's messages carry several ids, and with admission most deliveries wait
+        # outside the broker: the first message is taken when the queue gets shorter (or,
+        # with nothing queued, when a delivery leaves pending).
+        initial = queued(self.broker)
+
+        def taken() -> bool:
+            return queued(self.broker) < initial if initial else claimed(conn)
+
         worker = self.ours_worker()
         try:
-            return drain(worker, self.broker, n, lambda: succeeded(conn))
+            return drain(worker, n, taken, lambda: succeeded(conn))
         finally:
             worker.stop()
 
@@ -507,7 +543,7 @@ def main() -> None:
                 finally:
                     stop(downstream)
                 lines += report(delay, bare, ours, best_bare, best_ours, s_bare, s_ours)
-                print("\n".join(lines[-9:]), flush=True)
+                print("\n".join(lines[-10:]), flush=True)
     finally:
         stop(receiver)
     with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
@@ -541,6 +577,10 @@ def report(
         f"{best_bare.cpu_ms:>18.2f}{best_bare.rss:>17.0f}",
         f"  ratio ours/bare: {best_ours.rate / best_bare.rate:.2f} events/s, "
         f"{best_ours.cpu_ms / best_bare.cpu_ms:.2f} CPU per event",
+        f"  ours with its worker's boot counted (the measure before session 9): "
+        f"{best_ours.rate_with_boot:.0f} events/s, {best_ours.cpu_ms_with_boot:.2f} CPU ms/event, "
+        f"ratio {best_ours.rate_with_boot / best_bare.rate:.2f}; boot {best_ours.boot_s:.2f} s, "
+        f"{best_ours.boot_cpu_s:.2f} CPU s",
         f"  sustained at {s_ours.offered:.0f} events/s offered for the run's seconds: "
         f"ours {s_ours.done_rate:.0f} done/s, receipt->succeeded p50 {s_ours.p50_ms:.0f} ms "
         f"p99 {s_ours.p99_ms:.0f} ms ({s_ours.count} events)",

@@ -292,6 +292,28 @@ return out
 )
 
 
+# A dispatcher round's first call (:meth:`Admission.start_round`): free the finished
+# deliveries' slots (ARGV 3.. = route, count, ids... per route), then answer the scheduled
+# retries due by Redis' clock (at most ARGV 2) and the routes with deliveries waiting. One round
+# trip where it was four (release, TIME, ZRANGEBYSCORE, SMEMBERS), every round.
+_ROUND = """
+local prefix = ARGV[1]
+local most = tonumber(ARGV[2])
+local i = 3
+while i <= #ARGV do
+    local key, n = prefix .. 'f:' .. ARGV[i], tonumber(ARGV[i + 1])
+    for first = i + 2, i + 1 + n, 1000 do
+        redis.call('ZREM', key, unpack(ARGV, first, math.min(first + 999, i + 1 + n)))
+    end
+    i = i + 2 + n
+end
+local clock = redis.call('TIME')
+local now = string.format('%.3f', tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', prefix .. 'd', '-inf', now, 'LIMIT', 0, most)
+return {due, redis.call('SMEMBERS', prefix .. 'waiting')}
+"""
+
+
 @dataclass(frozen=True)
 class Offer:
     """The receiver's or the sweeper's deliveries, sorted by what admission decided."""
@@ -311,6 +333,7 @@ class Admission:
         self.prefix = prefix
         self._admit = client.register_script(_ADMIT)
         self._drain = client.register_script(_DRAIN)
+        self._round = client.register_script(_ROUND)
 
     def now_ms(self) -> float:
         seconds, micros = self.client.time()
@@ -337,6 +360,18 @@ class Admission:
         for i, answer in zip(known, answers, strict=True):
             out[answer if isinstance(answer, bytes) else str(answer).encode()].append(i)
         return Offer(out[b"a"], out[b"d"], out[b"w"], unknown)
+
+    def start_round(
+        self, released: dict[int, list[int]], *, most: int = DRAIN_LIMIT
+    ) -> tuple[list[int], list[int]]:
+        """A dispatcher round's first round trip: :meth:`release` these finished deliveries,
+        then answer :meth:`scheduled_due` (at most ``most``) and :meth:`waiting_routes`."""
+        args: list[Any] = [self.prefix, most]
+        for route, ids in released.items():
+            if ids:
+                args += [route, len(ids), *ids]
+        due, routes = self._round(args=args)
+        return [int(i) for i in due], sorted(int(r) for r in routes)
 
     def waiting_routes(self) -> list[int]:
         return sorted(int(r) for r in self.client.smembers(self.prefix + "waiting"))
@@ -514,9 +549,13 @@ _SCHEDULED = """
 """
 
 
-def promote_due(conn: psycopg.Connection[Any], admission: Admission) -> int:
-    """Scheduled retries due by both clocks go to their routes' waiting sets; returns how many."""
-    ids = admission.scheduled_due()
+def promote_due(
+    conn: psycopg.Connection[Any], admission: Admission, ids: Sequence[int] | None = None
+) -> int:
+    """Scheduled retries due by both clocks go to their routes' waiting sets; returns how many.
+    ``ids``: those due by Redis' clock, already read (:meth:`Admission.start_round`)."""
+    if ids is None:
+        ids = admission.scheduled_due()
     if not ids:
         return 0
     due: dict[int, list[int]] = {}

@@ -118,15 +118,15 @@ class Dispatcher:
     def once(self) -> float:
         """One round; returns the seconds to wait before the next."""
         interval = self.settings.dispatch_interval.total_seconds()
-        released = _take_releases()
-        if released:  # a failure here fails the round; the reconcile frees them later
-            self.admission.release(released)
+        # The finished tasks' slots freed, the retries due and the routes waiting read, in
+        # one round trip (a failure here fails the round; the reconcile frees them later).
+        due, routes = self.admission.start_round(_take_releases())
         conn = self.conn()
         if time.monotonic() - self._reconciled >= max(interval, RECONCILE_INTERVAL):
             admission.reconcile(conn, self.admission, grace=self.settings.publish_grace)
             self._reconciled = time.monotonic()
-        admission.promote_due(conn, self.admission)
-        routes = self.admission.waiting_routes()
+        if due and admission.promote_due(conn, self.admission, due):
+            routes = self.admission.waiting_routes()  # with the routes of those promoted
         if not routes:
             return interval
         limits = admission.limits_of(conn, routes, self.settings.route_max_in_flight)

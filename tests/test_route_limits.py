@@ -301,6 +301,78 @@ def test_wakes_from_finished_tasks_are_served_together_not_one_round_each() -> N
     assert min(gaps) >= dispatcher.MIN_ROUND_GAP * 0.9, gaps
 
 
+def test_a_rounds_start_frees_slots_and_reads_the_due_retries_and_waiting_routes_at_once() -> None:
+    """Admission.start_round on a real Redis: the finished deliveries leave their in-flight
+    sets (more than one ZREM's chunk of them too), and the answer is what scheduled_due and
+    waiting_routes answer after that release."""
+    client = redis.Redis.from_url(CLAIMS_URL)
+    gate = admission.Admission(client, prefix="round-test:")
+    try:
+        one = admission.RouteLimits(1, 3, None, held=False)
+        many = admission.RouteLimits(2, 5000, None, held=False)
+        gate.offer(list(range(100, 105)), dict.fromkeys(range(100, 105), one))
+        gate.offer(list(range(1000, 3500)), dict.fromkeys(range(1000, 3500), many))
+        assert gate.counts(1) == (3, 2)
+        assert gate.counts(2) == (2500, 0)
+        gate.schedule(7, 0.0)
+        gate.schedule(8, 600.0)
+        due, routes = gate.start_round({1: [100], 2: list(range(1000, 3500)), 3: []})
+        assert gate.counts(1) == (2, 2)
+        assert gate.counts(2) == (0, 0)
+        assert due == [7] == gate.scheduled_due()
+        assert routes == [1] == gate.waiting_routes()
+        assert gate.start_round({}) == ([7], [1])  # nothing to release
+    finally:
+        for key in client.scan_iter("round-test:*"):
+            client.delete(key)
+        client.close()
+
+
+def test_a_dispatcher_round_costs_two_redis_round_trips(
+    sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round that frees a finished task's slot and admits a waiting delivery in its place:
+    one round trip to free the slot and read what is due and waiting, one to admit (the
+    broker's publish aside). It was five (release, TIME, the due retries, the waiting routes,
+    the admission), at up to 50 rounds a second under load (bench_forward)."""
+    import redis.connection  # noqa: PLC0415
+
+    settings = worker_settings()
+    source = make_source(sessions, settings)
+    (route_id,) = source.route_ids
+    _limits(sessions, route_id, max_in_flight=1)
+    ids = _accept(settings, source, 3)
+    limits = admission.RouteLimits(route_id, 1, None, held=False)
+    gate = admission.Admission(redis.Redis.from_url(CLAIMS_URL))
+    gate.offer(ids, dict.fromkeys(ids, limits))
+    assert gate.counts(route_id) == (1, 2)
+    published: list[list[int]] = []
+    running = dispatcher.Dispatcher(
+        settings, lambda dispatches: published.append([d.delivery_id for d in dispatches])
+    )
+    try:
+        running.once()  # connections, scripts loaded, the heartbeat: nothing to admit yet
+        assert published == []
+        sends: list[int] = []
+        send: Any = redis.connection.AbstractConnection.send_packed_command
+
+        def counted(conn: Any, *args: Any, **kwargs: Any) -> None:
+            sends.append(1)
+            send(conn, *args, **kwargs)
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+        with dispatcher._RELEASES_LOCK:
+            dispatcher._RELEASES[route_id] = [ids[0]]  # as a finished task of this process
+        running.once()
+        monkeypatch.undo()
+    finally:
+        running.close()
+        gate.client.close()
+    assert published == [[ids[1]]]
+    assert gate.counts(route_id) == (1, 1)
+    assert len(sends) == 2
+
+
 def test_finished_tasks_hand_their_slots_to_this_process_dispatcher_or_free_them_directly() -> None:
     """A task's finished deliveries free their admission slots at once: through the dispatcher
     of its own process when one runs there (its next round releases every task's at once), or
