@@ -233,15 +233,13 @@ class Publisher:
         if not self.settings.admission:
             return dispatches
         try:
-            if self._admission_conn is None or self._admission_conn.closed:
-                self._admission_conn = connect_generic(self.settings.psycopg_dsn)
             if self._admission_redis is None:
                 self._admission_redis = make_client(
                     self.settings.redis_url, self.settings.redis_socket_timeout
                 )
             return offer(
                 self._admission_redis,
-                self._admission_conn,
+                self._admission_connection,
                 dispatches,
                 self.settings.route_max_in_flight,
             )
@@ -255,6 +253,13 @@ class Publisher:
                     self._admission_conn.close()
             self._admission_conn = None
             return dispatches
+
+    def _admission_connection(self) -> psycopg.Connection[Any]:
+        """Admission's Postgres connection, opened when a dispatch without its route's limits
+        needs one (a replay's): the receiver's own carry them."""
+        if self._admission_conn is None or self._admission_conn.closed:
+            self._admission_conn = connect_generic(self.settings.psycopg_dsn)
+        return self._admission_conn
 
     def publish_sync(self, dispatches: Sequence[Dispatch]) -> None:
         """Publish now; raises on failure. One thread per Publisher calls this: the background

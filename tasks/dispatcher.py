@@ -221,14 +221,16 @@ def start(settings: Settings) -> threading.Event:
 
 def offer(
     client: Any,
-    conn: psycopg.Connection[Any],
+    connect: Callable[[], psycopg.Connection[Any]],
     dispatches: Sequence[Dispatch],
     default_budget: int,
 ) -> list[Dispatch]:
     """The deliveries of ``dispatches`` to publish now (the receiver's and the sweeper's
     path): one Lua call for the whole batch; the rest wait for the dispatcher. The routes'
-    limits come with the receiver's deliveries (its accept read them); one statement reads
-    those of the others. Raises on a Redis or Postgres failure (the caller fails open)."""
+    limits come with the receiver's deliveries (its accept read them); one statement, on the
+    connection ``connect`` gives, reads those of the others (only then is it called: a
+    Postgres that is down does not stop the receiver's admissions). Raises on a Redis or
+    Postgres failure (the caller fails open)."""
     ids = [d.delivery_id for d in dispatches]
     routes = {
         d.delivery_id: admission.limits_from_row(d.route, default_budget)
@@ -237,7 +239,7 @@ def offer(
     }
     unknown = [d.delivery_id for d in dispatches if d.route is None]
     if unknown:
-        routes.update(admission.routes_of(conn, unknown, default_budget))
+        routes.update(admission.routes_of(connect(), unknown, default_budget))
     decided = Admission(client).offer(ids, routes)
     metrics.ADMISSIONS.labels("admitted").inc(len(decided.admitted) + len(decided.unknown))
     metrics.ADMISSIONS.labels("waiting").inc(len(decided.waiting))

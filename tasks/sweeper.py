@@ -111,7 +111,7 @@ def admitted(
         out = on_connection(
             rt.engine,
             lambda raw: dispatcher.offer(
-                rt.redis, raw, dispatches, rt.settings.route_max_in_flight
+                rt.redis, lambda: raw, dispatches, rt.settings.route_max_in_flight
             ),
         )
     except Exception as exc:  # noqa: BLE001 (see the docstring)

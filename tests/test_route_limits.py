@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -575,24 +576,54 @@ async def _accept_batch(settings: Settings, source: Any, n: int) -> list[Outcome
 def test_admission_reads_the_routes_only_of_deliveries_that_do_not_carry_them(
     sessions: sessionmaker[Session],
 ) -> None:
-    """The receiver's deliveries carry their routes' limits: offering them uses no database
-    connection at all (a closed one would raise). A delivery without them (the sweeper's,
-    a retry's) is read with ``routes_of``: the same closed connection then fails the offer,
-    which the callers fail open."""
+    """The receiver's deliveries carry their routes' limits: offering them opens no database
+    connection at all. A delivery without them (the sweeper's, a replay's) is read with
+    ``routes_of``: a connection that cannot be had then fails the offer, which the callers
+    fail open."""
     settings = worker_settings()
     source = make_source(sessions, settings, routes=[{"handler": "log"}])
     client = redis.Redis.from_url(CLAIMS_URL)
     budget = settings.route_max_in_flight
-    closed = psycopg.connect(settings.psycopg_dsn, autocommit=True)
-    closed.close()
+
+    def unreachable() -> psycopg.Connection[Any]:
+        raise psycopg.OperationalError("no connection for this offer")
+
     carried = accept_event(settings, source)[1].dispatches("evt", source.public_id)
     assert [d.route is not None for d in carried] == [True]
-    assert dispatcher.offer(client, closed, carried, budget) == carried
+    assert dispatcher.offer(client, unreachable, carried, budget) == carried
     (bare,) = accept_event(settings, source)[1].delivery_ids
     with pytest.raises(psycopg.OperationalError):
-        dispatcher.offer(client, closed, [Dispatch(bare)], budget)
+        dispatcher.offer(client, unreachable, [Dispatch(bare)], budget)
     with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
-        assert dispatcher.offer(client, conn, [Dispatch(bare)], budget) == [Dispatch(bare)]
+        assert dispatcher.offer(client, lambda: conn, [Dispatch(bare)], budget) == [Dispatch(bare)]
+
+
+def test_the_receivers_admission_holds_its_limits_while_postgres_is_unreachable(
+    sessions: sessionmaker[Session],
+) -> None:
+    """Postgres down after the accepts committed: the receiver's publisher has the routes'
+    limits with its deliveries, so admission still holds a route to its budget instead of
+    failing open (it used to open a connection of its own first, and a refused connect
+    published everything)."""
+    settings = worker_settings()
+    source = make_source(sessions, settings, routes=[{"handler": "log"}])
+    (route_id,) = source.route_ids
+    _limits(sessions, route_id, max_in_flight=1)
+    dispatches = [
+        d for _ in range(3) for d in accept_event(settings, source)[1].dispatches("e", "s")
+    ]
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    down = settings.model_copy(
+        update={"database_url": f"postgresql://postgres@127.0.0.1:{port}/nowhere"}
+    )
+    publisher = Publisher(down)
+    try:
+        out = publisher.admitted(dispatches)
+    finally:
+        publisher.close()
+    assert [d.delivery_id for d in out] == [dispatches[0].delivery_id]
 
 
 def test_the_sweeper_leaves_deliveries_waiting_for_admission_alone_and_takes_the_lost_ones(
