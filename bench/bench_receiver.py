@@ -40,6 +40,7 @@ from pathlib import Path
 
 import psycopg
 import redis
+from revisions import remove_worktree, worktree
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -172,33 +173,6 @@ def trim_layout(db: str, days: int) -> int:
 def key_hex(secret: str) -> str:
     """The HMAC key of a Standard Webhooks secret (whsec_ + base64), as hex for the Lua script."""
     return b64decode(secret.removeprefix("whsec_")).hex()
-
-
-def worktree(rev: str) -> tuple[Path, bool]:
-    """A checkout of ``rev`` beside this one (reused if present); True if made here."""
-    sha = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],  # noqa: S607
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    path = Path(tempfile.gettempdir()) / f"webhooks-bench-{sha[:12]}"
-    if (path / "ingest" / "app.py").exists():
-        return path, False
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(path), sha],  # noqa: S607
-        check=True,
-        capture_output=True,
-    )
-    return path, True
-
-
-def remove_worktree(path: Path) -> None:
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],  # noqa: S607
-        check=False,
-        capture_output=True,
-    )
 
 
 def start(

@@ -17,9 +17,20 @@ Latency: events are then accepted at half of our measured rate (every 2 ms what 
 in one statement, as the receiver's group commit does) and handed to the receiver's
 publisher; p50/p99 of ``succeeded_at - received_at`` (both the database's clock).
 
+CPU: each drain also reports its worker's CPU per event (user + system of the worker's
+process, /proc) and the machine's (every core's busy time, /proc/stat: the worker, Postgres
+and Redis together), steadier than events/s on a shared machine.
+
+Against a revision (``--against REV``): ours is also run from a git worktree of REV (its own
+publisher, accept statement, migrations and worker), in alternating order with this tree,
+``--rounds`` times each, every run in its own process with its own bare round; bare always
+runs this tree's ``bench/noop_app.py``, so both trees are held to one ceiling. Prints each
+run, the means and this tree's ratio to REV's (ours/bare and CPU per event).
+
 Usage: .venv/bin/python bench/bench_workers.py [--events 2000] [--rounds 2] [--seconds 10]
        [--pool threads --concurrency 50]   (both targets; BENCH_REDIS_PORT picks the Redis)
        [--batch N]   (ids per message; default WEBHOOKS_DELIVERY_BATCH)
+       [--against REV]   (this tree against REV's code, alternating runs)
 Uses its own database and Redis DBs 8 (broker) and 9 (claims); drops them after.
 """
 
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import signal
 import statistics
@@ -37,15 +49,20 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import orjson
 import psycopg
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# The code whose publisher, accept and worker "ours" runs: this tree, or (a run of --against)
+# a worktree of another revision. Bare always runs this tree's bench/noop_app.py.
+CODE = Path(os.environ.get("BENCH_CODE", ROOT)).resolve()
+sys.path.insert(0, str(CODE))
 
 from celery import Celery  # noqa: E402
+from revisions import remove_worktree, worktree  # noqa: E402
 
 from ingest.publisher import Publisher  # noqa: E402
 from ingest.store import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many  # noqa: E402
@@ -87,22 +104,53 @@ def settings() -> Settings:
     )
 
 
-def worker_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
+def worker_env(code: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WEBHOOKS_", "BENCH_CODE"))}
     env.update(ENV)
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = str(code)
     return env
 
 
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads: the threads pool)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu() -> float:
+    """Busy CPU seconds of every core since boot (/proc/stat: all but idle and iowait)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class Drain(NamedTuple):
+    rate: float  # events/s
+    worker_ms: float  # the worker's CPU ms per event
+    machine_ms: float  # the machine's busy CPU ms per event
+
+
+class Clock:
+    """A drain's wall clock and CPU counters, from the first message taken."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.wall, self.worker, self.machine = time.perf_counter(), process_cpu(pid), machine_cpu()
+
+    def stop(self, n: int) -> Drain:
+        wall = time.perf_counter() - self.wall
+        worker, machine = process_cpu(self.pid) - self.worker, machine_cpu() - self.machine
+        return Drain(n / wall, 1000 * worker / n, 1000 * machine / n)
+
+
 class Worker:
-    def __init__(self, app: str, logdir: Path) -> None:
+    def __init__(self, app: str, logdir: Path, code: Path = CODE) -> None:
         self.log = logdir / f"{app.replace('.', '_')}-{uuid.uuid4().hex[:6]}.log"
         self.out = self.log.open("wb")
         self.proc = subprocess.Popen(
             [str(BIN / "celery"), "-A", app, "worker", "-Q", DELIVERIES_QUEUE, "-P", POOL["pool"],
              "-c", POOL["concurrency"], "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "--without-mingle",
              "--without-gossip", "-l", "INFO"],
-            env={**worker_env(), "WEBHOOKS_WORKER_POOL": POOL["pool"],
+            env={**worker_env(code), "WEBHOOKS_WORKER_POOL": POOL["pool"],
                  "WEBHOOKS_WORKER_CONCURRENCY": POOL["concurrency"]}, stdout=self.out, stderr=subprocess.STDOUT, cwd=logdir,
         )  # fmt: skip
 
@@ -120,25 +168,25 @@ def queue_length(client: redis.Redis) -> int:
     return int(client.llen(DELIVERIES_QUEUE))
 
 
-def wait_first_taken(client: redis.Redis, total: int, worker: Worker) -> float:
+def wait_first_taken(client: redis.Redis, total: int, worker: Worker) -> Clock:
     while queue_length(client) >= total:
         if worker.proc.poll() is not None:
             raise RuntimeError(f"worker exited: see {worker.log}")
         time.sleep(0.002)
-    return time.perf_counter()
+    return Clock(worker.proc.pid)
 
 
-def bare_round(app: Celery, client: redis.Redis, n: int, logdir: Path) -> float:
+def bare_round(app: Celery, client: redis.Redis, n: int, logdir: Path) -> Drain:
     client.flushdb()
     with app.producer_or_acquire() as producer:
         for i in range(n):
             app.send_task(NOOP_TASK, args=[i], queue=DELIVERIES_QUEUE, producer=producer)
-    worker = Worker("bench.noop_app", logdir)
+    worker = Worker("bench.noop_app", logdir, ROOT)
     try:
-        start = wait_first_taken(client, n, worker)
+        clock = wait_first_taken(client, n, worker)
         while queue_length(client) or client.hlen("unacked"):
             time.sleep(0.005)
-        return n / (time.perf_counter() - start)
+        return clock.stop(n)
     finally:
         worker.stop()
 
@@ -183,7 +231,7 @@ def succeeded(conn: psycopg.Connection[object], ids: list[int]) -> int:
 def ours_round(
     s: Settings, client: redis.Redis, conn: psycopg.Connection[object],
     source: tuple[int, str], n: int, logdir: Path, batch: int,
-) -> float:  # fmt: skip
+) -> Drain:  # fmt: skip
     """Published by the receiver's publisher, ``batch`` delivery ids per message (what it
     packs when deliveries arrive together; 1: one message per delivery)."""
     client.flushdb()
@@ -201,12 +249,12 @@ def ours_round(
         time.sleep(0.01)
     worker = Worker("tasks", logdir)
     try:
-        start = wait_first_taken(client, messages, worker)
+        clock = wait_first_taken(client, messages, worker)
         while succeeded(conn, ids) < n:
             if worker.proc.poll() is not None:
                 raise RuntimeError(f"worker exited: see {worker.log}")
             time.sleep(0.05)
-        return n / (time.perf_counter() - start)
+        return clock.stop(n)
     finally:
         worker.stop()
 
@@ -274,6 +322,135 @@ def setup(s: Settings) -> tuple[int, str]:
         engine.dispose()
 
 
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``args.rounds`` rounds of bare, ours at the batch and ours at one id, then the latency
+    phase, with the code of ``CODE``; each drain as (events/s, worker CPU ms, machine CPU ms)."""
+    os.environ.update(ENV)
+    s = settings()
+    source = setup(s)
+    app = create_app(s)
+    client = redis.Redis.from_url(BROKER)
+    logdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
+    batch = args.batch or s.deliveries_per_message
+    drains: dict[str, list[Drain]] = {"ours": [], "single": [], "bare": []}
+    with psycopg.connect(s.psycopg_dsn, autocommit=True) as conn:
+        for _ in range(args.rounds):
+            drains["bare"].append(bare_round(app, client, args.events, logdir))
+            drains["ours"].append(ours_round(s, client, conn, source, args.events, logdir, batch))
+            drains["single"].append(ours_round(s, client, conn, source, args.events, logdir, 1))
+        best = {k: max(v) for k, v in drains.items()}
+        p50, p99, count = latency(s, conn, source, best["ours"].rate / 2, args.seconds, logdir)
+    client.flushdb()
+    redis.Redis.from_url(CLAIMS).flushdb()
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+    return {
+        "batch": batch,
+        "linger_ms": s.publish_linger * 1000,
+        "drains": {k: [list(d) for d in v] for k, v in drains.items()},
+        "latency": [p50, p99, count],
+    }
+
+
+def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
+    drains = {k: [Drain(*d) for d in v] for k, v in result["drains"].items()}
+    ours, single, bare = (max(drains[k]) for k in ("ours", "single", "bare"))
+    batch = result["batch"]
+    p50, p99, count = result["latency"]
+
+    def row(label: str, key: str, best: Drain) -> str:
+        rates = ", ".join(f"{d.rate:.0f}" for d in drains[key])
+        return f"{label} {best.rate:14.0f}  {best.worker_ms:9.2f} {best.machine_ms:10.2f}  {rates}"
+
+    return "\n".join(
+        [
+            f"bench_workers: {args.events} events per round, {args.rounds} rounds, "
+            f"-P {args.pool} -c {args.concurrency} (both), {os.cpu_count()} CPUs, "
+            f"{datetime.now(UTC):%Y-%m-%d}",
+            "target                 events/s (best)  CPU ms/event: worker machine  rounds",
+            row(f"ours, {batch:3d} ids/message", "ours", ours),
+            row("ours,   1 id/message ", "single", single),
+            row("bare                 ", "bare", bare),
+            f"ratio ours/bare: {ours.rate / bare.rate:.2f} at {batch} ids/message (floor 1.0), "
+            f"{single.rate / bare.rate:.2f} at 1",
+            f"latency receipt->succeeded at {ours.rate / 2:.0f} events/s offered for "
+            f"{args.seconds:.0f} s after {WARMUP_S:.0f} s of warm-up ({count} events, published "
+            f"as they came, linger {result['linger_ms']:.0f} ms): "
+            f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms (floor 50 ms)",
+        ]
+    )
+
+
+def child(args: argparse.Namespace, code: Path, out: Path) -> dict[str, Any]:
+    """One run of this script, one round, with ``code``'s publisher, accept and worker."""
+    command = [sys.executable, __file__, "--events", str(args.events), "--rounds", "1",
+               "--seconds", str(args.seconds), "--pool", args.pool, "--concurrency",
+               args.concurrency, "--json", str(out)]  # fmt: skip
+    if args.batch:
+        command += ["--batch", str(args.batch)]
+    subprocess.run(command, check=True, env={**os.environ, "BENCH_CODE": str(code)})
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def against(args: argparse.Namespace) -> str:
+    """This tree and ``args.against``'s code in alternating runs (this tree first in odd
+    pairs, REV first in even ones): each run's figures, the means, and the ratios."""
+    rev, made = worktree(args.against)
+    trees = {"this": ROOT, "rev": rev}
+    runs: dict[str, list[dict[str, Drain]]] = {"this": [], "rev": []}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-workers-against-"))
+    lines = [
+        f"bench_workers against {args.against} ({rev}): {args.events} events per drain, "
+        f"{args.rounds} runs each, alternating, -P {args.pool} -c {args.concurrency}, "
+        f"{os.cpu_count()} CPUs, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+        "run      ours batch/1 id ev/s   bare ev/s   ratio batch / 1   "
+        "CPU ms/event at the batch: worker machine",
+    ]
+    try:
+        for k in range(args.rounds):
+            for name in ("this", "rev") if k % 2 == 0 else ("rev", "this"):
+                result = child(args, trees[name], tmp / f"{name}-{k}.json")
+                d = {key: Drain(*v[0]) for key, v in result["drains"].items()}
+                runs[name].append(d)
+                lines.append(
+                    f"{name:5s} {k + 1:2d}  {d['ours'].rate:7.0f} {d['single'].rate:5.0f}"
+                    f"   {d['bare'].rate:9.0f}   {d['ours'].rate / d['bare'].rate:5.2f} / "
+                    f"{d['single'].rate / d['bare'].rate:4.2f}   "
+                    f"{d['ours'].worker_ms:17.3f} {d['ours'].machine_ms:7.3f}"
+                )
+                print(lines[-1], flush=True)
+    finally:
+        if made:
+            remove_worktree(rev)
+
+    def mean(name: str, f: Any) -> float:
+        return statistics.fmean(f(d) for d in runs[name])
+
+    measures = {
+        "ours/bare at the batch": lambda d: d["ours"].rate / d["bare"].rate,
+        "ours/bare at 1 id": lambda d: d["single"].rate / d["bare"].rate,
+        "ours events/s at the batch": lambda d: d["ours"].rate,
+        "ours events/s at 1 id": lambda d: d["single"].rate,
+        "bare events/s": lambda d: d["bare"].rate,
+    }
+    for label, f in measures.items():
+        this, other = mean("this", f), mean("rev", f)
+        lines.append(f"mean {label}: {this:.2f} against {other:.2f} ({this / other:.2f}x)")
+    costs = {
+        "worker CPU ms/event at the batch": lambda d: d["ours"].worker_ms,
+        "machine CPU ms/event at the batch": lambda d: d["ours"].machine_ms,
+        "worker CPU ms/event at 1 id": lambda d: d["single"].worker_ms,
+        "machine CPU ms/event at 1 id": lambda d: d["single"].machine_ms,
+    }
+    for label, f in costs.items():
+        this, other = mean("this", f), mean("rev", f)
+        lines.append(
+            f"mean {label}: {this:.3f} against {other:.3f} ({this / other:.2f}x: below 1 is cheaper)"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--events", type=int, default=2000)
@@ -284,48 +461,16 @@ def main() -> None:
     parser.add_argument(
         "--batch", type=int, default=None, help="ids per message (default: the setting's)"
     )
+    parser.add_argument("--against", metavar="REV", help="also run ours with this git rev's code")
+    parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_workers.txt")
     args = parser.parse_args()
     POOL.update(pool=args.pool, concurrency=args.concurrency)
 
-    os.environ.update(ENV)
-    s = settings()
-    source = setup(s)
-    app = create_app(s)
-    client = redis.Redis.from_url(BROKER)
-    logdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
-    batch = args.batch or s.deliveries_per_message
-    ours_rates: list[float] = []
-    single_rates: list[float] = []
-    bare_rates: list[float] = []
-    with psycopg.connect(s.psycopg_dsn, autocommit=True) as conn:
-        for _ in range(args.rounds):
-            bare_rates.append(bare_round(app, client, args.events, logdir))
-            ours_rates.append(ours_round(s, client, conn, source, args.events, logdir, batch))
-            single_rates.append(ours_round(s, client, conn, source, args.events, logdir, 1))
-        ours, single, bare = max(ours_rates), max(single_rates), max(bare_rates)
-        p50, p99, count = latency(s, conn, source, ours / 2, args.seconds, logdir)
-    client.flushdb()
-    redis.Redis.from_url(CLAIMS).flushdb()
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
-        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
-
-    lines = [
-        f"bench_workers: {args.events} events per round, {args.rounds} rounds, "
-        f"-P {args.pool} -c {args.concurrency} (both), {os.cpu_count()} CPUs, "
-        f"{datetime.now(UTC):%Y-%m-%d}",
-        "target                   events/s (best)  rounds",
-        f"ours, {batch:3d} ids/message {ours:14.0f}  {', '.join(f'{r:.0f}' for r in ours_rates)}",
-        f"ours,   1 id/message  {single:14.0f}  {', '.join(f'{r:.0f}' for r in single_rates)}",
-        f"bare                  {bare:14.0f}  {', '.join(f'{r:.0f}' for r in bare_rates)}",
-        f"ratio ours/bare: {ours / bare:.2f} at {batch} ids/message (floor 1.0), "
-        f"{single / bare:.2f} at 1",
-        f"latency receipt->succeeded at {ours / 2:.0f} events/s offered for {args.seconds:.0f} s "
-        f"after {WARMUP_S:.0f} s of warm-up "
-        f"({count} events, published as they came, linger {s.publish_linger * 1000:.0f} ms): "
-        f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms (floor 50 ms)",
-    ]
-    text = "\n".join(lines)
+    if args.json is not None:  # one run for --against: figures for the parent
+        args.json.write_text(json.dumps(measure(args)))
+        return
+    text = against(args) if args.against else report(args, measure(args))
     print(text)
     args.output.write_text(text + "\n")
 
