@@ -19,6 +19,7 @@ from celery.exceptions import Retry
 from models.admission import Admission
 from tasks import dispatcher, get_runtime
 from tasks.config import DELIVER_TASK, Dispatch
+from tasks.durable import CONNECTION_ERRORS
 from tasks.pipeline import Report, run
 from tasks.runtime import Runtime
 from webhooks.logs import get_logger
@@ -36,6 +37,13 @@ class DeadLetter(Exception):
 
 class AttemptFailed(Exception):
     """The error of an attempt that will be retried: the exception of its RETRY state."""
+
+
+class DatabaseUnavailable(Exception):
+    """The exception of the RETRY state of a message whose deliveries Postgres could not
+    claim (unreachable, restarting). Not an attempt: no attempt row, no count, no backoff;
+    the rows stay as they were and the sweeper publishes them again when due (past their
+    publish grace, or their lease), once the database answers."""
 
 
 def celery_state(report: Report) -> str:
@@ -116,9 +124,18 @@ def deliver(self: Task[Any, Any], delivery_id: int | list[int]) -> str:
         options: dict[str, Any] = {"countdown": countdown, **dispatch.reprs()}
         self.apply_async(args=(dispatch.delivery_id,), **options)
 
-    rt = get_runtime()
     alone = not isinstance(delivery_id, list)
-    reports = run(rt, ids, publish_retry=publish_retry, alone=alone)
+    try:
+        rt = get_runtime()  # a worker started during an outage builds it on its first task
+        reports = run(rt, ids, publish_retry=publish_retry, alone=alone)
+    except CONNECTION_ERRORS as exc:
+        # A handled condition (a lost connection, a restarted database): one line, and a
+        # RETRY state that says so, never a traceback. The message is acknowledged; the
+        # sweeper's pick is what brings the deliveries back.
+        reason = type(exc).__name__
+        log.warning("delivery.database_unavailable", delivery_ids=ids, error_class=reason)
+        text = f"deliveries {ids}: database unavailable ({reason}); the sweeper republishes them"
+        raise Retry(text, exc=DatabaseUnavailable(text)) from None
     release_slots(rt, reports)
     return celery_state(reports[0]) if alone else celery_batch_state(reports)
 

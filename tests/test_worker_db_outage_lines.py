@@ -1,6 +1,8 @@
 """Postgres unreachable from a running worker and beat: the periodic sweep logs one
 structured line per run (``sweep.failed`` with the error's class), never a traceback, and
-sweeps again once the database is back. Real processes; the worker's connections go through a
+sweeps again once the database is back; a delivery's message logs one line
+(``delivery.database_unavailable``) and ends in a RETRY state, and the delivery is made once
+after the outage. Real processes; the worker's connections go through a
 proxy the test cuts, so Postgres keeps running for everyone else."""
 
 from __future__ import annotations
@@ -10,17 +12,26 @@ import socket
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
 from models.db import make_engine
+from tasks.config import Dispatch
 from tasks.runtime import engine_pool_size
 from tests.conftest import TEST_DB
 from tests.netproxy import CuttableProxy
+from tests.test_worker_batches import _deliveries
 from tests.workers import (
+    Broker,
     Worker,
+    attempts,
+    broker_idle,
+    delivery,
     flush_redis,
     running_beat,
     running_worker,
     wait_for,
+    wait_status,
     worker_settings,
 )
 
@@ -69,6 +80,75 @@ def test_a_sweep_without_its_database_is_one_line_not_a_traceback(tmp_path: Path
     assert "raised unexpected" not in log
     lines = [ln for ln in log.splitlines() if "sweep.failed" in ln]
     assert all('"error_class":' in ln for ln in lines), lines[:3]
+
+
+def _held_then_made_once(
+    worker: Worker, proxy: CuttableProxy, engine: Engine, dispatch: Dispatch, marks: Path
+) -> None:
+    """One message of ``dispatch``'s delivery while the worker cannot reach Postgres: one line, a
+    RETRY state, the message acknowledged, no attempt and no call; restored, the sweeper
+    republishes it and its handler runs once."""
+    delivery_id = dispatch.delivery_id
+    before = worker.output().count("delivery.database_unavailable")
+    broker = Broker(worker_settings())
+    try:
+        broker.publish(delivery_id)  # a worker is consuming: no queue length to compare
+    finally:
+        broker.close()
+    wait_for(
+        lambda: worker.output().count("delivery.database_unavailable") > before,
+        timeout=30,
+        what="the message to fail its claim on the unreachable database",
+    )
+    wait_for(broker_idle, timeout=10, what="the message to be acknowledged, not redelivered")
+    retry = re.compile(
+        rf"Task webhooks\.deliver\[[^\]]+\] retry: deliveries \[{delivery_id}\]: database "
+        r"unavailable \(\w+\); the sweeper republishes them"
+    )
+    assert retry.search(worker.output()), worker.output()[-3000:]
+    row = delivery(engine, delivery_id)
+    assert (row.status, row.attempts) == ("pending", 0), worker.output()[-6000:]
+    assert attempts(engine, delivery_id) == []
+    assert not list(marks.glob(f"{delivery_id}.*"))
+    proxy.restore()
+    row = wait_status(engine, delivery_id, "succeeded", timeout=30)
+    assert row.attempts == 1
+    assert len(list(marks.glob(f"{delivery_id}.*"))) == 1
+
+
+@pytest.mark.slow
+def test_a_delivery_without_its_database_is_one_line_and_a_retry_not_a_traceback(
+    tmp_path: Path, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """Twice, as for the sweep: a worker started while Postgres is unreachable (its first
+    message cannot build the process's runtime), then the same worker with its open
+    connections cut."""
+    flush_redis()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    route = [("touch", {"marker_dir": str(marks)})]
+    (first,) = _deliveries(sessions, route)
+    proxy = CuttableProxy(5432)
+    proxy.cut()
+    via_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{TEST_DB}"
+    try:
+        with (
+            running_worker("held", tmp_path, database_url=via_proxy) as worker,
+            running_beat(tmp_path),
+        ):
+            _held_then_made_once(worker, proxy, engine, first, marks)
+            # Accepted now: pending before, the sweep after the restore would have made it.
+            (second,) = _deliveries(sessions, route)
+            proxy.cut()  # open connections die; new ones are refused
+            _held_then_made_once(worker, proxy, engine, second, marks)
+            log = worker.output()
+    finally:
+        proxy.close()
+    assert "Traceback" not in log, log[-3000:]
+    assert "raised unexpected" not in log
+    lines = [ln for ln in log.splitlines() if "delivery.database_unavailable" in ln]
+    assert len(lines) == 2, lines
+    assert all('"error_class":' in ln for ln in lines), lines
 
 
 def test_a_worker_connection_gives_up_on_a_silent_peer_within_a_minute() -> None:
