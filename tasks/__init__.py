@@ -27,6 +27,7 @@ from webhooks.logs import configure_logging, get_logger
 from webhooks.settings import Settings, load_settings
 
 if TYPE_CHECKING:
+    from models.db import DatabaseUnavailable
     from tasks.runtime import Runtime
 
 TASK_MODULES = ("tasks.deliver", "tasks.sweeper", "tasks.reconcile")
@@ -109,19 +110,28 @@ def get_runtime() -> Runtime:
     return _runtime
 
 
-def periodic_runtime(failed: str) -> Runtime | None:
-    """:func:`get_runtime` for a periodic task (sweep, maintenance, reconcile), or None when
-    Postgres cannot be reached to build it: a worker that started during an outage has no
-    runtime until its first statement succeeds. One warning line, ``failed`` with the error's
-    class, as for a run that loses its database midway, never a traceback a second; the
-    next run tries again."""
+def periodic_runtime(failed: str) -> Runtime:
+    """:func:`get_runtime` for a periodic task (sweep, maintenance, reconcile); when Postgres
+    cannot be reached to build it (a worker that started during an outage has no runtime
+    until its first statement succeeds), :func:`periodic_failed` raised."""
     from tasks.durable import CONNECTION_ERRORS  # noqa: PLC0415
 
     try:
         return get_runtime()
     except CONNECTION_ERRORS as exc:
-        get_logger("tasks").warning(failed, error_class=type(exc).__name__)
-        return None
+        raise periodic_failed(failed, exc) from None
+
+
+def periodic_failed(failed: str, exc: BaseException) -> DatabaseUnavailable:
+    """What a periodic task raises when its database is unreachable: one warning line,
+    ``failed`` with the error's class, never a traceback; then the run ends as FAILURE in
+    Flower with ``DatabaseUnavailable`` (declared in the task's ``throws``: Celery logs it as
+    expected, without a traceback), not as a SUCCESS that did nothing. The next run retries."""
+    from models.db import DatabaseUnavailable  # noqa: PLC0415 (the receiver imports tasks.config)
+
+    name = type(exc).__name__
+    get_logger("tasks").warning(failed, error_class=name)
+    return DatabaseUnavailable(f"database unavailable ({name}); the next run retries")
 
 
 def _configure_logging(**_: Any) -> None:

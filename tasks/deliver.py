@@ -17,6 +17,7 @@ from celery import Task, shared_task
 from celery.exceptions import Retry
 
 from models.admission import Admission
+from models.db import DatabaseUnavailable
 from tasks import dispatcher, get_runtime
 from tasks.config import DELIVER_TASK, Dispatch
 from tasks.durable import CONNECTION_ERRORS
@@ -37,13 +38,6 @@ class DeadLetter(Exception):
 
 class AttemptFailed(Exception):
     """The error of an attempt that will be retried: the exception of its RETRY state."""
-
-
-class DatabaseUnavailable(Exception):
-    """The exception of the RETRY state of a message whose deliveries Postgres could not
-    claim (unreachable, restarting). Not an attempt: no attempt row, no count, no backoff;
-    the rows stay as they were and the sweeper publishes them again when due (past their
-    publish grace, or their lease), once the database answers."""
 
 
 def celery_state(report: Report) -> str:

@@ -20,7 +20,8 @@ from datetime import timedelta
 from celery import shared_task
 from sqlalchemy import text
 
-from tasks import periodic_runtime
+from models.db import DatabaseUnavailable
+from tasks import periodic_failed, periodic_runtime
 from tasks.config import RECONCILE_TASK, RECONCILE_TICK
 from tasks.durable import CONNECTION_ERRORS, discard_pooled
 from tasks.runtime import Runtime
@@ -93,14 +94,11 @@ def run_due(
     return done
 
 
-@shared_task(name=RECONCILE_TASK, ignore_result=True)
+@shared_task(name=RECONCILE_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
 def reconcile_due() -> int:
     rt = periodic_runtime("reconcile.failed")
-    if rt is None:
-        return 0
     try:
         return len(run_due(rt))
     except CONNECTION_ERRORS as exc:
         discard_pooled(rt.engine)
-        log.warning("reconcile.failed", error_class=type(exc).__name__)
-        return 0
+        raise periodic_failed("reconcile.failed", exc) from None

@@ -28,8 +28,8 @@ from sqlalchemy import text
 
 from models import breaker, retention, transitions
 from models.admission import Admission
-from models.db import session_scope
-from tasks import capacity, dispatcher, periodic_runtime
+from models.db import DatabaseUnavailable, session_scope
+from tasks import capacity, dispatcher, periodic_failed, periodic_runtime
 from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
 from tasks.deliver import deliver
 from tasks.durable import CONNECTION_ERRORS, discard_pooled, on_connection
@@ -135,15 +135,13 @@ def probed(probes: list[breaker.Probe]) -> list[tuple[int, str | None, str | Non
     return out
 
 
-@shared_task(name=SWEEP_TASK, ignore_result=True)
+@shared_task(name=SWEEP_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
 def sweep() -> int:
     def publish(dispatch: Dispatch) -> None:
         options: dict[str, Any] = dispatch.reprs()
         deliver.apply_async(args=(dispatch.delivery_id,), **options)
 
     rt = periodic_runtime("sweep.failed")
-    if rt is None:
-        return 0
     try:
         return len(sweep_once(rt, publish))
     except CONNECTION_ERRORS as exc:
@@ -151,19 +149,16 @@ def sweep() -> int:
         # (WEBHOOKS_SWEEP_INTERVAL) picks up where this one could not. The pool is renewed so
         # that sweep does not meet the same dead connections.
         discard_pooled(rt.engine)
-        log.warning("sweep.failed", error_class=type(exc).__name__)
-        return 0
+        raise periodic_failed("sweep.failed", exc) from None
 
 
-@shared_task(name=MAINTENANCE_TASK, ignore_result=True)
+@shared_task(name=MAINTENANCE_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
 def maintenance() -> str:
     """Retention (:func:`models.retention.run_maintenance`): partitions laid out ahead,
     expired ones dropped (or a batched delete), payloads past their retention cleared. Then
     the capacity gauges (:mod:`tasks.capacity`), read even when retention failed: a failing
     drop is what the past-days gauge is there to show."""
     rt = periodic_runtime("maintenance.failed")
-    if rt is None:
-        return "failed"
     capacity.record_fast_tier(rt.redis)
     try:
         try:
@@ -173,8 +168,7 @@ def maintenance() -> str:
     except CONNECTION_ERRORS as exc:
         # As for the sweep: one line, and the next run (hourly) does the work.
         discard_pooled(rt.engine)
-        log.warning("maintenance.failed", error_class=type(exc).__name__)
-        return "failed"
+        raise periodic_failed("maintenance.failed", exc) from None
     log.info(
         "maintenance.done",
         mode=report.mode,

@@ -1,6 +1,6 @@
 """Postgres unreachable from a running worker and beat: the periodic sweep logs one
-structured line per run (``sweep.failed`` with the error's class), never a traceback, and
-sweeps again once the database is back; a delivery's message logs one line
+structured line per run (``sweep.failed`` with the error's class), never a traceback, ends
+as FAILURE (``DatabaseUnavailable``), and sweeps again once the database is back; a delivery's message logs one line
 (``delivery.database_unavailable``) and ends in a RETRY state, and the delivery is made once
 after the outage. Real processes; the worker's connections go through a
 proxy the test cuts, so Postgres keeps running for everyone else."""
@@ -80,6 +80,13 @@ def test_a_sweep_without_its_database_is_one_line_not_a_traceback(tmp_path: Path
     assert "raised unexpected" not in log
     lines = [ln for ln in log.splitlines() if "sweep.failed" in ln]
     assert all('"error_class":' in ln for ln in lines), lines[:3]
+    # Each failed sweep is a FAILURE in Flower, with the reason, not a SUCCESS that did nothing.
+    failures = re.findall(
+        r"Task webhooks\.sweep\[[^\]]+\] raised expected: DatabaseUnavailable\('database "
+        r"unavailable \(\w+\); the next run retries'\)",
+        log,
+    )
+    assert len(failures) == len(lines), (len(failures), len(lines))
 
 
 def _held_then_made_once(
