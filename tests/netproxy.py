@@ -37,7 +37,15 @@ class CuttableProxy:
                 client.close()
                 continue
             with self._lock:
-                self._socks += [client, upstream]
+                # cut() clears the flag before it takes the lock: a connection accepted while
+                # it ran is closed here, not kept alive past the cut.
+                cut = not self._open.is_set()
+                if not cut:
+                    self._socks += [client, upstream]
+            if cut:
+                client.close()
+                upstream.close()
+                continue
             threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
 
