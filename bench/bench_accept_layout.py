@@ -83,7 +83,7 @@ def widen(db: str) -> int:
     from webhooks.settings import Settings  # noqa: PLC0415
     from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, dedup_terms, known_providers  # noqa: PLC0415
 
-    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    settings = Settings(_env_file=None)
     floor = max(dedup_terms(p, TtlOverrides(), settings).total for p in known_providers())
     engine = make_engine(settings, pool_size=1)
     made = 0

@@ -61,7 +61,7 @@ def settings(port: int) -> Settings:
         admin_tokens=f"bench:{TOKEN}",
         admin_port=port,
         environment="test",
-    )  # type: ignore[arg-type]
+    )
 
 
 SEED_RECEIPTS = """
@@ -353,6 +353,7 @@ def main() -> None:
                 count = re.search(r'id="preview-count">(\d+)<', response.text)
                 assert count is not None
                 runs.append(ms)
+            assert count is not None
             results[f"dead preview (count {int(count.group(1)):,})"] = runs
             rng = random.Random(7)
             ids = [rng.randrange(1, args.receipts + 1) for _ in range(args.requests)]

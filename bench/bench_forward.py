@@ -350,7 +350,7 @@ class Bench:
             database_url=env["WEBHOOKS_DATABASE_URL"],
             broker_url=env["WEBHOOKS_BROKER_URL"],
             redis_url=env["WEBHOOKS_REDIS_URL"],
-            secret_key=env["WEBHOOKS_SECRET_KEY"],  # type: ignore[arg-type]
+            secret_key=env["WEBHOOKS_SECRET_KEY"],
         )
         self.app: Celery = create_app(settings)
         self.dsn = settings.psycopg_dsn

@@ -82,7 +82,7 @@ def make_dead(s: Settings, sessions: sessionmaker[Session], n: int) -> str:
             event_id = f"evt_{uuid.uuid4().hex}"
             body = orjson.dumps({"id": event_id, "type": "bench.event"})
             outcome = accept_sync(
-                conn,  # type: ignore[arg-type]
+                conn,
                 NewReceipt(
                     source_id=source_id, secret_id=secret.id, event_id=event_id,
                     event_type="bench.event", occurred_at=None,
@@ -109,7 +109,7 @@ def kill(sessions: sessionmaker[Session], ids: list[int]) -> None:
                 "updated_at = now() WHERE id = ANY(:ids)"
             ),
             {"ids": ids},
-        ).rowcount
+        ).rowcount  # type: ignore[attr-defined]
     assert moved == len(ids)
 
 

@@ -103,8 +103,8 @@ FROM pg_partition_tree(CAST(:table AS regclass)) WHERE isleaf
 def settings(mode: str) -> Settings:
     return Settings(
         database_url=f"postgresql://postgres@127.0.0.1:5432/{DB}",
-        secret_key="bench-" + "k" * 32,  # type: ignore[arg-type]
-        retention_mode=mode,  # type: ignore[arg-type]
+        secret_key="bench-" + "k" * 32,
+        retention_mode=mode,
         delete_batch_size=10_000,
     )
 
@@ -602,7 +602,7 @@ def drop_under_load(args: argparse.Namespace) -> None:
     cli(env, "routes", "add", view["id"], "--handler", "log")
     part = Settings(
         database_url=f"postgresql://postgres@127.0.0.1:5432/{DB}",
-        secret_key="bench-secret-key-" + "b" * 32,  # type: ignore[arg-type]
+        secret_key="bench-secret-key-" + "b" * 32,
     )
     engine = make_engine(part, pool_size=2)
     log = Path(tempfile.mkdtemp(prefix="bench-retention-")) / "receiver.log"

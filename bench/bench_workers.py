@@ -100,7 +100,7 @@ def settings() -> Settings:
         database_url=ENV["WEBHOOKS_DATABASE_URL"],
         broker_url=BROKER,
         redis_url=CLAIMS,
-        secret_key=ENV["WEBHOOKS_SECRET_KEY"],  # type: ignore[arg-type]
+        secret_key=ENV["WEBHOOKS_SECRET_KEY"],
     )
 
 
