@@ -1,8 +1,8 @@
 """Postgres unreachable from a running worker and beat: the periodic sweep logs one
-structured line per run (``sweep.failed`` with the error's class), never a traceback, ends
-as FAILURE (``DatabaseUnavailable``), and sweeps again once the database is back; a delivery's message logs one line
-(``delivery.database_unavailable``) and ends in a RETRY state, and the delivery is made once
-after the outage. Real processes; the worker's connections go through a
+structured line per run (``sweep.failed`` with the error's class), never a traceback, ends as
+FAILURE (``DatabaseUnavailable``), and sweeps again once the database is back; a delivery's
+message logs one line (``delivery.database_unavailable``) and ends in a RETRY state, and the
+delivery is made once after the outage. Real processes; the worker's connections go through a
 proxy the test cuts, so Postgres keeps running for everyone else."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.db import make_engine
-from tasks.config import Dispatch
 from tasks.runtime import engine_pool_size
 from tests.conftest import TEST_DB
 from tests.netproxy import CuttableProxy
@@ -90,12 +89,11 @@ def test_a_sweep_without_its_database_is_one_line_not_a_traceback(tmp_path: Path
 
 
 def _held_then_made_once(
-    worker: Worker, proxy: CuttableProxy, engine: Engine, dispatch: Dispatch, marks: Path
+    worker: Worker, proxy: CuttableProxy, engine: Engine, delivery_id: int, marks: Path
 ) -> None:
-    """One message of ``dispatch``'s delivery while the worker cannot reach Postgres: one line, a
+    """One message of ``delivery_id`` while the worker cannot reach Postgres: one line, a
     RETRY state, the message acknowledged, no attempt and no call; restored, the sweeper
     republishes it and its handler runs once."""
-    delivery_id = dispatch.delivery_id
     before = worker.output().count("delivery.database_unavailable")
     broker = Broker(worker_settings())
     try:
@@ -114,7 +112,7 @@ def _held_then_made_once(
     )
     assert retry.search(worker.output()), worker.output()[-3000:]
     row = delivery(engine, delivery_id)
-    assert (row.status, row.attempts) == ("pending", 0), worker.output()[-6000:]
+    assert (row.status, row.attempts) == ("pending", 0), worker.output()[-3000:]
     assert attempts(engine, delivery_id) == []
     assert not list(marks.glob(f"{delivery_id}.*"))
     proxy.restore()
@@ -143,11 +141,11 @@ def test_a_delivery_without_its_database_is_one_line_and_a_retry_not_a_traceback
             running_worker("held", tmp_path, database_url=via_proxy) as worker,
             running_beat(tmp_path),
         ):
-            _held_then_made_once(worker, proxy, engine, first, marks)
+            _held_then_made_once(worker, proxy, engine, first.delivery_id, marks)
             # Accepted now: pending before, the sweep after the restore would have made it.
             (second,) = _deliveries(sessions, route)
             proxy.cut()  # open connections die; new ones are refused
-            _held_then_made_once(worker, proxy, engine, second, marks)
+            _held_then_made_once(worker, proxy, engine, second.delivery_id, marks)
             log = worker.output()
     finally:
         proxy.close()
