@@ -115,8 +115,12 @@ def raw_post(
     reader.start()
     try:
         while sent < size and not closed.is_set():
-            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
-            sent += len(piece)
+            # Never past the declared length: bytes beyond it would be parsed as a second,
+            # malformed request and answered 400 before the app's 413 (a race on how much one
+            # read of the server's takes).
+            part = piece[: size - sent]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+            sent += len(part)
         if chunked and not closed.is_set():
             sock.sendall(b"0\r\n\r\n")
     except OSError:
