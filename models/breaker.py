@@ -1,6 +1,7 @@
 """A circuit breaker per route, and pausing a route by hand: deliveries held, not attempted.
 
     closed --(failures >= ratio x requests, requests >= min, in the window)--> open
+    closed --(a streak: every request failed, >= streak of them, over >= streak_span)--> open
     open --(probe due: the sweeper picks the oldest waiting delivery)--> half_open
     half_open --(a success)--> closed        half_open --(a downstream failure)--> open
 
@@ -21,11 +22,23 @@ host reads one state, in statements they already run:
   claim returns ``window_failures``), so a healthy route pays nothing for the breaker. This
   is an approximation: successes before the first failure are not in the window, so the
   ratio is "failures among the requests since the first failure".
+- *A quiet route's outage* never reaches ``min_requests`` in a window: one delivery alone
+  makes six or seven attempts in five minutes, then waits longer than the window between
+  them, and would spend its whole ``max_attempts`` on the outage. So a window in which every
+  request failed does not expire until a success is counted in it, and such a *streak* opens
+  the breaker once it holds ``breaker_streak`` failures spanning at least
+  ``breaker_streak_span``. The span keeps a busy route from tripping on a burst of
+  failures among claims made before its window opened (their successes are not counted):
+  within a minute of a failure, a route with any working delivery counts a success.
 - *Probing*: :func:`pick_probes` (each sweep) moves every open or half-open route whose
-  ``breaker_probe_at`` has passed to half_open, names its oldest waiting delivery the probe
-  and pushes ``breaker_probe_at`` one ``breaker_probe_interval`` ahead: at most one call per
-  interval reaches the failing downstream. A success on a half-open route closes it; a
-  failure reopens it (``breaker_trips`` + 1).
+  ``breaker_probe_at`` has passed to half_open, names the probe and pushes
+  ``breaker_probe_at`` one ``breaker_probe_interval`` ahead: at most one call per interval
+  reaches the failing downstream. The probe is the waiting delivery touched longest ago
+  (``updated_at``: at first the oldest; a failed probe goes to the back), so the probes take
+  the backlog in turn and one delivery the downstream always refuses (a poison payload)
+  cannot keep a route shut while others would succeed: a failed probe is neither an attempt
+  nor ageing, so always probing the same one would hold the route forever. A success on a
+  half-open route closes it; a failure reopens it (``breaker_trips`` + 1).
 
 Times are the database's clock (``now()`` in the statements), or a test's pinned instant.
 """
@@ -70,7 +83,9 @@ _FAILURE_SQL = _placeholders(
     """
     WITH old AS (
         SELECT id, breaker_state AS before,
-               (window_started_at IS NULL OR window_started_at <= :now - :window) AS fresh,
+               (window_started_at IS NULL
+                OR (window_started_at <= :now - :window
+                    AND window_requests > window_failures)) AS fresh,
                window_started_at, window_requests, window_failures
         FROM routes WHERE id = :route FOR UPDATE
     ), counted AS (
@@ -84,6 +99,9 @@ _FAILURE_SQL = _placeholders(
                CASE WHEN before = 'half_open' THEN 'open'
                     WHEN before = 'closed' AND requests >= :min_requests
                          AND failures >= CAST(:ratio AS double precision) * requests
+                    THEN 'open'
+                    WHEN before = 'closed' AND failures = requests AND failures >= :streak
+                         AND started <= :now - :streak_span
                     THEN 'open'
                     ELSE before END AS after
         FROM counted
@@ -116,11 +134,13 @@ _CLOSE_SQL = _placeholders(
     """
 )
 
-# A success on a closed route whose failure window is open: one more request in it.
+# A success on a closed route whose failure window is open (within its time, or a streak of
+# failures, which a success ends): one more request in it.
 _COUNT_SUCCESS_SQL = _placeholders(
     """
     UPDATE routes SET window_requests = window_requests + 1
-    WHERE id = :route AND breaker_state = 'closed' AND window_started_at > :now - :window
+    WHERE id = :route AND breaker_state = 'closed' AND window_started_at IS NOT NULL
+      AND (window_started_at > :now - :window OR window_requests = window_failures)
     """
 )
 
@@ -133,6 +153,8 @@ class Thresholds:
     min_requests: int
     ratio: float
     probe_interval: timedelta
+    streak: int
+    streak_span: timedelta
 
     @classmethod
     def of(cls, settings: Any) -> Thresholds:
@@ -141,6 +163,8 @@ class Thresholds:
             settings.breaker_min_requests,
             settings.breaker_failure_ratio,
             settings.breaker_probe_interval,
+            settings.breaker_streak,
+            settings.breaker_streak_span,
         )
 
 
@@ -158,6 +182,8 @@ def record_failure(
             "min_requests": limits.min_requests,
             "ratio": limits.ratio,
             "interval": limits.probe_interval,
+            "streak": limits.streak,
+            "streak_span": limits.streak_span,
         },
     ).fetchone()
     return None if row is None else BreakerChange(int(row[0]), row[1], row[2], int(row[3]))
@@ -204,7 +230,7 @@ _PROBES = """
         SELECT DISTINCT ON (d.route_id) d.route_id, d.id, d.expires_at
         FROM deliveries d JOIN due ON d.route_id = due.id
         WHERE d.status IN ('pending', 'retrying')
-        ORDER BY d.route_id, d.created_at, d.id
+        ORDER BY d.route_id, d.updated_at, d.id
     ), moved AS (
         UPDATE routes r SET
             breaker_state = CASE WHEN pick.id IS NULL THEN 'open' ELSE 'half_open' END,

@@ -144,6 +144,19 @@ def test_budgets_out_of_order_are_refused_naming_both_variables(
     assert "WEBHOOKS_HARD_TIME_LIMIT" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("WEBHOOKS_BREAKER_STREAK", "0"), ("WEBHOOKS_BREAKER_STREAK_SPAN", "-1")],
+)
+def test_a_breaker_streak_out_of_range_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert name in str(info.value)
+
+
 def test_secrets_are_encrypted_at_rest(
     sessions: sessionmaker[Session], settings: Settings, engine: Engine
 ) -> None:

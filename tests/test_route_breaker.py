@@ -37,7 +37,10 @@ from webhooks.settings import Settings
 
 pytestmark = pytest.mark.slow
 
-LIMITS = Thresholds(timedelta(minutes=1), 3, 0.7, timedelta(seconds=30))
+LIMITS = Thresholds(timedelta(minutes=1), 3, 0.7, timedelta(seconds=30), 5, timedelta(minutes=1))
+# A quiet route's thresholds: the ratio needs 10 requests, which one delivery never makes in
+# a window; a streak of 5 failures over at least a minute opens it.
+QUIET = Thresholds(timedelta(minutes=1), 10, 0.7, timedelta(seconds=30), 5, timedelta(minutes=1))
 # Short breaker timings for the workers: three failures in a minute open it, one probe a second.
 BREAKER: dict[str, Any] = {
     "breaker_min_requests": 3,
@@ -125,9 +128,31 @@ def _accept(settings: Settings, source: Any, n: int) -> list[int]:
 # -- the statements, with the time pinned ---------------------------------------------------
 
 
-def _fail(settings: Settings, route_id: int, now: Any) -> breaker.BreakerChange | None:
+def _fail(
+    settings: Settings, route_id: int, now: Any, limits: Thresholds = LIMITS
+) -> breaker.BreakerChange | None:
     with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
-        return breaker.record_failure(conn, route_id, LIMITS, now=now)
+        return breaker.record_failure(conn, route_id, limits, now=now)
+
+
+def _moved(settings: Settings, route_id: int, now: Any) -> tuple[str, str]:
+    """One downstream failure on a quiet route's thresholds: (state before, state after)."""
+    change = _fail(settings, route_id, now, QUIET)
+    assert change is not None, "the route is gone"
+    return change.before, change.after
+
+
+def _succeed(settings: Settings, route_id: int, now: Any, window_failures: int) -> None:
+    """A success as a claim made after ``window_failures`` failures saw the route."""
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        breaker.record_success(
+            conn, route_id, QUIET, state="closed", window_failures=window_failures, now=now
+        )
+
+
+def _db_now(sessions: sessionmaker[Session]) -> Any:
+    with sessions() as s:
+        return s.execute(text("SELECT now()")).scalar_one()
 
 
 def test_an_open_breaker_holds_claims_without_an_attempt_and_probes_once_per_interval(
@@ -206,6 +231,101 @@ def test_failures_below_the_ratio_or_the_minimum_keep_it_closed(
     assert (route.breaker_state, route.window_requests, route.window_failures) == ("closed", 1, 1)
 
 
+def test_a_quiet_routes_streak_of_failures_opens_its_breaker_once_it_spans_a_minute(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """One delivery alone never makes the ratio's 10 requests in a window, and its later
+    attempts come further apart than the window: without the streak it would spend its whole
+    max_attempts on the outage and go dead (issue 23 item 4)."""
+    source = make_source(sessions, settings)
+    (route_id,) = source.route_ids
+    now = _db_now(sessions)
+    # Five failures in 40 s: a streak, but not yet over the span. Closed.
+    for seconds in (0, 10, 20, 30, 40):
+        assert _moved(settings, route_id, now + timedelta(seconds=seconds)) == (
+            "closed",
+            "closed",
+        ), seconds
+    route = _route(engine, route_id)
+    assert (route.window_requests, route.window_failures) == (5, 5)
+    # Three minutes on, past the one-minute window: a window in which every request failed
+    # has not expired, and the sixth failure opens the breaker.
+    assert _moved(settings, route_id, now + timedelta(minutes=3)) == ("closed", "open")
+    route = _route(engine, route_id)
+    assert (route.breaker_state, route.breaker_trips) == ("open", 1)
+
+
+def test_a_burst_within_the_span_keeps_it_closed_and_a_success_ends_the_streak(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """A busy route's burst of failures among claims made before its window opened (their
+    successes are not counted) must not open it: the span. A success ends a streak, even
+    past the window's minute, and the window then expires as any other."""
+    source = make_source(sessions, settings)
+    (route_id,) = source.route_ids
+    now = _db_now(sessions)
+    for _ in range(8):  # more than the streak, all in one instant: not over the span
+        assert _moved(settings, route_id, now) == ("closed", "closed")
+    # Two minutes on (past the window): the streak's window is still open, so a success
+    # counts in it and ends the streak.
+    _succeed(settings, route_id, now + timedelta(minutes=2), window_failures=8)
+    route = _route(engine, route_id)
+    assert (route.breaker_state, route.window_requests, route.window_failures) == ("closed", 9, 8)
+    # Without that success this failure would be the ninth of a streak over three minutes;
+    # with it, the window has expired and the count starts again.
+    assert _moved(settings, route_id, now + timedelta(minutes=3)) == ("closed", "closed")
+    route = _route(engine, route_id)
+    assert (route.window_requests, route.window_failures) == (1, 1)
+
+
+def test_probes_take_the_held_backlog_in_turn_so_one_refused_delivery_cannot_shut_the_route(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """A failed probe is neither an attempt nor ageing: were the oldest waiting delivery
+    always the probe, one the downstream always refuses (a poison payload) would keep its
+    route shut forever while the others would succeed."""
+    source = make_source(sessions, settings)
+    (route_id,) = source.route_ids
+    ids = _accept(settings, source, 3)
+    now = _db_now(sessions) + timedelta(minutes=1)
+    for _ in range(3):
+        _fail(settings, route_id, now)
+    assert _route(engine, route_id).breaker_state == "open"
+
+    def probe(at: Any) -> int | None:
+        with sessions() as s, s.begin():
+            picked = breaker.pick_probes(
+                s, now=at, interval=LIMITS.probe_interval, grace=timedelta(0)
+            )
+        (mine,) = [p for p in picked if p.route_id == route_id]
+        return mine.delivery_id
+
+    at = now + LIMITS.probe_interval
+    assert probe(at) == ids[0]  # at first the oldest
+    # The probe is claimed, its call fails: recorded as a failed probe (uncounted), and the
+    # breaker reopens.
+    with sessions() as s, s.begin():
+        found = transitions.claim(
+            s, ids[0], now=at, lease=timedelta(minutes=4), max_redeliveries=3, worker="w"
+        )
+        assert found is not None
+        transitions.retry_later(
+            s,
+            found,
+            now=at,
+            next_attempt_at=at,
+            error_class="DownstreamError",
+            error="downstream answered HTTP 503",
+            uncounted=True,
+        )
+    _fail(settings, route_id, at)
+    picks = []
+    for n in range(1, 5):  # each later probe: the waiting delivery touched longest ago
+        picks.append(probe(at + n * LIMITS.probe_interval))
+    assert picks == [ids[1], ids[2], ids[0], ids[1]], picks
+    assert delivery(engine, ids[0]).attempts == 1  # its one failed probe
+
+
 # -- real workers, a real downstream --------------------------------------------------------
 
 
@@ -276,6 +396,75 @@ def test_a_failing_downstream_opens_the_breaker_probes_once_a_second_then_drains
         assert "route.breaker_opened" in events
         assert "route.breaker_closed" in events
     broker.close()
+    assert _route(engine, route_id).breaker_state == "closed"
+
+
+def test_a_quiet_routes_outage_longer_than_its_whole_schedule_sends_nothing_dead(
+    sessions: sessionmaker[Session], engine: Engine, tmp_path: Path, downstream: Downstream
+) -> None:
+    """One event on a route, its downstream answering 503 for longer than the delivery's
+    whole retry schedule (8 attempts at base 0.25 s, cap 1 s: about 3 s). Its 8 requests can
+    never make the ratio's 10; the streak (5 failures over at least 0.5 s here) opens the
+    breaker before the attempts run out, probes go out once a second, and the delivery is
+    made once the downstream is back. Before the streak, this delivery went dead by
+    max_attempts."""
+    quiet: dict[str, Any] = {
+        "retry_base": timedelta(seconds=0.25),
+        "retry_cap": timedelta(seconds=1),
+        "max_attempts": 8,
+        "breaker_min_requests": 10,
+        "breaker_window": timedelta(minutes=1),
+        "breaker_streak": 5,
+        "breaker_streak_span": timedelta(seconds=0.5),
+        "breaker_probe_interval": timedelta(seconds=1),
+    }
+    settings = worker_settings(**quiet)
+    source = make_source(
+        sessions,
+        settings,
+        routes=[
+            {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
+        ],
+    )
+    (route_id,) = source.route_ids
+    (delivery_id,) = _accept(settings, source, 1)
+    broker = Broker(settings)
+    with running_worker("quiet", tmp_path, **quiet) as worker:
+        broker.publish(delivery_id)
+        wait_for(
+            lambda: _route(engine, route_id).breaker_state != "closed",
+            timeout=30,
+            what="the breaker to open",
+        )
+        spent = delivery(engine, delivery_id).attempts
+        assert 5 <= spent < 8, spent
+        opened = time.monotonic()
+
+        def outlasted() -> bool:
+            # Probes once a second (the sweeper names them), for longer than the whole
+            # schedule would have taken: at least 4 calls after the opening.
+            broker.sweep()
+            return len([t for t in downstream.calls if t > opened]) >= 4
+
+        wait_for(outlasted, timeout=30, what="four probes", interval=0.2)
+        assert delivery(engine, delivery_id).status != "dead"
+        probes = _claimed_after_opening(engine, route_id, [delivery_id])
+        gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(probes)]
+        assert len(probes) >= 3, probes
+        assert min(gaps) > 0.8, gaps
+        downstream.status = 200
+
+        def delivered() -> bool:
+            broker.sweep()
+            return delivery(engine, delivery_id).status == "succeeded"
+
+        wait_for(delivered, timeout=30, what="the delivery once the downstream is back")
+        events = [line.get("event") for line in worker.json_lines()]
+        assert "route.breaker_opened" in events
+        assert "route.breaker_closed" in events
+    broker.close()
+    # Exactly one successful call: every other call was a failed attempt or a failed probe.
+    assert _attempt_rows(engine, [delivery_id]) == len(downstream.calls)
     assert _route(engine, route_id).breaker_state == "closed"
 
 

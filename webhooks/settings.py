@@ -154,6 +154,12 @@ class Settings(BaseSettings):
     breaker_min_requests: int = Field(default=10, ge=1)
     breaker_failure_ratio: float = Field(default=0.7, gt=0, le=1)
     breaker_probe_interval: timedelta = timedelta(seconds=30)
+    # A quiet route's outage (too few requests for the ratio): it also opens once
+    # breaker_streak requests in a row failed downstream, the first of them at least
+    # breaker_streak_span ago, with no success since (one delivery alone gets there at about
+    # its sixth attempt, a minute and a half after its first: well inside its 12).
+    breaker_streak: int = Field(default=5, ge=1)
+    breaker_streak_span: timedelta = timedelta(minutes=1)
     # Admission (models/admission.py): deliveries of one route admitted to the broker and not
     # finished at once, unless the route sets its own (`routes update --max-in-flight`). The
     # default, 40, is below the 50 slots of one default worker: a route's backlog leaves
@@ -277,6 +283,8 @@ class Settings(BaseSettings):
         for name in ("breaker_window", "breaker_probe_interval", "console_idle_timeout"):
             if getattr(self, name) <= timedelta():
                 raise ValueError(f"WEBHOOKS_{name.upper()} must be positive")
+        if self.breaker_streak_span < timedelta():
+            raise ValueError("WEBHOOKS_BREAKER_STREAK_SPAN must not be negative")
         return self
 
     @model_validator(mode="after")
