@@ -98,6 +98,12 @@ def _route(engine: Engine, route_id: int) -> Any:
         return conn.execute(text("SELECT * FROM routes WHERE id = :id"), {"id": route_id}).one()
 
 
+def _forwarding(sessions: sessionmaker[Session], settings: Settings, downstream: Downstream) -> Any:
+    """A source with one route that forwards to the local downstream."""
+    route = {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
+    return make_source(sessions, settings, routes=[route])
+
+
 def _statuses(engine: Engine, ids: list[int]) -> dict[int, str]:
     return {i: delivery(engine, i).status for i in ids}
 
@@ -333,13 +339,7 @@ def test_a_failing_downstream_opens_the_breaker_probes_once_a_second_then_drains
     sessions: sessionmaker[Session], engine: Engine, tmp_path: Path, downstream: Downstream
 ) -> None:
     settings = worker_settings(**BREAKER)
-    source = make_source(
-        sessions,
-        settings,
-        routes=[
-            {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
-        ],
-    )
+    source = _forwarding(sessions, settings, downstream)
     (route_id,) = source.route_ids
     ids = _accept(settings, source, 6)
     broker = Broker(settings)
@@ -419,13 +419,7 @@ def test_a_quiet_routes_outage_longer_than_its_whole_schedule_sends_nothing_dead
         "breaker_probe_interval": timedelta(seconds=1),
     }
     settings = worker_settings(**quiet)
-    source = make_source(
-        sessions,
-        settings,
-        routes=[
-            {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
-        ],
-    )
+    source = _forwarding(sessions, settings, downstream)
     (route_id,) = source.route_ids
     (delivery_id,) = _accept(settings, source, 1)
     broker = Broker(settings)
@@ -473,13 +467,7 @@ def test_a_permanent_4xx_does_not_trip_the_breaker(
 ) -> None:
     downstream.status = 400
     settings = worker_settings(**BREAKER)
-    source = make_source(
-        sessions,
-        settings,
-        routes=[
-            {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
-        ],
-    )
+    source = _forwarding(sessions, settings, downstream)
     (route_id,) = source.route_ids
     ids = _accept(settings, source, 5)
     broker = Broker(settings)
@@ -501,13 +489,7 @@ def test_a_paused_route_makes_no_attempt_until_resumed_and_both_are_audited(
 ) -> None:
     downstream.status = 200
     settings = worker_settings()
-    source = make_source(
-        sessions,
-        settings,
-        routes=[
-            {"handler": "forward", "options": {"url": downstream.url, "allow_private": "true"}}
-        ],
-    )
+    source = _forwarding(sessions, settings, downstream)
     (route_id,) = source.route_ids
     change = catalog.Change("alice", "downstream maintenance until 14:00")
     with sessions() as s, s.begin():
