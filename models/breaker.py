@@ -2,7 +2,7 @@
 
     closed --(failures >= ratio x requests, requests >= min, in the window)--> open
     closed --(a streak: every request failed, >= streak of them, over >= streak_span)--> open
-    open --(probe due: the sweeper picks the oldest waiting delivery)--> half_open
+    open --(probe due: the sweeper picks the waiting delivery touched longest ago)--> half_open
     half_open --(a success)--> closed        half_open --(a downstream failure)--> open
 
 State lives on the route (migration 0010), in Postgres, so every worker and sweeper on every

@@ -157,7 +157,7 @@ class Settings(BaseSettings):
     # A quiet route's outage (too few requests for the ratio): it also opens once
     # breaker_streak requests in a row failed downstream, the first of them at least
     # breaker_streak_span ago, with no success since (one delivery alone gets there at about
-    # its sixth attempt, a minute and a half after its first: well inside its 12).
+    # its sixth attempt, some 80 s after its first: well inside its 12).
     breaker_streak: int = Field(default=5, ge=1)
     breaker_streak_span: timedelta = timedelta(minutes=1)
     # Admission (models/admission.py): deliveries of one route admitted to the broker and not
