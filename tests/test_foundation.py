@@ -157,6 +157,13 @@ def test_a_breaker_streak_out_of_range_is_refused_by_name(
     assert name in str(info.value)
 
 
+def test_a_negative_streak_span_given_in_code_is_refused_by_name() -> None:
+    """The environment's duration parser refuses a negative span before the model sees it;
+    a Settings built in code (as the tests and embedders do) meets the model's own check."""
+    with pytest.raises(ValueError, match="WEBHOOKS_BREAKER_STREAK_SPAN must not be negative"):
+        make_settings(breaker_streak_span=timedelta(seconds=-1))
+
+
 def test_secrets_are_encrypted_at_rest(
     sessions: sessionmaker[Session], settings: Settings, engine: Engine
 ) -> None:

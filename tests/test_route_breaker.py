@@ -167,8 +167,7 @@ def test_an_open_breaker_holds_claims_without_an_attempt_and_probes_once_per_int
     source = make_source(sessions, settings)
     (route_id,) = source.route_ids
     ids = _accept(settings, source, 3)
-    with sessions() as s:
-        now = s.execute(text("SELECT now()")).scalar_one() + timedelta(minutes=1)
+    now = _db_now(sessions) + timedelta(minutes=1)
     changes = [_fail(settings, route_id, now) for _ in range(3)]
     assert [c.after for c in changes if c] == ["closed", "closed", "open"]
     route = _route(engine, route_id)
@@ -220,8 +219,7 @@ def test_failures_below_the_ratio_or_the_minimum_keep_it_closed(
 ) -> None:
     source = make_source(sessions, settings)
     (route_id,) = source.route_ids
-    with sessions() as s:
-        now = s.execute(text("SELECT now()")).scalar_one()
+    now = _db_now(sessions)
     _fail(settings, route_id, now)
     with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
         for _ in range(3):  # successes inside the open window count as requests
