@@ -41,7 +41,7 @@ run: install .env
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy webhooks ingest tasks models
+	$(VENV)/bin/mypy core webhooks ingest tasks models
 
 # One process: on this project's 2-core machines two pytest-xdist processes (`pytest -n 2
 # --dist loadfile -m "not serial"`, then `pytest -m serial`: each process gets its own

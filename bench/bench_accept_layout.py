@@ -78,10 +78,10 @@ def keyed_function() -> str:
 
 def widen(db: str) -> int:
     """Lay out the days the provider floor laid out (what ``main`` does before this branch)."""
+    from core.settings import Settings  # noqa: PLC0415
+    from core.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, dedup_terms, known_providers  # noqa: PLC0415
     from models import partitions  # noqa: PLC0415
     from models.db import make_engine  # noqa: PLC0415
-    from webhooks.settings import Settings  # noqa: PLC0415
-    from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, dedup_terms, known_providers  # noqa: PLC0415
 
     settings = Settings(_env_file=None)
     floor = max(dedup_terms(p, TtlOverrides(), settings).total for p in known_providers())

@@ -52,8 +52,9 @@ sys.path.insert(0, str(ROOT))
 
 from celery import Celery  # noqa: E402
 
-from tasks.config import DELIVERIES_QUEUE, create_app  # noqa: E402
-from webhooks.settings import Settings  # noqa: E402
+from core.messages import DELIVERIES_QUEUE  # noqa: E402
+from core.settings import Settings  # noqa: E402
+from tasks.config import create_app  # noqa: E402
 
 BIN = Path(sys.executable).parent
 DB = "webhooks_bench_forward"

@@ -42,15 +42,15 @@ sys.path.insert(0, str(ROOT))
 from sqlalchemy import text  # noqa: E402
 from sqlalchemy.orm import Session, sessionmaker  # noqa: E402
 
-from ingest.publisher import CeleryPublisher  # noqa: E402
-from ingest.store import NewReceipt, accept_sync  # noqa: E402
+from core.clock import SystemClock  # noqa: E402
+from core.crypto import SecretBox  # noqa: E402
+from core.settings import Settings  # noqa: E402
+from core.ttl import expires_at  # noqa: E402
 from models import catalog, replays, transitions  # noqa: E402
+from models.accept import NewReceipt, accept_sync  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from models.queries import ReplayFilter  # noqa: E402
-from webhooks.clock import SystemClock  # noqa: E402
-from webhooks.crypto import SecretBox  # noqa: E402
-from webhooks.settings import Settings  # noqa: E402
-from webhooks.ttl import expires_at  # noqa: E402
+from tasks.publisher import CeleryPublisher  # noqa: E402
 
 DB = "webhooks_bench_replays"
 BROKER = "redis://127.0.0.1:6379/6"

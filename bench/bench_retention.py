@@ -41,6 +41,7 @@ import orjson
 import psycopg
 from sqlalchemy import Engine, text
 
+from core.settings import Settings
 from models import partitions, retention
 from models.db import make_engine, upgrade
 from models.retention import (
@@ -50,7 +51,6 @@ from models.retention import (
     ensure_partitions,
     expire_partitions,
 )
-from webhooks.settings import Settings
 
 DB = "webhooks_bench_retention"
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -64,14 +64,15 @@ sys.path.insert(0, str(CODE))
 from celery import Celery  # noqa: E402
 from revisions import remove_worktree, worktree  # noqa: E402
 
-from ingest.publisher import Publisher  # noqa: E402
-from ingest.store import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many  # noqa: E402
+from core.crypto import SecretBox  # noqa: E402
+from core.messages import DELIVERIES_QUEUE, Dispatch  # noqa: E402
+from core.settings import Settings  # noqa: E402
+from core.ttl import expires_at  # noqa: E402
 from models import catalog  # noqa: E402
+from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from tasks.config import DELIVERIES_QUEUE, Dispatch, create_app  # noqa: E402
-from webhooks.crypto import SecretBox  # noqa: E402
-from webhooks.settings import Settings  # noqa: E402
-from webhooks.ttl import expires_at  # noqa: E402
+from tasks.config import create_app  # noqa: E402
+from tasks.publisher import Publisher  # noqa: E402
 
 BIN = Path(sys.executable).parent
 DB = "webhooks_bench_workers"

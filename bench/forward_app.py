@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import httpx
 
+from core.settings import load_settings
 from tasks.config import create_app
-from webhooks.settings import load_settings
 
 FORWARD_TASK = "bench.forward"
 

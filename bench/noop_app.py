@@ -3,8 +3,8 @@ configuration (same broker, acks_late, prefetch 1, time limits, events) and noth
 
 from __future__ import annotations
 
+from core.settings import load_settings
 from tasks.config import create_app
-from webhooks.settings import load_settings
 
 NOOP_TASK = "bench.noop"
 

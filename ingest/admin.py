@@ -71,7 +71,10 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ingest.publisher import CeleryPublisher
+from core import metrics
+from core.clock import Clock, SystemClock
+from core.logs import configure_logging, get_logger
+from core.settings import Settings, load_settings
 from ingest.server import Limits, ReceiverProtocol
 from models import breaker, queries, replays
 from models.catalog import CatalogError, Change
@@ -86,10 +89,7 @@ from models.queries import (
     ReplayFilter,
 )
 from models.replays import ReplayError, ReplayRecord
-from webhooks import metrics
-from webhooks.clock import Clock, SystemClock
-from webhooks.logs import configure_logging, get_logger
-from webhooks.settings import Settings, load_settings
+from tasks.publisher import CeleryPublisher
 
 log = get_logger("admin")
 

@@ -48,7 +48,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ingest.providers import (
+from core import metrics
+from core.clock import Clock, SystemClock, pinned
+from core.crypto import SecretBox, SecretDecryptError
+from core.logs import configure_logging, get_logger
+from core.providers import (
     AuthError,
     Batch,
     Challenge,
@@ -61,14 +65,11 @@ from ingest.providers import (
     get_provider,
     registry,
 )
-from ingest.publisher import Publisher
-from ingest.store import NewReceipt, SourceRecord, Store
-from webhooks import metrics
-from webhooks.clock import Clock, SystemClock, pinned
-from webhooks.crypto import SecretBox, SecretDecryptError
-from webhooks.logs import configure_logging, get_logger
-from webhooks.settings import Settings, load_settings
-from webhooks.ttl import expires_at
+from core.settings import Settings, load_settings
+from core.ttl import expires_at
+from ingest.store import SourceRecord, Store
+from models.accept import NewReceipt
+from tasks.publisher import Publisher
 
 log = get_logger("ingest")
 
@@ -82,7 +83,7 @@ DB_ERRORS = (
 # A request no cached secret verifies reloads the source's secrets (one may have been added),
 # but a flood of forged requests may not reload it more often than this.
 REFRESH_AFTER_SECONDS = 0.25
-# The form of every source id we issue (webhooks.crypto.public_id("src"): 15 random bytes as
+# The form of every source id we issue (core.crypto.public_id("src"): 15 random bytes as
 # URL-safe base64, 20 characters, with "-" and "_" replaced by "x" and "z"). Anything else is
 # answered 404 without a database query and without reading the body.
 SOURCE_ID = re.compile(r"src_[A-Za-z0-9]{20}")

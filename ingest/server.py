@@ -2,7 +2,7 @@
 
 uvicorn bounds neither a request's head nor the time a client may take to send it, and its
 ``limit_concurrency`` answers 503 without ``Retry-After``. :class:`ReceiverProtocol` adds, per
-connection and from :class:`~webhooks.settings.Settings`:
+connection and from :class:`~core.settings.Settings`:
 
 - **head size**: request line plus headers larger than ``WEBHOOKS_MAX_HEADER_BYTES`` (or more
   than ``WEBHOOKS_MAX_HEADERS`` headers) -> ``431``, connection closed. The count runs while the
@@ -29,8 +29,8 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from webhooks import metrics
-from webhooks.settings import Settings, load_settings
+from core import metrics
+from core.settings import Settings, load_settings
 
 # Bytes a header line adds beyond its name and value: ": " and CRLF.
 _LINE_OVERHEAD = 4

@@ -48,13 +48,16 @@ admission existed), counted.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import redis
+
+from core import metrics
+from core.messages import Dispatch
 
 PREFIX = "adm:"
 # Waiting deliveries one dispatch admits at most (it runs again at once when it hit this).
@@ -591,3 +594,32 @@ def reconcile(conn: psycopg.Connection[Any], admission: Admission, *, grace: tim
             {route: [i for i in members if i in finished] for route, members in flights.items()}
         )
     return len(finished)
+
+
+def offer(
+    client: Any,
+    connect: Callable[[], psycopg.Connection[Any]],
+    dispatches: Sequence[Dispatch],
+    default_budget: int,
+) -> list[Dispatch]:
+    """The deliveries of ``dispatches`` to publish now (the receiver's and the sweeper's
+    path): one Lua call for the whole batch; the rest wait for the dispatcher. The routes'
+    limits come with the receiver's deliveries (its accept read them); one statement, on the
+    connection ``connect`` gives, reads those of the others (only then is it called: a
+    Postgres that is down does not stop the receiver's admissions). Raises on a Redis or
+    Postgres failure (the caller fails open)."""
+    ids = [d.delivery_id for d in dispatches]
+    routes = {
+        d.delivery_id: limits_from_row(d.route, default_budget)
+        for d in dispatches
+        if d.route is not None
+    }
+    unknown = [d.delivery_id for d in dispatches if d.route is None]
+    if unknown:
+        routes.update(routes_of(connect(), unknown, default_budget))
+    decided = Admission(client).offer(ids, routes)
+    metrics.ADMISSIONS.labels("admitted").inc(len(decided.admitted) + len(decided.unknown))
+    metrics.ADMISSIONS.labels("waiting").inc(len(decided.waiting))
+    metrics.ADMISSIONS.labels("duplicate").inc(len(decided.duplicate))
+    publish = set(decided.admitted) | set(decided.unknown)
+    return [d for d in dispatches if d.delivery_id in publish]

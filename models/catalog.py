@@ -12,16 +12,8 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from models.schema import (
-    UNFINISHED_STATES,
-    AuditEntry,
-    Delivery,
-    Route,
-    Source,
-    SourceSecret,
-)
-from webhooks.addresses import allows_private, check_host
-from webhooks.crypto import (
+from core.addresses import allows_private, check_host
+from core.crypto import (
     SecretBox,
     check_key,
     check_keys,
@@ -30,10 +22,10 @@ from webhooks.crypto import (
     key_prefix,
     public_id,
 )
-from webhooks.logs import get_logger
-from webhooks.metrics import SOURCES_TTL_RAISED
-from webhooks.settings import Settings
-from webhooks.ttl import (
+from core.logs import get_logger
+from core.metrics import SOURCES_TTL_RAISED
+from core.settings import Settings
+from core.ttl import (
     EffectiveTtl,
     TtlConfigError,
     TtlOverrides,
@@ -41,6 +33,14 @@ from webhooks.ttl import (
     effective_ttl,
     known_providers,
     unknown_provider,
+)
+from models.schema import (
+    UNFINISHED_STATES,
+    AuditEntry,
+    Delivery,
+    Route,
+    Source,
+    SourceSecret,
 )
 
 log = get_logger("catalog")
@@ -51,7 +51,7 @@ class CatalogError(ValueError):
 
 
 #: ``(provider, options) -> normalised options`` (ValueError naming a bad option). Storage does
-#: not know providers' options: the CLI passes ``ingest.providers.validate_config``.
+#: not know providers' options: the CLI passes ``core.providers.validate_config``.
 ConfigValidator = Callable[[str, Mapping[str, Any]], dict[str, Any]]
 
 
@@ -143,7 +143,7 @@ def create_source(
     elif config:
         raise CatalogError(
             "provider options need validating against the provider: pass validate_config "
-            "(ingest.providers.validate_config)"
+            "(core.providers.validate_config)"
         )
     else:
         normalised = {}
@@ -207,7 +207,7 @@ def check_stored_keys(session: Session, box: SecretBox, *, sample: int = KEY_SAM
     """Check that ``box`` (``WEBHOOKS_SECRET_KEY``) decrypts the stored secrets: the newest
     ``sample`` active source secrets, route signing secrets and reconciliation credentials
     (each kind). Returns how many were checked;
-    :class:`webhooks.crypto.KeyMismatch` naming the count it cannot read otherwise. Run at
+    :class:`core.crypto.KeyMismatch` naming the count it cannot read otherwise. Run at
     the start of the receiver, ``webhooks run`` and the CLI."""
     sources = session.scalars(
         select(SourceSecret.ciphertext)
@@ -510,7 +510,7 @@ def add_route(
 
 def _check_forward_target(options: Mapping[str, str]) -> None:
     """A forward route's URL and ``allow_private``, judged as the worker will judge them
-    (:mod:`webhooks.addresses`) where no DNS is needed: a refused address literal, metadata
+    (:mod:`core.addresses`) where no DNS is needed: a refused address literal, metadata
     host or ``localhost`` fails here, not on every delivery."""
     url = options.get("url", "")
     if not url.startswith(("http://", "https://")):

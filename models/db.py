@@ -11,7 +11,7 @@ from psycopg import sql
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from webhooks.settings import Settings
+from core.settings import Settings
 
 if TYPE_CHECKING:
     # Alembic (a tenth of a second to import) only when migrating: every CLI command and
@@ -170,12 +170,13 @@ def upgrade(settings: Settings, revision: str = "head") -> None:
     """Create the database when missing, migrate it, and lay out the receipt partitions."""
     from alembic import command  # noqa: PLC0415
 
-    from models import partitions  # noqa: PLC0415  (partitions imports this module)
+    from models import retention  # noqa: PLC0415  (the ORM schema: only an upgrade needs it)
 
     ensure_database(settings)
     command.upgrade(alembic_config(settings), revision)
     engine = make_engine(settings, pool_size=1)
     try:
-        partitions.bootstrap(engine, settings)
+        # None: the database's clock decides which days are already past.
+        retention.ensure_partitions(engine, settings, None)
     finally:
         engine.dispose()

@@ -19,9 +19,9 @@ from typing import Any, Literal
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from core.logs import get_logger
 from models import queries, transitions
 from models.queries import Candidate, ReplayFilter
-from webhooks.logs import get_logger
 
 log = get_logger("discards")
 
@@ -161,6 +161,6 @@ def record_discarded(result: DiscardResult, via: Via) -> None:
     )
     if result.discarded:
         # Imported here, as in models.retention: the metrics module is imported late.
-        from webhooks.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415
+        from core.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415
 
         DEAD_LETTERS_DISCARDED.labels(via="operator").inc(result.discarded)

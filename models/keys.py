@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from webhooks.crypto import SecretBox, SecretDecryptError
-from webhooks.logs import get_logger
+from core.crypto import SecretBox, SecretDecryptError
+from core.logs import get_logger
 
 log = get_logger("keys")
 

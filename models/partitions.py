@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, text
 
 from models.schema import PARTITIONED_TABLES
-from webhooks.settings import Settings
 
 # Serialises layout changes (beat, the receiver's on-demand create, the CLI), so concurrent
 # creators never race on the same partition name. Any constant works; this one is ours.
@@ -190,11 +189,3 @@ def lock_layout_session(conn: Connection) -> None:
 
 def unlock_layout_session(conn: Connection) -> None:
     conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": LAYOUT_LOCK_KEY})
-
-
-def bootstrap(engine: Engine, settings: Settings, now: datetime | None = None) -> None:
-    """Lay out partitions after a migration."""
-    from models import retention  # noqa: PLC0415  (retention imports this module)
-
-    # None: the database's clock decides which days are already past.
-    retention.ensure_partitions(engine, settings, now)

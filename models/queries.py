@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import and_, exists, func, literal_column, or_, select, true, tuple_
 from sqlalchemy.orm import Session
 
+from core.durations import DurationError, parse_duration
 from models.catalog import get_source, glob_to_like
 from models.schema import (
     DELIVERY_STATES,
@@ -26,7 +27,6 @@ from models.schema import (
     Route,
     Source,
 )
-from webhooks.durations import DurationError, parse_duration
 
 REPLAYABLE_STATES = ("dead", "succeeded")
 MAX_LIST_LIMIT = 1000

@@ -33,12 +33,12 @@ from typing import Any, Literal
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.clock import Clock, pinned
+from core.logs import get_logger
+from core.settings import Settings
 from models import queries, replay_rates, transitions
 from models.queries import Candidate, ReplayFilter
 from models.schema import Replay
-from webhooks.clock import Clock, pinned
-from webhooks.logs import get_logger
-from webhooks.settings import Settings
 
 log = get_logger("replays")
 

@@ -25,7 +25,7 @@ for holds reads the partial indexes ``ix_deliveries_due`` (unfinished) and
 Time: every expiry decision is taken on the database's clock. ``now`` is None in production
 (read with ``clock_timestamp()`` inside the deciding transaction, after the layout lock, so a
 creator and a dropper serialised by that lock agree on which days are past); a test passes
-an instant (:func:`webhooks.clock.pinned`).
+an instant (:func:`core.clock.pinned`).
 
 Only counts are logged, never ids or bodies.
 """
@@ -40,11 +40,9 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
-from models import partitions
-from models.schema import UNFINISHED_STATES
-from webhooks.logs import get_logger
-from webhooks.settings import Settings
-from webhooks.ttl import (
+from core.logs import get_logger
+from core.settings import Settings
+from core.ttl import (
     MAX_EVENT_TIME_LEAD,
     TtlConfigError,
     TtlOverrides,
@@ -52,6 +50,8 @@ from webhooks.ttl import (
     effective_ttl,
     known_providers,
 )
+from models import partitions
+from models.schema import UNFINISHED_STATES
 
 log = get_logger("retention")
 
@@ -180,7 +180,7 @@ def _count_discarded(n: int, via: str) -> None:
     if n:
         # Imported here: a worker must choose prometheus' multi-process mode before the
         # metrics module is first imported, and this module is imported early.
-        from webhooks.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415
+        from core.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415
 
         DEAD_LETTERS_DISCARDED.labels(via=via).inc(n)
 

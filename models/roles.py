@@ -21,8 +21,8 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql
 
+from core.settings import Settings
 from models.db import DatabaseUnavailable, ensure_database
-from webhooks.settings import Settings
 
 # Lower-case, unquoted-identifier form: the name then reads the same in SQL, URLs and logs.
 ROLE_NAME: Final = re.compile(r"[a-z_][a-z0-9_]{0,62}")

@@ -91,7 +91,7 @@ class Source(Base):
     # A disabled source answers 410 Gone and writes nothing; what it accepted still runs.
     active: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
-    # Reconciliation (webhooks.reconcile, migration 0016): the provider API credential,
+    # Reconciliation (tasks.reconcile, migration 0016): the provider API credential,
     # encrypted like the secrets (NULL: none); beat's schedule (NULL: off) and its last run.
     reconcile_ciphertext: Mapped[bytes | None] = mapped_column(LargeBinary)
     reconcile_every_s: Mapped[int | None] = mapped_column(BigInteger)

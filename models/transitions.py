@@ -16,7 +16,7 @@ policy), so a worker frozen before a replay can never match a later attempt's gu
 
 Time: every comparison here (lease expired, retry due) is made on the database's clock,
 ``now()`` inside the statement, never a host's. ``now`` parameters are None in production;
-a test pins an instant by passing one (:func:`webhooks.clock.pinned`).
+a test pins an instant by passing one (:func:`core.clock.pinned`).
 """
 
 from __future__ import annotations

@@ -22,15 +22,15 @@ from celery.signals import (
     worker_ready,
 )
 
+from core.logs import configure_logging, get_logger
+from core.settings import Settings, load_settings
 from tasks.config import create_app
-from webhooks.logs import configure_logging, get_logger
-from webhooks.settings import Settings, load_settings
 
 if TYPE_CHECKING:
     from models.db import DatabaseUnavailable
     from tasks.runtime import Runtime
 
-TASK_MODULES = ("tasks.deliver", "tasks.sweeper", "tasks.reconcile")
+TASK_MODULES = ("tasks.deliver", "tasks.sweeper", "tasks.reconcile.schedule")
 # Multi-process metrics for prefork workers.
 OBSERVABILITY_MODULE = "tasks.observability"
 
@@ -54,7 +54,7 @@ def get_app() -> Celery:
         settings = get_settings()
         app = create_app(settings)
         # First: it chooses prometheus-client's multi-process mode, which must happen before
-        # anything (the task modules, through webhooks.metrics) imports prometheus_client.
+        # anything (the task modules, through core.metrics) imports prometheus_client.
         importlib.import_module(OBSERVABILITY_MODULE)
         _check_pool(settings)
         for module in TASK_MODULES:
@@ -159,10 +159,10 @@ def _report_unknown_handlers(**_: Any) -> None:
     from sqlalchemy.exc import OperationalError  # noqa: PLC0415
     from sqlalchemy.orm import Session  # noqa: PLC0415
 
+    from core.logs import get_logger  # noqa: PLC0415
     from models.catalog import active_routes  # noqa: PLC0415
     from models.db import make_engine  # noqa: PLC0415
     from tasks.handlers.registry import load_registry  # noqa: PLC0415
-    from webhooks.logs import get_logger  # noqa: PLC0415
 
     log = get_logger("worker")
     settings = get_settings()
@@ -202,7 +202,7 @@ def _start_watchdog(**_: Any) -> None:
     from tasks.pools import start_watchdog  # noqa: PLC0415
 
     if start_watchdog(get_settings().hard_time_limit):
-        from webhooks.logs import get_logger  # noqa: PLC0415
+        from core.logs import get_logger  # noqa: PLC0415
 
         get_logger("worker").info("worker.watchdog", hard_time_limit=get_settings().hard_time_limit)
 

@@ -8,15 +8,15 @@ from the next attempt.
 
 from __future__ import annotations
 
+from core.clock import pinned
+from core.logs import get_logger
+from core.metrics import BREAKER_CHANGES, BREAKER_STATE
 from models import breaker
 from models.breaker import BreakerChange, Thresholds
 from models.transitions import Claim, ClaimedEvent
 from tasks.durable import on_connection
 from tasks.errors import DownstreamError
 from tasks.runtime import Runtime
-from webhooks.clock import pinned
-from webhooks.logs import get_logger
-from webhooks.metrics import BREAKER_CHANGES, BREAKER_STATE
 
 log = get_logger(__name__)
 

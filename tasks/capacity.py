@@ -25,13 +25,13 @@ import redis
 import sqlalchemy.exc
 from sqlalchemy import Engine, text
 
+from core import metrics
+from core.logs import get_logger
+from core.settings import Settings
+from core.ttl import MAX_EVENT_TIME_LEAD
 from models import partitions
 from models.retention import longest_ttl
 from models.schema import PARTITIONED_TABLES
-from webhooks import metrics
-from webhooks.logs import get_logger
-from webhooks.settings import Settings
-from webhooks.ttl import MAX_EVENT_TIME_LEAD
 
 log = get_logger(__name__)
 

@@ -37,8 +37,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from webhooks.logs import get_logger
-from webhooks.metrics import CLAIMS, DEGRADED
+from core.logs import get_logger
+from core.metrics import CLAIMS, DEGRADED
 
 log = get_logger(__name__)
 

@@ -22,8 +22,8 @@ from urllib.parse import parse_qs
 import orjson
 from sqlalchemy.orm import Session
 
+from core.clock import Clock
 from tasks.errors import PermanentError
-from webhooks.clock import Clock
 
 KEY_PREFIX = "whk_"
 FORM_TYPE = "application/x-www-form-urlencoded"

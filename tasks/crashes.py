@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import psycopg
 
+from core.logs import get_logger
+from core.settings import Settings
 from models import transitions
 from models.transitions import Held
-from webhooks.logs import get_logger
-from webhooks.settings import Settings
 
 log = get_logger(__name__)
 

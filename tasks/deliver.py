@@ -16,15 +16,15 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import Retry
 
+from core.logs import get_logger
+from core.messages import DELIVER_TASK, Dispatch
+from core.settings import MAX_DELIVERY_BATCH
 from models.admission import Admission
 from models.db import DatabaseUnavailable
 from tasks import dispatcher, get_runtime
-from tasks.config import DELIVER_TASK, Dispatch
 from tasks.durable import CONNECTION_ERRORS
 from tasks.pipeline import Report, run
 from tasks.runtime import Runtime
-from webhooks.logs import get_logger
-from webhooks.settings import MAX_DELIVERY_BATCH
 
 log = get_logger(__name__)
 

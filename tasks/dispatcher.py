@@ -35,13 +35,14 @@ from typing import Any
 
 import psycopg
 
+from core import metrics
+from core.logs import get_logger
+from core.messages import Dispatch
+from core.settings import Settings
 from models import admission
 from models.admission import Admission, RouteLimits, connect_generic
 from tasks.claims import make_client
-from tasks.config import Dispatch
-from webhooks import metrics
-from webhooks.logs import get_logger
-from webhooks.settings import Settings
+from tasks.publisher import Publisher
 
 log = get_logger(__name__)
 
@@ -209,40 +210,9 @@ class Dispatcher:
 def start(settings: Settings) -> threading.Event:
     """The worker's dispatcher thread (daemon); set the returned event to stop it (it stops
     within one dispatch interval)."""
-    from ingest.publisher import Publisher  # noqa: PLC0415 (the broker side, lazily)
-
     publisher = Publisher(settings)
     dispatcher = Dispatcher(settings, publisher.publish_sync)
     stop = threading.Event()
     threading.Thread(target=dispatcher.run, args=(stop,), name="dispatcher", daemon=True).start()
     log.info("worker.dispatcher", interval=settings.dispatch_interval.total_seconds())
     return stop
-
-
-def offer(
-    client: Any,
-    connect: Callable[[], psycopg.Connection[Any]],
-    dispatches: Sequence[Dispatch],
-    default_budget: int,
-) -> list[Dispatch]:
-    """The deliveries of ``dispatches`` to publish now (the receiver's and the sweeper's
-    path): one Lua call for the whole batch; the rest wait for the dispatcher. The routes'
-    limits come with the receiver's deliveries (its accept read them); one statement, on the
-    connection ``connect`` gives, reads those of the others (only then is it called: a
-    Postgres that is down does not stop the receiver's admissions). Raises on a Redis or
-    Postgres failure (the caller fails open)."""
-    ids = [d.delivery_id for d in dispatches]
-    routes = {
-        d.delivery_id: admission.limits_from_row(d.route, default_budget)
-        for d in dispatches
-        if d.route is not None
-    }
-    unknown = [d.delivery_id for d in dispatches if d.route is None]
-    if unknown:
-        routes.update(admission.routes_of(connect(), unknown, default_budget))
-    decided = Admission(client).offer(ids, routes)
-    metrics.ADMISSIONS.labels("admitted").inc(len(decided.admitted) + len(decided.unknown))
-    metrics.ADMISSIONS.labels("waiting").inc(len(decided.waiting))
-    metrics.ADMISSIONS.labels("duplicate").inc(len(decided.duplicate))
-    publish = set(decided.admitted) | set(decided.unknown)
-    return [d for d in dispatches if d.delivery_id in publish]

@@ -35,8 +35,8 @@ import sqlalchemy.exc
 from psycopg_pool import PoolTimeout
 from sqlalchemy import Engine
 
-from webhooks.logs import get_logger
-from webhooks.metrics import RECORD_RETRIES
+from core.logs import get_logger
+from core.metrics import RECORD_RETRIES
 
 log = get_logger(__name__)
 

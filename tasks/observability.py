@@ -30,8 +30,8 @@ from typing import Any
 
 from celery.signals import worker_process_shutdown, worker_ready, worker_shutdown
 
-from webhooks.logs import get_logger
-from webhooks.settings import Settings
+from core.logs import get_logger
+from core.settings import Settings
 
 log = get_logger(__name__)
 
@@ -88,9 +88,9 @@ class _Worker:
 
 def prepare(settings: Settings, *, pid: int | None = None) -> Path:
     """Choose and empty this worker's metrics directory and export it. Main process only."""
-    if "webhooks.metrics" in sys.modules:
+    if "core.metrics" in sys.modules:
         raise MetricsSetupError(
-            "webhooks.metrics was imported before tasks.observability: worker metrics would "
+            "core.metrics was imported before tasks.observability: worker metrics would "
             "not add up across pool processes; import tasks.observability first"
         )
     directory = metrics_dir(settings, pid or os.getpid())
@@ -120,8 +120,8 @@ def _serve_metrics(**_: Any) -> None:
     from prometheus_client import start_http_server  # noqa: PLC0415
     from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
 
-    # Imported now, not at the top: prepare() must run before webhooks.metrics is imported.
-    from webhooks.metrics import exposed  # noqa: PLC0415
+    # Imported now, not at the top: prepare() must run before core.metrics is imported.
+    from core.metrics import exposed  # noqa: PLC0415
 
     summed = MultiProcessCollector(None, path=str(directory))  # type: ignore[no-untyped-call]
     # The workers' own families only: the receiver's are defined in every process, at zero.

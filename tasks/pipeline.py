@@ -105,7 +105,7 @@ one-row statements and plain Redis commands, the measured fastest.
 
 *Budgets and clocks.* The lease is the processing TTL (4 x hard time limit): a live task is
 killed by the hard limit long before its lease can run out. Leases and due times are judged
-on the database's clock (``now()`` in the guarded statements, :mod:`webhooks.clock`), never
+on the database's clock (``now()`` in the guarded statements, :mod:`core.clock`), never
 this host's: a worker whose clock runs minutes ahead cannot see a live lease as expired, and
 the fencing token protects the commit if a lease ever does run out. The soft limit raises
 inside the handler and is handled as a retryable failure; the hard limit kills the process
@@ -137,6 +137,13 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
+from core.clock import pinned
+from core.crypto import SecretDecryptError
+from core.logs import get_logger
+from core.messages import Dispatch
+from core.metrics import ADMISSIONS, DEAD_LETTERS, DELIVERIES, RECEIPT_TO_SUCCESS, RETRIES
+from core.settings import MAX_DELIVERY_BATCH
+from core.ttl import TtlConfigError, TtlOverrides, effective_ttl
 from models import transitions
 from models.admission import Admission
 from models.breaker import held
@@ -144,7 +151,6 @@ from models.partitions import leaf_suffix
 from models.transitions import Claim, ClaimedEvent, Held, IllegalTransition, Wanted
 from tasks import breaker
 from tasks.claims import FastClaim
-from tasks.config import Dispatch
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo, idempotency_key
 from tasks.durable import (
     CONNECTION_ERRORS,
@@ -158,12 +164,6 @@ from tasks.errors import DownstreamError, HandlerError, PermanentError, Retryabl
 from tasks.policy import DEAD_CRASHED, RetryPolicy, decide
 from tasks.pools import in_flight, is_green, is_hard_timeout, run_limited
 from tasks.runtime import Runtime
-from webhooks.clock import pinned
-from webhooks.crypto import SecretDecryptError
-from webhooks.logs import get_logger
-from webhooks.metrics import ADMISSIONS, DEAD_LETTERS, DELIVERIES, RECEIPT_TO_SUCCESS, RETRIES
-from webhooks.settings import MAX_DELIVERY_BATCH
-from webhooks.ttl import TtlConfigError, TtlOverrides, effective_ttl
 
 log = get_logger(__name__)
 

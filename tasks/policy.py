@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from webhooks.durations import format_duration
-from webhooks.settings import Settings
+from core.durations import format_duration
+from core.settings import Settings
 
 # 2 ** 60 times any base already exceeds every sane cap; it also keeps the float finite.
 _MAX_EXPONENT = 60
@@ -239,7 +239,7 @@ def default_policy() -> RetryPolicy:
 
 def main() -> None:
     """Print docs/retries.md's generated block (the shell around the pure functions)."""
-    from ingest.providers import registry  # noqa: PLC0415
+    from core.providers import registry  # noqa: PLC0415
 
     windows = {name: registry.get(name).retry_window for name in COMPARED}
     print(render_schedule(default_policy(), windows), end="")  # noqa: T201

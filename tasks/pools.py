@@ -61,8 +61,8 @@ from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
+from core.logs import get_logger
 from models.transitions import Held
-from webhooks.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -17,14 +17,14 @@ import redis
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.clock import Clock, SystemClock
+from core.crypto import SecretBox
+from core.settings import Settings
 from models.admission import GENERIC_PLANS
 from models.db import make_engine, make_sessionmaker
 from models.installation import installation_id
 from tasks.claims import ClaimStore, make_client
 from tasks.handlers.registry import HandlerRegistry, load_registry
-from webhooks.clock import Clock, SystemClock
-from webhooks.crypto import SecretBox
-from webhooks.settings import Settings
 
 # A prefork pool process runs one task at a time: one connection for the task, one spare.
 WORKER_POOL_SIZE = 2

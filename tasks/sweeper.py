@@ -26,17 +26,17 @@ from typing import Any
 from celery import shared_task
 from sqlalchemy import text
 
-from models import breaker, retention, transitions
+from core.clock import pinned
+from core.logs import get_logger
+from core.messages import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
+from core.metrics import ADMISSIONS, BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
+from models import admission, breaker, retention, transitions
 from models.admission import Admission
 from models.db import DatabaseUnavailable, session_scope
-from tasks import capacity, dispatcher, periodic_failed, periodic_runtime
-from tasks.config import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
+from tasks import capacity, periodic_failed, periodic_runtime
 from tasks.deliver import deliver
 from tasks.durable import CONNECTION_ERRORS, discard_pooled, on_connection
 from tasks.runtime import Runtime
-from webhooks.clock import pinned
-from webhooks.logs import get_logger
-from webhooks.metrics import ADMISSIONS, BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
 
 log = get_logger(__name__)
 
@@ -110,7 +110,7 @@ def admitted(
     try:
         out = on_connection(
             rt.engine,
-            lambda raw: dispatcher.offer(
+            lambda raw: admission.offer(
                 rt.redis, lambda: raw, dispatches, rt.settings.route_max_in_flight
             ),
         )

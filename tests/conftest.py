@@ -27,8 +27,8 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from models.db import make_engine, make_sessionmaker, upgrade
-from webhooks.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -17,13 +17,13 @@ import orjson
 import psycopg
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers import validate_config
-from ingest.store import NewReceipt, Outcome, accept_sync
+from core.crypto import SecretBox
+from core.providers import validate_config
+from core.settings import Settings
+from core.ttl import derive_ttl, expires_at
 from models import catalog
+from models.accept import NewReceipt, Outcome, accept_sync
 from models.schema import Source
-from webhooks.crypto import SecretBox
-from webhooks.settings import Settings
-from webhooks.ttl import derive_ttl, expires_at
 
 
 @dataclass(frozen=True)

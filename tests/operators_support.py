@@ -21,14 +21,14 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.messages import DELIVERIES_QUEUE
+from core.settings import Settings
 from models import transitions
-from tasks.config import DELIVERIES_QUEUE
 from tests.conftest import BIN, REDIS, make_settings
 from tests.factories import MadeSource, accept_event, make_source
 from tests.leakcheck import log_file, remember
 from tests.processes import Receiver, receiver
 from tests.workers import FAST, worker_env
-from webhooks.settings import Settings
 
 OPS: dict[str, Any] = {
     "broker_url": f"{REDIS}/4",

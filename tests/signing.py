@@ -6,7 +6,7 @@ senders' own code rather than against a copy of itself. Shopify and the generic 
 have no official signer and follow the documented scheme (shared/PROVIDERS.md).
 
 Headers use the capitalisation providers send; the receiver lower-cases them
-(:func:`lower` does the same for tests that call ``ingest.providers`` directly).
+(:func:`lower` does the same for tests that call ``core.providers`` directly).
 
 Every function takes ``timestamp`` (unix seconds or an aware datetime; default: the wall
 clock) so tests can pin it against an injected ``now``. ``body_obj`` replaces the default
@@ -86,7 +86,7 @@ def new_secret(provider: str) -> str:
 
 
 def lower(headers: Mapping[str, str]) -> Headers:
-    """Header names lower-cased, as the receiver hands them to ``ingest.providers``."""
+    """Header names lower-cased, as the receiver hands them to ``core.providers``."""
     return {k.lower(): v for k, v in headers.items()}
 
 

@@ -18,23 +18,23 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.store import (
+from core import metrics
+from core.crypto import SecretBox
+from core.settings import Settings
+from core.ttl import expires_at
+from ingest.store import Store
+from models import catalog
+from models.accept import (
     ACCEPT_MANY_SQL,
     NewReceipt,
     Outcome,
-    Store,
     accept_many_params,
     accept_sync,
     decide_many,
 )
-from models import catalog
 from models.schema import Source
 from tests.conftest import make_settings
 from tests.factories import MadeSource, make_source
-from webhooks import metrics
-from webhooks.crypto import SecretBox
-from webhooks.settings import Settings
-from webhooks.ttl import expires_at
 
 ROUTES = [{"handler": "log", "events": "invoice.*"}, {"handler": "log"}]
 

@@ -30,6 +30,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings, SettingsError, load_settings
 from ingest.admin import MAX_BODY_BYTES
 from tests.conftest import BIN, free_port, make_settings, test_env
 from tests.leakcheck import log_file, remember
@@ -44,7 +45,6 @@ from tests.operators_support import (
 )
 from tests.processes import Receiver, receiver
 from tests.signing import sign
-from webhooks.settings import Settings, SettingsError, load_settings
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,13 +12,13 @@ import pytest
 import redis
 from celery.exceptions import Retry
 
-from ingest.publisher import Publisher
-from tasks.config import DELIVERIES_QUEUE, Dispatch, batch_time_limits, batches, message
+from core.messages import DELIVERIES_QUEUE, Dispatch, batch_time_limits, batches, message
+from core.settings import MAX_DELIVERY_BATCH
 from tasks.deliver import DeadLetter, celery_batch_state, message_ids
 from tasks.pipeline import Report
+from tasks.publisher import Publisher
 from tests.conftest import make_settings
 from tests.workers import BROKER_URL, flush_redis, wait_for
-from webhooks.settings import MAX_DELIVERY_BATCH
 
 
 def _dispatches(n: int) -> list[Dispatch]:

@@ -15,6 +15,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text
 
+from core.settings import Settings
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.retention import ensure_partitions, expire_partitions
 from tasks.capacity import measure_fast_tier, measure_partitions
@@ -22,7 +23,6 @@ from tests.conftest import ADMIN_DSN, REDIS, TEST_DB, free_port, make_settings, 
 from tests.factories import make_source
 from tests.leakcheck import remember
 from tests.workers import CLAIMS_URL, Broker, running_worker, wait_for, worker_settings
-from webhooks.settings import Settings
 
 PRIVATE = f"{REDIS}/9"  # nobody else's keys
 DAY = timedelta(days=1)
@@ -113,8 +113,8 @@ def test_partition_days_ahead_and_past(own_database: tuple[Settings, Engine]) ->
 
 
 def _longest(engine: Engine, settings: Settings) -> timedelta:
+    from core.ttl import MAX_EVENT_TIME_LEAD  # noqa: PLC0415
     from models.retention import longest_ttl  # noqa: PLC0415
-    from webhooks.ttl import MAX_EVENT_TIME_LEAD  # noqa: PLC0415
 
     return longest_ttl(engine, settings) + MAX_EVENT_TIME_LEAD
 

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from tests.conftest import (
     ADMIN_DSN,
     BIN,
@@ -28,7 +29,6 @@ from tests.conftest import (
 from tests.factories import make_source
 from tests.processes import receiver
 from tests.signing import sign
-from webhooks.settings import Settings
 
 OTHER_KEY = "another-secret-key-" + "z" * 32
 
@@ -197,8 +197,8 @@ def test_a_key_that_does_not_match_the_database_is_refused_in_one_line(
 def test_the_count_of_unreadable_secrets_is_named(
     sessions: sessionmaker[Session], settings: Settings
 ) -> None:
+    from core.crypto import KeyMismatch, SecretBox
     from models.catalog import check_stored_keys
-    from webhooks.crypto import KeyMismatch, SecretBox
 
     make_source(sessions, settings, provider="stripe")
     with sessions() as session:

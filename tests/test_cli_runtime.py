@@ -30,15 +30,15 @@ import typer.main
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+from core import metrics
+from core.durations import DurationError, parse_duration
+from core.logs import wants_json
+from core.settings import Settings, SettingsError, load_settings
 from tests.conftest import ADMIN_DSN, BASE_ENV, BIN, REDIS, ROOT, free_port, test_env
 from tests.leakcheck import log_file, remember
 from tests.workers import children, wait_for
-from webhooks import metrics
 from webhooks.cli import app
 from webhooks.cli.common import ConfigSource, find_env_file, print_json
-from webhooks.durations import DurationError, parse_duration
-from webhooks.logs import wants_json
-from webhooks.settings import Settings, SettingsError, load_settings
 
 pytestmark = [pytest.mark.timeout(180)]
 

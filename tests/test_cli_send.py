@@ -18,13 +18,13 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers import Batch, EventMeta, authenticate, extract, sending
+from core.providers import Batch, EventMeta, authenticate, extract, sending
+from core.settings import Settings
 from tests.conftest import BIN, free_port, test_env
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
 from tests.processes import Receiver, receiver
 from tests.signing import MORE_CONFIGS, lower, new_secret
-from webhooks.settings import Settings
 
 SHARED = sorted(sending.SIGNERS)
 NOW = int(time.time())
@@ -53,7 +53,7 @@ def _config(provider: str) -> dict[str, Any]:
 
 
 def test_every_built_in_provider_is_covered_or_says_why() -> None:
-    from ingest.providers import BUILTIN_PROVIDERS
+    from core.providers import BUILTIN_PROVIDERS
 
     assert set(BUILTIN_PROVIDERS) == set(sending.SIGNERS) | set(sending.PUBLIC_KEY)
     assert set(sending.PUBLIC_KEY) == {"sendgrid", "discord"}

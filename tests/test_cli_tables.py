@@ -11,11 +11,11 @@ import pytest
 from rich.console import Console
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers import BUILTIN_PROVIDERS
+from core.providers import BUILTIN_PROVIDERS
+from core.settings import Settings
 from models import queries
 from tests.conftest import BIN, test_env
 from tests.factories import accept_event, make_source
-from webhooks.settings import Settings
 
 WIDTHS = (80, 120)
 

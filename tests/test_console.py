@@ -23,6 +23,8 @@ from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_play
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.clock import FrozenClock
+from core.settings import Settings
 from ingest.console.sessions import SessionStore, digest
 from models import breaker
 from models.catalog import Change
@@ -41,8 +43,6 @@ from tests.operators_support import (
 from tests.processes import Receiver
 from tests.signing import sign
 from tests.workers import Broker, Worker, attempts, running_worker, wait_status
-from webhooks.clock import FrozenClock
-from webhooks.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

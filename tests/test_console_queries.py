@@ -23,14 +23,14 @@ import pytest
 from sqlalchemy import event, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.store import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, accept_sync
+from core.settings import Settings
+from core.ttl import expires_at
 from models import console, queries
+from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, accept_sync
 from models.queries import EventFilter, ReplayFilter
 from tests.conftest import ADMIN_DSN, make_settings
 from tests.factories import MadeSource, accept_event
 from tests.operators_support import accept, kill, ops_settings, source_with, succeed
-from webhooks.settings import Settings
-from webhooks.ttl import expires_at
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ import httpx
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from tests.factories import make_source
 from tests.leakcheck import remember
 from tests.processes import receiver
 from tests.signing import sign
 from tests.workers import BROKER_URL, CLAIMS_URL, flush_redis, running_worker, wait_status
-from webhooks.settings import Settings
 
 
 def test_same_event_id_under_two_accounts_is_processed_independently(

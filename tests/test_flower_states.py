@@ -16,8 +16,9 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.publisher import Publisher
-from tasks.config import DELIVER_TASK, Dispatch, create_app
+from core.messages import DELIVER_TASK, Dispatch
+from tasks.config import create_app
+from tasks.publisher import Publisher
 from tests.conftest import BIN, free_port, wait_for_port
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL

@@ -20,6 +20,8 @@ from urllib.parse import unquote
 
 import pytest
 
+from core.clock import SystemClock
+from core.metrics import RETRY_AFTER_IGNORED
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo
 from tasks.errors import PermanentError, RetryableError
 from tasks.handlers import forward as forward_module
@@ -30,8 +32,6 @@ from tasks.handlers.forward import (
     forward,
     parse_retry_after,
 )
-from webhooks.clock import SystemClock
-from webhooks.metrics import RETRY_AFTER_IGNORED
 
 SECRET = "whsec_" + "Rm9yd2FyZEVkZ2VzVGVzdFNlY3JldEtleTEy"
 HUGE = 64 * 1024 * 1024

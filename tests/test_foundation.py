@@ -14,13 +14,13 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings, SettingsError, load_settings
 from models.catalog import CatalogError, glob_to_like
 from models.db import make_engine, upgrade
 from models.installation import InstallationUnknown, installation_id
 from models.schema import Base, include_name
 from tests.conftest import ADMIN_DSN, BIN, make_settings, test_env
 from tests.factories import accept_event, make_source
-from webhooks.settings import Settings, SettingsError, load_settings
 
 
 def _schema_names(name: str | None, type_: str, parent_names: object) -> bool:
@@ -174,7 +174,7 @@ def test_secrets_are_encrypted_at_rest(
         ).scalar_one()
     assert b"plain-github-secret-123" not in bytes(stored)
     other_key = make_settings(secret_key="another-key-" + "z" * 40)
-    from webhooks.crypto import SecretBox, SecretDecryptError
+    from core.crypto import SecretBox, SecretDecryptError
 
     assert (
         SecretBox(settings.secret_key.get_secret_value()).decrypt(bytes(stored))
@@ -237,7 +237,7 @@ def test_bad_catalog_input_changes_nothing(
         {"provider": "stripe", "ttl_window": True},
     ):
         if kwargs.get("ttl_window"):
-            from webhooks.ttl import TtlConfigError, TtlOverrides
+            from core.ttl import TtlConfigError, TtlOverrides
 
             with pytest.raises(TtlConfigError):
                 make_source(

@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 
 SCRIPT = """
 import logging, threading
-from webhooks.logs import configure_logging, get_logger
+from core.logs import configure_logging, get_logger
 configure_logging("INFO", json=True)
 log, std = get_logger("t"), logging.getLogger("celery.like")
 

@@ -1,5 +1,5 @@
 """deploy/alerts.yml loads, has the rules the issue asks for, and names only metrics (and their
-labels) that webhooks/metrics.py declares."""
+labels) that core/metrics.py declares."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]
 from prometheus_client.metrics import MetricWrapperBase
 
-from webhooks import metrics
+from core import metrics
 
 ALERTS = Path(__file__).resolve().parent.parent / "deploy" / "alerts.yml"
 REQUIRED = {
@@ -33,7 +33,7 @@ SUFFIXES = {
 
 
 def declared() -> dict[str, tuple[str, ...]]:
-    """Exported sample name -> label names, for every metric in webhooks.metrics."""
+    """Exported sample name -> label names, for every metric in core.metrics."""
     names: dict[str, tuple[str, ...]] = {}
     for obj in vars(metrics).values():
         if isinstance(obj, MetricWrapperBase):

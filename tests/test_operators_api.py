@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from ingest.admin import create_admin_app
 from models import replays
 from tests.leakcheck import remember
@@ -29,7 +30,6 @@ from tests.operators_support import (
     succeed,
 )
 from tests.processes import Receiver
-from webhooks.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 

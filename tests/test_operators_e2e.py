@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from tests.conftest import BIN
 from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import log_file, remember
@@ -31,7 +32,6 @@ from tests.operators_support import (
 )
 from tests.processes import Receiver
 from tests.workers import Broker, Worker, attempts, effects, running_worker, wait_for, wait_status
-from webhooks.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

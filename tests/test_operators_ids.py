@@ -24,6 +24,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from models import queries, transitions
 from models.queries import AttemptView, ReplayAudit, replay_marks
 from tasks.context import idempotency_key
@@ -41,7 +42,6 @@ from tests.operators_support import (
     source_with,
 )
 from tests.processes import Receiver
-from webhooks.settings import Settings
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,6 +17,8 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.crypto import SecretBox
+from core.settings import Settings
 from models import catalog
 from tests.conftest import count_rows
 from tests.factories import MadeSource
@@ -35,8 +37,6 @@ from tests.operators_support import (
 from tests.processes import receiver
 from tests.signing import sign
 from tests.workers import Broker, running_worker, wait_status
-from webhooks.crypto import SecretBox
-from webhooks.settings import Settings
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,11 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.config import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
+from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
+from core.settings import Settings
 from tests.conftest import BIN, free_port, wait_for_port
 from tests.operators_support import accept, flush, ops_env, ops_settings, source_with
 from tests.workers import Broker, Worker, attempts, wait_for, wait_status
-from webhooks.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -12,10 +12,12 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.publisher import CeleryPublisher
+from core.clock import FrozenClock
+from core.settings import Settings
 from models import admission, queries, replays
 from models.queries import ReplayFilter
 from models.replays import ReplayError, ReplayRequest, moved, pace, pace_chunk
+from tasks.publisher import CeleryPublisher
 from tests.factories import accept_event
 from tests.operators_support import (
     accept,
@@ -31,8 +33,6 @@ from tests.operators_support import (
     status_of,
     succeed,
 )
-from webhooks.clock import FrozenClock
-from webhooks.settings import Settings
 
 pytestmark = pytest.mark.timeout(180)
 

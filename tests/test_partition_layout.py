@@ -22,6 +22,8 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
+from core.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, dedup_terms, known_providers
 from models import partitions
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.retention import (
@@ -33,8 +35,6 @@ from models.retention import (
 from tests.conftest import ADMIN_DSN, make_settings
 from tests.factories import MadeSource, accept_event, make_source, source_ttl
 from tests.leakcheck import remember
-from webhooks.settings import Settings
-from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, dedup_terms, known_providers
 
 T = datetime(2031, 3, 10, 12, tzinfo=UTC)
 DAY = timedelta(days=1)
@@ -123,7 +123,7 @@ def test_a_raised_ttl_sizes_the_layout_by_what_receipts_are_written_with(
     own: tuple[Settings, Engine, sessionmaker[Session]],
 ) -> None:
     """A source whose terms no longer cover its retry window writes receipts with the raised
-    TTL (webhooks.ttl.effective_ttl): the layout must reach that far, not the terms' sum."""
+    TTL (core.ttl.effective_ttl): the layout must reach that far, not the terms' sum."""
     settings, engine, sessions = own
     source(sessions, settings, "stripe", ttl=TtlOverrides(retry_window=timedelta(hours=1)))
     shrunk = make_settings(

@@ -1,4 +1,4 @@
-"""Unit tests of ``ingest.providers``: signature schemes, freshness, event metadata.
+"""Unit tests of ``core.providers``: signature schemes, freshness, event metadata.
 
 Pure: no database, no network, no sleeping. Requests are signed by the providers' official
 libraries (tests/signing.py) and checked against a pinned ``NOW``. Published test vectors are
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ingest.providers import (
+from core.providers import (
     AUTH_REASONS,
     BUILTIN_PROVIDERS,
     AuthError,

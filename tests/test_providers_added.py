@@ -20,7 +20,7 @@ import svix.webhooks
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers import (
+from core.providers import (
     AuthError,
     Challenge,
     EventMeta,
@@ -30,12 +30,12 @@ from ingest.providers import (
     extract,
     registry,
 )
+from core.settings import Settings
 from tests import signing
 from tests.conftest import count_rows
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
 from tests.processes import Receiver, receiver
-from webhooks.settings import Settings
 
 ADDED = (
     "resend",

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers import (
+from core.providers import (
     AuthError,
     EventMeta,
     MalformedEvent,
@@ -31,7 +31,9 @@ from ingest.providers import (
     registry,
     validate_config,
 )
-from ingest.providers.adyen import sign_item
+from core.providers.adyen import sign_item
+from core.settings import Settings
+from core.ttl import TtlOverrides, derive_ttl
 from tests import signing
 from tests.conftest import BIN, test_env
 from tests.factories import MadeSource, make_source
@@ -39,8 +41,6 @@ from tests.leakcheck import remember
 from tests.processes import Receiver, receiver
 from tests.test_providers_more_receiver import new_source, post, receipts, written
 from tests.test_providers_more_units import BY_NAME
-from webhooks.settings import Settings
-from webhooks.ttl import TtlOverrides, derive_ttl
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
@@ -264,7 +264,7 @@ def test_max_events_is_validated_like_other_options(provider: str) -> None:
 
 
 def test_a_plugin_batch_is_bounded_even_when_its_extract_does_not_count() -> None:
-    from ingest.providers.base import DEFAULT_MAX_EVENTS, Batch, Provider  # noqa: PLC0415
+    from core.providers.base import DEFAULT_MAX_EVENTS, Batch, Provider  # noqa: PLC0415
 
     many = Batch(events=tuple(EventMeta(str(i), "t", None) for i in range(DEFAULT_MAX_EVENTS + 1)))
     plugin = Provider(

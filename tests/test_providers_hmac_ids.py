@@ -157,7 +157,7 @@ OLD_DEFAULTS = {
 
 
 def test_migration_0009_reads_the_body_id_unless_the_header_was_chosen() -> None:
-    from ingest.providers import validate_config
+    from core.providers import validate_config
 
     name = f"webhooks_mig_{uuid.uuid4().hex[:8]}"
     url = f"postgresql://postgres@127.0.0.1:5432/{name}"

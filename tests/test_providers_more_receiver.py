@@ -18,13 +18,13 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers.adyen import split
+from core.providers.adyen import split
+from core.settings import Settings
 from tests import signing
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
 from tests.processes import Receiver, receiver
 from tests.test_providers_more_units import BY_NAME, OTHER_URL, SPECS, Spec
-from webhooks.settings import Settings
 
 PATH_URL = "https://hooks.example.com/webhooks/{id}"
 
@@ -496,7 +496,7 @@ def test_twilio_forms_of_too_many_parameters_are_refused_before_any_signature_wo
     """Issue 18: a form of more than MAX_PARAMS parameters is 400 and writes nothing, even
     correctly signed (the count is checked before the body is parsed); one at the cap, signed,
     is accepted and stored whole."""
-    from ingest.providers.twilio import MAX_PARAMS  # noqa: PLC0415
+    from core.providers.twilio import MAX_PARAMS  # noqa: PLC0415
 
     spec = BY_NAME["twilio"]
     source, key, config = new_source(sessions, settings, spec)

@@ -20,7 +20,8 @@ from sendgrid.helpers.eventwebhook import EventWebhook
 from square.utils.webhooks_helper import verify_signature as square_verify
 from twilio.request_validator import RequestValidator
 
-from ingest.providers import (
+from core.crypto import check_key, generate_secret
+from core.providers import (
     AuthError,
     Batch,
     Challenge,
@@ -32,7 +33,6 @@ from ingest.providers import (
     validate_config,
 )
 from tests import signing
-from webhooks.crypto import check_key, generate_secret
 
 NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 TS = int(NOW.timestamp())
@@ -295,7 +295,7 @@ def test_adyen_published_vector_and_hex_keys() -> None:
         "paymentMethod": "visa",
         "reason": "reason",
     }
-    from ingest.providers.adyen import sign_item  # noqa: PLC0415
+    from core.providers.adyen import sign_item  # noqa: PLC0415
 
     assert sign_item(item, key) == "coqCmt/IZ4E3CzPvMY8zTjQVL5hYJUiBRg8UU+iCWo0="
     with pytest.raises(ValueError, match="hex"):

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
-from ingest.providers import BUILTIN_PROVIDERS, Provider, ProviderPluginError, registry
-from ingest.providers.base import AUTH_REASONS
+from core.crypto import SUPPLIED_KEY_FORMATS, generate_secret
+from core.providers import BUILTIN_PROVIDERS, Provider, ProviderPluginError, registry
+from core.providers.base import AUTH_REASONS
+from core.settings import Settings
+from core.ttl import TtlOverrides, derive_ttl, known_providers
 from tests.conftest import BIN, make_settings, test_env
-from webhooks.crypto import SUPPLIED_KEY_FORMATS, generate_secret
-from webhooks.settings import Settings
-from webhooks.ttl import TtlOverrides, derive_ttl, known_providers
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP = registry.ENTRY_POINT_GROUP
@@ -47,9 +47,9 @@ def test_builtins_are_registered_in_listing_order_with_a_whole_contract() -> Non
     ("entry", "message"),
     [
         (ep("nope", "no_such_module_xyz:PROVIDER"), "cannot be loaded: ModuleNotFoundError"),
-        (ep("nope", "os:sep"), "is a str, not an ingest.providers.Provider"),
-        (ep("other", "ingest.providers.github:PROVIDER"), "entry point's name must be"),
-        (ep("stripe", "ingest.providers.stripe:PROVIDER"), "reuses the name"),
+        (ep("nope", "os:sep"), "is a str, not an core.providers.Provider"),
+        (ep("other", "core.providers.github:PROVIDER"), "entry point's name must be"),
+        (ep("stripe", "core.providers.stripe:PROVIDER"), "reuses the name"),
         (ep("boom", "builtins:dict.fromkeys"), "failed to build its provider"),
     ],
 )
@@ -103,7 +103,7 @@ def test_models_do_not_import_ingest_and_nothing_else_lists_providers() -> None:
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) ingest\b", text, re.M), path
     # The old lists are gone: a provider is added in its module and the registry only.
-    for path in ("models/schema.py", "webhooks/ttl.py", "webhooks/crypto.py", "models/catalog.py"):
+    for path in ("models/schema.py", "core/ttl.py", "core/crypto.py", "models/catalog.py"):
         text = (ROOT / path).read_text()
         assert '"shopify"' not in text, path
         assert "PROVIDERS" not in text, path
@@ -151,7 +151,7 @@ def test_providers_list_shows_each_contract_and_the_ttl_that_follows() -> None:
 
 
 def test_the_readme_table_lists_every_provider_with_its_figures() -> None:
-    from webhooks.durations import format_duration
+    from core.durations import format_duration
 
     readme = (ROOT / "docs" / "providers.md").read_text()  # the README's providers table
     settings = make_settings()

@@ -22,9 +22,9 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 from structlog.testing import capture_logs
 
+from core.messages import DELIVERIES_QUEUE, Dispatch
 from ingest.app import create_app
-from ingest.publisher import Publisher
-from tasks.config import DELIVERIES_QUEUE, Dispatch
+from tasks.publisher import Publisher
 from tests.conftest import make_settings
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember

@@ -15,6 +15,8 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.crypto import SecretBox
+from core.settings import Settings
 from models import catalog
 from tests.conftest import count_rows
 from tests.factories import MadeSource, make_source
@@ -22,8 +24,6 @@ from tests.leakcheck import remember
 from tests.netproxy import CuttableProxy
 from tests.processes import Receiver, receiver
 from tests.signing import sign
-from webhooks.crypto import SecretBox
-from webhooks.settings import Settings
 
 # The first seven providers; the newer ones have their own receiver tests
 # (tests/test_providers_*.py), with the attacks that apply to their schemes.

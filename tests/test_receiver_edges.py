@@ -17,17 +17,17 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from core.clock import SystemClock
+from core.crypto import SecretBox, public_id
+from core.settings import Settings
 from ingest import store as store_module
 from ingest.admin import create_admin_app
 from ingest.app import SOURCE_ID, Receiver
-from ingest.publisher import Publisher
 from ingest.store import NEGATIVE_CACHE_SECONDS, Store
+from tasks.publisher import Publisher
 from tests.conftest import make_settings
 from tests.factories import make_source
 from tests.leakcheck import remember
-from webhooks.clock import SystemClock
-from webhooks.crypto import SecretBox, public_id
-from webhooks.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
 

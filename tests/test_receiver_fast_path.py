@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from core.settings import Settings
 from ingest.server import _Coalescing
-from webhooks.settings import Settings
 
 
 class _Recorder:
@@ -71,9 +71,9 @@ def test_admission_and_the_worker_plan_their_by_id_statements_once(settings: Set
     """The receiver's admission connection, the dispatcher's and the worker's engine run
     generic plans: their ``id = ANY(...)`` statements span every daily partition, and a
     custom plan re-planned all of them on every execution (about 1 ms at 14 days)."""
-    from ingest.publisher import Publisher  # noqa: PLC0415
-    from tasks.config import Dispatch  # noqa: PLC0415
+    from core.messages import Dispatch  # noqa: PLC0415
     from tasks.dispatcher import Dispatcher  # noqa: PLC0415
+    from tasks.publisher import Publisher  # noqa: PLC0415
     from tasks.runtime import build_runtime  # noqa: PLC0415
 
     publisher = Publisher(settings)

@@ -38,12 +38,12 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from tests import signing
 from tests.conftest import count_rows
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
 from tests.processes import Receiver, receiver
-from webhooks.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def fuzz_targets() -> list[str]:
     """Every provider the project ships, from its registry. Plug-ins installed from other
     distributions (the registry's entry points) bring their own signers and tests."""
-    from ingest.providers import BUILTIN_PROVIDERS  # noqa: PLC0415
+    from core.providers import BUILTIN_PROVIDERS  # noqa: PLC0415
 
     return list(BUILTIN_PROVIDERS)
 

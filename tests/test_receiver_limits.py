@@ -19,12 +19,12 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from tests.conftest import count_rows
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
 from tests.processes import Receiver, receiver
 from tests.signing import sign
-from webhooks.settings import Settings
 
 LIMITS = {
     "WEBHOOKS_HEADER_TIMEOUT": "1",

@@ -18,17 +18,9 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.conftest import free_port, test_env
-from tests.factories import MadeSource, accept_event, make_source
-from tests.fake_providers import FakeGitHub, FakeStripe, FakeSvix, serving
-from tests.handlers_for_tests import EFFECTS_DDL
-from tests.leakcheck import remember
-from tests.operators_support import cli
-from tests.processes import receiver
-from tests.signing import new_secret, sign_github, sign_stripe, sign_svix
-from tests.workers import BROKER_URL, CLAIMS_URL, flush_redis, running_worker, wait_for
-from webhooks.crypto import SecretBox
-from webhooks.reconcile.paging import (
+from core.crypto import SecretBox
+from core.settings import Settings
+from tasks.reconcile.paging import (
     MAX_RECONNECTS,
     MAX_WAIT,
     MAX_WAITS,
@@ -39,8 +31,16 @@ from webhooks.reconcile.paging import (
     Unreachable,
     walk,
 )
-from webhooks.reconcile.run import accept_recovered, load_target
-from webhooks.settings import Settings
+from tasks.reconcile.run import accept_recovered, load_target
+from tests.conftest import free_port, test_env
+from tests.factories import MadeSource, accept_event, make_source
+from tests.fake_providers import FakeGitHub, FakeStripe, FakeSvix, serving
+from tests.handlers_for_tests import EFFECTS_DDL
+from tests.leakcheck import remember
+from tests.operators_support import cli
+from tests.processes import receiver
+from tests.signing import new_secret, sign_github, sign_stripe, sign_svix
+from tests.workers import BROKER_URL, CLAIMS_URL, flush_redis, running_worker, wait_for
 
 
 def _key() -> str:
@@ -404,9 +404,9 @@ def test_walk_tries_a_dropped_connection_again_a_bounded_number_of_times() -> No
 def test_each_provider_reports_a_refused_connection_as_unreachable_and_a_500_as_an_error() -> None:
     """Nothing listens on the port: Unreachable (tried again by walk) for each provider's
     listing; an answer, even a 500, is an ApiError with its status (never tried again)."""
-    from webhooks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415
-    from webhooks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415
-    from webhooks.reconcile.svix_api import messages_fetcher  # noqa: PLC0415
+    from tasks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415
+    from tasks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415
+    from tasks.reconcile.svix_api import messages_fetcher  # noqa: PLC0415
 
     since = datetime.now(UTC) - timedelta(hours=1)
     nobody = f"http://127.0.0.1:{free_port()}"
@@ -594,8 +594,9 @@ def test_beat_reconciles_each_due_source_once_a_period_and_leaves_fresh_events_t
     """The task's body on a worker's runtime (real Postgres, the fake API): only a source with
     --reconcile-every and a credential is claimed, once per period on the database's clock;
     an event created within the settle time is not recovered (its webhook is in flight)."""
-    from tasks.config import MAINTENANCE_QUEUE, RECONCILE_TASK, celery_config  # noqa: PLC0415
-    from tasks.reconcile import SETTLE, run_due  # noqa: PLC0415
+    from core.messages import MAINTENANCE_QUEUE, RECONCILE_TASK  # noqa: PLC0415
+    from tasks.config import celery_config  # noqa: PLC0415
+    from tasks.reconcile.schedule import SETTLE, run_due  # noqa: PLC0415
     from tasks.runtime import build_runtime  # noqa: PLC0415
 
     conf = celery_config(settings)
@@ -656,7 +657,7 @@ def test_a_scheduled_run_survives_connections_reset_before_an_answer(
     """The provider resets the run's first connection (the endpoint's request) and the first
     one of the events list: the run tries each again after its wait (injected, none slept)
     and recovers the missing event once, instead of failing until its next period."""
-    from tasks.reconcile import run_due  # noqa: PLC0415
+    from tasks.reconcile.schedule import run_due  # noqa: PLC0415
     from tasks.runtime import build_runtime  # noqa: PLC0415
 
     fake = FakeStripe(_key())

@@ -28,9 +28,12 @@ import redis
 from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.clock import FrozenClock
+from core.settings import Settings
+from core.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, expires_at
 from ingest.app import create_app
-from ingest.store import NewReceipt, accept_sync
 from models import partitions, transitions
+from models.accept import NewReceipt, accept_sync
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.retention import (
     delete_expired,
@@ -48,9 +51,6 @@ from tests.factories import MadeSource, accept_event, make_source, source_ttl
 from tests.leakcheck import remember
 from tests.processes import receiver
 from tests.signing import sign
-from webhooks.clock import FrozenClock
-from webhooks.settings import Settings
-from webhooks.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, expires_at
 
 D = datetime(2024, 2, 10, tzinfo=UTC)  # a midnight
 US = timedelta(microseconds=1)

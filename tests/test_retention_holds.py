@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from models import partitions, queries, retention, transitions
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.partitions import leaf_suffix
@@ -31,7 +32,6 @@ from tests.conftest import ADMIN_DSN, BIN, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, accept_event, make_source
 from tests.leakcheck import remember
-from webhooks.settings import Settings
 
 T0 = datetime(2025, 3, 1, 9, tzinfo=UTC)
 DAY = timedelta(days=1)
@@ -610,7 +610,7 @@ def test_ensure_partitions_on_the_database_clock_never_creates_a_past_day(
     assert _process_clock(env) < database_now(engine) - timedelta(days=2)
     script = (
         "from models.db import make_engine; from models.retention import ensure_partitions;"
-        "from webhooks.settings import load_settings; s = load_settings();"
+        "from core.settings import load_settings; s = load_settings();"
         "print(len(ensure_partitions(make_engine(s, pool_size=1), s, None)))"
     )
     done = subprocess.run(

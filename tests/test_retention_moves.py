@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from models import discards, partitions, retention, transitions
 from models.queries import ReplayFilter
 from models.retention import LeaseWait, ensure_partitions, expire_partitions, run_maintenance
@@ -36,7 +37,6 @@ from tests.test_retention_holds import (
 )
 from tests.test_retention_holds import delete_mode as delete_mode  # noqa: PLC0414 (fixture)
 from tests.test_retention_holds import made as made  # noqa: PLC0414 (fixture)
-from webhooks.settings import Settings
 
 T0 = datetime(2025, 6, 2, 9, tzinfo=UTC)
 EXPIRY_DAY = (T0 + TTL).date()

@@ -19,6 +19,7 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from models import admission, breaker, catalog, transitions
 from models.breaker import Thresholds
 from tests.factories import accept_event, make_source
@@ -33,7 +34,6 @@ from tests.workers import (
     wait_for,
     worker_settings,
 )
-from webhooks.settings import Settings
 
 pytestmark = pytest.mark.slow
 

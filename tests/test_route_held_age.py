@@ -11,13 +11,13 @@ import psycopg
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.clock import FrozenClock
+from core.messages import Dispatch
 from models import breaker, catalog
-from tasks.config import Dispatch
 from tasks.pipeline import deliver_one
 from tasks.runtime import build_runtime
 from tests.factories import accept_event, make_source
 from tests.workers import delivery, worker_settings
-from webhooks.clock import FrozenClock
 
 
 def _no_publish(dispatch: Dispatch, countdown: float) -> None:

@@ -27,13 +27,16 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.publisher import Publisher
-from ingest.store import NewReceipt, Outcome, Store
+from core.crypto import SecretBox
+from core.messages import Dispatch
+from core.settings import Settings
+from ingest.store import Store
 from models import admission, breaker, catalog
+from models.accept import NewReceipt, Outcome
 from tasks import dispatcher
-from tasks.config import Dispatch
 from tasks.deliver import release_slots
 from tasks.pipeline import Report
+from tasks.publisher import Publisher
 from tasks.runtime import build_runtime
 from tasks.sweeper import sweep_once
 from tests.factories import accept_event, make_source
@@ -48,8 +51,6 @@ from tests.workers import (
     wait_for,
     worker_settings,
 )
-from webhooks.crypto import SecretBox
-from webhooks.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -592,12 +593,12 @@ def test_admission_reads_the_routes_only_of_deliveries_that_do_not_carry_them(
 
     carried = accept_event(settings, source)[1].dispatches("evt", source.public_id)
     assert [d.route is not None for d in carried] == [True]
-    assert dispatcher.offer(client, unreachable, carried, budget) == carried
+    assert admission.offer(client, unreachable, carried, budget) == carried
     (bare,) = accept_event(settings, source)[1].delivery_ids
     with pytest.raises(psycopg.OperationalError):
-        dispatcher.offer(client, unreachable, [Dispatch(bare)], budget)
+        admission.offer(client, unreachable, [Dispatch(bare)], budget)
     with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
-        assert dispatcher.offer(client, lambda: conn, [Dispatch(bare)], budget) == [Dispatch(bare)]
+        assert admission.offer(client, lambda: conn, [Dispatch(bare)], budget) == [Dispatch(bare)]
 
 
 def test_the_receivers_admission_holds_its_limits_while_postgres_is_unreachable(

@@ -22,6 +22,9 @@ from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.clock import FrozenClock
+from core.crypto import SecretBox, SecretDecryptError
+from core.settings import SettingsError, load_settings
 from ingest.app import create_app
 from models import keys
 from models.retention import ensure_partitions
@@ -31,9 +34,6 @@ from tests.leakcheck import remember
 from tests.operators_support import succeed
 from tests.processes import receiver
 from tests.signing import sign
-from webhooks.clock import FrozenClock
-from webhooks.crypto import SecretBox, SecretDecryptError
-from webhooks.settings import SettingsError, load_settings
 
 OLD = BASE_ENV["WEBHOOKS_SECRET_KEY"]
 NEW = "rotated-secret-key-" + "r" * 32

@@ -18,15 +18,15 @@ from pydantic import ValidationError
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers import BUILTIN_PROVIDERS as PROVIDERS
-from ingest.providers import get_provider
+from core.crypto import SUPPLIED_KEY_FORMATS, SecretBox, generate_secret
+from core.providers import BUILTIN_PROVIDERS as PROVIDERS
+from core.providers import get_provider
+from core.settings import Settings, SettingsError, load_settings
 from models import catalog
 from models.catalog import CatalogError
 from models.schema import Source, SourceSecret
 from tests.conftest import BIN, make_settings, test_env
 from tests.leakcheck import remember
-from webhooks.crypto import SUPPLIED_KEY_FORMATS, SecretBox, generate_secret
-from webhooks.settings import Settings, SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 WEAK_WHSEC = ("whsec_", "whsec_AA==", "whsec_" + base64.b64encode(b"\x01" * 23).decode())
@@ -293,7 +293,7 @@ def test_a_refused_setting_is_never_quoted_in_the_error() -> None:
     the error's text, which may reach a log line."""
     import pydantic
 
-    from webhooks.settings import Settings
+    from core.settings import Settings
 
     short = "tooshort-but-secret-" + "q" * 5
     with pytest.raises(pydantic.ValidationError) as refused:

@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from models import transitions
 from tests.factories import accept_event, make_source
-from webhooks.settings import Settings
 
 T0 = datetime.now(UTC).replace(microsecond=0)
 LEASE = timedelta(minutes=4)

@@ -12,13 +12,10 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.providers import BUILTIN_PROVIDERS as PROVIDERS
-from tests.conftest import BIN, make_settings
-from tests.conftest import test_env as subprocess_env
-from tests.factories import MadeSource, make_source
-from webhooks.durations import format_duration
-from webhooks.settings import Settings
-from webhooks.ttl import (
+from core.durations import format_duration
+from core.providers import BUILTIN_PROVIDERS as PROVIDERS
+from core.settings import Settings
+from core.ttl import (
     MAX_EVENT_TIME_LEAD,
     TERM_NAMES,
     TtlConfigError,
@@ -28,6 +25,9 @@ from webhooks.ttl import (
     known_providers,
     provider_retry_window,
 )
+from tests.conftest import BIN, make_settings
+from tests.conftest import test_env as subprocess_env
+from tests.factories import MadeSource, make_source
 
 NO_MARGIN = TtlOverrides(queue_lag=timedelta(0), clock_skew=timedelta(0), replay_grace=timedelta(0))
 

@@ -13,14 +13,14 @@ import httpx
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
+from core.ttl import TtlOverrides, effective_ttl
 from tests.conftest import BIN, make_settings, test_env
 from tests.factories import make_source
 from tests.leakcheck import remember
 from tests.processes import receiver
 from tests.signing import sign
 from tests.workers import running_worker
-from webhooks.settings import Settings
-from webhooks.ttl import TtlOverrides, effective_ttl
 
 # A settings change after the source was created: no queue lag, no replay grace.
 SHRUNK = {"WEBHOOKS_QUEUE_LAG_BUDGET": "PT0S", "WEBHOOKS_MANUAL_REPLAY_GRACE": "PT0S"}

@@ -15,8 +15,8 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.publisher import Publisher
-from tasks.config import DELIVERIES_QUEUE, Dispatch
+from core.messages import DELIVERIES_QUEUE, Dispatch
+from tasks.publisher import Publisher
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL, KILL_AFTER_COMMIT_DIR
 from tests.workers import (

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.publisher import Publisher
-from tasks.config import Dispatch
+from core.messages import Dispatch
+from tasks.publisher import Publisher
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL
 from tests.workers import (

@@ -17,9 +17,9 @@ from kombu import Connection
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
 from models.installation import installation_id
 from tasks.claims import claim_key
-from tasks.config import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
 from tests.conftest import REDIS_PORT, free_port
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL

@@ -17,13 +17,13 @@ from prometheus_client import REGISTRY
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from tasks import pipeline
 from tasks.pipeline import FINISH_WINDOW, deliver_one, in_waves, run
 from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
 from tests.netproxy import CuttableProxy
 from tests.workers import attempts, delivery, flush_redis, wait_for, worker_settings
-from webhooks.settings import Settings
 
 
 def _no_publish(delivery_id: int, countdown: float) -> None:

@@ -15,6 +15,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks.webhooks import Webhook
 
+from core.clock import FrozenClock
 from tasks.context import Event, HandlerContext
 from tasks.errors import RetryableError
 from tasks.handlers import register
@@ -35,7 +36,6 @@ from tests.workers import (
     wait_status,
     worker_settings,
 )
-from webhooks.clock import FrozenClock
 
 ROUTE_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 

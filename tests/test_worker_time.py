@@ -22,7 +22,8 @@ import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from tasks.config import Dispatch
+from core.clock import FrozenClock
+from core.messages import Dispatch
 from tasks.pipeline import deliver_one, run
 from tasks.runtime import Runtime, build_runtime
 from tasks.sweeper import sweep_once
@@ -43,7 +44,6 @@ from tests.workers import (
     wait_status,
     worker_settings,
 )
-from webhooks.clock import FrozenClock
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,9 @@ import redis
 from celery.exceptions import SoftTimeLimitExceeded
 from prometheus_client import REGISTRY
 
+from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE, SWEEP_TASK
 from tasks.claims import ClaimStore, claim_key, make_client
-from tasks.config import DELIVERIES_QUEUE, MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
+from tasks.config import celery_config
 from tasks.context import idempotency_key
 from tasks.errors import HandlerRegistrationError, PermanentError, UnknownHandlerError
 from tasks.handlers import load_registry, register

@@ -25,17 +25,17 @@ import redis
 from celery import Celery
 from sqlalchemy import Engine, Row, text
 
-from tasks.config import (
+from core.messages import (
     DELIVER_TASK,
     DELIVERIES_QUEUE,
     MAINTENANCE_QUEUE,
     MAINTENANCE_TASK,
     SWEEP_TASK,
-    create_app,
 )
+from core.settings import Settings
+from tasks.config import create_app
 from tests.conftest import BIN, REDIS, make_settings, test_env
 from tests.leakcheck import log_file
-from webhooks.settings import Settings
 
 BROKER_URL = f"{REDIS}/10"
 CLAIMS_URL = f"{REDIS}/11"

@@ -45,6 +45,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from core.logs import get_logger
+from core.settings import Settings
 from ingest.console import sessions as sess
 from models import breaker, catalog, discards, queries, replays
 from models import console as reads
@@ -52,8 +54,6 @@ from models.catalog import CatalogError, Change
 from models.discards import DiscardError
 from models.queries import EventFilter, ReplayFilter
 from models.replays import ReplayError
-from webhooks.logs import get_logger
-from webhooks.settings import Settings
 
 if TYPE_CHECKING:
     from ingest.admin import _State
@@ -887,7 +887,7 @@ def _timeline(view: queries.DeliveryView) -> list[TimelineRow]:
 
 def _flower_task_id(settings: Settings, delivery_id: int, started: list[datetime]) -> str | None:
     """The Flower task of this delivery whose start is nearest the attempt's."""
-    from tasks.config import DELIVER_TASK  # noqa: PLC0415
+    from core.messages import DELIVER_TASK  # noqa: PLC0415
 
     if settings.flower_password is None:
         return None

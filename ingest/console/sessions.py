@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from webhooks.clock import Clock
+from core.clock import Clock
 
 MAX_SESSIONS = 1000  # the oldest are dropped beyond this
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
+from core.logs import get_logger
 from tasks.context import Event, HandlerContext
 from tasks.errors import PermanentError
 from tasks.handlers.registry import register
-from webhooks.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -18,7 +18,7 @@ needed: a downstream answering with a huge body cannot grow the worker's memory)
 ``http://`` targets are refused (the event would travel in clear) unless the host is
 loopback or the route sets ``--option allow_http=true``.
 
-Addresses (:mod:`webhooks.addresses`): link-local and cloud metadata addresses are refused
+Addresses (:mod:`core.addresses`): link-local and cloud metadata addresses are refused
 always; loopback and private ones unless the route sets ``--option allow_private=true``. The
 host is resolved once per connection, every address it resolves to is checked, and the
 connection goes to a checked address (a custom httpcore network backend), so DNS rebinding
@@ -49,11 +49,11 @@ import httpcore
 import httpx
 from standardwebhooks.webhooks import Webhook
 
+from core.addresses import AddressRefused, IPAddress, allows_private, check_address, check_host
+from core.metrics import RETRY_AFTER_IGNORED
 from tasks.context import Event, HandlerContext
 from tasks.errors import DownstreamError, PermanentError, RetryableError
 from tasks.handlers.registry import register
-from webhooks.addresses import AddressRefused, IPAddress, allows_private, check_address, check_host
-from webhooks.metrics import RETRY_AFTER_IGNORED
 
 USER_AGENT = "webhook-pipeline/0.1"
 # What is read of a downstream's answer at most; the rest is never read.
@@ -176,7 +176,7 @@ def parse_retry_after(value: str | None, now: datetime) -> float | None:
 
 def check_url(url: object, options: Mapping[str, object] | None = None) -> str:
     """The route's target, if it may be used: http(s) with a host; plain http only to a
-    loopback host or with ``allow_http=true``; not an address :mod:`webhooks.addresses`
+    loopback host or with ``allow_http=true``; not an address :mod:`core.addresses`
     refuses (judged here by what needs no DNS: a literal, ``localhost``, metadata names).
     Raises PermanentError (``misconfigured``, ``insecure_url`` or ``address_refused``)."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
+from core.logs import get_logger
 from tasks.context import Event, HandlerContext
 from tasks.errors import HandlerRegistrationError, UnknownHandlerError
-from webhooks.logs import get_logger
 
 Handler = Callable[[Event, HandlerContext], None]
 

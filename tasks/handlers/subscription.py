@@ -15,10 +15,10 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from core.logs import get_logger
 from tasks.context import Event, HandlerContext
 from tasks.errors import PermanentError
 from tasks.handlers.registry import register
-from webhooks.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from webhooks.clock import Clock, SystemClock
+from core.clock import Clock, SystemClock
 
 # What a command needs (settings, the database, logging) is imported when it runs, not here,
 # and so in every module of this package: each `webhooks` process pays for what it imports,
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from webhooks.settings import Settings
+    from core.settings import Settings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -148,10 +148,10 @@ class Env:
 
     def check_keys(self) -> None:
         """Before the first session: WEBHOOKS_SECRET_KEY must decrypt the stored secrets
-        (:class:`webhooks.crypto.KeyMismatch`, one line, otherwise). ``secrets rekey``, the
+        (:class:`core.crypto.KeyMismatch`, one line, otherwise). ``secrets rekey``, the
         way out of a mismatch, uses :attr:`sessions` and is not checked."""
+        from core.crypto import SecretBox  # noqa: PLC0415
         from models.catalog import check_stored_keys  # noqa: PLC0415
-        from webhooks.crypto import SecretBox  # noqa: PLC0415
 
         box = SecretBox(
             self.settings.secret_key.get_secret_value(), legacy=self.settings.secret_key_legacy
@@ -163,8 +163,8 @@ class Env:
 
 def env() -> Env:
     """Settings from the environment and the env file :func:`find_env_file` picks."""
-    from webhooks.logs import configure_logging  # noqa: PLC0415
-    from webhooks.settings import SettingsError, load_settings  # noqa: PLC0415
+    from core.logs import configure_logging  # noqa: PLC0415
+    from core.settings import SettingsError, load_settings  # noqa: PLC0415
 
     source = find_env_file(OPTIONS.env_file, os.environ, Path.cwd(), project_root())
     exported: dict[str, str] = {}
@@ -224,9 +224,9 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
 # The errors :func:`handle_errors` turns into one line, by module and name: printed as they are
 # (settings, database unavailable, key mismatch), or as :func:`database_error` words them.
 _USER_ERRORS = (
-    ("webhooks.settings", "SettingsError"),
+    ("core.settings", "SettingsError"),
     ("models.db", "DatabaseUnavailable"),
-    ("webhooks.crypto", "KeyMismatch"),
+    ("core.crypto", "KeyMismatch"),
 )
 _DATABASE_ERRORS = (("sqlalchemy.exc", "DBAPIError"), ("psycopg", "Error"))
 

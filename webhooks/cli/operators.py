@@ -141,9 +141,9 @@ def dead_discard(
     A discarded delivery is never replayed and retention no longer keeps it (dead letters
     are otherwise kept for WEBHOOKS_DEAD_LETTER_RETENTION). Audited in audit_log.
     """
+    from core.clock import pinned  # noqa: PLC0415
+    from core.logs import configure_logging  # noqa: PLC0415
     from models import discards  # noqa: PLC0415
-    from webhooks.clock import pinned  # noqa: PLC0415
-    from webhooks.logs import configure_logging  # noqa: PLC0415
 
     e = env()
     given, flt = _selection(
@@ -382,13 +382,13 @@ def _run(e: Env, plan: replays.Plan, *, show_progress: bool) -> replays.ReplayRe
         TimeRemainingColumn,
     )
 
+    from core.logs import configure_logging  # noqa: PLC0415
     from models import replays  # noqa: PLC0415
-    from webhooks.logs import configure_logging  # noqa: PLC0415
 
     # Log lines go to stderr, warnings only: the terminal shows the progress and the summary
     # (and stdout stays pure JSON with --json); the audit row is the record.
     configure_logging("WARNING", json=e.settings.log_json)
-    from ingest.publisher import CeleryPublisher  # noqa: PLC0415  (Celery only when publishing)
+    from tasks.publisher import CeleryPublisher  # noqa: PLC0415  (Celery only when publishing)
 
     publisher = CeleryPublisher(e.settings)
     replay_id = replays.start_replay(e.sessions, plan, now=e.clock.now())
@@ -531,9 +531,9 @@ def _demo_source(e: Env) -> tuple[str, str]:
     """The demo source (created on first use) and its newest secret."""
     from sqlalchemy import select  # noqa: PLC0415
 
+    from core.crypto import SecretBox  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
     from models.schema import Source  # noqa: PLC0415
-    from webhooks.crypto import SecretBox  # noqa: PLC0415
 
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     with e.session() as session:
@@ -718,8 +718,8 @@ def demo(
     """
     import httpx  # noqa: PLC0415
 
+    from core.logs import configure_logging  # noqa: PLC0415
     from models import replays  # noqa: PLC0415
-    from webhooks.logs import configure_logging  # noqa: PLC0415
 
     e = env()
     configure_logging("WARNING", json=e.settings.log_json)
@@ -816,7 +816,7 @@ def _flower_row(e: Env, delivery_id: int) -> str:
     Flower's API with the configured login; else where to search for it."""
     import httpx  # noqa: PLC0415
 
-    from tasks.config import DELIVER_TASK  # noqa: PLC0415
+    from core.messages import DELIVER_TASK  # noqa: PLC0415
 
     base = f"http://127.0.0.1:{e.settings.flower_port}"
     fallback = f"{base}/tasks (search: ({delivery_id},))"

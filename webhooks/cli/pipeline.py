@@ -41,8 +41,8 @@ import typer
 from webhooks.cli.common import CliError, Env, cli_command, console, env, handle_errors, say_error
 
 if TYPE_CHECKING:
+    from core.settings import Settings
     from ingest.admin import AdminServer
-    from webhooks.settings import Settings
 
 
 @handle_errors
@@ -114,7 +114,7 @@ def _check_database_if_reachable(e: Env) -> None:
             )
         e.check_keys()
     except DBAPIError as exc:
-        from webhooks.logs import get_logger  # noqa: PLC0415
+        from core.logs import get_logger  # noqa: PLC0415
 
         get_logger("serve").warning("startup.checks_skipped", error_class=type(exc.orig).__name__)
 
@@ -272,7 +272,7 @@ class Output:
     the terminal closed (SIGHUP) there is nobody to read them, and stopping must go on."""
 
     def __init__(self, *, relay: bool) -> None:
-        from webhooks.logs import wants_colour  # noqa: PLC0415
+        from core.logs import wants_colour  # noqa: PLC0415
 
         self.relay = relay
         self.colour = relay and wants_colour(sys.stderr)
@@ -422,7 +422,7 @@ def _start(
         "PYTHONUNBUFFERED": "1",  # lines through the pipe as they are written
     }
     if out.relay:
-        from webhooks.logs import wants_json  # noqa: PLC0415
+        from core.logs import wants_json  # noqa: PLC0415
 
         # The children's stderr is a pipe to us: decide for them as for a terminal.
         child_env["WEBHOOKS_LOG_JSON"] = "true" if wants_json(settings.log_json) else "false"

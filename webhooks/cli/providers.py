@@ -11,20 +11,20 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from core.durations import format_duration
 from webhooks.cli.common import CliError, env, handle_errors, print_json
 from webhooks.cli.render import row, say, show_table, whole
-from webhooks.durations import format_duration
 
 if TYPE_CHECKING:
-    from ingest.providers import Provider
+    from core.providers import Provider
 
 providers_app = typer.Typer(help="The webhook providers this installation knows.")
 
 
 def provider_views() -> list[dict[str, Any]]:
     """One view per provider, in registry order (what ``list`` prints)."""
-    from ingest.providers import registry  # noqa: PLC0415
-    from webhooks.ttl import TtlOverrides, dedup_terms  # noqa: PLC0415
+    from core.providers import registry  # noqa: PLC0415
+    from core.ttl import TtlOverrides, dedup_terms  # noqa: PLC0415
 
     settings = env().settings
     builtin = set(registry.builtin_names())

@@ -1,5 +1,5 @@
 """``webhooks reconcile SOURCE``: find the events the provider sent that never arrived, and
-recover them (issue 22; :mod:`webhooks.reconcile.run`)."""
+recover them (issue 22; :mod:`tasks.reconcile.run`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from core.durations import parse_duration
 from webhooks.cli.common import CliError, env, handle_errors, print_json
 from webhooks.cli.render import row, say, show_table, whole
-from webhooks.durations import parse_duration
 
 if TYPE_CHECKING:
-    from webhooks.reconcile.run import Report
+    from tasks.reconcile.run import Report
 
 
 @handle_errors
@@ -43,8 +43,8 @@ def reconcile_command(
     API's event object, with its deliveries; GitHub: a redelivery request, the signed webhook
     then arrives). Exit code 1 when the provider's API failed (what was found before the
     failure is still recovered)."""
-    from webhooks.crypto import SecretBox  # noqa: PLC0415
-    from webhooks.reconcile.run import ReconcileError, reconcile  # noqa: PLC0415
+    from core.crypto import SecretBox  # noqa: PLC0415
+    from tasks.reconcile.run import ReconcileError, reconcile  # noqa: PLC0415
 
     window = None if since is None else parse_duration(since)
     e = env()
@@ -53,7 +53,7 @@ def reconcile_command(
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     publisher = None
     if not dry_run:
-        from ingest.publisher import CeleryPublisher  # noqa: PLC0415  (only when recovering)
+        from tasks.publisher import CeleryPublisher  # noqa: PLC0415  (only when recovering)
 
         publisher = CeleryPublisher(e.settings)
     try:

@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from core.durations import format_duration
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
-from webhooks.durations import format_duration
 
 ttl_app = typer.Typer(
     help="Deduplication TTLs derived from each sender's contract.", no_args_is_help=True
@@ -43,8 +43,8 @@ def ttl_explain(
     as_json: JsonOpt = False,
 ) -> None:
     """Each term of the source's dedup TTL, where its value came from, and the sum."""
+    from core.ttl import dedup_terms  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
-    from webhooks.ttl import dedup_terms  # noqa: PLC0415
 
     e = env()
     with _database(e), e.session() as session:
@@ -104,9 +104,9 @@ def maintenance_run(as_json: JsonOpt = False) -> None:
 
     Unfinished deliveries and dead letters within their retention are held (moved forward
     with their receipt and attempts), never removed; the database's clock decides."""
+    from core.clock import pinned  # noqa: PLC0415
+    from core.logs import configure_logging  # noqa: PLC0415
     from models.retention import run_maintenance  # noqa: PLC0415
-    from webhooks.clock import pinned  # noqa: PLC0415
-    from webhooks.logs import configure_logging  # noqa: PLC0415
 
     e = env()
     configure_logging(e.settings.log_level, json=e.settings.log_json)  # stderr: stdout is data

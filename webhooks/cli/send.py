@@ -1,7 +1,7 @@
 """``webhooks send``: one command to send a signed test event to a source, as its provider
 would (``stripe trigger``, ``svix message create``), and optionally watch its deliveries.
 
-The body and headers come from :mod:`ingest.providers.sending`; the secret is the source's
+The body and headers come from :mod:`core.providers.sending`; the secret is the source's
 newest active one, decrypted here and never printed. What the receiver derives from the
 request (the event id a provider builds from the body, a batch's ids) is read with the
 providers' own ``extract``, so ``--follow`` watches exactly the receipts the receiver wrote.
@@ -60,9 +60,9 @@ def read_data(value: str | None) -> Any:
 
 def _source_and_secret(e: Env, ref: str) -> tuple[str, str, dict[str, Any], str]:
     """(public id, provider, options, newest active secret) of the source."""
+    from core.crypto import SecretBox  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
     from models.schema import Source  # noqa: PLC0415
-    from webhooks.crypto import SecretBox  # noqa: PLC0415
 
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     with e.session() as session:
@@ -88,7 +88,7 @@ def _source_and_secret(e: Env, ref: str) -> tuple[str, str, dict[str, Any], str]
 
 def _ids(headers: dict[str, str], body: bytes, provider: str, config: dict[str, Any]) -> list[str]:
     """The event ids the receiver will store for this request (its own extract)."""
-    from ingest.providers import Batch, EventMeta, MalformedEvent, extract  # noqa: PLC0415
+    from core.providers import Batch, EventMeta, MalformedEvent, extract  # noqa: PLC0415
 
     lowered = {k.lower(): v for k, v in headers.items()}
     try:
@@ -199,7 +199,7 @@ def send(
     private key, so no test event can be signed for them here."""
     import httpx  # noqa: PLC0415
 
-    from ingest.providers import sending  # noqa: PLC0415
+    from core.providers import sending  # noqa: PLC0415
 
     if not 1 <= count <= MAX_COUNT:
         raise CliError(f"--count must be from 1 to {MAX_COUNT}, got {count}")

@@ -10,6 +10,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from core.clock import pinned
+from core.durations import format_duration, parse_duration
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
 from webhooks.cli.render import (
     OperatorOpt,
@@ -21,15 +23,13 @@ from webhooks.cli.render import (
     show_table,
     whole,
 )
-from webhooks.clock import pinned
-from webhooks.durations import format_duration, parse_duration
 
 # The catalog, providers and crypto are imported by the commands that use them (see
 # webhooks.cli.common).
 if TYPE_CHECKING:
+    from core.crypto import SecretBox
     from models import catalog
     from models.schema import Source
-    from webhooks.crypto import SecretBox
 
 sources_app = typer.Typer(help="Webhook sources (one URL per source).", no_args_is_help=True)
 secrets_app = typer.Typer(help="A source's signing secrets (rotation).", no_args_is_help=True)
@@ -49,7 +49,7 @@ WeakSecretOpt = Annotated[
 
 
 def _provider_names() -> list[str]:
-    from ingest.providers import registry  # noqa: PLC0415
+    from core.providers import registry  # noqa: PLC0415
 
     return list(registry.names())
 
@@ -103,7 +103,7 @@ def _api_key(value: str | None) -> str | None:
 
 
 def _require_reconcilable(provider: str, option: str) -> None:
-    from webhooks.reconcile import options  # noqa: PLC0415
+    from core.providers import reconcile_options as options  # noqa: PLC0415
 
     if not options.supported(provider):
         raise CliError(
@@ -126,7 +126,7 @@ def _reconcile_every(provider: str, value: str | None) -> int | None:
 
 
 def _reconcile_view(source: Source) -> dict[str, Any]:
-    from webhooks.reconcile import options  # noqa: PLC0415
+    from core.providers import reconcile_options as options  # noqa: PLC0415
 
     if not options.supported(source.provider):
         return {"supported": False}
@@ -150,14 +150,14 @@ def _lay_out_partitions(e: Env) -> None:
 
 
 def _box(e: Env) -> SecretBox:
-    from webhooks.crypto import SecretBox  # noqa: PLC0415
+    from core.crypto import SecretBox  # noqa: PLC0415
 
     return SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
 
 
 def _source_view(e: Env, source: Source) -> dict[str, Any]:
+    from core.ttl import TtlConfigError  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
-    from webhooks.ttl import TtlConfigError  # noqa: PLC0415
 
     try:
         ttl = catalog.source_effective_ttl(source, e.settings)
@@ -236,9 +236,9 @@ def sources_add(
 ) -> None:
     """Create a source (audited); prints its id, URL path and, when generated, its secret
     (once)."""
-    from ingest.providers import validate_config  # noqa: PLC0415
+    from core.providers import validate_config  # noqa: PLC0415
+    from core.ttl import TtlOverrides  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
-    from webhooks.ttl import TtlOverrides  # noqa: PLC0415
 
     # The provider and its options are checked against the registry before anything else.
     options = validate_config(provider, _pairs(config, "--config"))
@@ -317,9 +317,9 @@ def sources_update(
 ) -> None:
     """Change a source's TTL terms, timestamp tolerance, body limit, provider options or
     reconciliation settings (audited; a credential is recorded as set, never its value)."""
-    from ingest.providers import validate_config  # noqa: PLC0415
+    from core.providers import validate_config  # noqa: PLC0415
+    from core.ttl import TtlOverrides  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
-    from webhooks.ttl import TtlOverrides  # noqa: PLC0415
 
     given = {
         "retry_window": retry_window,

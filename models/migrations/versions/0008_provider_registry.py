@@ -1,6 +1,6 @@
 """providers come from a registry: drop the CHECK that listed seven of them
 
-``ingest.providers`` is a registry that new built-in modules and plug-ins (entry-point group
+``core.providers`` is a registry that new built-in modules and plug-ins (entry-point group
 ``webhooks.providers``) extend, so the database cannot list the providers: the CLI checks a
 new source's provider against the registry, and the receiver answers 401 for a source whose
 provider is no longer installed. Downgrade restores the CHECK, which fails while any source

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+# The documented import path (ingest.providers re-exports core.providers).
 from ingest.providers import AuthError, Challenge, EventMeta, Provider
 from ingest.providers.base import (
     Secrets,

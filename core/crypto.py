@@ -1,0 +1,213 @@
+"""Encryption at rest for source and route secrets, keyed from ``WEBHOOKS_SECRET_KEY``.
+
+``WEBHOOKS_SECRET_KEY`` is one key or a comma-separated list, newest first (MultiFernet
+semantics): new secrets are encrypted under the newest, every listed key decrypts. Rotation:
+deploy ``NEW,OLD`` everywhere, run ``webhooks secrets rekey`` (re-encrypts every stored secret
+under NEW; resumable and idempotent), then deploy ``NEW`` alone.
+
+Each key is stretched with scrypt (N=2^15, r=8, p=1): a key may be a passphrase a person
+chose, and scrypt makes guessing one from a stolen ciphertext expensive; for a random key it
+costs only the derivation, once per process.
+
+The salt is fixed (:data:`_SCRYPT_SALT`), on purpose. A salt defeats precomputation across many
+stored hashes; here there is one key per deployment, and every process must derive the same
+Fernet key from it without storing anything beside the ciphertexts (a random salt would have to
+be stored and shared, and losing it would lose every secret). What a fixed salt costs: an
+attacker can precompute scrypt over a dictionary of passphrases once for every deployment of
+this project, which is why keys are at least 32 characters and ``make .env`` writes random
+ones; the purpose-bound salt still keeps these derived keys apart from any other scrypt use
+of the same key material.
+
+Ciphertexts written before keys were stretched (a SHA-256 of the key, fast to guess from)
+still decrypt while ``WEBHOOKS_SECRET_KEY_LEGACY`` is true (the default), and ``rekey`` moves
+them to the stretched key. ``webhooks secrets rekey --drop-legacy`` confirms none is left
+(refused, changing nothing, while any is) so the setting can be turned off everywhere.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import secrets as _secrets
+from collections.abc import Iterable
+
+from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+
+from core.providers import registry
+
+# A fixed, purpose-bound salt: the key itself is the secret; the salt keeps these derived keys
+# apart from any other use of the same key material.
+_SCRYPT_SALT = b"webhook-pipeline/secret-box/scrypt-v1"
+_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**15, 8, 1
+MIN_KEY_LENGTH = 32
+
+
+class SecretDecryptError(Exception):
+    """A stored secret could not be decrypted: WEBHOOKS_SECRET_KEY changed or data is corrupt."""
+
+
+def split_keys(secret_key: str) -> list[str]:
+    """The keys of ``WEBHOOKS_SECRET_KEY``, newest first; raises ValueError if one is short."""
+    keys = [k.strip() for k in secret_key.split(",")]
+    if not keys or any(not k for k in keys):
+        raise ValueError("an empty key in the list")
+    short = [i for i, k in enumerate(keys, start=1) if len(k) < MIN_KEY_LENGTH]
+    if short:
+        raise ValueError(
+            f"key {short[0]} of {len(keys)} is shorter than {MIN_KEY_LENGTH} characters"
+        )
+    return keys
+
+
+@functools.lru_cache(maxsize=16)  # derived once per key and process: scrypt is slow on purpose
+def _stretched(key: str) -> Fernet:
+    derived = hashlib.scrypt(
+        key.encode(),
+        salt=_SCRYPT_SALT,
+        n=_SCRYPT_N,
+        r=_SCRYPT_R,
+        p=_SCRYPT_P,
+        maxmem=64 * 1024 * 1024,
+        dklen=32,
+    )
+    return Fernet(base64.urlsafe_b64encode(derived))
+
+
+def _legacy(key: str) -> Fernet:
+    digest = hashlib.sha256(b"webhooks-secret-box:" + key.encode()).digest()
+    return Fernet(base64.urlsafe_b64encode(digest))
+
+
+class SecretBox:
+    def __init__(self, secret_key: str, *, legacy: bool = True) -> None:
+        keys = split_keys(secret_key)
+        self._current = _stretched(keys[0])
+        stretched = [self._current, *(_stretched(k) for k in keys[1:])]
+        legacies = [_legacy(k) for k in keys]
+        self._stretched, self._legacy = MultiFernet(stretched), MultiFernet(legacies)
+        # WEBHOOKS_SECRET_KEY_LEGACY: the old derivation decrypts too (never encrypts).
+        self._fernet = MultiFernet(stretched + legacies if legacy else stretched)
+        self._cache: dict[bytes, str] = {}
+
+    def encrypt(self, plaintext: str) -> bytes:
+        return self._current.encrypt(plaintext.encode())
+
+    def decrypt(self, ciphertext: bytes) -> str:
+        hit = self._cache.get(ciphertext)
+        if hit is not None:
+            return hit
+        try:
+            value = self._fernet.decrypt(ciphertext).decode()
+        except InvalidToken:
+            raise SecretDecryptError("stored secret cannot be decrypted with this key") from None
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[ciphertext] = value
+        return value
+
+    def is_current(self, ciphertext: bytes) -> bool:
+        """Encrypted under the newest key already (nothing for ``rekey`` to do)."""
+        try:
+            self._current.decrypt(ciphertext)
+        except InvalidToken:
+            return False
+        return True
+
+    def needs_legacy(self, ciphertext: bytes) -> bool:
+        """Readable only through the legacy SHA-256 derivation of a listed key (whether or not
+        this box uses it): what ``rekey --drop-legacy`` refuses to leave behind."""
+        try:
+            self._stretched.decrypt(ciphertext)
+        except InvalidToken:
+            pass
+        else:
+            return False
+        try:
+            self._legacy.decrypt(ciphertext)
+        except InvalidToken:
+            return False
+        return True
+
+    def rekeyed(self, ciphertext: bytes) -> bytes:
+        """The same secret encrypted under the newest key; SecretDecryptError if no listed
+        key decrypts it."""
+        return self.encrypt(self.decrypt(ciphertext))
+
+
+class KeyMismatch(Exception):  # noqa: N818 (the agreed name)
+    """``WEBHOOKS_SECRET_KEY`` cannot decrypt stored secrets: a fresh ``.env`` against an
+    existing database, or a key dropped from the list too early. Every signed request would
+    fail, so processes refuse to start with this one line instead."""
+
+    def __init__(self, unreadable: int, checked: int) -> None:
+        self.unreadable, self.checked = unreadable, checked
+        super().__init__(
+            f"WEBHOOKS_SECRET_KEY cannot decrypt {unreadable} of the {checked} stored secrets "
+            "checked: this database was written with another key. Set WEBHOOKS_SECRET_KEY "
+            "back to it (or list it after the new one, NEW,OLD, and run "
+            "`webhooks secrets rekey`), or use another database (WEBHOOKS_DATABASE_URL)"
+        )
+
+
+def check_keys(box: SecretBox, ciphertexts: Iterable[bytes]) -> int:
+    """How many stored secrets were checked; :class:`KeyMismatch` (with the count that no
+    listed key decrypts) when any of them cannot be read. A sample of the stored secrets is
+    enough: one key writes them all, so a wrong key fails on every one."""
+    checked = unreadable = 0
+    for ciphertext in ciphertexts:
+        checked += 1
+        try:
+            box.decrypt(ciphertext)
+        except SecretDecryptError:
+            unreadable += 1
+    if unreadable:
+        raise KeyMismatch(unreadable, checked)
+    return checked
+
+
+def key_format(provider: str) -> str:
+    """``whsec`` (``whsec_`` + base64 of the key) or ``text`` (the string is the key), from
+    the provider registry; UnknownProvider (a ValueError) for a name nobody registered."""
+    return registry.get(provider).key_format
+
+
+def key_prefix(provider: str) -> str:
+    """What the provider's own keys start with (Stripe: ``whsec_``, its whole string being the
+    key), from the provider registry."""
+    return registry.get(provider).key_prefix
+
+
+def generate_secret(provider: str) -> str:
+    """A new random signing secret in the provider's format (its registry entry says which)."""
+    found = registry.get(provider)
+    if found.key_format == "whsec":
+        return "whsec_" + base64.b64encode(_secrets.token_bytes(32)).decode()
+    if found.key_format in SUPPLIED_KEY_FORMATS:
+        raise ValueError(
+            f"a {provider} key is issued by the sender ({SUPPLIED_KEY_FORMATS[found.key_format]})"
+            ": pass it with --secret (it is not generated)"
+        )
+    return found.key_prefix + _secrets.token_urlsafe(32)
+
+
+# Key formats the sender issues (public keys, Adyen's HMAC key): given by the user, never
+# generated here.
+SUPPLIED_KEY_FORMATS = {
+    "ed25519": "its public key",
+    "p256": "its public key",
+    "hex": "a hex HMAC key",
+}
+
+
+def check_key(provider: str, secret: str) -> None:
+    """ValueError (saying what the key should be) when ``secret`` is not in the format the
+    provider's keys have (Discord: 64 hex; SendGrid: base64 P-256; Adyen: hex)."""
+    check = registry.get(provider).check_secret
+    if check is not None:
+        check(secret)
+
+
+def public_id(prefix: str) -> str:
+    """A random, non-secret identifier such as ``src_3kTMd...`` used in URLs and the CLI."""
+    return f"{prefix}_{_secrets.token_urlsafe(15).replace('-', 'x').replace('_', 'z')}"

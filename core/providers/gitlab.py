@@ -1,0 +1,98 @@
+"""GitLab: ``X-Gitlab-Token`` (the secret token itself), or GitLab's signing token.
+
+Secret token (the classic setting): a constant-time comparison of the header with each of the
+source's secrets. Nothing is signed: whoever captures one request holds the token and can send
+anything, under any id, forever, until the token is rotated. Keep the endpoint on TLS and
+rotate the token if a request may have leaked.
+
+Signing token (``whsec_...``; GitLab's newer option): GitLab then sends Standard Webhooks
+headers (``webhook-id`` = ``Idempotency-Key``, ``webhook-timestamp``, ``webhook-signature``)
+and the request is verified as the ``standard`` provider verifies it: id, timestamp and body
+are signed, and the timestamp must be within 5 minutes. Add the signing token as the source's
+secret (``webhooks secrets add``); a source can hold both during a switch.
+
+The dedup id comes from signed parts only, when anything is signed: a signing-token delivery's
+id is ``webhook-id`` (signed; GitLab sets it to the ``Idempotency-Key``), and the unsigned
+``Idempotency-Key`` header is ignored, so a captured delivery re-sent with new
+``Idempotency-Key`` values within the 5 minutes is a duplicate, not a new event. A secret-token
+delivery signs nothing: its id is ``Idempotency-Key`` (a UUID GitLab keeps when it retries or
+resends a delivery), else ``X-Gitlab-Event-UUID``. The type is ``X-Gitlab-Event``, unsigned in
+both modes.
+Retries: no fixed schedule is documented. A hook answering 5xx is disabled temporarily, with a
+back-off growing to at most 24 hours, and a delivery can be resent by hand from the hook's
+history (gitlab-org/gitlab#414893 tracks the unclear semantics). Three days is taken to cover
+the back-off and a manual resend. Docs: https://docs.gitlab.com/user/project/integrations/webhooks/
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from core.providers.base import (
+    FIVE_MINUTES,
+    UNSIGNED_FIELD,
+    AuthError,
+    Challenge,
+    EventMeta,
+    Provider,
+    Secrets,
+    event_id,
+    event_type,
+    header,
+)
+from core.providers.standard import scheme
+
+_signed_auth, _ = scheme(("webhook",))
+
+
+def _signing_token(headers: Mapping[str, str]) -> bool:
+    """Whether the delivery is verified as a signing-token (Standard Webhooks) one: the one
+    test :func:`authenticate` and :func:`extract` share, so the id is read from what was
+    verified."""
+    return bool(headers.get("webhook-signature"))
+
+
+def authenticate(
+    headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
+) -> tuple[str, int | None]:
+    if _signing_token(headers):  # the signing token: Standard Webhooks
+        signing = [(i, s) for i, s in secrets if s.startswith("whsec_")]
+        return _signed_auth(headers, body, signing, config)
+    offered = header(headers, "x-gitlab-token").encode("utf-8")
+    for secret_id, secret in secrets:
+        if secret and hmac.compare_digest(secret.encode("utf-8"), offered):
+            return secret_id, None
+    raise AuthError("bad_signature")
+
+
+def extract(
+    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
+) -> EventMeta | Challenge:
+    if _signing_token(headers):
+        raw_id = headers.get("webhook-id")  # signed; Idempotency-Key is not
+    else:
+        raw_id = headers.get("idempotency-key") or headers.get("x-gitlab-event-uuid")
+    return EventMeta(
+        event_id=event_id(raw_id),
+        event_type=event_type(headers.get("x-gitlab-event")),
+        occurred_at=None,
+    )
+
+
+PROVIDER = Provider(
+    name="gitlab",
+    authenticate=authenticate,
+    extract=extract,
+    retry_window=timedelta(days=3),
+    citation="https://docs.gitlab.com/user/project/integrations/webhook_events/ (no schedule "
+    "documented; auto-disable back-off up to 24 h, gitlab-org/gitlab#414893)",
+    signed="token: nothing (X-Gitlab-Token is the secret, a capture can forge any event); "
+    "signing token: id + timestamp + body, a capture replays only the same id within 5 min",
+    # Applies to signing-token deliveries only: a secret-token delivery has no time.
+    tolerance=FIVE_MINUTES,
+    fields={"id": "signed with the signing token", "type": UNSIGNED_FIELD},
+    summary="X-Gitlab-Token shared token (constant-time compare), or the signing token",
+)

@@ -1,0 +1,155 @@
+"""Which providers reconciliation knows, and the source options it reads (pure).
+
+A source's reconciliation options live in its ``config`` next to the provider's own options
+(``webhooks sources add|update SOURCE --config api_base=URL``); the provider's validator never
+sees them (:func:`split`). ``api_base`` defaults to the provider's real API; plain http is
+allowed only to loopback (a test's fake, a local proxy), so an API key never crosses a network
+in clear.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+
+@dataclass(frozen=True)
+class ApiSpec:
+    """One provider's API, as reconciliation uses it."""
+
+    provider: str
+    default_base: str
+    # How far back the provider lists events (Stripe: 30 days; GitHub: 3 days of deliveries).
+    horizon_days: int
+    summary: str
+
+
+SPECS: dict[str, ApiSpec] = {
+    "stripe": ApiSpec(
+        "stripe",
+        "https://api.stripe.com",
+        30,
+        "GET /v1/events (30 days); missing events are accepted from the API's event object",
+    ),
+    "github": ApiSpec(
+        "github",
+        "https://api.github.com",
+        3,
+        "GET /{hook}/deliveries (3 days); missing deliveries are redelivered by GitHub",
+    ),
+    "svix": ApiSpec(
+        "svix",
+        "https://api.svix.com",
+        90,
+        "GET /api/v1/app/{app_id}/msg; Svix resends the window's failed messages (recover)",
+    ),
+}
+
+# Options reconciliation reads from a source's config, per provider.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "stripe": ("api_base", "endpoint_id"),
+    "github": ("api_base", "hook"),
+    "svix": ("api_base", "app_id", "endpoint_id"),
+}
+ALL_OPTIONS = frozenset(o for names in OPTIONS.values() for o in names)
+
+
+def supported(provider: str) -> bool:
+    return provider in SPECS
+
+
+def split(provider: str, config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the provider's own options, reconciliation's options, checked). A reconciliation
+    option on a provider reconciliation does not know is refused (ValueError)."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config must be a mapping of options, not {type(config).__name__}")
+    own = {k: v for k, v in config.items() if k not in ALL_OPTIONS}
+    ours = {k: v for k, v in config.items() if k in ALL_OPTIONS}
+    allowed = OPTIONS.get(provider, ())
+    for key in sorted(ours):
+        if key not in allowed:
+            known = ", ".join(sorted(SPECS)) or "none"
+            raise ValueError(
+                f"option {key!r} is for reconciliation, which supports {known}, not {provider!r}"
+            )
+    checked = {}
+    for key, value in ours.items():
+        if not isinstance(value, str):
+            raise ValueError(f"option {key!r} must be a string")
+        checked[key] = CHECKS[key](value)
+    return own, checked
+
+
+def api_base(value: str) -> str:
+    """A provider API base URL: https anywhere, plain http only to loopback; no credentials,
+    query or fragment. Returned without its trailing slash (ValueError otherwise)."""
+    text = value.strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("https", "http") or not parts.hostname:
+        raise ValueError(f"api_base must be an https:// URL, got {text!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("api_base must not carry credentials (set them with --api-key)")
+    if parts.query or parts.fragment:
+        raise ValueError(f"api_base must not have a query or fragment, got {text!r}")
+    if parts.scheme == "http" and not is_loopback(parts.hostname):
+        raise ValueError(
+            f"api_base {text!r}: plain http is allowed only to loopback (127.0.0.1, ::1, "
+            "localhost); use https"
+        )
+    try:
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError:
+        raise ValueError(f"api_base has a bad port: {text!r}") from None
+    return text.rstrip("/")
+
+
+# A GitHub hook's path (tasks.reconcile.github_api lists its deliveries).
+HOOK: Final = re.compile(r"(repos/[\w.-]+/[\w.-]+|orgs/[\w.-]+)/hooks/\d+")
+
+
+def check_hook(value: str) -> str:
+    hook = value.strip().strip("/")
+    if not HOOK.fullmatch(hook):
+        raise ValueError(
+            f"option 'hook' must be repos/OWNER/REPO/hooks/ID or orgs/ORG/hooks/ID, got {value!r}"
+        )
+    return hook
+
+
+def _hook(value: str) -> str:
+    return check_hook(value)
+
+
+def _svix_id(value: str) -> str:
+    text = value.strip()
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,256}", text):
+        raise ValueError(f"ids are letters, digits, '_', '.' and '-', got {value!r}")
+    return text
+
+
+def _endpoint_id(value: str) -> str:
+    """Svix's endpoint id (``ep_...``), or Stripe's (``we_...``): ids of letters, digits and
+    ``_.-``."""
+    return _svix_id(value)
+
+
+CHECKS = {"api_base": api_base, "hook": _hook, "app_id": _svix_id, "endpoint_id": _endpoint_id}
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def base_of(provider: str, config: Mapping[str, Any]) -> str:
+    """The source's API base: its ``api_base`` option, else the provider's real API."""
+    given = config.get("api_base")
+    return api_base(given) if isinstance(given, str) else SPECS[provider].default_base

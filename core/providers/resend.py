@@ -1,0 +1,30 @@
+"""Resend: delivered through Svix, so the Svix scheme (``svix-id``/``-timestamp``/``-signature``,
+HMAC-SHA256 over ``"{id}.{timestamp}.{body}"``, ``whsec_`` secret) and the Svix retry schedule.
+
+Signature: https://resend.com/docs/webhooks/verify-webhooks-requests. Retries "follow Svix's
+schedule" (the last attempt about 27 h 35 m after the first); replays from the dashboard or the
+API resend the same ``svix-id``, which dedup catches while the receipt lives.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from core.providers.base import ALL_SIGNED, Provider
+from core.providers.standard import SIGNED, scheme
+from core.providers.svix import SVIX_PREFIXES
+
+# Resend payloads: {"type", "created_at", "data"}.
+_auth, _extract = scheme(SVIX_PREFIXES, time_field="created_at")
+
+PROVIDER = Provider(
+    name="resend",
+    authenticate=_auth,
+    extract=_extract,
+    retry_window=timedelta(hours=27, minutes=35, seconds=5),
+    citation="https://resend.com/docs/webhooks/retries-and-replays",
+    signed=SIGNED,
+    key_format="whsec",
+    fields=ALL_SIGNED,
+    summary="Svix scheme: svix-signature v1, (HMAC-SHA256 base64 over id.ts.body)",
+)

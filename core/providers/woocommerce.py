@@ -1,0 +1,66 @@
+"""WooCommerce: ``X-WC-Webhook-Signature: <base64 HMAC-SHA256(secret, raw body)>``.
+
+Only the body is signed. The dedup id ``X-WC-Webhook-Delivery-ID`` and the topic
+(``X-WC-Webhook-Topic``, e.g. ``order.created``) are not: a captured request can be replayed
+under a new delivery id, forever (no timestamp), and under another topic (``order.updated``
+fires those routes). The body (the resource) does not name the topic, so nothing signed can
+stand in. Mitigations: TLS, rotating the webhook secret,
+handlers idempotent on the resource's own ``id`` and ``date_modified``. When a webhook is
+saved, WooCommerce posts a signed ping (form body ``webhook_id=N``): answered 200, not stored.
+
+Retries: WooCommerce delivers once (a failure is counted, and the webhook is disabled after 5
+consecutive failures); no retry window is documented. One day is assumed, to cover a delivery
+re-sent by hand or by a queue in front of the store.
+Source: woocommerce includes/class-wc-webhook.php (deliver, failed_delivery).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Final
+
+from core.providers.base import (
+    UNSIGNED_FIELD,
+    Challenge,
+    EventMeta,
+    Provider,
+    body_hmac,
+    event_id,
+    event_type,
+    unb64,
+)
+
+_PING: Final = re.compile(rb"webhook_id=\d{1,20}")
+
+
+authenticate = body_hmac("x-wc-webhook-signature", decode=unb64)
+
+
+def extract(
+    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
+) -> EventMeta | Challenge:
+    if _PING.fullmatch(body):
+        return Challenge(body=b"", content_type="text/plain")
+    return EventMeta(
+        event_id=event_id(headers.get("x-wc-webhook-delivery-id")),
+        event_type=event_type(headers.get("x-wc-webhook-topic")),
+        occurred_at=None,
+    )
+
+
+PROVIDER = Provider(
+    name="woocommerce",
+    authenticate=authenticate,
+    extract=extract,
+    retry_window=timedelta(days=1),
+    citation="https://github.com/woocommerce/woocommerce/blob/trunk/plugins/woocommerce/"
+    "includes/class-wc-webhook.php (no retries documented: 1 d assumed)",
+    signed="body only: X-WC-Webhook-Delivery-ID (the id) and X-WC-Webhook-Topic (the type) "
+    "are unsigned, so a capture replays under a new id and another topic",
+    tolerance=None,
+    handshake="the ping on save (webhook_id=N): 200, empty",
+    fields={"id": UNSIGNED_FIELD, "type": UNSIGNED_FIELD},
+    summary="X-WC-Webhook-Signature (HMAC-SHA256 base64 of the body)",
+)

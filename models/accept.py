@@ -1,0 +1,193 @@
+"""The accept statement: what the receiver and reconciliation run to record an event.
+
+Accepting an event is one autocommit statement, ``webhooks_accept(...)`` (a PL/pgSQL function,
+migration 0003), so one round trip. Inside its transaction it:
+
+1. takes ``pg_advisory_xact_lock`` on (scope, event_id): serialises the arrivals of one event,
+   so uniqueness holds across partitions even for formats without an event time (where
+   ``expires_at`` is anchored on the first arrival and is not known in advance);
+2. runs one data-modifying statement, in a snapshot taken after the lock, that only if the
+   matching secret is still unrevoked inserts the receipt unless a live receipt for
+   (scope, event_id) exists (``ON CONFLICT DO NOTHING`` on the primary key as the backstop),
+   inserts one delivery per matching route, and records a conflict when the digest differs.
+
+Nothing is acknowledged before that statement's COMMIT returns.
+
+Group commit. Concurrent requests in one receiver process share that round trip and that
+commit: :meth:`Store.accept` queues the receipt and at most ``accept_concurrency`` batches are
+in flight at once, each taking whatever queued up while the previous ones ran (up to
+``accept_batch_max``) and running ``webhooks_accept_many(...)`` (migration 0004: for each
+element exactly what ``webhooks_accept`` decides, set-based, in one transaction). Alone, a
+request runs at once as a batch of one (no added latency); under load, one WAL flush and one
+network exchange serve many webhooks. A batch that fails on one element (not a lost
+connection) is run again element by element, so one bad request never fails its neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg.rows import TupleRow
+
+from core.messages import Dispatch, RouteRow
+
+# One statement, one round trip, autocommit: the function (migration 0003) takes the
+# per-event advisory lock, then inserts the receipt unless a live one exists, one delivery per
+# matching route, and a conflict row when the digest differs; all or nothing.
+ACCEPT_SQL = """
+SELECT authorised, receipt_id, existing_digest, delivery_ids, route_limits
+FROM webhooks_accept(%(source_id)s, %(secret_id)s, %(event_id)s, %(event_type)s,
+                     %(occurred_at)s, %(expires_at)s, %(now)s::timestamptz, %(digest)s,
+                     %(content_type)s, %(payload)s, %(grace)s, %(ttl)s)
+"""
+
+
+# A batch (migration 0004), one statement and one transaction: the small fields as one JSON
+# array, the digests and bodies as binary arrays (``%b``: the text array format would escape
+# every quote of every JSON body); one row per element with its 1-based position.
+ACCEPT_MANY_SQL = """
+SELECT ord, authorised, receipt_id, existing_digest, delivery_ids, route_limits
+FROM webhooks_accept_many(%(items)s::json, %(digests)b::bytea[], %(payloads)b::bytea[],
+                          %(grace)s, %(now)s::timestamptz)
+"""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the accept transaction decided."""
+
+    status: str  # "accepted" | "duplicate" | "conflict" | "revoked"
+    receipt_id: int | None
+    delivery_ids: tuple[int, ...]
+    # For each delivery id, in order, what admission reads of its route (migration 0018:
+    # route id, max_in_flight, rate_count, rate_period_s, held), as the accept read it.
+    route_limits: tuple[RouteRow, ...] = ()
+
+    def dispatches(self, event_id: str, source: str) -> list[Dispatch]:
+        """Its deliveries to publish, each with its route's limits when the accept read them."""
+        routes: Sequence[RouteRow | None] = self.route_limits or [None] * len(self.delivery_ids)
+        return [
+            Dispatch(i, event_id, source, route)
+            for i, route in zip(self.delivery_ids, routes, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class NewReceipt:
+    """One authenticated arrival. ``expires_at`` is computed on the receiver's clock
+    (:func:`core.ttl.expires_at`); the accept statement decides on the database's: it
+    stamps ``received_at`` with its own instant and, should ``expires_at`` not lie after
+    that instant (a receiver clock behind the database's), anchors it there instead
+    (``instant + ttl``), so no receipt is ever written into a day maintenance has passed.
+    ``received_at``: None in production; a test pins the instant."""
+
+    source_id: int
+    secret_id: str
+    event_id: str
+    event_type: str
+    occurred_at: datetime | None
+    expires_at: datetime
+    received_at: datetime | None
+    digest: bytes
+    content_type: str | None
+    payload: bytes
+    ttl: timedelta
+
+
+def accept_params(receipt: NewReceipt, grace: timedelta) -> dict[str, Any]:
+    return {
+        "secret_id": receipt.secret_id,
+        "source_id": receipt.source_id,
+        "event_id": receipt.event_id,
+        "event_type": receipt.event_type,
+        "occurred_at": receipt.occurred_at,
+        "expires_at": receipt.expires_at,
+        "now": receipt.received_at,
+        "digest": receipt.digest,
+        "content_type": receipt.content_type,
+        "payload": receipt.payload,
+        "grace": grace,
+        "ttl": receipt.ttl,
+    }
+
+
+def accept_many_params(receipts: Sequence[NewReceipt], grace: timedelta) -> dict[str, Any]:
+    """The batch statement's parameters: the small fields as one JSON array (element i has
+    ``ord`` i + 1), the digests and bodies as binary arrays in the same order (pure).
+
+    The batch is decided at one instant, the database's (or the first element's pinned one:
+    a test pins the same instant for every element of a batch)."""
+    instants = {r.received_at for r in receipts}
+    if len(instants) > 1:
+        raise ValueError("a batch is decided at one instant: pin the same time for all")
+    items = [
+        {
+            "ord": position,
+            "source_id": r.source_id,
+            "secret_id": r.secret_id,
+            "event_id": r.event_id,
+            "event_type": r.event_type,
+            "occurred_at": r.occurred_at,
+            "expires_at": r.expires_at,
+            "ttl_s": r.ttl.total_seconds(),
+            "content_type": r.content_type,
+        }
+        for position, r in enumerate(receipts, start=1)
+    ]
+    return {
+        "items": orjson.dumps(items).decode(),
+        "digests": [r.digest for r in receipts],
+        "payloads": [r.payload for r in receipts],
+        "grace": grace,
+        "now": receipts[0].received_at if receipts else None,
+    }
+
+
+def decide_many(receipts: Sequence[NewReceipt], rows: Sequence[TupleRow]) -> list[Outcome]:
+    """Interpret the batch statement's rows: one per element, by position (pure)."""
+    by_position = {int(row[0]): row[1:] for row in rows}
+    if sorted(by_position) != list(range(1, len(receipts) + 1)):
+        raise RuntimeError("accept batch returned a row set that does not match its input")
+    outcomes = []
+    for position, receipt in enumerate(receipts, start=1):
+        row = by_position[position]
+        outcomes.append(with_conflict(decide(row), row, receipt.digest))
+    return outcomes
+
+
+def decide(row: TupleRow | None) -> Outcome:
+    """Interpret the accept statement's single row (pure)."""
+    if row is None:
+        raise RuntimeError("accept statement returned no row")
+    authorised, receipt_id, _existing_digest, delivery_ids, route_limits = row
+    if not authorised:
+        return Outcome("revoked", None, ())
+    if receipt_id is not None:
+        ids = tuple(int(i) for i in delivery_ids)
+        routes = tuple(tuple(r) for r in route_limits)
+        if len(routes) != len(ids):
+            raise RuntimeError("accept statement returned route limits that do not match")
+        return Outcome("accepted", int(receipt_id), ids, routes)
+    return Outcome("duplicate", None, ())
+
+
+def accept_sync(conn: psycopg.Connection[Any], receipt: NewReceipt, grace: timedelta) -> Outcome:
+    """The same statement on a synchronous autocommit connection (tools, tests, benchmarks)."""
+    row = conn.execute(ACCEPT_SQL, accept_params(receipt, grace)).fetchone()
+    return with_conflict(decide(row), row, receipt.digest)
+
+
+def with_conflict(outcome: Outcome, row: TupleRow | None, digest: bytes) -> Outcome:
+    if (
+        outcome.status == "duplicate"
+        and row is not None
+        and row[2] is not None
+        and bytes(row[2]) != digest
+    ):
+        return Outcome("conflict", None, ())
+    return outcome

@@ -1,0 +1,109 @@
+"""Stripe's events, listed with the ``stripe`` library at the source's ``api_base``.
+
+``GET /v1/webhook_endpoints/{endpoint_id}`` first: only the event types the source's endpoint
+subscribes to (``enabled_events``; ``*``: all) were ever sent to it, so only those can be
+missing. Then ``GET /v1/events?created[gte]=...`` newest first, 100 a page,
+``starting_after`` the last id of the page before. The library's own retries are off (they
+would also repeat 5xx answers, with its own sleeps): :func:`tasks.reconcile.paging.walk`
+decides (429 and ``Retry-After``; a connection refused or reset: :class:`Unreachable`). Errors are
+reported by status and code only: never the API's message, which may quote part of the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from fnmatch import fnmatchcase
+from typing import Any, cast
+
+import orjson
+
+from tasks.reconcile.paging import (
+    ApiError,
+    Page,
+    ProviderEvent,
+    RateLimited,
+    Unreachable,
+    retry_after,
+)
+
+PAGE_SIZE = 100
+
+
+def _header(headers: Any, name: str) -> str | None:
+    for key, value in dict(headers or {}).items():
+        if str(key).lower() == name:
+            return str(value)
+    return None
+
+
+def _unanswered(exc: Exception) -> bool:
+    """The library's connection error was a refused, reset or closed connection (requests'
+    ConnectionError), not a timeout (requests' ConnectTimeout is both: not retried)."""
+    import requests  # noqa: PLC0415  (the stripe library's HTTP client)
+
+    cause = exc.__cause__
+    return isinstance(cause, requests.ConnectionError) and not isinstance(cause, requests.Timeout)
+
+
+def events_fetcher(
+    api_key: str, base: str, since: datetime, endpoint_id: str
+) -> Callable[[str | None], Page]:
+    import stripe  # noqa: PLC0415  (only a run that reconciles Stripe needs it)
+
+    client = stripe.StripeClient(
+        api_key,
+        base_addresses={"api": base},
+        max_network_retries=0,
+    )
+    enabled: list[str] = []
+
+    def call(request: Callable[[], Any]) -> Any:
+        try:
+            return request()
+        except stripe.RateLimitError as exc:
+            raise RateLimited(retry_after(_header(exc.headers, "retry-after"))) from None
+        except (stripe.AuthenticationError, stripe.PermissionError) as exc:
+            raise ApiError(
+                exc.http_status,
+                f"Stripe refused the API key ({exc.http_status}): set one that can read events "
+                "and webhook endpoints with webhooks sources update SOURCE --api-key",
+            ) from None
+        except stripe.InvalidRequestError as exc:
+            raise ApiError(
+                exc.http_status, f"Stripe API error {exc.http_status} {exc.code or ''}".strip()
+            ) from None
+        except stripe.APIConnectionError as exc:
+            if _unanswered(exc):
+                raise Unreachable(f"Stripe API at {base} did not answer") from None
+            raise ApiError(None, f"Stripe API at {base} did not answer") from None
+        except stripe.StripeError as exc:
+            code = f" {exc.code}" if exc.code else ""
+            raise ApiError(exc.http_status, f"Stripe API error {exc.http_status}{code}") from None
+
+    def fetch(cursor: str | None) -> Page:
+        if not enabled:  # the first call (a 429 here is waited out like a page's)
+            endpoint = call(lambda: client.v1.webhook_endpoints.retrieve(endpoint_id))
+            enabled.extend(str(e) for e in endpoint.to_dict().get("enabled_events") or [])
+            if not enabled:
+                raise ApiError(None, f"Stripe endpoint {endpoint_id} subscribes to no event")
+        params: dict[str, Any] = {"created": {"gte": int(since.timestamp())}, "limit": PAGE_SIZE}
+        if cursor is not None:
+            params["starting_after"] = cursor
+        page = call(lambda: client.v1.events.list(cast(Any, params)))
+        listed = [_event(e) for e in page.data]
+        events = [e for e in listed if any(fnmatchcase(e.event_type, p) for p in enabled)]
+        more = bool(page.has_more) and bool(listed)
+        return Page(events, listed[-1].event_id if more else None)
+
+    return fetch
+
+
+def _event(event: Any) -> ProviderEvent:
+    body = event.to_dict()
+    return ProviderEvent(
+        event_id=str(body["id"]),
+        event_type=str(body["type"]),
+        created=datetime.fromtimestamp(int(body["created"]), UTC),
+        body=orjson.dumps(body),
+    )
