@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ingest.admin import DOCS_COOKIE, DOCS_SESSION_SECONDS
+from ingest.admin.guard import DOCS_COOKIE, DOCS_SESSION_SECONDS
 from tests.leakcheck import remember
 from tests.operators_support import ops_receiver
 from tests.processes import Receiver

@@ -31,7 +31,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings, SettingsError, load_settings
-from ingest.admin import MAX_BODY_BYTES
+from ingest.admin.guard import MAX_BODY_BYTES
 from tests.conftest import BIN, free_port, make_settings, test_env
 from tests.leakcheck import log_file, remember
 from tests.operators_support import (

@@ -85,7 +85,3 @@ class SessionStore:
 def same(given: str | None, expected: str) -> bool:
     """Constant-time comparison of a submitted token with the expected one."""
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())
-
-
-def same_bytes(given: bytes, expected: bytes) -> bool:
-    return hmac.compare_digest(given, expected)

@@ -1,0 +1,210 @@
+"""AdminGuard: the admin plane's ASGI middleware, in front of everything on its address
+(:mod:`ingest.admin`). It decides before a single byte of the body is read: the token
+(``Authorization: Bearer``; on the docs' paths also the password of HTTP Basic, or the docs'
+session cookie), compared in constant time with every configured one, else 401; then the body
+is capped at :data:`MAX_BODY_BYTES` (a larger ``Content-Length``: 413 at once, unread; a
+chunked body: 413 where it passes the cap). The matched token's name goes on the request
+(:data:`TOKEN_NAME`): the operator every audit row records.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from core.clock import Clock, SystemClock
+from ingest.plane import OperatorTokens
+
+# The largest admin request body: a replay request is a few hundred bytes.
+MAX_BODY_BYTES = 64 * 1024
+# Where AdminGuard puts the matched token's name (the request's state).
+TOKEN_NAME = "admin_token_name"  # noqa: S105  (a key, not a secret)
+DOCS_PATHS = ("/admin/openapi.json", "/admin/docs")
+CONSOLE_PREFIX = "/console"  # the operator console (ingest.console): its own session login
+# The docs page's session (see ingest.admin): the schema fetch carries it.
+DOCS_COOKIE = "webhooks_admin_docs"
+DOCS_SESSION_SECONDS = 3600
+BASIC_CHALLENGE = 'Basic realm="webhooks admin API (password: the admin token)"'
+
+
+def _basic_password(value: bytes) -> bytes | None:
+    """The password of an ``Authorization: Basic`` value (the user name is ignored)."""
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    _user, sep, password = decoded.partition(b":")
+    return password if sep else None
+
+
+class AdminGuard:
+    """Authenticate, then cap the body, before anything reads it (see the module docstring).
+
+    A plain ASGI middleware rather than FastAPI dependencies: FastAPI reads and parses a JSON
+    body before it resolves any dependency, so a token check there comes after the cost (and
+    after a 422 for bad JSON, which would tell a stranger the API is there).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        tokens: OperatorTokens,
+        *,
+        max_body: int = MAX_BODY_BYTES,
+        clock: Clock | None = None,
+    ) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.clock = clock or SystemClock()
+        self.tokens = tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/metrics":
+            await self.app(scope, receive, send)
+            return
+        if not self.tokens:  # the API is off: as if it did not exist
+            await _answer(send, 404, "Not Found", "not_found")
+            return
+        path: str = scope["path"]
+        if path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/"):
+            # The console authenticates with its session cookie (its login page, the named
+            # token, checked by the console against the same tokens); the body cap holds.
+            body = await self._read_body(scope, receive, send)
+            if body is not None:
+                await self.app(scope, _replay(body, receive), send)
+            return
+        docs = path in DOCS_PATHS or path.startswith("/admin/docs/")
+        name = self._match(scope, docs=docs)
+        if name is None and docs:
+            name = self._session(scope)
+        elif name is not None and path == "/admin/docs":
+            send = self._start_session(send, name)
+        if name is None:
+            challenge = BASIC_CHALLENGE if docs else "Bearer"
+            await _answer(send, 401, "missing or wrong bearer token", "unauthenticated", challenge)
+            return
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return
+        scope.setdefault("state", {})[TOKEN_NAME] = name
+        await self.app(scope, _replay(body, receive), send)
+
+    def _session_mac(self, key: bytes, name: str, expires: int) -> str:
+        return hmac.new(key, f"docs:{name}:{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def _start_session(self, send: Send, name: str) -> Send:
+        """``send`` that adds the docs' session cookie to a successful answer."""
+        [key] = [digest for n, digest in self.tokens.named if n == name]
+        expires = int(self.clock.now().timestamp()) + DOCS_SESSION_SECONDS
+        value = f"{name}.{expires}.{self._session_mac(key, name, expires)}"
+        cookie = (
+            f"{DOCS_COOKIE}={value}; Path=/admin/; Max-Age={DOCS_SESSION_SECONDS}; "
+            "HttpOnly; SameSite=Strict"
+        )
+
+        async def with_cookie(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 200:
+                headers = [*message.get("headers", []), (b"set-cookie", cookie.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        return with_cookie
+
+    def _session(self, scope: Scope) -> str | None:
+        """The token name of a valid, unexpired docs session cookie, else None."""
+        for key, value in scope["headers"]:
+            if key != b"cookie":
+                continue
+            for part in value.decode("latin-1").split(";"):
+                cookie_name, _, cookie_value = part.strip().partition("=")
+                if cookie_name == DOCS_COOKIE:
+                    return self._check_session(cookie_value)
+        return None
+
+    def _check_session(self, value: str) -> str | None:
+        name, _, rest = value.partition(".")
+        expires_text, _, mac = rest.partition(".")
+        if not expires_text.isdigit() or len(expires_text) > 12:
+            return None
+        expires = int(expires_text)
+        if expires <= self.clock.now().timestamp():
+            return None
+        found = None
+        for token_name, digest in self.tokens.named:
+            expected = self._session_mac(digest, token_name, expires)
+            if hmac.compare_digest(expected.encode(), mac.encode()) and token_name == name:
+                found = token_name
+        return found
+
+    def _match(self, scope: Scope, *, docs: bool) -> str | None:
+        given: bytes | None = None
+        for key, value in scope["headers"]:
+            if key == b"authorization":
+                scheme, _, credentials = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = credentials.strip()
+                elif scheme.lower() == b"basic" and docs:
+                    given = _basic_password(credentials)
+                break
+        found = self.tokens.match(given)
+        return None if found is None else found[0]
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, at most ``max_body`` bytes; None once an answer has been sent."""
+        too_large = f"body too large (at most {self.max_body} bytes)"
+        declared = [v for k, v in scope["headers"] if k == b"content-length"]
+        if declared:
+            if not declared[0].isdigit():
+                await _answer(send, 400, "bad Content-Length", "bad_input")
+                return None
+            if int(declared[0]) > self.max_body:
+                await _answer(send, 413, too_large, "too_large")
+                return None
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                await _answer(send, 413, too_large, "too_large")
+                return None
+            if not message.get("more_body", False):
+                return bytes(body)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the buffered body once, then whatever the client does next
+    (a disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _answer(
+    send: Send, status: int, detail: str, reason: str, challenge: str | None = None
+) -> None:
+    """A refusal, sent before the body was read: the connection closes after it, so a client
+    still sending a large body is not read to its end."""
+    body = orjson.dumps({"detail": detail, "reason": reason})
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"connection", b"close"),
+    ]
+    if challenge is not None:
+        headers.append((b"www-authenticate", challenge.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

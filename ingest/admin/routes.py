@@ -1,0 +1,72 @@
+"""The admin API's routes: a route's pause and circuit breaker state; pause and resume
+(audited, the token's name as the operator, ``via: api``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from sqlalchemy.orm import Session
+
+from ingest.admin.deps import Db, Operator, PathId, error
+from ingest.admin.schemas import ErrorOut, PauseIn
+from models import breaker, queries
+from models.catalog import CatalogError, Change
+
+router = APIRouter()
+CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorOut},
+    409: {"model": ErrorOut},
+}
+
+
+def _route_state(session: Session, route_id: int) -> dict[str, Any]:
+    try:
+        return {"route": route_id, **breaker.route_state(session, route_id).view()}
+    except CatalogError as exc:
+        raise queries.NotFoundError(str(exc)) from None
+
+
+@router.get(
+    "/routes/{route_id}",
+    tags=["routes"],
+    summary="A route's pause and circuit breaker state",
+    responses={404: {"model": ErrorOut}},
+)
+def show_route(route_id: PathId, session: Db) -> dict[str, Any]:
+    """Whether the route is paused (since when, why) and its breaker: `closed`, `open` or
+    `half_open`, when it opened, the next probe, trips, and the failure window."""
+    return _route_state(session, route_id)
+
+
+def _set_paused(session: Session, route_id: int, paused: bool, body: PauseIn, operator: str) -> Any:
+    _route_state(session, route_id)  # 404 for an unknown route
+    try:
+        breaker.set_paused(
+            session, route_id, paused, Change(operator, body.reason, via="api"), now=None
+        )
+    except CatalogError as exc:
+        return error(409, str(exc), "already" if paused else "not_paused")
+    return _route_state(session, route_id)
+
+
+@router.post(
+    "/routes/{route_id}/pause",
+    tags=["routes"],
+    summary="Pause a route: hold its deliveries without attempting them",
+    responses=CHANGE_RESPONSES,
+)
+def pause_route(route_id: PathId, body: PauseIn, session: Db, operator: Operator) -> Any:
+    """New events are still accepted and stored; nothing is attempted until resumed."""
+    return _set_paused(session, route_id, True, body, operator)
+
+
+@router.post(
+    "/routes/{route_id}/resume",
+    tags=["routes"],
+    summary="Resume a paused route: its held deliveries go out again",
+    responses=CHANGE_RESPONSES,
+)
+def resume_route(route_id: PathId, body: PauseIn, session: Db, operator: Operator) -> Any:
+    """The sweeper publishes the held deliveries on its next runs."""
+    return _set_paused(session, route_id, False, body, operator)

@@ -1,0 +1,161 @@
+"""The admin plane's assembly and server: ``/metrics`` and, with a token configured, the API
+(:mod:`ingest.admin.api`) under ``/admin`` and the console (:mod:`ingest.console`) under
+``/console``, all behind :class:`~ingest.admin.guard.AdminGuard`; run by ``webhooks serve``
+in a thread of its process (:class:`AdminServer`), or alone (:func:`app_from_env`)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvicorn
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+    multiprocess,
+    values,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Mount, Route
+
+from core import metrics
+from core.clock import Clock, SystemClock
+from core.logs import configure_logging
+from core.settings import Settings, load_settings
+from ingest.admin.api import create_api
+from ingest.admin.guard import CONSOLE_PREFIX, AdminGuard
+from ingest.console.app import create_console
+from ingest.plane import OperatorTokens, PlaneState
+from ingest.server import Limits, ReceiverProtocol
+
+
+def metrics_endpoint(
+    multiprocess_dir: str | None = None,
+) -> Callable[[Request], Awaitable[Response]]:
+    """``GET /metrics``: the receiver's families. With ``multiprocess_dir`` (several receiver
+    processes, this one their supervisor) the sum of every process's files there; otherwise
+    this process's own registry, or its multiprocess directory when it runs in that mode."""
+
+    async def endpoint(request: Request) -> Response:
+        # Multiprocess mode is fixed when prometheus_client is first imported: ask it.
+        source: Any = REGISTRY
+        if multiprocess_dir is not None or values.ValueClass is not values.MutexValue:
+            source = CollectorRegistry()
+            multiprocess.MultiProcessCollector(source, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+        # The receiver's own families only: the workers' are defined here too, at zero.
+        body = generate_latest(metrics.exposed("receiver", source))
+        return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
+
+    return endpoint
+
+
+def create_admin_app(
+    settings: Settings, *, clock: Clock | None = None, multiprocess_dir: str | None = None
+) -> AdminGuard:
+    """The admin plane: ``/metrics`` (no token) and, when a token is configured, the API under
+    ``/admin``; all behind :class:`AdminGuard`."""
+    tokens = OperatorTokens(settings.admin_tokens_by_name())
+    routes: list[Route | Mount] = [
+        Route("/metrics", metrics_endpoint(multiprocess_dir), methods=["GET"])
+    ]
+    if tokens:
+        state = PlaneState(settings, clock or SystemClock(), tokens)
+        routes.append(Mount("/admin", app=create_api(state)))
+        routes.append(Mount(CONSOLE_PREFIX, app=create_console(state)))
+    return AdminGuard(Starlette(routes=routes), tokens, clock=clock)
+
+
+class AdminServer:
+    """The admin plane's uvicorn server in a thread of the process that runs ``webhooks
+    serve``: the receiver's process itself (one process: ``/metrics`` reads its registry), or
+    the supervisor of several (``/metrics`` adds up their multiprocess files).
+
+    The socket is bound here, at once, so a taken port stops ``webhooks serve`` before the
+    receiver starts. ``uvicorn.Server.run`` in a thread other than the main one installs no
+    signal handlers; :meth:`stop` ends it.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        host: str,
+        port: int,
+        multiprocess_dir: str | None = None,
+    ) -> None:
+        self.sock = _bind(host, port)
+        config = uvicorn.Config(
+            create_admin_app(settings, multiprocess_dir=multiprocess_dir),
+            log_config=None,  # the receiver's logging stays as it is
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            proxy_headers=False,
+            # The public port's protocol, so the same read timeouts apply here: without them
+            # 64 idle connections would hold every slot and answer /admin and /metrics 503.
+            http=admin_protocol(settings),
+            loop="asyncio",
+            timeout_keep_alive=settings.keep_alive_timeout,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="admin", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+
+# An operators' port: few clients, small requests.
+ADMIN_MAX_CONNECTIONS = 64
+ADMIN_MAX_HEADER_BYTES = 16 * 1024
+
+
+def admin_protocol(settings: Settings) -> type[ReceiverProtocol]:
+    """The receiver's protocol (:mod:`ingest.server`) with the admin port's limits: the public
+    port's header, body and keep-alive timeouts, a 16 KiB head and at most
+    :data:`ADMIN_MAX_CONNECTIONS` connections. A connection that sends nothing is closed
+    ``WEBHOOKS_HEADER_TIMEOUT`` after it opened, so idle sockets cannot hold the port; its
+    refusals are counted under ``limit="admin_..."``."""
+    limits = Limits(
+        max_header_bytes=ADMIN_MAX_HEADER_BYTES,
+        max_headers=settings.max_headers,
+        header_timeout=settings.header_timeout,
+        body_timeout=settings.body_timeout,
+        max_connections=ADMIN_MAX_CONNECTIONS,
+    )
+    return type("AdminProtocol", (ReceiverProtocol,), {"limits": limits, "limit_prefix": "admin_"})
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def app_from_env() -> AdminGuard:
+    """``uvicorn --factory ingest.admin:app_from_env``: the admin API on its own (its
+    ``/metrics`` shows this process's registry only; ``webhooks serve`` runs the admin plane
+    beside the receiver, where ``/metrics`` means something)."""
+    settings = load_settings()
+    configure_logging(settings.log_level, json=settings.log_json)
+    return create_admin_app(settings)

@@ -1,0 +1,82 @@
+"""The console's login and logout. ``/console/login`` takes a named admin token, compared in
+constant time with every configured one; a match starts a server-side session
+(:mod:`ingest.console.sessions`) whose id goes in an HttpOnly, SameSite=Strict cookie (Secure
+on https, or with ``WEBHOOKS_CONSOLE_SECURE_COOKIES``). The login form carries a CSRF token
+of its own cookie."""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ingest.console import sessions as sess
+from ingest.console.base import (
+    COOKIE,
+    COOKIE_PATH,
+    LOGIN_COOKIE,
+    Console,
+    Visit,
+    log,
+    one,
+    read_form,
+    redirect,
+)
+
+
+def routes(c: Console) -> list[Route]:
+    async def login_page(request: Request) -> Response:
+        return _login_form(c, request, None, 200)
+
+    async def login(request: Request) -> Response:
+        return await _login(c, request)
+
+    return [
+        Route("/login", login_page, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        c.post("/logout", logout),
+    ]
+
+
+def _login_form(c: Console, request: Request, message: str | None, status: int) -> Response:
+    """The login page, with a new CSRF token in its own cookie."""
+    token = secrets.token_urlsafe(24)
+    response = c.page(
+        request, "login.html", {"login_csrf": token, "message": message}, status=status
+    )
+    _set_cookie(c, request, response, LOGIN_COOKIE, token)
+    return response
+
+
+def _set_cookie(c: Console, request: Request, response: Response, name: str, value: str) -> None:
+    response.set_cookie(
+        name, value, path=COOKIE_PATH, httponly=True, samesite="strict", secure=c.secure(request)
+    )
+
+
+async def _login(c: Console, request: Request) -> Response:
+    form = await read_form(request)
+    expected = request.cookies.get(LOGIN_COOKIE)
+    if expected is None or not sess.same(one(form, "csrf"), expected):
+        return Response("missing or wrong CSRF token", 403)
+    found = c.match(one(form, "token") or "")
+    if found is None:
+        log.info("console.login_refused")
+        return _login_form(c, request, "wrong token", 401)
+    name, digest = found
+    sid, _ = c.store.create(name, digest)
+    log.info("console.login", operator=name)
+    response = redirect("/console/")
+    _set_cookie(c, request, response, COOKIE, sid)
+    response.delete_cookie(LOGIN_COOKIE, path=COOKIE_PATH)
+    return response
+
+
+async def logout(c: Console, v: Visit) -> Response:
+    c.store.end(v.request.cookies.get(COOKIE))
+    log.info("console.logout", operator=v.session.operator)
+    response = redirect("/console/login")
+    response.delete_cookie(COOKIE, path=COOKIE_PATH, httponly=True, samesite="strict")
+    return response

@@ -1,0 +1,126 @@
+"""What the admin API (:mod:`ingest.admin`) and the console (:mod:`ingest.console`) of one
+admin plane share: the named admin tokens, the database and broker they reach, and the
+replays this process runs (so both count the same running replays, and the console can
+cancel one the API started).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import threading
+from collections.abc import Mapping
+
+from pydantic import SecretStr
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.clock import Clock
+from core.logs import get_logger
+from core.settings import Settings
+from models import replays
+from models.db import make_engine, make_sessionmaker
+from tasks.publisher import CeleryPublisher
+
+log = get_logger("admin")
+
+MAX_RUNNING_REPLAYS = 2  # per process; more are refused (429)
+
+
+def digest(token: bytes) -> bytes:
+    """A token's SHA-256: what is kept and compared, 32 bytes whatever the token's length."""
+    return hashlib.sha256(token).digest()
+
+
+class OperatorTokens:
+    """The named admin tokens (``WEBHOOKS_ADMIN_TOKENS``; ``WEBHOOKS_ADMIN_TOKEN`` is named
+    ``admin``), kept as digests. Empty: the admin plane is off."""
+
+    def __init__(self, tokens: Mapping[str, SecretStr]) -> None:
+        self.named = [(name, digest(t.get_secret_value().encode())) for name, t in tokens.items()]
+        self.digests = {d for _, d in self.named}
+
+    def __bool__(self) -> bool:
+        return bool(self.named)
+
+    def match(self, given: bytes | None) -> tuple[str, bytes] | None:
+        """The (name, digest) of the token ``given`` is, else None. Every token is compared,
+        a match or not, so timing tells nothing of which or how many."""
+        given_digest = digest(given or b"")
+        found = None
+        for name, expected in self.named:
+            if hmac.compare_digest(given_digest, expected) and given:
+                found = (name, expected)
+        return found
+
+
+class PlaneState:
+    """Lazily built per-process resources (the mounted apps have no lifespan of their own)."""
+
+    def __init__(self, settings: Settings, clock: Clock, tokens: OperatorTokens) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.tokens = tokens
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._sessions: sessionmaker[Session] | None = None
+        self._publisher: CeleryPublisher | None = None
+        self.running = threading.BoundedSemaphore(MAX_RUNNING_REPLAYS)
+        # The replays this process runs, by id: set to cancel one (the console's Cancel).
+        self.cancels: dict[int, threading.Event] = {}
+
+    @property
+    def sessions(self) -> sessionmaker[Session]:
+        with self._lock:
+            if self._sessions is None:
+                self._engine = make_engine(self.settings, pool_size=2)
+                self._sessions = make_sessionmaker(self._engine)
+            return self._sessions
+
+    @property
+    def publisher(self) -> CeleryPublisher:
+        with self._lock:
+            if self._publisher is None:
+                self._publisher = CeleryPublisher(self.settings)
+            return self._publisher
+
+    def start_replay(self, plan: replays.Plan) -> int | None:
+        """Write the planned replay's audit row and run it in a background thread at its
+        rate; its id, or None when :data:`MAX_RUNNING_REPLAYS` already run here."""
+        if not self.running.acquire(blocking=False):
+            return None
+        try:
+            replay_id = replays.start_replay(self.sessions, plan, now=self.clock.now())
+        except BaseException:
+            self.running.release()
+            raise
+        self._run_in_background(plan, replay_id)
+        return replay_id
+
+    def _run_in_background(self, plan: replays.Plan, replay_id: int) -> None:
+        cancel = self.cancels.setdefault(replay_id, threading.Event())
+
+        def work() -> None:
+            try:
+                replays.execute(
+                    self.sessions,
+                    plan,
+                    replay_id,
+                    settings=self.settings,
+                    clock=self.clock,
+                    sleep=lambda seconds: _wait(cancel, seconds),
+                    publish=self.publisher,
+                    cancelled=cancel.is_set,
+                )
+            except Exception as exc:  # noqa: BLE001  (the audit row says failed; log the class)
+                log.error("replay.failed", replay_id=replay_id, error=exc.__class__.__name__)
+            finally:
+                self.cancels.pop(replay_id, None)
+                self.running.release()
+
+        threading.Thread(target=work, name=f"replay-{replay_id}", daemon=True).start()
+
+
+def _wait(event: threading.Event, seconds: float) -> None:
+    """A replay's pacing sleep, cut short by a cancel."""
+    event.wait(seconds)
