@@ -34,10 +34,10 @@ import gc
 import hashlib
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
@@ -72,6 +72,7 @@ from models.accept import NewReceipt
 from tasks.publisher import Publisher
 
 log = get_logger("ingest")
+T = TypeVar("T")
 
 DB_ERRORS = (
     psycopg.OperationalError,
@@ -143,14 +144,14 @@ class Receiver:
         log.info("webhook", source=label, outcome=outcome, status=status, event_id=event_id)
         return _json(status, data, headers)
 
-    def _unavailable(self, label: str) -> Response:
+    def _retry_later(self, label: str, outcome: str, error: str, seconds: int) -> Response:
+        """503 with Retry-After: nothing was recorded, and the sender keeps the event."""
         return self._answer(
-            label,
-            "unavailable",
-            503,
-            {"error": "database unavailable"},
-            headers={"Retry-After": "5"},
+            label, outcome, 503, {"error": error}, headers={"Retry-After": str(seconds)}
         )
+
+    def _unavailable(self, label: str) -> Response:
+        return self._retry_later(label, "unavailable", "database unavailable", 5)
 
     def _too_many(self, label: str, exc: TooManyEvents) -> Response:
         # 413, as for a body over the size limit: the request is too large to accept whole,
@@ -167,13 +168,7 @@ class Receiver:
         # than the source): nothing can verify it, but the sender should keep its events and
         # retry, so 503, and a warning someone reads; never 401 or 404.
         log.warning("provider_missing", source=label)
-        return self._answer(
-            label,
-            "provider_missing",
-            503,
-            {"error": "provider not installed"},
-            headers={"Retry-After": "60"},
-        )
+        return self._retry_later(label, "provider_missing", "provider not installed", 60)
 
     def _undecryptable(self, public_id: str) -> Response:
         # WEBHOOKS_SECRET_KEY does not decrypt this source's secrets (a new .env against an
@@ -184,17 +179,11 @@ class Receiver:
             source=public_id,
             fix="set WEBHOOKS_SECRET_KEY to the key this database was written with",
         )
-        return self._answer(
-            public_id,
-            "secret_undecryptable",
-            503,
-            {"error": "source secret unavailable"},
-            headers={"Retry-After": "60"},
-        )
+        return self._retry_later(public_id, "secret_undecryptable", "source secret unavailable", 60)
 
-    async def receive(self, request: Request) -> Response:
-        started = perf_counter()
-        public_id = request.path_params["source_id"]
+    async def _live_source(self, public_id: str) -> SourceRecord | Response:
+        """The enabled source of this id whose provider is installed, or the answer that
+        refuses the request; nothing of the body is read for any refusal."""
         if SOURCE_ID.fullmatch(public_id) is None:  # not an id we issue: no query, no body
             return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
         try:
@@ -203,13 +192,20 @@ class Receiver:
             return self._unavailable("unknown")
         except SecretDecryptError:
             return self._undecryptable(public_id)
-        if source is None:  # the body is never read for an unknown source
+        if source is None:
             return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
-        label = source.public_id
         if not source.active:  # nothing is written; what it accepted before still runs
-            return self._answer(label, "disabled", 410, {"error": "source disabled"})
+            return self._answer(source.public_id, "disabled", 410, {"error": "source disabled"})
         if source.provider not in registry.providers():
-            return self._provider_missing(label)
+            return self._provider_missing(source.public_id)
+        return source
+
+    async def receive(self, request: Request) -> Response:
+        started = perf_counter()
+        source = await self._live_source(request.path_params["source_id"])
+        if isinstance(source, Response):
+            return source
+        label = source.public_id
         limit = source.max_body_bytes or self.settings.max_body_bytes
         try:
             body = await read_limited(request, limit)
@@ -263,22 +259,12 @@ class Receiver:
         if outcome.status == "revoked":
             self.store.forget(source.public_id)
             return self._answer(label, "unauthenticated:revoked", 401, {"error": "unauthenticated"})
-        if outcome.status == "duplicate":
-            metrics.DUPLICATES.labels(label).inc()
+        if _counted_repeat(label, outcome.status):  # a duplicate or a conflict: recorded
             return self._answer(
                 label,
-                "duplicate",
+                outcome.status,
                 200,
-                {"status": "duplicate", "event_id": meta.event_id},
-                meta.event_id,
-            )
-        if outcome.status == "conflict":
-            metrics.CONFLICTS.labels(label).inc()
-            return self._answer(
-                label,
-                "conflict",
-                200,
-                {"status": "conflict", "event_id": meta.event_id},
+                {"status": outcome.status, "event_id": meta.event_id},
                 meta.event_id,
             )
 
@@ -371,11 +357,7 @@ class Receiver:
         results = []
         for event, outcome in zip(events, outcomes, strict=True):
             results.append({"event_id": event.event_id, "status": outcome.status})
-            if outcome.status == "duplicate":
-                metrics.DUPLICATES.labels(label).inc()
-            elif outcome.status == "conflict":
-                metrics.CONFLICTS.labels(label).inc()
-            else:
+            if not _counted_repeat(label, outcome.status):
                 dispatches += outcome.dispatches(event.event_id, source.public_id)
         if source.ttl_raised:
             metrics.TTL_RAISED.labels(label).inc()
@@ -398,22 +380,10 @@ class Receiver:
     async def verify_get(self, request: Request) -> Response:
         """``GET /webhooks/{source_id}``: a provider's GET handshake (Meta's ``hub.challenge``),
         405 for providers that have none; nothing is ever written."""
-        public_id = request.path_params["source_id"]
-        if SOURCE_ID.fullmatch(public_id) is None:
-            return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
-        try:
-            source = await self.store.source(public_id)
-        except DB_ERRORS:
-            return self._unavailable("unknown")
-        except SecretDecryptError:
-            return self._undecryptable(public_id)
-        if source is None:
-            return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
+        source = await self._live_source(request.path_params["source_id"])
+        if isinstance(source, Response):
+            return source
         label = source.public_id
-        if not source.active:
-            return self._answer(label, "disabled", 410, {"error": "source disabled"})
-        if source.provider not in registry.providers():
-            return self._provider_missing(label)
         handshake = get_provider(source.provider).verify_get
         if handshake is None:
             return self._answer(
@@ -457,23 +427,20 @@ class Receiver:
             )
 
     async def _accept_all(self, receipts: list[NewReceipt]) -> list[Any]:
-        try:
-            return await self.store.accept_all(receipts)
-        except psycopg.errors.CheckViolation as exc:
-            if "no partition" not in str(exc):
-                raise
-            await asyncio.get_running_loop().run_in_executor(None, self._ensure_partitions)
-            return await self.store.accept_all(receipts)
+        return await self._partitioned(lambda: self.store.accept_all(receipts))
 
     async def _accept(self, receipt: NewReceipt) -> Any:
+        return await self._partitioned(lambda: self.store.accept(receipt))
+
+    async def _partitioned(self, accept: Callable[[], Awaitable[T]]) -> T:
         try:
-            return await self.store.accept(receipt)
+            return await accept()
         except psycopg.errors.CheckViolation as exc:
             if "no partition" not in str(exc):
                 raise
             # expires_at beyond the partitions laid out so far: create them, then retry once.
             await asyncio.get_running_loop().run_in_executor(None, self._ensure_partitions)
-            return await self.store.accept(receipt)
+            return await accept()
 
     def _ensure_partitions(self) -> None:
         from models.db import make_engine  # noqa: PLC0415
@@ -515,6 +482,16 @@ def _report_raised_ttls(settings: Settings) -> None:
         report_raised_ttls(engine, settings, process="receiver")
     finally:
         engine.dispose()
+
+
+def _counted_repeat(label: str, status: str) -> bool:
+    """Count an accept that recorded nothing new to deliver (a duplicate, or a conflict:
+    the same event id with another body); False for any other outcome."""
+    counter = {"duplicate": metrics.DUPLICATES, "conflict": metrics.CONFLICTS}.get(status)
+    if counter is None:
+        return False
+    counter.labels(label).inc()
+    return True
 
 
 def _age(loaded_at: float) -> float:

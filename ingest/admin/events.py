@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ingest.admin.deps import Db, State, parse_time
-from ingest.admin.schemas import ErrorOut
+from ingest.admin.schemas import NOT_FOUND
 from models import queries
 from models.queries import DeadGroup, DeliveryDetail, EventDetail, EventFilter, EventSummary
 from tasks.context import idempotency_key
@@ -45,7 +45,7 @@ def list_events(
     "/events/{event}",
     tags=["events"],
     summary="Show one event",
-    responses={404: {"model": ErrorOut}},
+    responses=NOT_FOUND,
 )
 def show_event(
     event: str,
@@ -77,7 +77,7 @@ def show_event(
     "/deliveries/{delivery}",
     tags=["deliveries"],
     summary="Show one delivery",
-    responses={404: {"model": ErrorOut}},
+    responses=NOT_FOUND,
 )
 def show_delivery(delivery: str, session: Db) -> DeliveryDetail:
     """A delivery by the id Flower, the logs and `GET /dead` show (`11` or `delivery:11`):

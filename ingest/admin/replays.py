@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from ingest.admin.deps import Db, Operator, PathId, State, error, parse_time
-from ingest.admin.schemas import ErrorOut, ReplayCreatedOut, ReplayIn, preview
+from ingest.admin.schemas import NOT_FOUND, ErrorOut, ReplayCreatedOut, ReplayIn, preview
 from models import replays
 from models.queries import ReplayFilter
 from models.replays import ReplayError, ReplayRecord
@@ -85,7 +85,7 @@ def list_replays(
     "/replays/{replay_id}",
     tags=["replays"],
     summary="A replay's progress",
-    responses={404: {"model": ErrorOut}},
+    responses=NOT_FOUND,
 )
 def show_replay(replay_id: PathId, session: Db) -> ReplayRecord:
     """The audit row: `planned`, `replayed` and `skipped` grow as the run goes; `status`

@@ -3,21 +3,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter
 from sqlalchemy.orm import Session
 
 from ingest.admin.deps import Db, Operator, PathId, error
-from ingest.admin.schemas import ErrorOut, PauseIn
+from ingest.admin.schemas import NOT_FOUND, ErrorOut, PauseIn
 from models import breaker, queries
 from models.catalog import CatalogError, Change
 
 router = APIRouter()
-CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    404: {"model": ErrorOut},
-    409: {"model": ErrorOut},
-}
+CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {**NOT_FOUND, 409: {"model": ErrorOut}}
 
 
 def _route_state(session: Session, route_id: int) -> dict[str, Any]:
@@ -31,7 +29,7 @@ def _route_state(session: Session, route_id: int) -> dict[str, Any]:
     "/routes/{route_id}",
     tags=["routes"],
     summary="A route's pause and circuit breaker state",
-    responses={404: {"model": ErrorOut}},
+    responses=NOT_FOUND,
 )
 def show_route(route_id: PathId, session: Db) -> dict[str, Any]:
     """Whether the route is paused (since when, why) and its breaker: `closed`, `open` or
@@ -50,23 +48,39 @@ def _set_paused(session: Session, route_id: int, paused: bool, body: PauseIn, op
     return _route_state(session, route_id)
 
 
-@router.post(
-    "/routes/{route_id}/pause",
-    tags=["routes"],
-    summary="Pause a route: hold its deliveries without attempting them",
-    responses=CHANGE_RESPONSES,
-)
-def pause_route(route_id: PathId, body: PauseIn, session: Db, operator: Operator) -> Any:
-    """New events are still accepted and stored; nothing is attempted until resumed."""
-    return _set_paused(session, route_id, True, body, operator)
+def _pause_endpoint(paused: bool) -> Callable[..., Any]:
+    def endpoint(route_id: PathId, body: PauseIn, session: Db, operator: Operator) -> Any:
+        return _set_paused(session, route_id, paused, body, operator)
+
+    return endpoint
 
 
-@router.post(
-    "/routes/{route_id}/resume",
-    tags=["routes"],
-    summary="Resume a paused route: its held deliveries go out again",
-    responses=CHANGE_RESPONSES,
-)
-def resume_route(route_id: PathId, body: PauseIn, session: Db, operator: Operator) -> Any:
-    """The sweeper publishes the held deliveries on its next runs."""
-    return _set_paused(session, route_id, False, body, operator)
+def _add_pause_and_resume() -> None:
+    """Pause and resume: one endpoint each, the same but for the state they ask for."""
+    for action, paused, summary, description in (
+        (
+            "pause",
+            True,
+            "Pause a route: hold its deliveries without attempting them",
+            "New events are still accepted and stored; nothing is attempted until resumed.",
+        ),
+        (
+            "resume",
+            False,
+            "Resume a paused route: its held deliveries go out again",
+            "The sweeper publishes the held deliveries on its next runs.",
+        ),
+    ):
+        router.add_api_route(
+            f"/routes/{{route_id}}/{action}",
+            _pause_endpoint(paused),
+            methods=["POST"],
+            name=f"{action}_route",
+            tags=["routes"],
+            summary=summary,
+            description=description,
+            responses=CHANGE_RESPONSES,
+        )
+
+
+_add_pause_and_resume()

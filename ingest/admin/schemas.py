@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -93,3 +93,7 @@ def preview(plan: replays.Plan) -> PreviewOut:
         without_payload=plan.without_payload,
         sample=list(plan.sample),
     )
+
+
+# The answer of a route that shows or changes one row, when there is no such row.
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorOut}}

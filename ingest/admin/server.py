@@ -5,6 +5,7 @@ in a thread of its process (:class:`AdminServer`), or alone (:func:`app_from_env
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 from collections.abc import Awaitable, Callable
@@ -128,11 +129,9 @@ def admin_protocol(settings: Settings) -> type[ReceiverProtocol]:
     :data:`ADMIN_MAX_CONNECTIONS` connections. A connection that sends nothing is closed
     ``WEBHOOKS_HEADER_TIMEOUT`` after it opened, so idle sockets cannot hold the port; its
     refusals are counted under ``limit="admin_..."``."""
-    limits = Limits(
+    limits = dataclasses.replace(
+        Limits.from_settings(settings),
         max_header_bytes=ADMIN_MAX_HEADER_BYTES,
-        max_headers=settings.max_headers,
-        header_timeout=settings.header_timeout,
-        body_timeout=settings.body_timeout,
         max_connections=ADMIN_MAX_CONNECTIONS,
     )
     return type("AdminProtocol", (ReceiverProtocol,), {"limits": limits, "limit_prefix": "admin_"})
