@@ -443,6 +443,7 @@ class Receiver:
             return await accept()
 
     def _ensure_partitions(self) -> None:
+        # Lazy: SQLAlchemy loads only for this rare call; the receiver's own path is psycopg.
         from models.db import make_engine  # noqa: PLC0415
         from models.retention import ensure_partitions  # noqa: PLC0415
 
@@ -474,6 +475,7 @@ class Receiver:
 
 
 def _report_raised_ttls(settings: Settings) -> None:
+    # Lazy: SQLAlchemy loads only for this start-up report; the receiver's path is psycopg.
     from models.catalog import report_raised_ttls  # noqa: PLC0415
     from models.db import make_engine  # noqa: PLC0415
 

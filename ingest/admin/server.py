@@ -60,7 +60,8 @@ def create_admin_app(
     settings: Settings, *, clock: Clock | None = None, multiprocess_dir: str | None = None
 ) -> AdminGuard:
     """The admin plane: ``/metrics`` (no token) and, when a token is configured, the API under
-    ``/admin``; all behind :class:`AdminGuard`."""
+    ``/admin`` and the console under ``/console``, sharing one :class:`PlaneState`; all
+    behind :class:`AdminGuard`."""
     tokens = OperatorTokens(settings.admin_tokens_by_name())
     routes: list[Route | Mount] = [
         Route("/metrics", metrics_endpoint(multiprocess_dir), methods=["GET"])
