@@ -398,16 +398,19 @@ class Receiver:
         return _echo(challenge.body, challenge)
 
     async def _authenticate(self, source: SourceRecord, headers: Any, body: bytes, now: Any) -> str:
-        try:
+        def verify(record: SourceRecord) -> str:
             return authenticate(
-                source.provider,
+                record.provider,
                 headers,
                 body,
-                source.secrets,
-                config=source.config,
+                record.secrets,
+                config=record.config,
                 now=now,
-                tolerance=source.tolerance,
+                tolerance=record.tolerance,
             )
+
+        try:
+            return verify(source)
         except AuthError:
             # A secret added since the cache was filled: reload once, then decide.
             loaded = self.store.cached_at(source.public_id)
@@ -416,15 +419,7 @@ class Receiver:
             fresh = await self.store.source(source.public_id, refresh=True)
             if fresh is None:
                 raise
-            return authenticate(
-                fresh.provider,
-                headers,
-                body,
-                fresh.secrets,
-                config=fresh.config,
-                now=now,
-                tolerance=fresh.tolerance,
-            )
+            return verify(fresh)
 
     async def _accept_all(self, receipts: list[NewReceipt]) -> list[Any]:
         return await self._partitioned(lambda: self.store.accept_all(receipts))
