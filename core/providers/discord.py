@@ -22,17 +22,14 @@ https://discord.com/developers/docs/events/webhook-events
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from core.providers.base import (
-    ALL_SIGNED,
     AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
     body_id,
     dig,
@@ -45,6 +42,7 @@ from core.providers.base import (
     unhex,
     unix,
 )
+from core.providers.descriptions import described
 
 KEY_HEX_CHARS: Final = 64
 _KEYS: dict[str, Ed25519PublicKey | None] = {}
@@ -105,18 +103,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="discord",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=1),
-    citation="https://discord.com/developers/docs/events/webhook-events (no retry window "
-    "documented: 1 day assumed)",
-    signed="timestamp + body (Ed25519, public key): a capture replays only the same body, "
-    "within the tolerance",
-    key_format="ed25519",
-    check_secret=check_key,
-    handshake='PING: {"type": 1} (interactions); 204 (webhook events)',
-    fields=ALL_SIGNED,
-    summary="X-Signature-Ed25519 (Ed25519 hex over timestamp + body; key: the public key)",
-)
+PROVIDER = described("discord", authenticate, extract, key_format="ed25519", check_secret=check_key)

@@ -35,7 +35,6 @@ from core.providers.base import (
     AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
     dig,
     event_id,
@@ -49,6 +48,7 @@ from core.providers.base import (
     unhex,
     unix,
 )
+from core.providers.descriptions import described
 
 DEFAULTS: Final[Mapping[str, str | bool | None]] = {
     "signature_header": "x-signature",
@@ -384,17 +384,11 @@ def extract(
     return EventMeta(event_id=the_id, event_type=the_type, occurred_at=when)
 
 
-PROVIDER = Provider(
-    name="hmac",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=3),
-    citation="no published contract: conservative default, override per source",
-    signed="body (+ timestamp, + headers named in signed_content); the id comes from the body "
-    "or a signed header unless id_from_unsigned_header=true (then a capture replays under a "
-    "new id)",
+PROVIDER = described(
+    "hmac",
+    authenticate,
+    extract,
     tolerance_rule=tolerance,
     validate_config=validate_config,
     fields_rule=fields,
-    summary="configurable HMAC of the body (header, algorithm, encoding, prefix)",
 )

@@ -28,21 +28,19 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from core.providers.base import (
     FIVE_MINUTES,
-    UNSIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
     event_id,
     event_type,
     header,
 )
+from core.providers.descriptions import described
 from core.providers.standard import scheme
 
 _signed_auth, _ = scheme(("webhook",))
@@ -82,17 +80,5 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="gitlab",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=3),
-    citation="https://docs.gitlab.com/user/project/integrations/webhook_events/ (no schedule "
-    "documented; auto-disable back-off up to 24 h, gitlab-org/gitlab#414893)",
-    signed="token: nothing (X-Gitlab-Token is the secret, a capture can forge any event); "
-    "signing token: id + timestamp + body, a capture replays only the same id within 5 min",
-    # Applies to signing-token deliveries only: a secret-token delivery has no time.
-    tolerance=FIVE_MINUTES,
-    fields={"id": "signed with the signing token", "type": UNSIGNED_FIELD},
-    summary="X-Gitlab-Token shared token (constant-time compare), or the signing token",
-)
+# The tolerance applies to signing-token deliveries only: a secret-token delivery has no time.
+PROVIDER = described("gitlab", authenticate, extract, tolerance=FIVE_MINUTES)

@@ -14,20 +14,18 @@ payload's object ids. Retries: "8 times over 4 hours".
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from core.providers.base import (
-    UNSIGNED_FIELD,
     Challenge,
     EventMeta,
-    Provider,
     body_hmac,
     event_id,
     event_type,
     unb64,
     unsigned_time,
 )
+from core.providers.descriptions import described
 
 authenticate = body_hmac("x-shopify-hmac-sha256", decode=unb64)
 
@@ -44,15 +42,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="shopify",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=4),
-    citation="https://shopify.dev/changelog/updates-to-webhook-retry-mechanism",
-    signed="body only: X-Shopify-Webhook-Id (the id) and X-Shopify-Topic (the type) are "
-    "unsigned, so a capture replays under a new id and another topic",
-    tolerance=None,
-    fields={"id": UNSIGNED_FIELD, "type": UNSIGNED_FIELD, "time": UNSIGNED_FIELD},
-    summary="X-Shopify-Hmac-Sha256 (HMAC-SHA256 base64)",
-)
+PROVIDER = described("shopify", authenticate, extract, tolerance=None)

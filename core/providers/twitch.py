@@ -24,11 +24,9 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from core.providers.base import (
-    SIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
     dig,
     echo_challenge,
@@ -40,6 +38,7 @@ from core.providers.base import (
     json_object,
     unhex,
 )
+from core.providers.descriptions import described
 
 TEN_MINUTES: Final = timedelta(minutes=10)
 
@@ -87,21 +86,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="twitch",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=1),
-    citation="https://dev.twitch.tv/docs/eventsub/#handling-duplicate-events (at least once; "
-    "no horizon documented: 1 day assumed)",
-    signed="message id + timestamp + body: a capture replays only the same message id, within "
-    "the tolerance",
-    tolerance=TEN_MINUTES,
-    handshake="webhook_callback_verification: the raw challenge, text/plain",
-    fields={
-        "id": SIGNED_FIELD,
-        "type": "signed, except revocation (unsigned message-type header)",
-        "time": SIGNED_FIELD,
-    },
-    summary="Twitch-Eventsub-Message-Signature sha256= (HMAC-SHA256 hex over id+ts+body)",
-)
+PROVIDER = described("twitch", authenticate, extract, tolerance=TEN_MINUTES)

@@ -18,19 +18,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
-from core.providers.base import (
-    UNSIGNED_FIELD,
-    Challenge,
-    EventMeta,
-    Provider,
-    body_hmac,
-    event_id,
-    event_type,
-    unb64,
-)
+from core.providers.base import Challenge, EventMeta, body_hmac, event_id, event_type, unb64
+from core.providers.descriptions import described
 
 _PING: Final = re.compile(rb"webhook_id=\d{1,20}")
 
@@ -50,17 +41,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="woocommerce",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=1),
-    citation="https://github.com/woocommerce/woocommerce/blob/trunk/plugins/woocommerce/"
-    "includes/class-wc-webhook.php (no retries documented: 1 d assumed)",
-    signed="body only: X-WC-Webhook-Delivery-ID (the id) and X-WC-Webhook-Topic (the type) "
-    "are unsigned, so a capture replays under a new id and another topic",
-    tolerance=None,
-    handshake="the ping on save (webhook_id=N): 200, empty",
-    fields={"id": UNSIGNED_FIELD, "type": UNSIGNED_FIELD},
-    summary="X-WC-Webhook-Signature (HMAC-SHA256 base64 of the body)",
-)
+PROVIDER = described("woocommerce", authenticate, extract, tolerance=None)
