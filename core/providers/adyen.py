@@ -45,6 +45,7 @@ from core.providers.base import (
     Secrets,
     TooManyEvents,
     batch_options,
+    decode_signature,
     event_id,
     event_type,
     events_cap,
@@ -122,10 +123,7 @@ def _offered(item: Mapping[str, Any]) -> bytes:
     signature = extra.get("hmacSignature") if isinstance(extra, dict) else None
     if not isinstance(signature, str) or not signature:
         raise AuthError("missing_signature")
-    decoded = unb64(signature)
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return decoded
+    return decode_signature(signature, decode=unb64)
 
 
 def authenticate(

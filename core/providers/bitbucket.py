@@ -28,6 +28,7 @@ from core.providers.base import (
     event_id,
     event_type,
     json_object,
+    one_option,
 )
 from core.providers.descriptions import described
 
@@ -39,11 +40,7 @@ _FALSE: Final = frozenset({"false", "0", "no", "off"})
 
 def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """One option, ``type_from_body`` (true/false): see the module's doc."""
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
-    unknown = sorted(str(k) for k in config if k != "type_from_body")
-    if unknown:
-        raise ValueError(f"unknown option {unknown[0]!r}; the only option is 'type_from_body'")
+    one_option(config, "type_from_body")
     if "type_from_body" not in config:
         return {}
     value = config["type_from_body"]

@@ -191,10 +191,26 @@ ConfigFn = Callable[[Config], dict[str, Any]]
 KeyFormat = Literal["text", "whsec", "ed25519", "p256", "hex"]
 
 
-def no_options(config: Config) -> dict[str, Any]:
-    """The config rule of a provider whose scheme is fixed: any option is a mistake."""
+def check_mapping(config: object) -> None:
+    """The first check of every config rule: ValueError naming the type of a non-mapping."""
     if not isinstance(config, Mapping):
         raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
+
+
+def one_option(config: Config, name: str, *, required: bool = False) -> None:
+    """The checks before a config rule that takes one option, ``name``, reads it: a mapping,
+    and no other key (ValueError naming the first one; every one when ``name`` is required)."""
+    check_mapping(config)
+    unknown = sorted(str(k) for k in config if k != name)
+    if unknown and required:
+        raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))}; takes {name}")
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r}; the only option is {name!r}")
+
+
+def no_options(config: Config) -> dict[str, Any]:
+    """The config rule of a provider whose scheme is fixed: any option is a mistake."""
+    check_mapping(config)
     if config:
         names = ", ".join(sorted(repr(str(k)) for k in config))
         raise ValueError(f"takes no options (got {names})")
@@ -214,11 +230,7 @@ def batch_options(default: int) -> ConfigFn:
     when absent), for a sender whose real batches are larger than ``default``."""
 
     def validate(config: Config) -> dict[str, Any]:
-        if not isinstance(config, Mapping):
-            raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
-        unknown = sorted(str(k) for k in config if k != "max_events")
-        if unknown:
-            raise ValueError(f"unknown option {unknown[0]!r}; the only option is 'max_events'")
+        one_option(config, "max_events")
         if "max_events" not in config:
             return {}
         value = config["max_events"]

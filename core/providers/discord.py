@@ -27,7 +27,6 @@ from typing import Any, Final
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from core.providers.base import (
-    AuthError,
     Challenge,
     EventMeta,
     Secrets,
@@ -36,15 +35,15 @@ from core.providers.base import (
     event_id,
     event_type,
     first_verified,
-    header,
     json_object,
     occurred_at,
+    timestamped_signature,
     unhex,
-    unix,
 )
 from core.providers.descriptions import described
 
 KEY_HEX_CHARS: Final = 64
+SIGNATURE_BYTES: Final = 64
 _KEYS: dict[str, Ed25519PublicKey | None] = {}
 
 
@@ -66,14 +65,18 @@ def _public_key(key: str) -> Ed25519PublicKey | None:
     return _KEYS[key]
 
 
+def _signature(value: str) -> bytes | None:
+    """An Ed25519 signature: 64 bytes, in hex; None otherwise."""
+    raw = unhex(value)
+    return raw if raw is not None and len(raw) == SIGNATURE_BYTES else None
+
+
 def authenticate(
     headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
 ) -> tuple[str, int | None]:
-    signature = unhex(header(headers, "x-signature-ed25519"))
-    ts_text = header(headers, "x-signature-timestamp", "missing_timestamp")
-    timestamp = unix(ts_text)
-    if signature is None or len(signature) != 64:
-        raise AuthError("malformed_signature")
+    signature, ts_text, timestamp = timestamped_signature(
+        headers, "x-signature-ed25519", "x-signature-timestamp", decode=_signature
+    )
     message = ts_text.encode("ascii") + body
     secret_id = first_verified(
         secrets, _public_key, lambda public: public.verify(signature, message)

@@ -36,6 +36,7 @@ from core.providers.base import (
     Challenge,
     EventMeta,
     Secrets,
+    check_mapping,
     dig,
     event_id,
     event_type,
@@ -159,8 +160,7 @@ def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     Every option is listed with its default filled in and header names lower-cased, and
     validating the result again returns it unchanged. Raises ValueError naming the bad option.
     """
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
+    check_mapping(config)
     if "id_path" in config:  # another name for id_field (a dotted path into the body)
         if "id_field" in config:
             raise ValueError("generic-HMAC options 'id_path' and 'id_field' are the same: give one")

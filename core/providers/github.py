@@ -32,6 +32,7 @@ from core.providers.base import (
     event_id,
     event_type,
     json_object,
+    one_option,
 )
 from core.providers.descriptions import described
 
@@ -43,11 +44,7 @@ _EVENT_NAME: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """One option, ``hook_event``: the single event the hook sends (see the module's doc)."""
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
-    unknown = sorted(str(k) for k in config if k != "hook_event")
-    if unknown:
-        raise ValueError(f"unknown option {unknown[0]!r}; the only option is 'hook_event'")
+    one_option(config, "hook_event")
     if "hook_event" not in config:
         return {}
     value = config["hook_event"]

@@ -36,14 +36,16 @@ from core.providers.base import (
     Challenge,
     EventMeta,
     Secrets,
-    event_id,
-    event_type,
+    from_headers,
     header,
 )
 from core.providers.descriptions import described
 from core.providers.standard import scheme
 
 _signed_auth, _ = scheme(("webhook",))
+# The id: webhook-id is signed (Idempotency-Key is not) when anything is.
+_signed_fields = from_headers(id="webhook-id", type="x-gitlab-event")
+_token_fields = from_headers(id=("idempotency-key", "x-gitlab-event-uuid"), type="x-gitlab-event")
 
 
 def _signing_token(headers: Mapping[str, str]) -> bool:
@@ -69,15 +71,8 @@ def authenticate(
 def extract(
     headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
 ) -> EventMeta | Challenge:
-    if _signing_token(headers):
-        raw_id = headers.get("webhook-id")  # signed; Idempotency-Key is not
-    else:
-        raw_id = headers.get("idempotency-key") or headers.get("x-gitlab-event-uuid")
-    return EventMeta(
-        event_id=event_id(raw_id),
-        event_type=event_type(headers.get("x-gitlab-event")),
-        occurred_at=None,
-    )
+    fields = _signed_fields if _signing_token(headers) else _token_fields
+    return fields(headers, body, config)
 
 
 # The tolerance applies to signing-token deliveries only: a secret-token delivery has no time.

@@ -32,6 +32,7 @@ from core.providers.base import (
     event_type,
     json_object,
     occurred_at,
+    one_option,
 )
 from core.providers.descriptions import described
 
@@ -39,11 +40,7 @@ MIN_VERIFY_TOKEN: Final = 16
 
 
 def validate(config: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
-    unknown = sorted(str(k) for k in config if k != "verify_token")
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))}; takes verify_token")
+    one_option(config, "verify_token", required=True)
     token = config.get("verify_token")
     if not isinstance(token, str) or len(token) < MIN_VERIFY_TOKEN or not token.isprintable():
         raise ValueError(

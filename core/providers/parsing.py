@@ -136,6 +136,35 @@ def json_fields(*, id: FieldPath, type: FieldPath, time: FieldPath | None = None
     return extract
 
 
+#: Where a field is in the headers: a lower-case name, or names tried in order (the first
+#: present and non-empty one counts).
+HeaderNames = str | tuple[str, ...]
+
+
+def from_headers(
+    *, id: HeaderNames, type: str, time: str | None = None
+) -> Callable[[Mapping[str, str], bytes, Config], EventMeta]:
+    """The :data:`ExtractFn` of a sender whose event id, type and time are headers (Shopify,
+    WooCommerce, GitLab); the body is not read.
+
+    Reasons: those of :func:`event_id`, then :func:`event_type`. The time header is
+    informational (:func:`unsigned_time`: None when unusable) and, the headers being unsigned,
+    never anchors the receipt's expiry.
+    """
+    id_names = (id,) if isinstance(id, str) else id
+
+    def extract(headers: Mapping[str, str], body: bytes, config: Config) -> EventMeta:
+        raw_id = next((v for v in map(headers.get, id_names) if v), None)
+        return EventMeta(
+            event_id=event_id(raw_id),
+            event_type=event_type(headers.get(type)),
+            occurred_at=None if time is None else unsigned_time(headers.get(time)),
+            time_signed=time is None,
+        )
+
+    return extract
+
+
 def echo_challenge(value: object) -> Challenge:
     """A handshake answered with its challenge as text/plain (Slack, Twitch); bad_challenge
     when it is not a non-empty string."""

@@ -27,14 +27,12 @@ from cryptography.hazmat.primitives.serialization import load_der_public_key
 
 from core.providers.base import (
     DEFAULT_MAX_EVENTS,
-    AuthError,
     Secrets,
     batch_options,
     first_verified,
-    header,
     json_batch,
+    timestamped_signature,
     unb64,
-    unix,
 )
 from core.providers.descriptions import described
 
@@ -83,11 +81,12 @@ def _public_key(key: str) -> ec.EllipticCurvePublicKey | None:
 def authenticate(
     headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
 ) -> tuple[str, int | None]:
-    signature = unb64(header(headers, "x-twilio-email-event-webhook-signature"))
-    ts_text = header(headers, "x-twilio-email-event-webhook-timestamp", "missing_timestamp")
-    timestamp = unix(ts_text)
-    if signature is None:
-        raise AuthError("malformed_signature")
+    signature, ts_text, timestamp = timestamped_signature(
+        headers,
+        "x-twilio-email-event-webhook-signature",
+        "x-twilio-email-event-webhook-timestamp",
+        decode=unb64,
+    )
     message = ts_text.encode("ascii") + body
     ecdsa = ec.ECDSA(hashes.SHA256())
     secret_id = first_verified(

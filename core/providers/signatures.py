@@ -147,7 +147,17 @@ def signature_header(
     refuses: AuthError("malformed_signature"). The scheme is compared exactly, as senders
     write it (``sha256``, ``sha1``).
     """
-    value = header(headers, name)
+    return decode_signature(header(headers, name), scheme=scheme, decode=decode)
+
+
+def decode_signature(
+    value: str, *, scheme: str | None = None, decode: Callable[[str], bytes | None] = unhex
+) -> bytes:
+    """The signature bytes of ``value``, or of ``scheme=value`` when ``scheme`` is given.
+
+    AuthError("malformed_signature") for another scheme (compared exactly) or a value
+    ``decode`` refuses.
+    """
     if scheme is not None:
         found, _, value = value.partition("=")
         if found != scheme:
@@ -156,6 +166,27 @@ def signature_header(
     if decoded is None:
         raise AuthError("malformed_signature")
     return decoded
+
+
+def timestamped_signature(
+    headers: Mapping[str, str],
+    signature: str,
+    timestamp: str,
+    *,
+    scheme: str | None = None,
+    decode: Callable[[str], bytes | None] = unhex,
+) -> tuple[bytes, str, int]:
+    """A signature header and a unix-seconds timestamp header, read in the order the schemes
+    that sign a timestamp header refuse them: missing_signature, missing_timestamp,
+    malformed_timestamp, malformed_signature (:func:`decode_signature`).
+
+    Returns the signature's bytes, the timestamp as sent (it is part of what is signed) and
+    its value.
+    """
+    value = header(headers, signature)
+    ts_text = header(headers, timestamp, "missing_timestamp")
+    ts = unix(ts_text)
+    return decode_signature(value, scheme=scheme, decode=decode), ts_text, ts
 
 
 def body_hmac(
@@ -238,13 +269,7 @@ def versioned_timestamp_hmac(signature: str, timestamp: str, *, version: str = "
     def authenticate(
         headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Config
     ) -> tuple[str, int | None]:
-        value = header(headers, signature)
-        ts_text = header(headers, timestamp, "missing_timestamp")
-        ts = unix(ts_text)
-        found, _, value = value.partition("=")
-        decoded = unhex(value) if found == version else None
-        if decoded is None:
-            raise AuthError("malformed_signature")
+        decoded, ts_text, ts = timestamped_signature(headers, signature, timestamp, scheme=version)
         prefix = tag + b":" + ts_text.encode("ascii") + b":"
         return first_match(secrets, (decoded,), hmac_of("sha256", prefix, body)), ts
 

@@ -28,6 +28,7 @@ from core.providers.base import (
     Challenge,
     EventMeta,
     Secrets,
+    decode_signature,
     dig,
     echo_challenge,
     event_id,
@@ -36,7 +37,6 @@ from core.providers.base import (
     header,
     hmac_of,
     json_object,
-    unhex,
 )
 from core.providers.descriptions import described
 
@@ -60,10 +60,7 @@ def authenticate(
     msg_id = header(headers, "twitch-eventsub-message-id", "missing_id")
     ts_text = header(headers, "twitch-eventsub-message-timestamp", "missing_timestamp")
     when = _timestamp(ts_text)
-    scheme, _, value = signature.partition("=")
-    decoded = unhex(value) if scheme == "sha256" else None
-    if decoded is None:
-        raise AuthError("malformed_signature")
+    decoded = decode_signature(signature, scheme="sha256")
     digest = hmac_of("sha256", msg_id.encode("utf-8"), ts_text.encode("utf-8"), body)
     return first_match(secrets, (decoded,), digest), int(when.timestamp())
 

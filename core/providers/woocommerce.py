@@ -20,13 +20,20 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from core.providers.base import Challenge, EventMeta, body_hmac, event_id, event_type, unb64
+from core.providers.base import (
+    Challenge,
+    EventMeta,
+    body_hmac,
+    from_headers,
+    unb64,
+)
 from core.providers.descriptions import described
 
 _PING: Final = re.compile(rb"webhook_id=\d{1,20}")
 
 
 authenticate = body_hmac("x-wc-webhook-signature", decode=unb64)
+_headers = from_headers(id="x-wc-webhook-delivery-id", type="x-wc-webhook-topic")
 
 
 def extract(
@@ -34,11 +41,7 @@ def extract(
 ) -> EventMeta | Challenge:
     if _PING.fullmatch(body):
         return Challenge(body=b"", content_type="text/plain")
-    return EventMeta(
-        event_id=event_id(headers.get("x-wc-webhook-delivery-id")),
-        event_type=event_type(headers.get("x-wc-webhook-topic")),
-        occurred_at=None,
-    )
+    return _headers(headers, body, config)
 
 
 PROVIDER = described("woocommerce", authenticate, extract, tolerance=None)
