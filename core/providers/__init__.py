@@ -15,8 +15,11 @@ How to add a provider (here, or in a package of your own):
    verifying secret (Zoom); ``verify_get`` answers a GET handshake (Meta); ``check_secret``
    and ``key_format`` describe keys the sender issues (public keys); ``validate_config`` with
    ``signs_url=True`` takes the signed ``public_url`` (:mod:`core.providers.urlsigned`).
-3. Built in: add the module name to ``registry.BUILTIN_MODULES``, a signer to
-   ``tests/signing.py``, tests, and a row in the table of docs/providers.md. Your own
+3. Built in: the module states ``PROVIDER = described(name, authenticate, extract, ...)``
+   with only what is code (:mod:`core.providers.descriptions`); the retry window, citation,
+   ``signed``, handshake, fields and summary go in its table in ``descriptions.toml``. Add the
+   module name to ``registry.BUILTIN_MODULES``, a signer to ``tests/signing.py``, tests, and a
+   row in the table of docs/providers.md. Your own
    package: declare
    ``[project.entry-points."webhooks.providers"] <name> = "your_pkg.module:PROVIDER"`` and
    install it next to this one; ``webhooks providers list`` then shows it.

@@ -31,24 +31,21 @@ import base64
 import hashlib
 import hmac
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
 import orjson
 
 from core.providers.base import (
     DEFAULT_MAX_EVENTS,
-    SIGNED_FIELD,
-    UNSIGNED_FIELD,
     AuthError,
     Batch,
     Challenge,
     EventMeta,
     MalformedEvent,
-    Provider,
     Secrets,
     TooManyEvents,
     batch_options,
+    decode_signature,
     event_id,
     event_type,
     events_cap,
@@ -56,6 +53,7 @@ from core.providers.base import (
     unb64,
     unhex,
 )
+from core.providers.descriptions import described
 
 FIELDS: Final = (
     "pspReference",
@@ -125,10 +123,7 @@ def _offered(item: Mapping[str, Any]) -> bytes:
     signature = extra.get("hmacSignature") if isinstance(extra, dict) else None
     if not isinstance(signature, str) or not signature:
         raise AuthError("missing_signature")
-    decoded = unb64(signature)
-    if decoded is None:
-        raise AuthError("malformed_signature")
-    return decoded
+    return decode_signature(signature, decode=unb64)
 
 
 def authenticate(
@@ -212,22 +207,14 @@ def sign_item(item: Mapping[str, Any], key: str) -> str:
     return base64.b64encode(hmac.new(raw, signed_string(item), hashlib.sha256).digest()).decode()
 
 
-PROVIDER = Provider(
-    name="adyen",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=30),
-    citation="https://docs.adyen.com/development-resources/webhooks/troubleshoot",
-    signed="each item's psp/original/merchant references, amount, eventCode, success (not the "
-    "whole body): a capture replays only the same items (same ids); eventDate and the rest are "
-    "unsigned (stored apart, under payload.unsigned, and never the expiry anchor)",
+PROVIDER = described(
+    "adyen",
+    authenticate,
+    extract,
     tolerance=None,
     key_format="hex",
     check_secret=check_key,
     batched=True,
     max_events=MAX_EVENTS,
     validate_config=batch_options(MAX_EVENTS),
-    fields={"id": SIGNED_FIELD, "type": SIGNED_FIELD, "time": UNSIGNED_FIELD},
-    handshake="answers [accepted]",
-    summary="item additionalData.hmacSignature (HMAC-SHA256 base64, hex key), batched",
 )

@@ -17,7 +17,6 @@ source (``--retry-window``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
 from core.providers.base import (
@@ -25,12 +24,13 @@ from core.providers.base import (
     UNSIGNED_FIELD,
     Challenge,
     EventMeta,
-    Provider,
     body_hmac,
     event_id,
     event_type,
     json_object,
+    one_option,
 )
+from core.providers.descriptions import described
 
 authenticate = body_hmac("x-hub-signature", scheme="sha256")
 
@@ -40,11 +40,7 @@ _FALSE: Final = frozenset({"false", "0", "no", "off"})
 
 def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """One option, ``type_from_body`` (true/false): see the module's doc."""
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
-    unknown = sorted(str(k) for k in config if k != "type_from_body")
-    if unknown:
-        raise ValueError(f"unknown option {unknown[0]!r}; the only option is 'type_from_body'")
+    one_option(config, "type_from_body")
     if "type_from_body" not in config:
         return {}
     value = config["type_from_body"]
@@ -75,17 +71,11 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="bitbucket",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=1),
-    citation="https://support.atlassian.com/bitbucket-cloud/docs/manage-webhooks/ (no retry "
-    "window documented: 1 day assumed)",
-    signed="body only: X-Request-UUID (the id) and X-Event-Key (the type) are unsigned, so a "
-    "capture replays under a new id and another type (type_from_body=true: eventKey, signed)",
+PROVIDER = described(
+    "bitbucket",
+    authenticate,
+    extract,
     tolerance=None,
     validate_config=validate_config,
     fields_rule=fields,
-    summary="X-Hub-Signature sha256= (HMAC-SHA256 hex over the body)",
 )

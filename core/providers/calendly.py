@@ -20,11 +20,9 @@ from datetime import timedelta
 from typing import Any
 
 from core.providers.base import (
-    ALL_SIGNED,
     Challenge,
     EventMeta,
     MalformedEvent,
-    Provider,
     dig,
     event_id,
     event_type,
@@ -32,6 +30,7 @@ from core.providers.base import (
     occurred_at,
     timestamped_header,
 )
+from core.providers.descriptions import described
 
 authenticate = timestamped_header("calendly-webhook-signature")
 
@@ -51,16 +50,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="calendly",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=24),
-    citation="https://community.calendly.com/developer-faq-62/why-am-i-not-receiving-webhook-"
-    "data-how-does-a-webhook-become-disabled-548",
-    signed="t + body (event and payload.uri, the id, inside): a capture replays only the same "
-    "event, within the tolerance",
-    tolerance=timedelta(minutes=3),
-    fields=ALL_SIGNED,
-    summary="Calendly-Webhook-Signature t=,v1= (HMAC-SHA256 hex over t.body)",
-)
+PROVIDER = described("calendly", authenticate, extract, tolerance=timedelta(minutes=3))

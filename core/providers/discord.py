@@ -22,31 +22,28 @@ https://discord.com/developers/docs/events/webhook-events
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from core.providers.base import (
-    ALL_SIGNED,
-    AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
     body_id,
     dig,
     event_id,
     event_type,
     first_verified,
-    header,
     json_object,
     occurred_at,
+    timestamped_signature,
     unhex,
-    unix,
 )
+from core.providers.descriptions import described
 
 KEY_HEX_CHARS: Final = 64
+SIGNATURE_BYTES: Final = 64
 _KEYS: dict[str, Ed25519PublicKey | None] = {}
 
 
@@ -68,14 +65,18 @@ def _public_key(key: str) -> Ed25519PublicKey | None:
     return _KEYS[key]
 
 
+def _signature(value: str) -> bytes | None:
+    """An Ed25519 signature: 64 bytes, in hex; None otherwise."""
+    raw = unhex(value)
+    return raw if raw is not None and len(raw) == SIGNATURE_BYTES else None
+
+
 def authenticate(
     headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
 ) -> tuple[str, int | None]:
-    signature = unhex(header(headers, "x-signature-ed25519"))
-    ts_text = header(headers, "x-signature-timestamp", "missing_timestamp")
-    timestamp = unix(ts_text)
-    if signature is None or len(signature) != 64:
-        raise AuthError("malformed_signature")
+    signature, ts_text, timestamp = timestamped_signature(
+        headers, "x-signature-ed25519", "x-signature-timestamp", decode=_signature
+    )
     message = ts_text.encode("ascii") + body
     secret_id = first_verified(
         secrets, _public_key, lambda public: public.verify(signature, message)
@@ -105,18 +106,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="discord",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=1),
-    citation="https://discord.com/developers/docs/events/webhook-events (no retry window "
-    "documented: 1 day assumed)",
-    signed="timestamp + body (Ed25519, public key): a capture replays only the same body, "
-    "within the tolerance",
-    key_format="ed25519",
-    check_secret=check_key,
-    handshake='PING: {"type": 1} (interactions); 204 (webhook events)',
-    fields=ALL_SIGNED,
-    summary="X-Signature-Ed25519 (Ed25519 hex over timestamp + body; key: the public key)",
-)
+PROVIDER = described("discord", authenticate, extract, key_format="ed25519", check_secret=check_key)

@@ -35,8 +35,8 @@ from core.providers.base import (
     AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
+    check_mapping,
     dig,
     event_id,
     event_type,
@@ -49,6 +49,7 @@ from core.providers.base import (
     unhex,
     unix,
 )
+from core.providers.descriptions import described
 
 DEFAULTS: Final[Mapping[str, str | bool | None]] = {
     "signature_header": "x-signature",
@@ -159,8 +160,7 @@ def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     Every option is listed with its default filled in and header names lower-cased, and
     validating the result again returns it unchanged. Raises ValueError naming the bad option.
     """
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
+    check_mapping(config)
     if "id_path" in config:  # another name for id_field (a dotted path into the body)
         if "id_field" in config:
             raise ValueError("generic-HMAC options 'id_path' and 'id_field' are the same: give one")
@@ -384,17 +384,11 @@ def extract(
     return EventMeta(event_id=the_id, event_type=the_type, occurred_at=when)
 
 
-PROVIDER = Provider(
-    name="hmac",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=3),
-    citation="no published contract: conservative default, override per source",
-    signed="body (+ timestamp, + headers named in signed_content); the id comes from the body "
-    "or a signed header unless id_from_unsigned_header=true (then a capture replays under a "
-    "new id)",
+PROVIDER = described(
+    "hmac",
+    authenticate,
+    extract,
     tolerance_rule=tolerance,
     validate_config=validate_config,
     fields_rule=fields,
-    summary="configurable HMAC of the body (header, algorithm, encoding, prefix)",
 )

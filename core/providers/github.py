@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 from urllib.parse import parse_qs
 
@@ -29,12 +28,13 @@ from core.providers.base import (
     Challenge,
     EventMeta,
     MalformedEvent,
-    Provider,
     body_hmac,
     event_id,
     event_type,
     json_object,
+    one_option,
 )
+from core.providers.descriptions import described
 
 authenticate = body_hmac("x-hub-signature-256", scheme="sha256")
 
@@ -44,11 +44,7 @@ _EVENT_NAME: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """One option, ``hook_event``: the single event the hook sends (see the module's doc)."""
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
-    unknown = sorted(str(k) for k in config if k != "hook_event")
-    if unknown:
-        raise ValueError(f"unknown option {unknown[0]!r}; the only option is 'hook_event'")
+    one_option(config, "hook_event")
     if "hook_event" not in config:
         return {}
     value = config["hook_event"]
@@ -108,16 +104,11 @@ def _signed_type(headers: Mapping[str, str], payload: Mapping[str, Any], hook_ev
     return hook_event
 
 
-PROVIDER = Provider(
-    name="github",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=3),
-    citation="https://docs.github.com/webhooks/testing-and-troubleshooting-webhooks/redelivering-webhooks",
-    signed="body only: X-GitHub-Delivery (the id) and X-GitHub-Event (the type) are unsigned, "
-    "so a capture replays under a new id and another event (hook_event=NAME: type from the body)",
+PROVIDER = described(
+    "github",
+    authenticate,
+    extract,
     tolerance=None,
     validate_config=validate_config,
     fields_rule=fields,
-    summary="X-Hub-Signature-256 sha256= (HMAC-SHA256 hex)",
 )

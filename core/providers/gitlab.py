@@ -28,24 +28,24 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from core.providers.base import (
     FIVE_MINUTES,
-    UNSIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
-    event_id,
-    event_type,
+    from_headers,
     header,
 )
+from core.providers.descriptions import described
 from core.providers.standard import scheme
 
 _signed_auth, _ = scheme(("webhook",))
+# The id: webhook-id is signed (Idempotency-Key is not) when anything is.
+_signed_fields = from_headers(id="webhook-id", type="x-gitlab-event")
+_token_fields = from_headers(id=("idempotency-key", "x-gitlab-event-uuid"), type="x-gitlab-event")
 
 
 def _signing_token(headers: Mapping[str, str]) -> bool:
@@ -71,28 +71,9 @@ def authenticate(
 def extract(
     headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
 ) -> EventMeta | Challenge:
-    if _signing_token(headers):
-        raw_id = headers.get("webhook-id")  # signed; Idempotency-Key is not
-    else:
-        raw_id = headers.get("idempotency-key") or headers.get("x-gitlab-event-uuid")
-    return EventMeta(
-        event_id=event_id(raw_id),
-        event_type=event_type(headers.get("x-gitlab-event")),
-        occurred_at=None,
-    )
+    fields = _signed_fields if _signing_token(headers) else _token_fields
+    return fields(headers, body, config)
 
 
-PROVIDER = Provider(
-    name="gitlab",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=3),
-    citation="https://docs.gitlab.com/user/project/integrations/webhook_events/ (no schedule "
-    "documented; auto-disable back-off up to 24 h, gitlab-org/gitlab#414893)",
-    signed="token: nothing (X-Gitlab-Token is the secret, a capture can forge any event); "
-    "signing token: id + timestamp + body, a capture replays only the same id within 5 min",
-    # Applies to signing-token deliveries only: a secret-token delivery has no time.
-    tolerance=FIVE_MINUTES,
-    fields={"id": "signed with the signing token", "type": UNSIGNED_FIELD},
-    summary="X-Gitlab-Token shared token (constant-time compare), or the signing token",
-)
+# The tolerance applies to signing-token deliveries only: a secret-token delivery has no time.
+PROVIDER = described("gitlab", authenticate, extract, tolerance=FIVE_MINUTES)

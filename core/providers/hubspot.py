@@ -15,16 +15,13 @@ spread over the next 24 hours, 5 s timeout: https://developers.hubspot.com/docs/
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
 from core.providers import urlsigned
 from core.providers.base import (
     FIVE_MINUTES,
     MAX_UNIX_DIGITS,
-    SIGNED_FIELD,
     AuthError,
-    Provider,
     Secrets,
     first_match,
     header,
@@ -33,6 +30,7 @@ from core.providers.base import (
     millis_time,
     unb64,
 )
+from core.providers.descriptions import described
 
 # The escapes HubSpot decodes in the URI before signing (its validating-requests page).
 _DECODE: Final = {
@@ -78,20 +76,13 @@ extract = json_batch(
 )
 
 
-PROVIDER = Provider(
-    name="hubspot",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=24),
-    citation="https://developers.hubspot.com/docs/api/webhooks (retries: up to 10 times over "
-    "24 hours)",
-    signed="POST + URI + body + timestamp: a capture replays only the same events, to that URL, "
-    "within the tolerance",
+PROVIDER = described(
+    "hubspot",
+    authenticate,
+    extract,
     tolerance=FIVE_MINUTES,
     validate_config=urlsigned.validate,
     signs_url=True,
     batched=True,
     max_events=MAX_EVENTS,
-    fields={"id": SIGNED_FIELD, "type": SIGNED_FIELD, "time": SIGNED_FIELD},
-    summary="X-HubSpot-Signature-v3 (HMAC-SHA256 base64 over POST+URI+body+timestamp)",
 )

@@ -9,14 +9,8 @@ taken as the window. Docs: https://developers.intercom.com/docs/webhooks/webhook
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-from core.providers.base import (
-    ALL_SIGNED,
-    Provider,
-    body_hmac,
-    json_fields,
-)
+from core.providers.base import body_hmac, json_fields
+from core.providers.descriptions import described
 
 authenticate = body_hmac("x-hub-signature", scheme="sha1", algorithm="sha1")
 
@@ -24,15 +18,4 @@ authenticate = body_hmac("x-hub-signature", scheme="sha1", algorithm="sha1")
 extract = json_fields(id="id", type="topic", time="created_at")
 
 
-PROVIDER = Provider(
-    name="intercom",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=7),
-    citation="https://developers.intercom.com/docs/webhooks/webhook-notifications (suspended "
-    "after 7 days of errors; no schedule published)",
-    signed="body (id inside): a capture replays only the same notification; no signed time",
-    tolerance=None,
-    fields=ALL_SIGNED,
-    summary="X-Hub-Signature sha1= (HMAC-SHA1 hex of the body)",
-)
+PROVIDER = described("intercom", authenticate, extract, tolerance=None)

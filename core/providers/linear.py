@@ -21,12 +21,9 @@ from typing import Any
 import orjson
 
 from core.providers.base import (
-    SIGNED_FIELD,
-    UNSIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
     body_hmac,
     event_id,
@@ -34,6 +31,7 @@ from core.providers.base import (
     json_object,
     occurred_at,
 )
+from core.providers.descriptions import described
 
 _body_signature = body_hmac("linear-signature")
 
@@ -73,16 +71,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="linear",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=24),
-    citation="https://linear.app/developers/webhooks (retries with back-off; no window "
-    "published: 24 h assumed)",
-    signed="body (webhookTimestamp inside); Linear-Delivery (the id) is unsigned: a capture "
-    "replays under a new id only within the 60 s tolerance",
-    tolerance=timedelta(seconds=60),
-    fields={"id": UNSIGNED_FIELD, "type": SIGNED_FIELD, "time": SIGNED_FIELD},
-    summary="Linear-Signature (HMAC-SHA256 hex of the body), webhookTimestamp in the body",
-)
+PROVIDER = described("linear", authenticate, extract, tolerance=timedelta(seconds=60))

@@ -26,13 +26,10 @@ from typing import Any, Final
 import orjson
 
 from core.providers.base import (
-    SIGNED_FIELD,
-    UNSIGNED_FIELD,
     AuthError,
     Batch,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
     first_match,
     hmac_of,
@@ -40,6 +37,7 @@ from core.providers.base import (
     unhex,
     unix,
 )
+from core.providers.descriptions import described
 
 FIFTEEN_MINUTES: Final = timedelta(minutes=15)
 
@@ -93,15 +91,4 @@ def extract(
     return replace(meta, time_signed=False) if isinstance(meta, EventMeta) else meta
 
 
-PROVIDER = Provider(
-    name="mailgun",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=8),
-    citation="https://documentation.mailgun.com/docs/mailgun/user-manual/webhooks/webhook-retries",
-    signed="timestamp + token only (in the body): the token is the dedup id, so a reused "
-    "token is a duplicate or a recorded conflict, never a second delivery",
-    tolerance=FIFTEEN_MINUTES,
-    fields={"id": SIGNED_FIELD, "type": UNSIGNED_FIELD, "time": UNSIGNED_FIELD},
-    summary="body signature{timestamp,token,signature} (HMAC-SHA256 hex over ts+token)",
-)
+PROVIDER = described("mailgun", authenticate, extract, tolerance=FIFTEEN_MINUTES)

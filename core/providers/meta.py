@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
 from core.providers.base import (
-    ALL_SIGNED,
     AuthError,
     Challenge,
     EventMeta,
     MalformedEvent,
-    Provider,
     body_hmac,
     body_id,
     dig,
@@ -35,17 +32,15 @@ from core.providers.base import (
     event_type,
     json_object,
     occurred_at,
+    one_option,
 )
+from core.providers.descriptions import described
 
 MIN_VERIFY_TOKEN: Final = 16
 
 
 def validate(config: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
-    unknown = sorted(str(k) for k in config if k != "verify_token")
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))}; takes verify_token")
+    one_option(config, "verify_token", required=True)
     token = config.get("verify_token")
     if not isinstance(token, str) or len(token) < MIN_VERIFY_TOKEN or not token.isprintable():
         raise ValueError(
@@ -92,18 +87,6 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="meta",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=7),
-    citation="https://developers.facebook.com/docs/whatsapp/cloud-api/guides/set-up-webhooks "
-    "(retries for up to 7 days)",
-    signed="body only, no timestamp: a capture replays only the same body (same id)",
-    tolerance=None,
-    validate_config=validate,
-    verify_get=verify_get,
-    handshake="GET hub.challenge when hub.verify_token matches (else 403)",
-    fields=ALL_SIGNED,
-    summary="X-Hub-Signature-256 sha256= (HMAC-SHA256 hex over the body), GET verification",
+PROVIDER = described(
+    "meta", authenticate, extract, tolerance=None, validate_config=validate, verify_get=verify_get
 )

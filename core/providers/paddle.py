@@ -14,12 +14,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from core.providers.base import (
-    ALL_SIGNED,
-    Provider,
-    json_fields,
-    timestamped_header,
-)
+from core.providers.base import json_fields, timestamped_header
+from core.providers.descriptions import described
 
 authenticate = timestamped_header(
     "paddle-signature", pair_sep=";", timestamp_key="ts", signature_key="h1", joiner=b":"
@@ -29,14 +25,4 @@ authenticate = timestamped_header(
 extract = json_fields(id="event_id", type="event_type", time="occurred_at")
 
 
-PROVIDER = Provider(
-    name="paddle",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=3),
-    citation="https://developer.paddle.com/webhooks/about/respond-to-webhooks",
-    signed="ts + body (event_id inside): a capture replays only the same event, within 5 s",
-    tolerance=timedelta(seconds=5),
-    fields=ALL_SIGNED,
-    summary="Paddle-Signature ts=;h1= (HMAC-SHA256 hex over ts:body)",
-)
+PROVIDER = described("paddle", authenticate, extract, tolerance=timedelta(seconds=5))

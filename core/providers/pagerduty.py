@@ -13,20 +13,10 @@ one hour is assumed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
-from core.providers.base import (
-    ALL_SIGNED,
-    AuthError,
-    Provider,
-    Secrets,
-    first_match,
-    header,
-    hmac_of,
-    json_fields,
-    unhex,
-)
+from core.providers.base import AuthError, Secrets, first_match, header, hmac_of, json_fields, unhex
+from core.providers.descriptions import described
 
 
 def authenticate(
@@ -48,16 +38,4 @@ extract = json_fields(
 )
 
 
-PROVIDER = Provider(
-    name="pagerduty",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=1),
-    citation="https://www.svix.com/resources/webhook-reviews/pagerduty-webhook-review/ (4 "
-    "retries over about 20 minutes; secondary: 1 hour assumed)",
-    signed="body (event.id inside): a capture replays only the same event; several v1= during "
-    "a rotation",
-    tolerance=None,
-    fields=ALL_SIGNED,
-    summary="X-PagerDuty-Signature v1=,v1= (HMAC-SHA256 hex over the body)",
-)
+PROVIDER = described("pagerduty", authenticate, extract, tolerance=None)

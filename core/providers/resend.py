@@ -8,23 +8,11 @@ API resend the same ``svix-id``, which dedup catches while the receipt lives.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-from core.providers.base import ALL_SIGNED, Provider
-from core.providers.standard import SIGNED, scheme
+from core.providers.descriptions import described
+from core.providers.standard import scheme
 from core.providers.svix import SVIX_PREFIXES
 
 # Resend payloads: {"type", "created_at", "data"}.
 _auth, _extract = scheme(SVIX_PREFIXES, time_field="created_at")
 
-PROVIDER = Provider(
-    name="resend",
-    authenticate=_auth,
-    extract=_extract,
-    retry_window=timedelta(hours=27, minutes=35, seconds=5),
-    citation="https://resend.com/docs/webhooks/retries-and-replays",
-    signed=SIGNED,
-    key_format="whsec",
-    fields=ALL_SIGNED,
-    summary="Svix scheme: svix-signature v1, (HMAC-SHA256 base64 over id.ts.body)",
-)
+PROVIDER = described("resend", _auth, _extract, key_format="whsec")

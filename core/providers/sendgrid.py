@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -28,17 +27,14 @@ from cryptography.hazmat.primitives.serialization import load_der_public_key
 
 from core.providers.base import (
     DEFAULT_MAX_EVENTS,
-    SIGNED_FIELD,
-    AuthError,
-    Provider,
     Secrets,
     batch_options,
     first_verified,
-    header,
     json_batch,
+    timestamped_signature,
     unb64,
-    unix,
 )
+from core.providers.descriptions import described
 
 _KEYS: dict[str, ec.EllipticCurvePublicKey | None] = {}
 # SendGrid bounds a batch by time and size ("every 30 seconds or when the batch size reaches
@@ -85,11 +81,12 @@ def _public_key(key: str) -> ec.EllipticCurvePublicKey | None:
 def authenticate(
     headers: Mapping[str, str], body: bytes, secrets: Secrets, config: Mapping[str, Any]
 ) -> tuple[str, int | None]:
-    signature = unb64(header(headers, "x-twilio-email-event-webhook-signature"))
-    ts_text = header(headers, "x-twilio-email-event-webhook-timestamp", "missing_timestamp")
-    timestamp = unix(ts_text)
-    if signature is None:
-        raise AuthError("malformed_signature")
+    signature, ts_text, timestamp = timestamped_signature(
+        headers,
+        "x-twilio-email-event-webhook-signature",
+        "x-twilio-email-event-webhook-timestamp",
+        decode=unb64,
+    )
     message = ts_text.encode("ascii") + body
     ecdsa = ec.ECDSA(hashes.SHA256())
     secret_id = first_verified(
@@ -101,19 +98,13 @@ def authenticate(
 extract = json_batch(id="sg_event_id", type="event", time="timestamp", max_events=MAX_EVENTS)
 
 
-PROVIDER = Provider(
-    name="sendgrid",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=24),
-    citation="https://docs.sendgrid.com/for-developers/tracking-events/troubleshooting",
-    signed="timestamp + body (ECDSA P-256, public key; sg_event_id inside): a capture replays "
-    "only the same events, within the tolerance",
+PROVIDER = described(
+    "sendgrid",
+    authenticate,
+    extract,
     key_format="p256",
     check_secret=check_key,
     batched=True,
     max_events=MAX_EVENTS,
     validate_config=batch_options(MAX_EVENTS),
-    fields={"id": SIGNED_FIELD, "type": SIGNED_FIELD, "time": SIGNED_FIELD},
-    summary="X-Twilio-Email-Event-Webhook-Signature (ECDSA P-256 over ts + body), batched",
 )

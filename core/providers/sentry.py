@@ -14,19 +14,10 @@ assumed (override per source). Docs: https://docs.sentry.io/integrations/integra
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
-from core.providers.base import (
-    SIGNED_FIELD,
-    Challenge,
-    EventMeta,
-    Provider,
-    body_hmac,
-    body_id,
-    event_type,
-    json_object,
-)
+from core.providers.base import Challenge, EventMeta, body_hmac, body_id, event_type, json_object
+from core.providers.descriptions import described
 
 authenticate = body_hmac("sentry-hook-signature")
 
@@ -44,16 +35,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="sentry",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=3),
-    citation="https://docs.sentry.io/integrations/integration-platform/webhooks/ (no retry "
-    "window published: 3 d assumed)",
-    signed="body only (the id is the body's SHA-256): a capture replays only as the same "
-    "event; no signed time",
-    tolerance=None,
-    fields={"id": SIGNED_FIELD, "type": "resource unsigned (Sentry-Hook-Resource), action signed"},
-    summary="Sentry-Hook-Signature (HMAC-SHA256 hex of the body)",
-)
+PROVIDER = described("sentry", authenticate, extract, tolerance=None)

@@ -13,46 +13,20 @@ payload's object ids. Retries: "8 times over 4 hours".
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from datetime import timedelta
-from typing import Any
-
 from core.providers.base import (
-    UNSIGNED_FIELD,
-    Challenge,
-    EventMeta,
-    Provider,
     body_hmac,
-    event_id,
-    event_type,
+    from_headers,
     unb64,
-    unsigned_time,
 )
+from core.providers.descriptions import described
 
 authenticate = body_hmac("x-shopify-hmac-sha256", decode=unb64)
 
 
-def extract(
-    headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
-) -> EventMeta | Challenge:
-    # Ids live in headers; the body (JSON or XML, by subscription) is not parsed at all.
-    return EventMeta(
-        event_id=event_id(headers.get("x-shopify-webhook-id")),
-        event_type=event_type(headers.get("x-shopify-topic")),
-        occurred_at=unsigned_time(headers.get("x-shopify-triggered-at")),
-        time_signed=False,
-    )
-
-
-PROVIDER = Provider(
-    name="shopify",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=4),
-    citation="https://shopify.dev/changelog/updates-to-webhook-retry-mechanism",
-    signed="body only: X-Shopify-Webhook-Id (the id) and X-Shopify-Topic (the type) are "
-    "unsigned, so a capture replays under a new id and another topic",
-    tolerance=None,
-    fields={"id": UNSIGNED_FIELD, "type": UNSIGNED_FIELD, "time": UNSIGNED_FIELD},
-    summary="X-Shopify-Hmac-Sha256 (HMAC-SHA256 base64)",
+# Ids live in headers; the body (JSON or XML, by subscription) is not parsed at all.
+extract = from_headers(
+    id="x-shopify-webhook-id", type="x-shopify-topic", time="x-shopify-triggered-at"
 )
+
+
+PROVIDER = described("shopify", authenticate, extract, tolerance=None)

@@ -9,14 +9,11 @@ answered with its challenge (text/plain) and stores nothing. Retries: 3, immedia
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from core.providers.base import (
-    ALL_SIGNED,
     Challenge,
     EventMeta,
-    Provider,
     echo_challenge,
     event_id,
     event_type,
@@ -24,6 +21,7 @@ from core.providers.base import (
     occurred_at,
     versioned_timestamp_hmac,
 )
+from core.providers.descriptions import described
 
 authenticate = versioned_timestamp_hmac("x-slack-signature", "x-slack-request-timestamp")
 
@@ -45,15 +43,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="slack",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(minutes=10),
-    citation="https://api.slack.com/apis/connections/events-api#retries",
-    signed="timestamp + body (event_id inside): a capture replays only the same event, within "
-    "the tolerance",
-    handshake="url_verification: the challenge, text/plain",
-    fields=ALL_SIGNED,
-    summary="X-Slack-Signature v0= (HMAC-SHA256 hex over v0:ts:body)",
-)
+PROVIDER = described("slack", authenticate, extract)

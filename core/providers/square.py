@@ -12,14 +12,11 @@ the larger is used): https://developer.squareup.com/docs/webhooks-api/delivery-s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from core.providers import urlsigned
 from core.providers.base import (
-    ALL_SIGNED,
     AuthError,
-    Provider,
     Secrets,
     first_match,
     hmac_of,
@@ -27,6 +24,7 @@ from core.providers.base import (
     signature_header,
     unb64,
 )
+from core.providers.descriptions import described
 
 
 def authenticate(
@@ -43,17 +41,11 @@ def authenticate(
 extract = json_fields(id="event_id", type="type", time="created_at")
 
 
-PROVIDER = Provider(
-    name="square",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=72),
-    citation="https://developer.squareup.com/docs/webhooks-api/delivery-sla",
-    signed="notification URL + body (event_id inside): a capture replays only the same event, "
-    "and only to that URL",
+PROVIDER = described(
+    "square",
+    authenticate,
+    extract,
     tolerance=None,
     validate_config=urlsigned.validate,
     signs_url=True,
-    fields=ALL_SIGNED,
-    summary="x-square-hmacsha256-signature (HMAC-SHA256 base64 over URL + body)",
 )

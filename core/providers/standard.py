@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from standardwebhooks.webhooks import EmptyWebhookSecretError, Webhook
 
 from core.providers.base import (
-    ALL_SIGNED,
     AuthError,
     AuthFn,
     Challenge,
     EventMeta,
     ExtractFn,
-    Provider,
     Secrets,
     event_id,
     event_type,
@@ -34,13 +32,12 @@ from core.providers.base import (
     unb64,
     unix,
 )
+from core.providers.descriptions import described
 
 # Signers per secret (Webhook() base64-decodes the secret). Small, and cleared when full.
 _MAX_CACHED: Final = 1024
 _SIGNERS: dict[str, Any] = {}
 _MISSING: Final = object()
-
-SIGNED: Final = "id + timestamp + body: a capture replays only the same id, within the tolerance"
 
 
 def _signer(secret: str) -> Any:
@@ -137,15 +134,4 @@ def _time(value: object, millis: bool) -> datetime | None:
 
 _auth, _extract = scheme(("webhook",))
 
-PROVIDER = Provider(
-    name="standard",
-    authenticate=_auth,
-    extract=_extract,
-    # Spec example schedule: last attempt 75 h 35 m 05 s after the first.
-    retry_window=timedelta(hours=75, minutes=35, seconds=5),
-    citation="standard-webhooks spec/standard-webhooks.md (retry schedule example)",
-    signed=SIGNED,
-    key_format="whsec",
-    fields=ALL_SIGNED,
-    summary="webhook-signature v1, (HMAC-SHA256 base64 over id.ts.body)",
-)
+PROVIDER = described("standard", _auth, _extract, key_format="whsec")

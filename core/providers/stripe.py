@@ -9,14 +9,8 @@ Signature docs: https://docs.stripe.com/webhooks#verify-manually
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-from core.providers.base import (
-    ALL_SIGNED,
-    Provider,
-    json_fields,
-    timestamped_header,
-)
+from core.providers.base import json_fields, timestamped_header
+from core.providers.descriptions import described
 
 # Only v1 (a test-mode v0 is ignored) and the timestamp re-rendered as an integer, as Stripe's
 # own library computes the signed line.
@@ -26,15 +20,4 @@ authenticate = timestamped_header("stripe-signature", timestamp_as_sent=False)
 extract = json_fields(id="id", type="type", time="created")
 
 
-PROVIDER = Provider(
-    name="stripe",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=3),
-    citation="https://docs.stripe.com/webhooks/process-undelivered-events",
-    signed="t + body (id, type, created inside): a capture replays only the same event, "
-    "within the tolerance",
-    key_prefix="whsec_",
-    fields=ALL_SIGNED,
-    summary="Stripe-Signature t=,v1= (HMAC-SHA256 hex)",
-)
+PROVIDER = described("stripe", authenticate, extract, key_prefix="whsec_")

@@ -7,26 +7,13 @@ do we. ``svix-id`` is the same on every retry and resend. Retries: immediately, 
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Final
 
-from core.providers.base import ALL_SIGNED, Provider
-from core.providers.standard import SIGNED, scheme
+from core.providers.descriptions import described
+from core.providers.standard import scheme
 
 SVIX_PREFIXES: Final = ("svix", "webhook")
-SVIX_RETRY_WINDOW: Final = timedelta(hours=27, minutes=35, seconds=5)
-SVIX_CITATION: Final = "https://docs.svix.com/retries"
 
 _auth, _extract = scheme(SVIX_PREFIXES)
 
-PROVIDER = Provider(
-    name="svix",
-    authenticate=_auth,
-    extract=_extract,
-    retry_window=SVIX_RETRY_WINDOW,
-    citation=SVIX_CITATION,
-    signed=SIGNED,
-    key_format="whsec",
-    fields=ALL_SIGNED,
-    summary="svix-signature v1, (HMAC-SHA256 base64 over id.ts.body)",
-)
+PROVIDER = described("svix", _auth, _extract, key_format="whsec")

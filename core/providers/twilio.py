@@ -21,18 +21,15 @@ connection-overrides ; one hour is used (Event Streams, a separate product, retr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl
 
 from core.providers import urlsigned
 from core.providers.base import (
-    SIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
     MalformedEvent,
-    Provider,
     Secrets,
     UnsafeBody,
     body_id,
@@ -43,6 +40,7 @@ from core.providers.base import (
     hmac_of,
     unb64,
 )
+from core.providers.descriptions import described
 
 FORM = "application/x-www-form-urlencoded"
 
@@ -135,21 +133,11 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="twilio",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=1),
-    citation="https://www.twilio.com/docs/usage/webhooks/webhooks-connection-overrides (rc: 1 "
-    "retry within tt 15 s by default; 1 hour used)",
-    signed="URL + sorted form parameters: a capture replays only to that URL; the id header is "
-    "unsigned, so a capture replays under a new token",
+PROVIDER = described(
+    "twilio",
+    authenticate,
+    extract,
     tolerance=None,
     validate_config=urlsigned.validate,
     signs_url=True,
-    fields={
-        "id": "unsigned when I-Twilio-Idempotency-Token is sent, else signed (SID:status)",
-        "type": SIGNED_FIELD,
-    },
-    summary="X-Twilio-Signature (HMAC-SHA1 base64 over URL + sorted params), form bodies",
 )

@@ -24,12 +24,11 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from core.providers.base import (
-    SIGNED_FIELD,
     AuthError,
     Challenge,
     EventMeta,
-    Provider,
     Secrets,
+    decode_signature,
     dig,
     echo_challenge,
     event_id,
@@ -38,8 +37,8 @@ from core.providers.base import (
     header,
     hmac_of,
     json_object,
-    unhex,
 )
+from core.providers.descriptions import described
 
 TEN_MINUTES: Final = timedelta(minutes=10)
 
@@ -61,10 +60,7 @@ def authenticate(
     msg_id = header(headers, "twitch-eventsub-message-id", "missing_id")
     ts_text = header(headers, "twitch-eventsub-message-timestamp", "missing_timestamp")
     when = _timestamp(ts_text)
-    scheme, _, value = signature.partition("=")
-    decoded = unhex(value) if scheme == "sha256" else None
-    if decoded is None:
-        raise AuthError("malformed_signature")
+    decoded = decode_signature(signature, scheme="sha256")
     digest = hmac_of("sha256", msg_id.encode("utf-8"), ts_text.encode("utf-8"), body)
     return first_match(secrets, (decoded,), digest), int(when.timestamp())
 
@@ -87,21 +83,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="twitch",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=1),
-    citation="https://dev.twitch.tv/docs/eventsub/#handling-duplicate-events (at least once; "
-    "no horizon documented: 1 day assumed)",
-    signed="message id + timestamp + body: a capture replays only the same message id, within "
-    "the tolerance",
-    tolerance=TEN_MINUTES,
-    handshake="webhook_callback_verification: the raw challenge, text/plain",
-    fields={
-        "id": SIGNED_FIELD,
-        "type": "signed, except revocation (unsigned message-type header)",
-        "time": SIGNED_FIELD,
-    },
-    summary="Twitch-Eventsub-Message-Signature sha256= (HMAC-SHA256 hex over id+ts+body)",
-)
+PROVIDER = described("twitch", authenticate, extract, tolerance=TEN_MINUTES)

@@ -10,15 +10,8 @@ Signature: https://www.typeform.com/developers/webhooks/secure-your-webhooks/
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-from core.providers.base import (
-    ALL_SIGNED,
-    Provider,
-    body_hmac,
-    json_fields,
-    unb64,
-)
+from core.providers.base import body_hmac, json_fields, unb64
+from core.providers.descriptions import described
 
 authenticate = body_hmac("typeform-signature", scheme="sha256", decode=unb64)
 
@@ -26,14 +19,4 @@ authenticate = body_hmac("typeform-signature", scheme="sha256", decode=unb64)
 extract = json_fields(id="event_id", type="event_type", time=("form_response", "submitted_at"))
 
 
-PROVIDER = Provider(
-    name="typeform",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(hours=10),
-    citation="https://www.typeform.com/developers/webhooks/",
-    signed="body (event_id inside): a capture replays only the same event; no signed time",
-    tolerance=None,
-    fields=ALL_SIGNED,
-    summary="Typeform-Signature sha256= (HMAC-SHA256 base64 of the body)",
-)
+PROVIDER = described("typeform", authenticate, extract, tolerance=None)

@@ -12,14 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from core.providers.contract import one_option
+
 
 def validate(config: Mapping[str, Any]) -> dict[str, Any]:
     """``public_url`` required, an absolute http(s) URL with a host and no fragment."""
-    if not isinstance(config, Mapping):
-        raise ValueError(f"provider options must be a mapping, not {type(config).__name__}")
-    unknown = sorted(str(k) for k in config if k != "public_url")
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))}; takes public_url")
+    one_option(config, "public_url", required=True)
     url = config.get("public_url")
     if not isinstance(url, str) or not url:
         raise ValueError(

@@ -18,24 +18,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Final
 
 from core.providers.base import (
-    UNSIGNED_FIELD,
     Challenge,
     EventMeta,
-    Provider,
     body_hmac,
-    event_id,
-    event_type,
+    from_headers,
     unb64,
 )
+from core.providers.descriptions import described
 
 _PING: Final = re.compile(rb"webhook_id=\d{1,20}")
 
 
 authenticate = body_hmac("x-wc-webhook-signature", decode=unb64)
+_headers = from_headers(id="x-wc-webhook-delivery-id", type="x-wc-webhook-topic")
 
 
 def extract(
@@ -43,24 +41,7 @@ def extract(
 ) -> EventMeta | Challenge:
     if _PING.fullmatch(body):
         return Challenge(body=b"", content_type="text/plain")
-    return EventMeta(
-        event_id=event_id(headers.get("x-wc-webhook-delivery-id")),
-        event_type=event_type(headers.get("x-wc-webhook-topic")),
-        occurred_at=None,
-    )
+    return _headers(headers, body, config)
 
 
-PROVIDER = Provider(
-    name="woocommerce",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(days=1),
-    citation="https://github.com/woocommerce/woocommerce/blob/trunk/plugins/woocommerce/"
-    "includes/class-wc-webhook.php (no retries documented: 1 d assumed)",
-    signed="body only: X-WC-Webhook-Delivery-ID (the id) and X-WC-Webhook-Topic (the type) "
-    "are unsigned, so a capture replays under a new id and another topic",
-    tolerance=None,
-    handshake="the ping on save (webhook_id=N): 200, empty",
-    fields={"id": UNSIGNED_FIELD, "type": UNSIGNED_FIELD},
-    summary="X-WC-Webhook-Signature (HMAC-SHA256 base64 of the body)",
-)
+PROVIDER = described("woocommerce", authenticate, extract, tolerance=None)

@@ -19,18 +19,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import orjson
 
 from core.providers.base import (
-    ALL_SIGNED,
     FIVE_MINUTES,
     Challenge,
     EventMeta,
     MalformedEvent,
-    Provider,
     body_id,
     dig,
     event_id,
@@ -39,6 +36,7 @@ from core.providers.base import (
     millis_time,
     versioned_timestamp_hmac,
 )
+from core.providers.descriptions import described
 
 authenticate = versioned_timestamp_hmac("x-zm-signature", "x-zm-request-timestamp")
 
@@ -68,15 +66,4 @@ def extract(
     )
 
 
-PROVIDER = Provider(
-    name="zoom",
-    authenticate=authenticate,
-    extract=extract,
-    retry_window=timedelta(minutes=90),
-    citation="https://developers.zoom.us/blog/webhook-delays/",
-    signed="timestamp + body: a capture replays only the same body, within the tolerance",
-    tolerance=FIVE_MINUTES,
-    handshake="endpoint.url_validation: plainToken + encryptedToken (HMAC with the secret)",
-    fields=ALL_SIGNED,
-    summary="x-zm-signature v0= (HMAC-SHA256 hex over v0:ts:body)",
-)
+PROVIDER = described("zoom", authenticate, extract, tolerance=FIVE_MINUTES)
