@@ -16,11 +16,17 @@ downstream (``bench/fairness_downstream.py``) with a delay per route, real signe
                    1 call/s reaches the failing downstream; nothing goes dead; the backlog is
                    delivered within 30 s of recovery; the quiet sender within 1 s.
 
-``--code DIR`` runs the receiver, worker and beat from another checkout (e.g. main, made with
-``git worktree add``) for the same noisy-neighbour drill, so the improvement is a ratio in
-one run: ``--compare DIR`` does both, this tree's first.
+``--compare DIR`` also runs the receiver, worker and beat of another checkout (e.g. main,
+made with ``git worktree add``) for the same noisy-neighbour drill, this tree's first, so the
+improvement is a ratio in one run. ``--against REV`` makes that checkout (a git worktree of
+REV, bench/revisions.py) and runs the drill ``--rounds`` times per tree in alternating order
+(this tree first in odd rounds, REV first in even ones), then the outage once per tree
+(unless ``--skip-outage``); it prints each run, the means and this tree's ratio to REV's (the
+quiet sender's max and p99, the burst's drain time, the outage's figures). Each checkout's
+code is found through bench/compat.py (its receiver's module path, its CLI).
 
 Usage: .venv/bin/python bench/bench_fairness.py [--compare /tmp/main-wt] [--burst 6000]
+       [--against REV --rounds 2]
 Uses its own database and Redis DBs 12 (broker) and 13 (claims) of --redis-port (6394).
 """
 
@@ -46,6 +52,9 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from compat import cli, target  # noqa: E402
+from revisions import remove_worktree, worktree  # noqa: E402
 
 from bench import bench_forward  # noqa: E402
 from bench.bench_forward import Sender, stop, uvicorn  # noqa: E402
@@ -94,7 +103,7 @@ class Pipeline:
 
     def cli(self, *argv: str) -> str:
         return subprocess.run(
-            [str(BIN / "webhooks"), *argv], env=self.env, check=True, capture_output=True,
+            [*cli(self.code), *argv], env=self.env, check=True, capture_output=True,
             text=True, cwd=self.code,
         ).stdout  # fmt: skip
 
@@ -108,10 +117,13 @@ class Pipeline:
 
     def start(self) -> None:
         bench_forward.RECEIVER_PORT = RECEIVER_PORT  # the senders' lanes
+        # From the checkout's directory: uvicorn puts its working directory first on sys.path
+        # (before 2026-12-04 the receiver ran from this tree's, whatever the checkout).
+        app = target("receiver", self.code)
         self.procs.append(
-            uvicorn("ingest.app:app_from_env", RECEIVER_PORT, self.env, self.logdir / "rx.log")
+            uvicorn(app, RECEIVER_PORT, self.env, self.logdir / "rx.log", cwd=self.code)
         )
-        celery = [str(BIN / "celery"), "-A", "tasks"]
+        celery = [str(BIN / "celery"), "-A", target("worker", self.code)]
         for name, argv in (
             ("worker", [*celery, "worker", "-Q", "deliveries,maintenance", "-P", "threads",
                         "-c", "50", "-n", "fair@%h", "--loglevel", "WARNING"]),
@@ -320,11 +332,110 @@ def met(ok: bool) -> str:
     return "floor met" if ok else "floor NOT met"
 
 
+def noisy_lines(args: argparse.Namespace, runs: list[Noisy]) -> list[str]:
+    lines = [
+        "",
+        f"noisy neighbour: {args.burst} events to a 200 ms downstream, beside 4 events/s to"
+        f" a 10 ms one for {args.quiet_seconds:.0f} s; in-flight budget"
+        f" {args.budget or 'default (WEBHOOKS_ROUTE_MAX_IN_FLIGHT)'}",
+        "  run              quiet p50 ms  p99 ms  max ms  (events)  burst drained s"
+        "  noisy peak concurrency",
+    ]
+    for r in runs:
+        lines.append(
+            f"  {r.label:<16} {1000 * r.quiet_p50:>12.0f} {1000 * r.quiet_p99:>7.0f}"
+            f" {1000 * r.quiet_max:>7.0f}  ({r.quiet_n:>4})  {r.burst_drained_s:>15.1f}"
+            f"  {r.noisy_peak:>22}"
+        )
+    return lines
+
+
+def outage_lines(label: str, o: Outage) -> list[str]:
+    return [
+        "",
+        f"outage ({label}): /failing answers 503 for 45 s; its sender 10 events/s for 20 s; a"
+        " quiet sender 4 events/s to /healthy for 50 s; retry base 1 s cap 4 s, probe interval"
+        " 5 s, sweep 2 s",
+        f"  breaker opened {o.opened_after_s:.1f} s into the outage"
+        if o.opened_after_s is not None
+        else "  breaker never opened",
+        f"  calls to the failing downstream: {o.calls_failing_total} in all,"
+        f" {o.calls_failing_after_open} between the opening and the recovery"
+        f" ({o.after_open_per_s:.2f}/s; busiest 1-s window {o.worst_second_after_open}):"
+        f" {met(o.worst_second_after_open <= 1)} (<= 1 call/s)",
+        f"  dead: {o.dead} ({o.statuses}): {met(o.dead == 0)}",
+        f"  backlog delivered {o.backlog_after_recovery_s:.1f} s after the recovery:"
+        f" {met(o.backlog_after_recovery_s <= 30.0)} (<= 30 s)",
+        f"  quiet sender p50 {1000 * o.quiet_p50:.0f} ms p99 {1000 * o.quiet_p99:.0f} ms"
+        f" max {1000 * o.quiet_max:.0f} ms: {met(o.quiet_max <= 1.0)} (<= 1 s)",
+    ]
+
+
+def ratio(label: str, this: float, other: float, rev: str) -> str:
+    """A time of this tree's against REV's: the ratio (below 1: this tree is faster) and
+    the speed (REV's time / this tree's: the acceptance's "at least 0.95x main's")."""
+    return (
+        f"  {label}: {this:.3f} against {rev}'s {other:.3f}: {this / other:.2f}x"
+        f" (speed {other / this:.2f}x {rev}'s)"
+        if this > 0 and other > 0
+        else f"  {label}: {this:.3f} against {rev}'s {other:.3f}"
+    )
+
+
+def against(args: argparse.Namespace, logdir: Path, lines: list[str]) -> None:
+    """The drill ``args.rounds`` times per tree, alternating; then the outage once each."""
+    rev, made = worktree(args.against)
+    trees = {"this tree": ROOT, args.against: rev}
+    lines.append(f"against {args.against} ({rev}), {args.rounds} run(s) each, alternating")
+    try:
+        runs: dict[str, list[Noisy]] = {name: [] for name in trees}
+        ran: list[Noisy] = []  # in the order they ran
+        for k in range(args.rounds):
+            for name in list(trees) if k % 2 == 0 else list(reversed(trees)):
+                ran.append(noisy_neighbour(f"{name} {k + 1}", trees[name], args, logdir))
+                runs[name].append(ran[-1])
+        lines += noisy_lines(args, ran)
+        means = {
+            name: {
+                "quiet max s": statistics.fmean(r.quiet_max for r in rs),
+                "quiet p99 s": statistics.fmean(r.quiet_p99 for r in rs),
+                "quiet p50 s": statistics.fmean(r.quiet_p50 for r in rs),
+                "burst drained s": statistics.fmean(r.burst_drained_s for r in rs),
+            }
+            for name, rs in runs.items()
+        }
+        lines.append(f"  means, this tree against {args.against}:")
+        lines += [
+            ratio(key, means["this tree"][key], means[args.against][key], args.against)
+            for key in means["this tree"]
+        ]
+        print("\n".join(lines), flush=True)
+        if not args.skip_outage:
+            outages = {name: outage(code, args, logdir) for name, code in trees.items()}
+            for name, o in outages.items():
+                lines += outage_lines(name, o)
+            this, other = outages["this tree"], outages[args.against]
+            lines.append(f"  outage, this tree against {args.against}:")
+            lines += [
+                ratio("calls/s to the failing downstream while open", this.after_open_per_s,
+                      other.after_open_per_s, args.against),
+                ratio("backlog delivered after the recovery s", this.backlog_after_recovery_s,
+                      other.backlog_after_recovery_s, args.against),
+                ratio("quiet sender max s", this.quiet_max, other.quiet_max, args.against),
+                f"  dead: {this.dead} against {other.dead}",
+            ]  # fmt: skip
+    finally:
+        if made:
+            remove_worktree(rev)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--burst", type=int, default=6000)
     parser.add_argument("--quiet-seconds", type=float, default=30.0)
     parser.add_argument("--compare", type=Path, default=None, help="another checkout (main)")
+    parser.add_argument("--against", metavar="REV", help="this tree against REV's code")
+    parser.add_argument("--rounds", type=int, default=2, help="--against: drills per tree")
     parser.add_argument("--skip-outage", action="store_true")
     parser.add_argument(
         "--budget", type=int, default=None, help="WEBHOOKS_ROUTE_MAX_IN_FLIGHT (noisy drill)"
@@ -350,59 +461,10 @@ def main() -> None:
         f"logs: {logdir}",
     ]
     try:
-        runs = [noisy_neighbour("this tree", ROOT, args, logdir)]
-        if args.compare is not None:
-            main_commit = subprocess.run(
-                ["git", "-C", str(args.compare), "rev-parse", "--short", "HEAD"],
-                capture_output=True, text=True, check=False,
-            ).stdout.strip()  # fmt: skip
-            runs.append(noisy_neighbour(f"main {main_commit}", args.compare, args, logdir))
-        lines += [
-            "",
-            f"noisy neighbour: {args.burst} events to a 200 ms downstream, beside 4 events/s to"
-            f" a 10 ms one for {args.quiet_seconds:.0f} s; in-flight budget"
-            f" {args.budget or 'default (WEBHOOKS_ROUTE_MAX_IN_FLIGHT)'}",
-            "  run              quiet p50 ms  p99 ms  max ms  (events)  burst drained s"
-            "  noisy peak concurrency",
-        ]
-        for r in runs:
-            lines.append(
-                f"  {r.label:<16} {1000 * r.quiet_p50:>12.0f} {1000 * r.quiet_p99:>7.0f}"
-                f" {1000 * r.quiet_max:>7.0f}  ({r.quiet_n:>4})  {r.burst_drained_s:>15.1f}"
-                f"  {r.noisy_peak:>22}"
-            )
-        ours = runs[0]
-        lines.append(f"  this tree: quiet max {1000 * ours.quiet_max:.0f} ms <= 1000 ms: "
-                     f"{met(ours.quiet_max <= 1.0)}")  # fmt: skip
-        if len(runs) > 1:
-            base = runs[1]
-            lines.append(
-                f"  ratio main/this tree: quiet max {base.quiet_max / ours.quiet_max:.1f}x,"
-                f" p50 {base.quiet_p50 / ours.quiet_p50:.1f}x, p99"
-                f" {base.quiet_p99 / ours.quiet_p99:.1f}x lower here; burst drain time"
-                f" {ours.burst_drained_s / base.burst_drained_s:.2f}x main's"
-            )
-        print("\n".join(lines), flush=True)
-        if not args.skip_outage:
-            o = outage(ROOT, args, logdir)
-            lines += [
-                "",
-                "outage: /failing answers 503 for 45 s; its sender 10 events/s for 20 s; a quiet"
-                " sender 4 events/s to /healthy for 50 s; retry base 1 s cap 4 s, probe interval"
-                " 5 s, sweep 2 s",
-                f"  breaker opened {o.opened_after_s:.1f} s into the outage"
-                if o.opened_after_s is not None
-                else "  breaker never opened",
-                f"  calls to the failing downstream: {o.calls_failing_total} in all,"
-                f" {o.calls_failing_after_open} between the opening and the recovery"
-                f" ({o.after_open_per_s:.2f}/s; busiest 1-s window {o.worst_second_after_open}):"
-                f" {met(o.worst_second_after_open <= 1)} (<= 1 call/s)",
-                f"  dead: {o.dead} ({o.statuses}): {met(o.dead == 0)}",
-                f"  backlog delivered {o.backlog_after_recovery_s:.1f} s after the recovery:"
-                f" {met(o.backlog_after_recovery_s <= 30.0)} (<= 30 s)",
-                f"  quiet sender p50 {1000 * o.quiet_p50:.0f} ms p99 {1000 * o.quiet_p99:.0f} ms"
-                f" max {1000 * o.quiet_max:.0f} ms: {met(o.quiet_max <= 1.0)} (<= 1 s)",
-            ]
+        if args.against:
+            against(args, logdir, lines)
+        else:
+            single(args, logdir, lines)
     finally:
         stop(downstream)
         with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
@@ -410,6 +472,32 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     args.output.write_text(text + "\n")
+
+
+def single(args: argparse.Namespace, logdir: Path, lines: list[str]) -> None:
+    """This tree (and ``--compare``'s checkout once), then this tree's outage."""
+    runs = [noisy_neighbour("this tree", ROOT, args, logdir)]
+    if args.compare is not None:
+        main_commit = subprocess.run(
+            ["git", "-C", str(args.compare), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()  # fmt: skip
+        runs.append(noisy_neighbour(f"main {main_commit}", args.compare, args, logdir))
+    lines += noisy_lines(args, runs)
+    ours = runs[0]
+    lines.append(f"  this tree: quiet max {1000 * ours.quiet_max:.0f} ms <= 1000 ms: "
+                 f"{met(ours.quiet_max <= 1.0)}")  # fmt: skip
+    if len(runs) > 1:
+        base = runs[1]
+        lines.append(
+            f"  ratio main/this tree: quiet max {base.quiet_max / ours.quiet_max:.1f}x,"
+            f" p50 {base.quiet_p50 / ours.quiet_p50:.1f}x, p99"
+            f" {base.quiet_p99 / ours.quiet_p99:.1f}x lower here; burst drain time"
+            f" {ours.burst_drained_s / base.burst_drained_s:.2f}x main's"
+        )
+    print("\n".join(lines), flush=True)
+    if not args.skip_outage:
+        lines += outage_lines("this tree", outage(ROOT, args, logdir))
 
 
 if __name__ == "__main__":

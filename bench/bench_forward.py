@@ -18,8 +18,15 @@ and 500 by default). For each delay, in one run and interleaved (bare, ours, bar
              after the warm-up: ours receipt -> succeeded (the database's timestamps), bare
              publish -> downstream answered
 
+Against a revision (``--against REV``): ours also runs from a git worktree of REV (its own
+receiver, worker, migrations and database, with this venv), in alternating order with this
+tree, ``--rounds`` times per delay; bare runs once per round from this tree, the ceiling both
+are held to. Prints each run, the means, and this tree's ratio to REV's (ours/bare events/s,
+the worker's CPU per event), then both at one sustained rate. ``--env`` is this tree's only.
+
 Usage: .venv/bin/python bench/bench_forward.py [--events 2000] [--delays 10,100,500]
        [--pool threads --concurrency 50] [--bare-pool threads --bare-concurrency 100]
+       [--against REV --rounds 3]   (this tree against REV's code, alternating runs)
 Uses its own database and Redis DBs 8 (broker) and 9 (claims) of --redis-port (6394).
 """
 
@@ -36,7 +43,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,16 +53,10 @@ import httpx
 import orjson
 import psycopg
 import redis
+from celery import Celery
+from compat import DELIVERIES_QUEUE, ROOT, Settings, cli, create_app, target
+from revisions import remove_worktree, worktree
 from standardwebhooks.webhooks import Webhook
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from celery import Celery  # noqa: E402
-
-from core.messages import DELIVERIES_QUEUE  # noqa: E402
-from core.settings import Settings  # noqa: E402
-from tasks.config import create_app  # noqa: E402
 
 BIN = Path(sys.executable).parent
 DB = "webhooks_bench_forward"
@@ -67,16 +69,16 @@ HOOK = f"http://127.0.0.1:{DOWNSTREAM_PORT}/hook"
 WARMUP_S = 3.0
 
 
-def base_env(redis_port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
+def base_env(redis_port: int, db: str = DB, code: Path = ROOT) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WEBHOOKS_", "BENCH_CODE"))}
     env.update(
-        WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{DB}",
+        WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{db}",
         WEBHOOKS_BROKER_URL=f"redis://127.0.0.1:{redis_port}/8",
         WEBHOOKS_REDIS_URL=f"redis://127.0.0.1:{redis_port}/9",
         WEBHOOKS_SECRET_KEY="bench-secret-key-" + "f" * 32,
         WEBHOOKS_LOG_LEVEL="WARNING",
         WEBHOOKS_LOG_JSON="true",
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=str(code),
     )
     return env
 
@@ -93,13 +95,16 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
     raise RuntimeError(f"{what} did not start")
 
 
-def uvicorn(app: str, port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def uvicorn(
+    app: str, port: int, env: dict[str, str], log: Path, cwd: Path = ROOT
+) -> subprocess.Popen[bytes]:
+    """``app`` from ``cwd`` (uvicorn puts its working directory first on sys.path)."""
     cmd = [str(BIN / "uvicorn"), app, "--port", str(port), "--loop", "uvloop", "--http",
            "httptools", "--no-access-log", "--log-level", "warning", "--backlog", "4096",
            "--timeout-keep-alive", "300"]  # fmt: skip
     if app.endswith("app_from_env"):
         cmd.insert(1, "--factory")
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT)  # noqa: S603
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=cwd)  # noqa: S603
     wait_port(port, proc, app)
     return proc
 
@@ -343,8 +348,12 @@ def percentiles(values: list[float]) -> tuple[float, float]:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, env: dict[str, str], logdir: Path) -> None:
-        self.args, self.env, self.logdir = args, env, logdir
+    """Ours with ``code``'s worker on ``env``'s database; bare (this tree's) beside it."""
+
+    def __init__(
+        self, args: argparse.Namespace, env: dict[str, str], logdir: Path, code: Path = ROOT
+    ) -> None:
+        self.args, self.env, self.logdir, self.code = args, env, logdir, code
         self.broker = redis.Redis.from_url(env["WEBHOOKS_BROKER_URL"])
         self.claims = redis.Redis.from_url(env["WEBHOOKS_REDIS_URL"])
         settings = Settings(
@@ -367,7 +376,22 @@ class Bench:
         return Worker("bench.forward_app", a.bare_pool, a.bare_concurrency, self.env, self.logdir)
 
     def ours_worker(self) -> Worker:
-        return Worker("tasks", self.args.pool, self.args.concurrency, self.env, self.logdir)
+        app = target("worker", self.code)
+        return Worker(app, self.args.pool, self.args.concurrency, self.env, self.logdir)
+
+    def receiver(self) -> subprocess.Popen[bytes]:
+        """``code``'s receiver (``ingest.app`` or where it moved), on ``env``'s database."""
+        app = target("receiver", self.code)
+        return uvicorn(app, RECEIVER_PORT, self.env, self.logdir / "receiver.log", self.code)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """The receiver up for one run of ours (--against: each tree's for its own runs)."""
+        receiver = self.receiver()
+        try:
+            yield
+        finally:
+            stop(receiver)
 
     def publish_bare(self, n: int) -> None:
         with self.app.producer_or_acquire() as producer:
@@ -461,13 +485,18 @@ class Bench:
         return Sustained(rate, sent / elapsed, p50, p99, len(rows))
 
 
-def setup(env: dict[str, str]) -> tuple[str, str]:
+def drop(db: str) -> None:
     with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
-        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+        c.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def setup(env: dict[str, str], db: str = DB, code: Path = ROOT) -> tuple[str, str]:
+    """``db`` migrated by ``code`` (its CLI, PYTHONPATH in ``env``); a source and its route."""
+    drop(db)
 
     def run(*argv: str) -> str:
-        return subprocess.run(
-            [str(BIN / "webhooks"), *argv], env=env, check=True, capture_output=True, text=True
+        return subprocess.run(  # noqa: S603
+            [*cli(code), *argv], env=env, check=True, capture_output=True, text=True, cwd=code
         ).stdout
 
     run("db", "upgrade")
@@ -497,8 +526,10 @@ def main() -> None:
         action="append",
         default=[],
         metavar="WEBHOOKS_X=VALUE",
-        help="a setting for ours' receiver and worker (a value to try)",
+        help="a setting for ours' receiver and worker (a value to try; this tree's only with "
+        "--against)",
     )
+    parser.add_argument("--against", metavar="REV", help="also run ours with this git rev's code")
     parser.add_argument("--redis-port", type=int, default=6394)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_forward.txt")
     args = parser.parse_args()
@@ -508,13 +539,18 @@ def main() -> None:
         env["WEBHOOKS_DELIVERY_BATCH"] = str(args.batch)
     if args.linger is not None:
         env["WEBHOOKS_PUBLISH_LINGER"] = str(args.linger)
+    if args.against:
+        text = against(args, env)
+        print(text)
+        args.output.write_text(text + "\n")
+        return
     env.update(item.split("=", 1) for item in args.env)
     os.environ.update(env)
     source, secret = setup(env)
     logdir = Path(tempfile.mkdtemp(prefix="bench-forward-"))
     bench = Bench(args, env, logdir)
     sender = Sender(source, secret)
-    receiver = uvicorn("ingest.app:app_from_env", RECEIVER_PORT, env, logdir / "receiver.log")
+    receiver = bench.receiver()
     lines = [
         f"bench_forward: {args.events} events per drain, {args.rounds} round(s), "
         f"ours -P {args.pool} -c {args.concurrency}, bare -P {args.bare_pool} "
@@ -547,13 +583,123 @@ def main() -> None:
                 print("\n".join(lines[-10:]), flush=True)
     finally:
         stop(receiver)
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
-        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+    drop(DB)
     bench.broker.flushdb()
     bench.claims.flushdb()
     text = "\n".join(lines)
     print(text)
     args.output.write_text(text + "\n")
+
+
+def against(args: argparse.Namespace, env: dict[str, str]) -> str:
+    """Per delay and round: bare once (this tree), then ours from this tree and from REV's
+    worktree (this tree first in even rounds, REV first in odd ones), each with its own
+    receiver (up for its own runs only) and database; then one sustained rate for all three."""
+    rev, made = worktree(args.against)
+    trees = {"this": ROOT, "rev": rev}
+    logdir = Path(tempfile.mkdtemp(prefix="bench-forward-against-"))
+    benches: dict[str, Bench] = {}
+    senders: dict[str, Sender] = {}
+    for name, code in trees.items():
+        db = DB if name == "this" else f"{DB}_rev"
+        tree_env = base_env(args.redis_port, db, code)
+        # --batch and --linger for both trees; --env is a value to try on this tree's only.
+        tree_env.update((k, v) for k, v in env.items() if k.endswith(("_BATCH", "_LINGER")))
+        if name == "this":
+            tree_env.update(item.split("=", 1) for item in args.env)
+        source, secret = setup(tree_env, db, code)
+        benches[name], senders[name] = Bench(args, tree_env, logdir, code), Sender(source, secret)
+    os.environ.update(benches["this"].env)
+    this = benches["this"]
+    lines = [
+        f"bench_forward against {args.against} ({rev}): {args.events} events per drain, "
+        f"{args.rounds} run(s) each per delay, alternating, bare once per round (this tree), "
+        f"ours -P {args.pool} -c {args.concurrency}, bare -P {args.bare_pool} "
+        f"-c {args.bare_concurrency}, 1 receiver process, {os.cpu_count()} CPUs, "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, load average {os.getloadavg()[0]:.1f}",
+        f"logs: {logdir}",
+    ]
+
+    try:
+        with (
+            psycopg.connect(this.dsn, autocommit=True) as this_conn,
+            psycopg.connect(benches["rev"].dsn, autocommit=True) as rev_conn,
+        ):
+            conns = {"this": this_conn, "rev": rev_conn}
+            for i, delay in enumerate(int(d) for d in args.delays.split(",")):
+                lines += ["", f"downstream delay {delay} ms",
+                          "  run      ours ev/s  bare ev/s  ours/bare  worker CPU ms/event: ours"
+                          " bare  ours RSS MiB"]  # fmt: skip
+                print("\n".join(lines[-3:]), flush=True)
+                downstream = uvicorn(
+                    "bench.downstream_app:app", DOWNSTREAM_PORT,
+                    {**this.env, "BENCH_DELAY_MS": str(delay)}, logdir / "downstream.log",
+                )  # fmt: skip
+                runs: dict[str, list[tuple[Drain, Drain]]] = {"this": [], "rev": []}
+                sustained: dict[str, Sustained] = {}
+                try:
+                    for k in range(args.rounds):
+                        bare = this.bare_drain(this_conn)
+                        for name in ("this", "rev") if k % 2 == 0 else ("rev", "this"):
+                            with benches[name].running():
+                                d = benches[name].ours_drain(conns[name], senders[name])
+                            runs[name].append((d, bare))
+                            lines.append(
+                                f"  {name:5s} {k + 1:2d} {d.rate:9.0f} {bare.rate:10.0f}"
+                                f" {d.rate / bare.rate:10.2f} {d.cpu_ms:26.2f} {bare.cpu_ms:5.2f}"
+                                f" {d.rss:13.0f}"
+                            )
+                            print(lines[-1], flush=True)
+                    slowest = min(max(d.rate for d, _ in runs[n]) for n in runs)
+                    rate = min(args.rate, 0.9 * slowest)
+                    sustained["bare"] = this.bare_sustained(this_conn, rate)
+                    for name in ("this", "rev") if i % 2 == 0 else ("rev", "this"):
+                        with benches[name].running():
+                            s = benches[name].ours_sustained(conns[name], senders[name], rate)
+                        sustained[name] = s
+                finally:
+                    stop(downstream)
+                means = compare(args.against, runs, sustained)
+                lines += means
+                print("\n".join(means), flush=True)
+    finally:
+        for name, b in benches.items():
+            drop(DB if name == "this" else f"{DB}_rev")
+            b.broker.flushdb()
+            b.claims.flushdb()
+        if made:
+            remove_worktree(rev)
+    return "\n".join(lines)
+
+
+def compare(
+    rev: str, runs: dict[str, list[tuple[Drain, Drain]]], sustained: dict[str, Sustained]
+) -> list[str]:
+    """The means of each tree's runs and this tree's ratio to REV's."""
+
+    def mean(name: str, f: Callable[[Drain, Drain], float]) -> float:
+        return statistics.fmean(f(d, bare) for d, bare in runs[name])
+
+    lines = []
+    for label, f, note in (
+        ("ours/bare events/s", lambda d, b: d.rate / b.rate, ""),
+        ("ours events/s", lambda d, b: d.rate, ""),
+        ("worker CPU ms/event", lambda d, b: d.cpu_ms, ": below 1 is cheaper"),
+    ):
+        this, other = mean("this", f), mean("rev", f)
+        lines.append(
+            f"  mean {label}: {this:.2f} against {rev}'s {other:.2f} ({this / other:.2f}x{note})"
+        )
+    s = sustained
+    lines += [
+        f"  sustained at {s['this'].offered:.0f} events/s offered: receipt->succeeded p50 / p99"
+        f" this tree {s['this'].p50_ms:.0f} / {s['this'].p99_ms:.0f} ms"
+        f" ({s['this'].done_rate:.0f} done/s), {rev} {s['rev'].p50_ms:.0f} /"
+        f" {s['rev'].p99_ms:.0f} ms ({s['rev'].done_rate:.0f} done/s)",
+        f"    bare publish->answered p50 / p99 {s['bare'].p50_ms:.0f} / {s['bare'].p99_ms:.0f} ms"
+        f" ({s['bare'].done_rate:.0f} done/s)",
+    ]
+    return lines
 
 
 def report(

@@ -9,7 +9,8 @@ Targets, measured side by side in the same run, in alternating rounds:
 
   ours          the pipeline's receiver: verify, one transaction (receipt + delivery), publish
   rev           with --against REV: the same receiver at REV, from a git worktree of REV run
-                with this venv (PYTHONPATH = the worktree) and its own database migrated by it
+                with this venv (PYTHONPATH = the worktree) and its own database migrated by it; its
+                command found through bench/compat.py (``webhooks.cli`` or where it moved)
   naive         (a) FastAPI + HMAC check + task.delay(payload), no database
   naive_insert  (b) the same + one INSERT per request (SQLAlchemy session in the threadpool)
   bare          a bare ASGI app that returns 200: the ceiling of server and generator
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import psycopg
 import redis
+from compat import cli as webhooks_command
 from revisions import remove_worktree, worktree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +131,7 @@ def setup_database(env: dict[str, str], db: str, cwd: Path) -> tuple[str, str]:
 
     def cli(*args: str) -> str:
         done = subprocess.run(  # noqa: S603
-            [str(BIN / "webhooks"), *args],
+            [*webhooks_command(cwd), *args],
             check=False,
             env=env,
             cwd=cwd,
@@ -181,7 +183,7 @@ def start(
     if target in ("ours", "rev"):
         # As deployed: `webhooks serve` (uvicorn with the receiver's server limits, and the
         # admin address beside it on a port of its own).
-        cmd = [str(BIN / "webhooks"), "serve", "--port", str(PORT), "--workers", str(workers)]
+        cmd = [*webhooks_command(cwd), "serve", "--port", str(PORT), "--workers", str(workers)]
         env = {**env, "WEBHOOKS_ADMIN_PORT": str(free_port())}
     else:
         cmd = [

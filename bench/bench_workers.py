@@ -54,25 +54,33 @@ from typing import Any, NamedTuple
 import orjson
 import psycopg
 import redis
+from celery import Celery
+from compat import (
+    ACCEPT_MANY_SQL,
+    CODE,
+    DELIVERIES_QUEUE,
+    ROOT,
+    Dispatch,
+    NewReceipt,
+    Publisher,
+    SecretBox,
+    Settings,
+    accept_many_params,
+    add_route,
+    create_app,
+    create_source,
+    decide_many,
+    expires_at,
+    make_engine,
+    make_sessionmaker,
+    target,
+    upgrade,
+)
+from revisions import remove_worktree, worktree
 
-ROOT = Path(__file__).resolve().parent.parent
-# The code whose publisher, accept and worker "ours" runs: this tree, or (a run of --against)
-# a worktree of another revision. Bare always runs this tree's bench/noop_app.py.
-CODE = Path(os.environ.get("BENCH_CODE", ROOT)).resolve()
-sys.path.insert(0, str(CODE))
-
-from celery import Celery  # noqa: E402
-from revisions import remove_worktree, worktree  # noqa: E402
-
-from core.crypto import SecretBox  # noqa: E402
-from core.messages import DELIVERIES_QUEUE, Dispatch  # noqa: E402
-from core.settings import Settings  # noqa: E402
-from core.ttl import expires_at  # noqa: E402
-from models import catalog  # noqa: E402
-from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many  # noqa: E402
-from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from tasks.config import create_app  # noqa: E402
-from tasks.publisher import Publisher  # noqa: E402
+# compat: the code whose publisher, accept and worker "ours" runs: this tree, or (a run of
+# --against) a worktree of another revision (BENCH_CODE), each name at its path there. Bare
+# always runs this tree's bench/noop_app.py.
 
 BIN = Path(sys.executable).parent
 DB = "webhooks_bench_workers"
@@ -248,7 +256,7 @@ def ours_round(
     messages = -(-n // batch)
     while queue_length(client) < messages:
         time.sleep(0.01)
-    worker = Worker("tasks", logdir)
+    worker = Worker(target("worker"), logdir)
     try:
         clock = wait_first_taken(client, messages, worker)
         while succeeded(conn, ids) < n:
@@ -268,7 +276,7 @@ def latency(
     what arrives close together, WEBHOOKS_PUBLISH_LINGER) for ``WARMUP_S`` + ``seconds``;
     the percentiles of the events after the warm-up."""
     seconds += WARMUP_S
-    worker = Worker("tasks", logdir)
+    worker = Worker(target("worker"), logdir)
     publisher = Publisher(s)
     try:
         while "ready." not in worker.log.read_text(errors="replace"):
@@ -314,10 +322,8 @@ def setup(s: Settings) -> tuple[int, str]:
     try:
         with make_sessionmaker(engine)() as session, session.begin():
             box = SecretBox(s.secret_key.get_secret_value())
-            source, secret = catalog.create_source(
-                session, box, s, name="bench", provider="standard"
-            )
-            catalog.add_route(session, box, source, handler="noop")
+            source, secret = create_source(session, box, s, name="bench", provider="standard")
+            add_route(session, box, source, handler="noop")
             return source.id, secret.id
     finally:
         engine.dispose()
