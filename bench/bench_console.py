@@ -44,8 +44,9 @@ from core.settings import Settings  # noqa: E402
 from ingest.admin import AdminServer  # noqa: E402
 from models import catalog, queries  # noqa: E402
 from models import console as reads  # noqa: E402
+from models.candidates import ReplayFilter  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from models.queries import EventFilter, ReplayFilter  # noqa: E402
+from models.queries import EventFilter  # noqa: E402
 
 DB = "webhooks_bench_console"
 ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -48,8 +48,8 @@ from core.settings import Settings  # noqa: E402
 from core.ttl import expires_at  # noqa: E402
 from models import catalog, replays, transitions  # noqa: E402
 from models.accept import NewReceipt, accept_sync  # noqa: E402
+from models.candidates import ReplayFilter  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from models.queries import ReplayFilter  # noqa: E402
 from tasks.publisher import CeleryPublisher  # noqa: E402
 
 DB = "webhooks_bench_replays"

@@ -77,16 +77,15 @@ from core.logs import configure_logging, get_logger
 from core.settings import Settings, load_settings
 from ingest.server import Limits, ReceiverProtocol
 from models import breaker, queries, replays
+from models.candidates import Candidate, ReplayFilter
 from models.catalog import CatalogError, Change
 from models.db import make_engine, make_sessionmaker
 from models.queries import (
-    Candidate,
     DeadGroup,
     DeliveryDetail,
     EventDetail,
     EventFilter,
     EventSummary,
-    ReplayFilter,
 )
 from models.replays import ReplayError, ReplayRecord
 from tasks.publisher import CeleryPublisher

@@ -20,8 +20,13 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from core.logs import get_logger
-from models import queries, transitions
-from models.queries import Candidate, ReplayFilter
+from models import transitions
+from models.candidates import (
+    Candidate,
+    ReplayFilter,
+    candidates_by_filter,
+    candidates_by_ids,
+)
 
 log = get_logger("discards")
 
@@ -90,7 +95,7 @@ def plan_discard(session: Session, req: DiscardRequest) -> DiscardPlan:
     dead (nothing else may be discarded)."""
     _validate(req)
     if req.ids:
-        found = queries.candidates_by_ids(session, req.ids)
+        found = candidates_by_ids(session, req.ids)
         alive = [c for c in found if c.status != "dead"]
         if alive:
             listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in alive[:10])
@@ -101,7 +106,7 @@ def plan_discard(session: Session, req: DiscardRequest) -> DiscardPlan:
             )
     else:
         assert req.flt is not None
-        found = queries.candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
+        found = candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
     if len(found) > MAX_PLAN:
         raise DiscardError(
             f"more than {MAX_PLAN} dead letters match; narrow the filter (--since/--until/--type)",

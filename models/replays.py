@@ -37,7 +37,13 @@ from core.clock import Clock, pinned
 from core.logs import get_logger
 from core.settings import Settings
 from models import queries, replay_rates, transitions
-from models.queries import Candidate, ReplayFilter
+from models.candidates import (
+    REPLAYABLE_STATES,
+    Candidate,
+    ReplayFilter,
+    candidates_by_filter,
+    candidates_by_ids,
+)
 from models.schema import Replay
 
 log = get_logger("replays")
@@ -124,7 +130,7 @@ def _refuse_states(candidates: list[Candidate], rerun_succeeded: bool) -> None:
             "deliberately, with a new key, pass --rerun-succeeded (audited like any replay)",
             "succeeded",
         )
-    busy = [c for c in candidates if c.status not in queries.REPLAYABLE_STATES]
+    busy = [c for c in candidates if c.status not in REPLAYABLE_STATES]
     if busy:
         listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in busy[:10])
         raise ReplayError(
@@ -143,7 +149,7 @@ def plan_replay(session: Session, req: ReplayRequest) -> Plan:
     """Select and freeze the candidates. Read-only."""
     validate_request(req)
     if req.ids:
-        found = queries.candidates_by_ids(session, req.ids)
+        found = candidates_by_ids(session, req.ids)
         _refuse_states(found, req.rerun_succeeded)
     else:
         assert req.flt is not None
@@ -154,7 +160,7 @@ def plan_replay(session: Session, req: ReplayRequest) -> Plan:
                 "with a new key (audited)",
                 "succeeded",
             )
-        found = queries.candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
+        found = candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
     if len(found) > MAX_PLAN:
         raise ReplayError(
             f"more than {MAX_PLAN} deliveries match; narrow the filter (--since/--until/--type)",

@@ -25,9 +25,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
 from core.ttl import expires_at
-from models import console, queries
+from models import candidates, console, queries
 from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, accept_sync
-from models.queries import EventFilter, ReplayFilter
+from models.candidates import ReplayFilter
+from models.queries import EventFilter
 from tests.conftest import ADMIN_DSN, make_settings
 from tests.factories import MadeSource, accept_event
 from tests.operators_support import accept, kill, ops_settings, source_with, succeed
@@ -293,7 +294,7 @@ def test_the_preview_freezes_the_ids_the_filter_selects_and_samples_the_first(
     flt = ReplayFilter(source.public_id, "pre.*", "dead", since=now - timedelta(hours=1))
     with sessions() as session:
         shown = console.preview(session, flt, limit=1000)
-        planned = queries.candidates_by_filter(session, flt, limit=1000)
+        planned = candidates.candidates_by_filter(session, flt, limit=1000)
         by_source = console.preview(session, ReplayFilter(source.public_id), limit=1000)
         capped = console.preview(session, ReplayFilter(source.public_id), limit=5)
     assert shown.ids == tuple(c.delivery_id for c in planned) == tuple(sorted(dead))

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
 from models import discards, partitions, retention, transitions
-from models.queries import ReplayFilter
+from models.candidates import ReplayFilter
 from models.retention import LeaseWait, ensure_partitions, expire_partitions, run_maintenance
 from tests.factories import MadeSource, make_source
 from tests.test_retention_holds import (

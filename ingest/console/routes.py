@@ -48,11 +48,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from core.logs import get_logger
 from core.settings import Settings
 from ingest.console import sessions as sess
-from models import breaker, catalog, discards, queries, replays
+from models import breaker, candidates, catalog, delivery_history, discards, queries, replays
 from models import console as reads
+from models.candidates import ReplayFilter
 from models.catalog import CatalogError, Change
 from models.discards import DiscardError
-from models.queries import EventFilter, ReplayFilter
+from models.queries import EventFilter
 from models.replays import ReplayError
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class PendingPlan:
     flt: ReplayFilter | None
     # By ids: the candidates as planned. By filter: the sample only; ``frozen`` holds every
     # matching id, and the confirmation reads the candidates of exactly those.
-    candidates: tuple[queries.Candidate, ...]
+    candidates: tuple[candidates.Candidate, ...]
     made_at: datetime
     frozen: tuple[int, ...] = ()
 
@@ -538,7 +539,9 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
         try:
             now = await c.db(reads.db_now)
             flt = dead_filter(args, now)
-            rows = await c.db(lambda s: queries.candidates_by_filter(s, flt, limit=DEAD_PAGE + 1))
+            rows = await c.db(
+                lambda s: candidates.candidates_by_filter(s, flt, limit=DEAD_PAGE + 1)
+            )
             groups = await c.db(lambda s: queries.dead_letters(s, source=flt.source))
         except (queries.QueryError, CatalogError) as exc:
             return c.page(
@@ -658,7 +661,7 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
             # The ids the preview counted, read now (the rows move only through guarded SQL
             # at execution, which skips any that are no longer dead).
             try:
-                rows = await c.db(lambda s: queries.candidates_by_ids(s, pending.frozen))
+                rows = await c.db(lambda s: candidates.candidates_by_ids(s, pending.frozen))
             except queries.NotFoundError as exc:
                 return c.error(request, session, f"{exc}: preview again")
             pending.candidates = tuple(rows)
@@ -865,12 +868,12 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
 class TimelineRow:
     """An attempt, or a replay separator before the attempt it opened."""
 
-    attempt: queries.AttemptView | None
-    replay: queries.ReplayMark | None
+    attempt: delivery_history.AttemptView | None
+    replay: delivery_history.ReplayMark | None
     duration_ms: int | None
 
 
-def _timeline(view: queries.DeliveryView) -> list[TimelineRow]:
+def _timeline(view: delivery_history.DeliveryView) -> list[TimelineRow]:
     marks = {m.first_attempt: m for m in view.replays}
     rows: list[TimelineRow] = []
     for a in view.attempt_log:

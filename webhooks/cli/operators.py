@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     import httpx
 
     from models import queries, replays
-    from models.queries import ReplayFilter
+    from models.candidates import ReplayFilter
 
 dead_app = typer.Typer(help="Dead letters: deliveries that gave up.", no_args_is_help=True)
 replays_app = typer.Typer(help="The replay audit trail.", no_args_is_help=True)
@@ -855,7 +855,7 @@ def _selection(
     both), a reason unless it is a dry run, no prompt in JSON mode. Returns the filter as
     given (for the audit row) and the filter itself (None for ids). ``status`` None: dead
     letters only, not an option of the command."""
-    from models.queries import ReplayFilter  # noqa: PLC0415
+    from models.candidates import ReplayFilter  # noqa: PLC0415
 
     has_filter = any(v is not None for v in (source, event_type, since, until))
     if ids and (has_filter or (status or "dead") != "dead"):
