@@ -477,7 +477,7 @@ class Receiver:
 
     def _ensure_partitions(self) -> None:
         from models.db import make_engine  # noqa: PLC0415
-        from models.retention import ensure_partitions  # noqa: PLC0415
+        from models.retention_layout import ensure_partitions  # noqa: PLC0415
 
         if self._sync_engine is None:
             self._sync_engine = make_engine(self.settings, pool_size=1)

@@ -35,15 +35,10 @@ from ingest.app import create_app
 from models import partitions, transitions
 from models.accept import NewReceipt, accept_sync
 from models.db import make_engine, make_sessionmaker, upgrade
-from models.retention import (
-    delete_expired,
-    drop_expired_partitions,
-    drop_payloads,
-    ensure_partitions,
-    hold_end,
-    longest_ttl,
-    run_maintenance,
-)
+from models.retention import delete_expired, drop_payloads, run_maintenance
+from models.retention_expiry import drop_expired_partitions
+from models.retention_holds import hold_end
+from models.retention_layout import ensure_partitions, longest_ttl
 from models.transitions import Claim
 from tests.conftest import ADMIN_DSN, BIN, REDIS, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env

@@ -26,7 +26,9 @@ from core.settings import Settings
 from models import partitions, queries, retention, transitions
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.partitions import leaf_suffix
-from models.retention import ensure_partitions, hold_end, run_maintenance
+from models.retention import run_maintenance
+from models.retention_holds import hold_end
+from models.retention_layout import ensure_partitions
 from models.transitions import Claim
 from tests.conftest import ADMIN_DSN, BIN, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env

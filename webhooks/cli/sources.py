@@ -143,7 +143,7 @@ def _reconcile_view(source: Source) -> dict[str, Any]:
 def _lay_out_partitions(e: Env) -> None:
     """A longer TTL needs partitions further ahead: lay them out now rather than on the first
     event that needs them."""
-    from models.retention import ensure_partitions
+    from models.retention_layout import ensure_partitions
 
     # Which days are past is the database's call (None), never this host's clock.
     ensure_partitions(e.engine, e.settings, pinned(e.clock))
