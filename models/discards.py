@@ -2,7 +2,7 @@
 
 A dead letter is kept for ``dead_letter_retention`` after it went dead, so an operator can
 inspect and replay it; an operator who decides it will never be replayed discards it:
-``dead -> discarded`` (:func:`models.transitions.discard`, guarded on ``dead``), after which
+``dead -> discarded`` (:func:`models.requeue.discard`, guarded on ``dead``), after which
 retention no longer holds it. The state change, its ``audit_log`` row (who, why, the
 filter as given, how many) and its ``audit_discarded`` rows (which deliveries: a filter
 matches other rows tomorrow, so the filter alone does not say what was discarded) commit in
@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from core.logs import get_logger
-from models import transitions
+from models import requeue
 from models.candidates import (
     Candidate,
     ReplayFilter,
@@ -138,7 +138,7 @@ def execute_discard(session: Session, plan: DiscardPlan, *, now: datetime | None
     ids it changed, in the caller's transaction (the session's). ``now`` None: the
     database's clock."""
     req = plan.request
-    done = transitions.discard(session, [c.delivery_id for c in plan.candidates], now=now)
+    done = requeue.discard(session, [c.delivery_id for c in plan.candidates], now=now)
     audit_id = session.execute(
         _AUDIT,
         {

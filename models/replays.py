@@ -6,7 +6,7 @@
    deliveries that are still being worked on.
 2. :func:`start_replay` writes the audit row (who, why, the filter as given, planned count).
 3. :func:`execute` moves the deliveries in chunks, each chunk one transaction: one set-based
-   statement (:func:`models.transitions.replay_many`: per row the guarded ``replay``, dead ->
+   statement (:func:`models.requeue.replay_many`: per row the guarded ``replay``, dead ->
    pending with the same key generation, or ``rerun``, succeeded -> pending with generation
    + 1), one read of why the others did not move, and the audit counters bumped once; then
    publishes each moved id after the commit. Chunks are paced by :func:`pace_chunk` so that
@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.clock import Clock, pinned
 from core.logs import get_logger
 from core.settings import Settings
-from models import queries, replay_rates, transitions
+from models import queries, replay_rates, requeue
 from models.candidates import (
     REPLAYABLE_STATES,
     Candidate,
@@ -311,7 +311,7 @@ def _replay_chunk(
 ) -> list[Skip]:
     """One chunk in one transaction: the guarded moves, why the others did not move, the
     audit counters. Returns the skips (every other candidate moved)."""
-    done = transitions.replay_many(
+    done = requeue.replay_many(
         session,
         [(c.delivery_id, c.status) for c in chunk],
         now=now,
