@@ -46,7 +46,7 @@ from core.clock import SystemClock  # noqa: E402
 from core.crypto import SecretBox  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from core.ttl import expires_at  # noqa: E402
-from models import catalog, replays, requeue  # noqa: E402
+from models import catalog, replays, requeue, route_catalog  # noqa: E402
 from models.accept import NewReceipt, accept_sync  # noqa: E402
 from models.candidates import ReplayFilter  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
@@ -73,7 +73,7 @@ def make_dead(s: Settings, sessions: sessionmaker[Session], n: int) -> str:
             session, box, s, name=f"bench-{uuid.uuid4().hex[:8]}", provider="standard"
         )
         for _ in range(ROUTES):
-            catalog.add_route(session, box, source, handler="log")
+            route_catalog.add_route(session, box, source, handler="log")
         source_id, public_id = source.id, source.public_id
     ids: list[int] = []
     with psycopg.connect(s.psycopg_dsn, autocommit=True) as conn:

@@ -68,7 +68,7 @@ from core.crypto import SecretBox  # noqa: E402
 from core.messages import DELIVERIES_QUEUE, Dispatch  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from core.ttl import expires_at  # noqa: E402
-from models import catalog  # noqa: E402
+from models import catalog, route_catalog  # noqa: E402
 from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from tasks.config import create_app  # noqa: E402
@@ -317,7 +317,7 @@ def setup(s: Settings) -> tuple[int, str]:
             source, secret = catalog.create_source(
                 session, box, s, name="bench", provider="standard"
             )
-            catalog.add_route(session, box, source, handler="noop")
+            route_catalog.add_route(session, box, source, handler="noop")
             return source.id, secret.id
     finally:
         engine.dispose()

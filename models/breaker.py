@@ -53,7 +53,8 @@ import psycopg
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from models.catalog import CatalogError, Change, Changed, _route_target, get_route, record_audit
+from models.catalog import CatalogError, Change, Changed, record_audit
+from models.route_catalog import get_route, route_target
 from models.schema import Route, Source
 from models.statements import placeholders, sql_text
 
@@ -369,7 +370,7 @@ def set_paused(
     if moved is None:
         raise CatalogError(f"route {route_id} is {'already paused' if paused else 'not paused'}")
     source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
-    target = _route_target(route, source)
+    target = route_target(route, source)
     action = "route.pause" if paused else "route.resume"
     audit_id = record_audit(session, change, action, target, count=1, now=now)
     held_now = session.execute(
@@ -415,7 +416,7 @@ def set_limits(
         route.rate_period_s = None if rate is None else rate.period_s
     session.flush()
     source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
-    target = {**_route_target(route, source), "before": before, "after": limits_view(route)}
+    target = {**route_target(route, source), "before": before, "after": limits_view(route)}
     audit_id = record_audit(session, change, "route.limits", target, count=1, now=now)
     return Changed(audit_id, target, 0)
 

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
 from core.ttl import expires_at
-from models import candidates, console, queries
+from models import candidates, console, event_walk, queries
 from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, accept_sync
 from models.candidates import ReplayFilter
 from models.queries import EventFilter
@@ -103,7 +103,7 @@ def test_events_by_status_are_the_same_rows_in_the_same_order_either_way(
         with sessions() as session:
             # No source: every key of the status probed and sorted (any source's mix.event).
             anywhere = _pages(session, None, status, limit=3, event_type="mix.event")
-        monkeypatch.setattr(queries, "RARE_STATUS_ROWS", 0)
+        monkeypatch.setattr(event_walk, "RARE_STATUS_ROWS", 0)
         with sessions() as session:
             common = _pages(session, source.public_id, status, limit=3)
             common_anywhere = _pages(session, None, status, limit=3, event_type="mix.event")
@@ -166,7 +166,7 @@ def test_events_by_a_rare_status_stay_exact_when_deliveries_are_created_later(
             with sessions() as session:
                 walked = _pages(session, source.public_id, status, limit=limit)
             assert walked == expected, (status, limit)
-        monkeypatch.setattr(queries, "RARE_STATUS_ROWS", 0)
+        monkeypatch.setattr(event_walk, "RARE_STATUS_ROWS", 0)
         with sessions() as session:
             assert _pages(session, source.public_id, status, limit=4) == expected, status
         monkeypatch.undo()

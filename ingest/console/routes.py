@@ -48,7 +48,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from core.logs import get_logger
 from core.settings import Settings
 from ingest.console import sessions as sess
-from models import breaker, candidates, catalog, delivery_history, discards, queries, replays
+from models import (
+    breaker,
+    candidates,
+    catalog,
+    delivery_history,
+    discards,
+    queries,
+    replays,
+    route_catalog,
+)
 from models import console as reads
 from models.candidates import ReplayFilter
 from models.catalog import CatalogError, Change
@@ -772,9 +781,11 @@ def create_console(settings: Settings, state: _State, tokens: dict[str, SecretSt
 
             def act(s: Session) -> None:
                 if action in ("enable", "disable"):
-                    catalog.set_route_active(s, route_id, action == "enable", change, now=None)
+                    route_catalog.set_route_active(
+                        s, route_id, action == "enable", change, now=None
+                    )
                 elif action == "remove":
-                    catalog.remove_route(s, route_id, change, now=None)
+                    route_catalog.remove_route(s, route_id, change, now=None)
                 else:
                     breaker.set_paused(s, route_id, action == "pause", change, now=None)
 

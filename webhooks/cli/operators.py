@@ -532,7 +532,7 @@ def _demo_source(e: Env) -> tuple[str, str]:
     from sqlalchemy import select  # noqa: PLC0415
 
     from core.crypto import SecretBox  # noqa: PLC0415
-    from models import catalog  # noqa: PLC0415
+    from models import catalog, route_catalog  # noqa: PLC0415
     from models.schema import Source  # noqa: PLC0415
 
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
@@ -551,10 +551,10 @@ def _demo_source(e: Env) -> tuple[str, str]:
             secret = box.decrypt(active[-1].ciphertext) if active else None
             if secret is None:
                 secret = catalog.add_secret(session, box, source).plaintext
-        have = {(r.handler, r.events_glob) for r in catalog.list_routes(session, source)}
+        have = {(r.handler, r.events_glob) for r in route_catalog.list_routes(session, source)}
         for handler, events in DEMO_ROUTES:
             if (handler, events) not in have:
-                catalog.add_route(session, box, source, handler=handler, events=events)
+                route_catalog.add_route(session, box, source, handler=handler, events=events)
         assert secret is not None
         return source.public_id, secret
 

@@ -441,14 +441,14 @@ def sources_list(
 @handle_errors
 def sources_show(source: str, as_json: JsonOpt = False) -> None:
     """Show one source with its secrets (ids and dates) and routes."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog, route_catalog  # noqa: PLC0415
 
     e = env()
     with e.session() as session:
         row = catalog.get_source(session, source)
         view = _source_view(e, row)
         view["secrets"] = [_secret_view(s) for s in catalog.list_secrets(session, row)]
-        view["routes"] = [_route_view(r) for r in catalog.list_routes(session, row)]
+        view["routes"] = [_route_view(r) for r in route_catalog.list_routes(session, row)]
     if as_json:
         print_json(view)
         return
@@ -655,12 +655,12 @@ def routes_add(
     """Bind a handler to a source, optionally for matching event types only (audited).
 
     The handler must be registered here (webhooks handlers list)."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog, route_catalog  # noqa: PLC0415
 
     e = env()
     _registry(e).require(handler)
     with e.session() as session:
-        route, signing = catalog.add_route(
+        route, signing = route_catalog.add_route(
             session,
             _box(e),
             catalog.get_source(session, source),
@@ -691,19 +691,19 @@ def routes_list(
     as_json: JsonOpt = False,
 ) -> None:
     """A source's routes, or every route with its source."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog, route_catalog  # noqa: PLC0415
 
     e = env()
     with e.session() as session:
         if source is not None:
             views = [
                 _route_view(r)
-                for r in catalog.list_routes(session, catalog.get_source(session, source))
+                for r in route_catalog.list_routes(session, catalog.get_source(session, source))
             ]
         else:
             views = [
                 {"source": s.public_id, "source_name": s.name, **_route_view(r)}
-                for s, r in catalog.list_all_routes(session)
+                for s, r in route_catalog.list_all_routes(session)
             ]
     if as_json:
         print_json(views)
@@ -787,11 +787,11 @@ def routes_disable(
     """Stop routing new events to this route (audited). Its deliveries that are not finished
     go dead with route_inactive when a worker picks them up; replay them after
     `routes enable`."""
-    from models import catalog  # noqa: PLC0415
+    from models import route_catalog  # noqa: PLC0415
 
     e = env()
     with e.session() as session:
-        changed = catalog.set_route_active(
+        changed = route_catalog.set_route_active(
             session, route_id, False, _change(operator, reason), now=None
         )
     extra = ""
@@ -809,13 +809,13 @@ def routes_enable(
     route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
 ) -> None:
     """Route new events to this route again (audited); its handler must be registered."""
-    from models import catalog  # noqa: PLC0415
+    from models import route_catalog  # noqa: PLC0415
 
     e = env()
     registry = _registry(e)
     with e.session() as session:
-        registry.require(catalog.get_route(session, route_id).handler)
-        changed = catalog.set_route_active(
+        registry.require(route_catalog.get_route(session, route_id).handler)
+        changed = route_catalog.set_route_active(
             session, route_id, True, _change(operator, reason), now=None
         )
     _say_route("enabled", changed)
@@ -825,11 +825,11 @@ def routes_enable(
 @handle_errors
 def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
     """One route: its handler, and whether it is paused and its circuit breaker's state."""
-    from models import catalog  # noqa: PLC0415
+    from models import route_catalog  # noqa: PLC0415
 
     e = env()
     with e.session() as session:
-        view = _route_view(catalog.get_route(session, route_id))
+        view = _route_view(route_catalog.get_route(session, route_id))
     if as_json:
         print_json(view)
         return
@@ -928,11 +928,11 @@ def routes_remove(
 ) -> None:
     """Delete a route (audited). Refused while it has deliveries that are not finished or
     dead (disable it instead); finished ones keep their history."""
-    from models import catalog  # noqa: PLC0415
+    from models import route_catalog  # noqa: PLC0415
 
     e = env()
     with e.session() as session:
-        changed = catalog.remove_route(session, route_id, _change(operator, reason), now=None)
+        changed = route_catalog.remove_route(session, route_id, _change(operator, reason), now=None)
     _say_route("removed", changed)
 
 
@@ -994,12 +994,12 @@ def handlers_list(
 ) -> None:
     """Handlers a route can name: the built-ins, the webhooks.handlers entry points and the
     modules in WEBHOOKS_HANDLER_MODULES, with the active routes using each."""
-    from models import catalog  # noqa: PLC0415
+    from models import route_catalog  # noqa: PLC0415
 
     e = env()
     infos = _registry(e).describe()
     with e.session() as session:
-        routes = catalog.active_routes(session)
+        routes = route_catalog.active_routes(session)
     used: dict[str, list[int]] = {}
     for route, _source in routes:
         used.setdefault(route.handler, []).append(route.id)
