@@ -51,6 +51,7 @@ from starlette.routing import Route
 from core import metrics
 from core.clock import Clock, SystemClock, pinned
 from core.crypto import SecretBox, SecretDecryptError
+from core.errors import WebhooksError
 from core.logs import configure_logging, get_logger
 from core.providers import (
     AuthError,
@@ -89,7 +90,7 @@ REFRESH_AFTER_SECONDS = 0.25
 SOURCE_ID = re.compile(r"src_[A-Za-z0-9]{20}")
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(WebhooksError):
     """The body exceeds the source's limit."""
 
 

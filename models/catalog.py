@@ -21,6 +21,7 @@ from core.crypto import (
     key_prefix,
     public_id,
 )
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.metrics import SOURCES_TTL_RAISED
 from core.settings import Settings
@@ -45,7 +46,7 @@ from models.schema import (
 log = get_logger("catalog")
 
 
-class CatalogError(ValueError):
+class CatalogError(WebhooksError, ValueError):
     """Bad input for a source, secret or route; nothing was changed."""
 
 

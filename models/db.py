@@ -11,6 +11,7 @@ from psycopg import sql
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.errors import WebhooksError
 from core.settings import Settings
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 
-class DatabaseUnavailable(Exception):
+class DatabaseUnavailable(WebhooksError):
     """Postgres could not be reached."""
 
 

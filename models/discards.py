@@ -19,6 +19,7 @@ from typing import Any, Literal
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from core.errors import WebhooksError
 from core.logs import get_logger
 from models import requeue
 from models.candidates import (
@@ -36,7 +37,7 @@ SAMPLE_SIZE = 10
 Via = Literal["cli", "api", "console"]
 
 
-class DiscardError(ValueError):
+class DiscardError(WebhooksError, ValueError):
     """The discard was refused or is malformed; nothing was changed."""
 
     def __init__(self, message: str, reason: str) -> None:

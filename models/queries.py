@@ -20,6 +20,7 @@ from sqlalchemy import exists, func, select, tuple_
 from sqlalchemy.orm import Session
 
 from core.durations import DurationError, parse_duration
+from core.errors import WebhooksError
 from models.catalog import get_source, glob_to_like
 from models.delivery_history import REMOVED_ROUTE, DeliveryView, delivery_of_receipt, delivery_views
 from models.event_walk import EVENT_COLUMNS, is_rare_status, probe_every_key, walk_by_created
@@ -45,7 +46,7 @@ def receipt_ref(receipt_id: int) -> str:
     return f"{RECEIPT_PREFIX}{receipt_id}"
 
 
-class QueryError(ValueError):
+class QueryError(WebhooksError, ValueError):
     """Bad operator input (unknown status, unparseable time, ...); nothing was read."""
 
     def __init__(self, message: str, reason: str = "bad_query") -> None:
@@ -54,6 +55,8 @@ class QueryError(ValueError):
 
 
 class NotFoundError(QueryError):
+    """The id, event or delivery asked for does not exist (``reason`` ``not_found``)."""
+
     def __init__(self, message: str) -> None:
         super().__init__(message, "not_found")
 

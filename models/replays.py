@@ -34,6 +34,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.clock import Clock, pinned
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.settings import Settings
 from models import queries, replay_rates, requeue
@@ -63,7 +64,7 @@ Via = Literal["cli", "api", "console"]
 Publish = Callable[[int, str, str], bool]
 
 
-class ReplayError(ValueError):
+class ReplayError(WebhooksError, ValueError):
     """The replay was refused or is malformed; nothing was changed."""
 
     def __init__(self, message: str, reason: str) -> None:

@@ -30,10 +30,11 @@ from typing import Any, NamedTuple
 import psycopg
 from sqlalchemy.orm import Session
 
+from core.errors import WebhooksError
 from models.statements import Target, fetchone, placeholders
 
 
-class TransitionError(Exception):
+class TransitionError(WebhooksError):
     """Base class of state machine errors."""
 
 
