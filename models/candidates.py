@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from core.states import REPLAYABLE, DeliveryStatus
 from models.delivery_history import REMOVED_ROUTE, delivery_of_receipt
 from models.queries import NotFoundError, check_status, receipt_conditions, source_id_of
 from models.schema import (
@@ -20,14 +21,12 @@ from models.schema import (
     Source,
 )
 
-REPLAYABLE_STATES = ("dead", "succeeded")
-
 
 @dataclass(frozen=True)
 class ReplayFilter:
     source: str | None = None
     event_type: str | None = None
-    status: str = "dead"
+    status: str = DeliveryStatus.DEAD
     since: datetime | None = None
     until: datetime | None = None
 
@@ -77,7 +76,7 @@ def candidates_by_filter(session: Session, flt: ReplayFilter, *, limit: int) -> 
     ``since`` and ``until`` bound the event's arrival (received_at), as in ``events list``.
     At most ``limit`` rows; the caller asks for one more than it accepts to detect overflow.
     """
-    check_status(flt.status, REPLAYABLE_STATES)
+    check_status(flt.status, REPLAYABLE)
     conds = receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
     source_id = source_id_of(session, flt.source)
     if source_id is not None:

@@ -25,6 +25,7 @@ from core.errors import WebhooksError
 from core.logs import get_logger
 from core.metrics import SOURCES_TTL_RAISED
 from core.settings import Settings
+from core.states import UNFINISHED
 from core.ttl import (
     EffectiveTtl,
     TtlConfigError,
@@ -35,7 +36,6 @@ from core.ttl import (
     unknown_provider,
 )
 from models.schema import (
-    UNFINISHED_STATES,
     AuditEntry,
     Delivery,
     Route,
@@ -518,8 +518,7 @@ def record_audit(
 
 def count_unfinished(session: Session, *where: Any) -> int:
     return int(
-        session.scalar(select(func.count()).where(Delivery.status.in_(UNFINISHED_STATES), *where))
-        or 0
+        session.scalar(select(func.count()).where(Delivery.status.in_(UNFINISHED), *where)) or 0
     )
 
 

@@ -15,10 +15,10 @@ from typing import Any
 from sqlalchemy import and_, func, select, text
 from sqlalchemy.orm import Session
 
+from core.states import REPLAYABLE
 from models import queries
 from models.breaker import RouteState, state_of
 from models.candidates import (
-    REPLAYABLE_STATES,
     Candidate,
     ReplayFilter,
     candidates_by_ids,
@@ -254,7 +254,7 @@ def preview(session: Session, flt: ReplayFilter, *, limit: int, sample: int = 10
 
     Why: reading every candidate joined to its receipt, source and route (10,000 of them in
     the benchmark) is what made the preview miss 500 ms; the ids are enough to freeze."""
-    queries.check_status(flt.status, REPLAYABLE_STATES)
+    queries.check_status(flt.status, REPLAYABLE)
     conds: list[Any] = [Delivery.status == flt.status]
     if flt.source is not None:
         conds.append(Delivery.source_id == get_source(session, flt.source).id)

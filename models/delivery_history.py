@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
+from core.states import AttemptOutcome
 from models.schema import (
     Attempt,
     Delivery,
@@ -199,7 +200,7 @@ def replay_marks(
     for i in range(1, len(attempts)):
         prev, cur = attempts[i - 1], attempts[i]
         if (
-            prev.outcome in ("dead", "succeeded")
+            prev.outcome in (AttemptOutcome.DEAD, AttemptOutcome.SUCCEEDED)
             or cur.generation > prev.generation
             or (attempt_base > 0 and cur.number == attempt_base + 1)
             or any(

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import WebhooksError
 from core.logs import get_logger
+from core.states import DeliveryStatus
 from models import requeue
 from models.candidates import (
     Candidate,
@@ -87,7 +88,7 @@ def _validate(req: DiscardRequest) -> None:
         raise DiscardError(
             "give delivery ids or a filter (--source/--type/...), not both", "bad_target"
         )
-    if req.flt is not None and req.flt.status != "dead":
+    if req.flt is not None and req.flt.status != DeliveryStatus.DEAD:
         raise DiscardError("only dead letters can be discarded", "not_dead")
 
 
@@ -97,7 +98,7 @@ def plan_discard(session: Session, req: DiscardRequest) -> DiscardPlan:
     _validate(req)
     if req.ids:
         found = candidates_by_ids(session, req.ids)
-        alive = [c for c in found if c.status != "dead"]
+        alive = [c for c in found if c.status != DeliveryStatus.DEAD]
         if alive:
             listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in alive[:10])
             raise DiscardError(

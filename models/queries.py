@@ -21,11 +21,11 @@ from sqlalchemy.orm import Session
 
 from core.durations import DurationError, parse_duration
 from core.errors import WebhooksError
+from core.states import DeliveryStatus
 from models.catalog import get_source, glob_to_like
 from models.delivery_history import REMOVED_ROUTE, DeliveryView, delivery_of_receipt, delivery_views
 from models.event_walk import EVENT_COLUMNS, is_rare_status, probe_every_key, walk_by_created
 from models.schema import (
-    DELIVERY_STATES,
     Delivery,
     Receipt,
     Route,
@@ -107,7 +107,7 @@ def parse_time(text: str, *, now: datetime) -> datetime:
     return parsed
 
 
-def check_status(status: str | None, allowed: Sequence[str] = DELIVERY_STATES) -> None:
+def check_status(status: str | None, allowed: Sequence[str] = tuple(DeliveryStatus)) -> None:
     if status is not None and status not in allowed:
         raise QueryError(f"unknown status {status!r}; one of {', '.join(allowed)}")
 
@@ -216,7 +216,7 @@ def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     rows: list[Any]
     source_id = None if flt.status is None else source_id_of(session, flt.source)
     if flt.status is not None and is_rare_status(session, flt.status, source_id):
-        if source_id is not None and flt.status == "dead":
+        if source_id is not None and flt.status == DeliveryStatus.DEAD:
             rows = walk_by_created(session, source_id, conds, flt.limit, flt.since)
         else:
             rows = probe_every_key(session, flt.status, source_id, conds, flt.limit)
@@ -470,7 +470,7 @@ def dead_letters(
     session: Session, *, source: str | None = None, samples: int = 5
 ) -> list[DeadGroup]:
     """Dead deliveries grouped by source, route and reason; largest groups first."""
-    conds: list[Any] = [Delivery.status == "dead"]
+    conds: list[Any] = [Delivery.status == DeliveryStatus.DEAD]
     source_id = source_id_of(session, source)
     if source_id is not None:
         conds.append(Delivery.source_id == source_id)

@@ -37,9 +37,9 @@ from core.clock import Clock, pinned
 from core.errors import WebhooksError
 from core.logs import get_logger
 from core.settings import Settings
+from core.states import REPLAYABLE, DeliveryStatus
 from models import queries, replay_rates, requeue
 from models.candidates import (
-    REPLAYABLE_STATES,
     Candidate,
     ReplayFilter,
     candidates_by_filter,
@@ -123,7 +123,7 @@ class Plan:
 
 
 def _refuse_states(candidates: list[Candidate], rerun_succeeded: bool) -> None:
-    succeeded = [c.delivery_id for c in candidates if c.status == "succeeded"]
+    succeeded = [c.delivery_id for c in candidates if c.status == DeliveryStatus.SUCCEEDED]
     if succeeded and not rerun_succeeded:
         raise ReplayError(
             f"refused: delivery {_ids(succeeded)} already succeeded. A plain replay would run "
@@ -131,7 +131,7 @@ def _refuse_states(candidates: list[Candidate], rerun_succeeded: bool) -> None:
             "deliberately, with a new key, pass --rerun-succeeded (audited like any replay)",
             "succeeded",
         )
-    busy = [c for c in candidates if c.status not in REPLAYABLE_STATES]
+    busy = [c for c in candidates if c.status not in REPLAYABLE]
     if busy:
         listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in busy[:10])
         raise ReplayError(
@@ -154,7 +154,7 @@ def plan_replay(session: Session, req: ReplayRequest) -> Plan:
         _refuse_states(found, req.rerun_succeeded)
     else:
         assert req.flt is not None
-        if req.flt.status == "succeeded" and not req.rerun_succeeded:
+        if req.flt.status == DeliveryStatus.SUCCEEDED and not req.rerun_succeeded:
             raise ReplayError(
                 "refused: replaying succeeded deliveries would run their effects again under "
                 "the same downstream idempotency key; pass --rerun-succeeded to run them again "

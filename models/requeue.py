@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from core.states import DeliveryStatus
 from models.statements import sql_text
 
 
@@ -88,7 +89,7 @@ def replay_many(
     (planning a statement over every partition, Postgres would spend seconds compiling it)."""
     session.execute(text("SET LOCAL jit = off"))
     moved: set[int] = set()
-    for status, bump in (("dead", 0), ("succeeded", 1)):
+    for status, bump in ((DeliveryStatus.DEAD, 0), (DeliveryStatus.SUCCEEDED, 1)):
         ids = [i for i, seen in wanted if seen == status]
         if ids:
             rows = session.execute(

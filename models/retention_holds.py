@@ -16,8 +16,8 @@ from sqlalchemy import Connection, Engine, text
 
 from core.logs import get_logger
 from core.settings import Settings
+from core.states import UNFINISHED
 from models import partitions
-from models.schema import UNFINISHED_STATES
 
 log = get_logger("retention")
 
@@ -34,7 +34,7 @@ DROP_ORDER = {"receipts": 0, "deliveries": 1, "attempts": 2}
 _MOVE_ORDER = tuple(DROP_ORDER)
 
 
-_UNFINISHED = ", ".join(f"'{s}'" for s in UNFINISHED_STATES)
+_UNFINISHED = ", ".join(f"'{s}'" for s in UNFINISHED)
 
 
 # A delivery that holds its receipt at :now. A dead letter without dead_at (none should exist:

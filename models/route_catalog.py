@@ -17,6 +17,7 @@ from core.crypto import (
     SecretBox,
     generate_secret,
 )
+from core.states import DeliveryStatus
 from models.catalog import (
     CatalogError,
     Change,
@@ -183,7 +184,9 @@ def remove_route(
     unfinished = count_unfinished(session, Delivery.route_id == route_id)
     dead = int(
         session.scalar(
-            select(func.count()).where(Delivery.route_id == route_id, Delivery.status == "dead")
+            select(func.count()).where(
+                Delivery.route_id == route_id, Delivery.status == DeliveryStatus.DEAD
+            )
         )
         or 0
     )

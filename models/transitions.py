@@ -31,6 +31,7 @@ import psycopg
 from sqlalchemy.orm import Session
 
 from core.errors import WebhooksError
+from core.states import AttemptOutcome, DeliveryStatus
 from models.statements import Target, fetchone, placeholders
 
 
@@ -75,7 +76,7 @@ class Claim:
 
     @property
     def crashed_too_often(self) -> bool:
-        return self.status == "dead"
+        return self.status == DeliveryStatus.DEAD
 
 
 # The claim's assignments, shared by the one-delivery and the several-deliveries statements:
@@ -559,7 +560,7 @@ def succeed(session: Target, found: Claim, *, now: datetime, leaf: str | None = 
         "status = 'succeeded', succeeded_at = :now, next_attempt_at = NULL, "
         "last_error = NULL, last_error_class = NULL",
         now=now,
-        outcome="succeeded",
+        outcome=AttemptOutcome.SUCCEEDED,
         leaf=leaf,
     )
 
@@ -585,7 +586,7 @@ def retry_later(
         "last_error_class = :error_class, last_error = :error"
         + (", attempt_base = attempt_base + 1" if uncounted else ""),
         now=now,
-        outcome="retry",
+        outcome=AttemptOutcome.RETRY,
         error_class=error_class,
         error=error,
         params={"next_at": next_attempt_at},
@@ -610,7 +611,7 @@ def kill(
         "last_error_class = coalesce(:error_class, last_error_class), "
         "last_error = coalesce(:error, last_error)",
         now=now,
-        outcome="dead",
+        outcome=AttemptOutcome.DEAD,
         error_class=error_class,
         error=error,
         params={"reason": reason},

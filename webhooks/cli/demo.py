@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from core.states import UNFINISHED, DeliveryStatus
 from webhooks.cli.common import (
     CliError,
     Env,
@@ -125,7 +126,11 @@ def _states_table(states: list[queries.DeliveryState], title: str) -> Table:
         box=None,
         pad_edge=False,
     )
-    colours = {"succeeded": "green", "dead": "red", "retrying": "yellow"}
+    colours: dict[str, str] = {
+        DeliveryStatus.SUCCEEDED: "green",
+        DeliveryStatus.DEAD: "red",
+        DeliveryStatus.RETRYING: "yellow",
+    }
     for st in states:
         colour = colours.get(st.status, "cyan")
         row(
@@ -209,7 +214,7 @@ def _held_keys(e: Env, pending: list[queries.DeliveryState]) -> list[int]:
 
 def _stalled(e: Env, states: list[queries.DeliveryState]) -> str:
     """What holds the deliveries: no worker, keys that say duplicate, or something else."""
-    waiting = [st for st in states if st.status in ("pending", "retrying", "processing")]
+    waiting = [st for st in states if st.status in UNFINISHED]
     workers = _workers_answering(e)
     if not workers:
         return (
@@ -217,7 +222,7 @@ def _stalled(e: Env, states: list[queries.DeliveryState]) -> str:
             "(`webhooks run` starts receiver, worker and beat)"
         )
     ids = ", ".join(str(st.delivery_id) for st in waiting) or "none"
-    held = _held_keys(e, [st for st in waiting if st.status == "pending"])
+    held = _held_keys(e, [st for st in waiting if st.status == DeliveryStatus.PENDING])
     if held:
         return (
             f"deliveries {', '.join(map(str, held))} pending while a worker answered "
@@ -285,12 +290,14 @@ def demo(
 
     def settled(states: list[queries.DeliveryState]) -> bool:
         return len(states) == len(ids) and all(
-            st.status == ("dead" if st.handler == "flaky" else "succeeded") for st in states
+            st.status
+            == (DeliveryStatus.DEAD if st.handler == "flaky" else DeliveryStatus.SUCCEEDED)
+            for st in states
         )
 
     console.rule("2. workers deliver them; the flaky handler fails and its delivery goes dead")
     states = _watch(e, source, ids, "deliveries", settled, timeout)
-    dead = [st.delivery_id for st in states if st.status == "dead"]
+    dead = [st.delivery_id for st in states if st.status == DeliveryStatus.DEAD]
 
     console.rule("3. an operator replays the dead letter (audited, same downstream key)")
     request = replays.ReplayRequest(
@@ -309,7 +316,9 @@ def demo(
     )
     final = _watch(
         e, source, ids, "after the replay",
-        lambda sts: len(sts) == len(ids) and all(st.status == "succeeded" for st in sts), timeout,
+        lambda sts: len(sts) == len(ids)
+        and all(st.status == DeliveryStatus.SUCCEEDED for st in sts),
+        timeout,
     )  # fmt: skip
 
     console.rule("summary")

@@ -12,6 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from core.states import DeliveryStatus
 from models import replay_rates
 from webhooks.cli.common import (
     CliError,
@@ -79,7 +80,7 @@ def _show_preview(plan: replays.Plan) -> None:
     states = ", ".join(f"{n} {s}" for s, n in sorted(plan.by_status.items()))
     more = f" (showing {len(plan.sample)})" if plan.count > len(plan.sample) else ""
     console.print(f"would replay {count(plan.count, 'delivery')}{more}: {states}")
-    if plan.by_status.get("succeeded"):
+    if plan.by_status.get(DeliveryStatus.SUCCEEDED):
         console.print("succeeded ones run again under a NEW downstream key (--rerun-succeeded)")
     if plan.without_payload:
         console.print(
@@ -131,7 +132,7 @@ def replay(
     event_type: TypeOpt = None,
     status: Annotated[
         str, typer.Option("--status", help="dead, or succeeded with --rerun-succeeded.")
-    ] = "dead",
+    ] = DeliveryStatus.DEAD.value,
     since: SinceOpt = None,
     until: UntilOpt = None,
     reason: Annotated[
@@ -332,7 +333,7 @@ def selection(
     from models.candidates import ReplayFilter  # noqa: PLC0415
 
     has_filter = any(v is not None for v in (source, event_type, since, until))
-    if ids and (has_filter or (status or "dead") != "dead"):
+    if ids and (has_filter or (status or DeliveryStatus.DEAD) != DeliveryStatus.DEAD):
         raise CliError("give delivery ids or filter options, not both")
     if not ids and not has_filter:
         raise CliError("give delivery ids, or a filter such as --source S (see `dead list`)")
@@ -344,6 +345,10 @@ def selection(
         return {"ids": sorted(set(ids))}, None
     given = {"source": source, "type": event_type, "status": status, "since": since, "until": until}
     flt = ReplayFilter(
-        source, event_type, status or "dead", parse_when(e, since), parse_when(e, until)
+        source,
+        event_type,
+        status or DeliveryStatus.DEAD,
+        parse_when(e, since),
+        parse_when(e, until),
     )
     return {k: v for k, v in given.items() if v is not None}, flt
