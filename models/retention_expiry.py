@@ -28,7 +28,7 @@ from models.retention_holds import (
     log_holds,
     move_held,
 )
-from models.retention_layout import restore_detached
+from models.retention_layout import detach_then_drop
 
 log = get_logger("retention")
 
@@ -186,22 +186,14 @@ def _detach_and_drop(
         conn = base.execution_options(isolation_level="AUTOCOMMIT")
         partitions.lock_layout_session(conn)
         try:
-            detached: list[partitions.Partition] = []
-            try:
-                for leaf in leaves:
-                    partitions.detach(conn, leaf)
-                    detached.append(leaf)
-            except Exception:
-                restore_detached(conn, detached)
-                raise
             deliveries = [p for p in leaves if p.table == "deliveries"]
-            if deliveries and _holds_any(conn, deliveries[0].name, now, settings):
-                for leaf in leaves:
-                    partitions.reattach(conn, leaf)
-                return False
-            for leaf in leaves:
-                partitions.drop(conn, leaf)
-            return True
+            return detach_then_drop(
+                conn,
+                leaves,
+                keep=lambda: (
+                    bool(deliveries) and _holds_any(conn, deliveries[0].name, now, settings)
+                ),
+            )
         finally:
             partitions.unlock_layout_session(conn)
 

@@ -4,6 +4,7 @@ trimmed (:func:`trim_layout`). The rules of expiry: :mod:`models.retention`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 
 from sqlalchemy import Connection, Engine, text
@@ -151,6 +152,17 @@ def _drop_if_empty(conn: Connection, leaves: list[partitions.Partition]) -> bool
     drop them or attach them back."""
     if not all(_empty(conn, p.name) for p in leaves):
         return False
+    return detach_then_drop(
+        conn, leaves, keep=lambda: not all(_empty(conn, p.name) for p in leaves)
+    )
+
+
+def detach_then_drop(
+    conn: Connection, leaves: list[partitions.Partition], *, keep: Callable[[], bool]
+) -> bool:
+    """Detach a day's leaves (those already out attached again if one detach fails), then,
+    once nothing can reach them, attach them back untouched when ``keep()`` says so, or drop
+    them. Returns whether they were dropped (:func:`trim_layout`, and the expiry's drop)."""
     detached: list[partitions.Partition] = []
     try:
         for leaf in leaves:
@@ -159,7 +171,7 @@ def _drop_if_empty(conn: Connection, leaves: list[partitions.Partition]) -> bool
     except Exception:
         restore_detached(conn, detached)
         raise
-    if not all(_empty(conn, p.name) for p in leaves):
+    if keep():
         for leaf in leaves:
             partitions.reattach(conn, leaf)
         return False
