@@ -16,25 +16,39 @@ from core.states import DeliveryStatus
 from models.statements import sql_text
 
 
+def _back_to_pending(
+    session: Session,
+    delivery_id: int,
+    leaving: str,
+    resets: str,
+    now: datetime | None,
+    grace: timedelta,
+) -> bool:
+    """One guarded move of one delivery from ``leaving`` to pending (``resets``: what the
+    move clears besides the run's counters); False when the row was not in ``leaving``."""
+    row = session.execute(
+        sql_text(
+            f"""
+            UPDATE deliveries SET status = 'pending', attempt_base = attempts, redeliveries = 0,
+                {resets}, first_attempt_at = NULL,
+                next_attempt_at = :now + :grace, updated_at = :now
+            WHERE id = :id AND status = '{leaving}'
+            RETURNING id
+            """  # noqa: S608 (literals of this module)
+        ),
+        {"id": delivery_id, "now": now, "grace": grace},
+    ).one_or_none()
+    return row is not None
+
+
 def replay(
     session: Session, delivery_id: int, *, now: datetime | None, publish_grace: timedelta
 ) -> bool:
     """dead -> pending, keeping the key generation; the policy's attempt count and the
     max-age clock start again, the attempt number (the fencing token) goes on. False when it
     was not dead (someone else replayed it first, or another state)."""
-    row = session.execute(
-        sql_text(
-            """
-            UPDATE deliveries SET status = 'pending', attempt_base = attempts, redeliveries = 0,
-                dead_reason = NULL, dead_at = NULL, first_attempt_at = NULL,
-                next_attempt_at = :now + :grace, updated_at = :now
-            WHERE id = :id AND status = 'dead'
-            RETURNING id
-            """
-        ),
-        {"id": delivery_id, "now": now, "grace": publish_grace},
-    ).one_or_none()
-    return row is not None
+    resets = "dead_reason = NULL, dead_at = NULL"
+    return _back_to_pending(session, delivery_id, DeliveryStatus.DEAD, resets, now, publish_grace)
 
 
 def rerun(
@@ -42,19 +56,10 @@ def rerun(
 ) -> bool:
     """succeeded -> pending with generation + 1, so downstreams see a new idempotency key;
     the attempt number goes on, as for a replay."""
-    row = session.execute(
-        sql_text(
-            """
-            UPDATE deliveries SET status = 'pending', attempt_base = attempts, redeliveries = 0,
-                generation = generation + 1, succeeded_at = NULL, first_attempt_at = NULL,
-                next_attempt_at = :now + :grace, updated_at = :now
-            WHERE id = :id AND status = 'succeeded'
-            RETURNING id
-            """
-        ),
-        {"id": delivery_id, "now": now, "grace": publish_grace},
-    ).one_or_none()
-    return row is not None
+    resets = "generation = generation + 1, succeeded_at = NULL"
+    return _back_to_pending(
+        session, delivery_id, DeliveryStatus.SUCCEEDED, resets, now, publish_grace
+    )
 
 
 # An operator's replay of many deliveries at once (models.replays): per row, the guarded move
