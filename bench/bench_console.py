@@ -42,10 +42,11 @@ from sqlalchemy import event, text  # noqa: E402
 from core.crypto import SecretBox  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from ingest.admin import AdminServer  # noqa: E402
-from models import catalog, queries  # noqa: E402
+from models import catalog, queries, route_catalog  # noqa: E402
 from models import console as reads  # noqa: E402
+from models.candidates import ReplayFilter  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from models.queries import EventFilter, ReplayFilter  # noqa: E402
+from models.queries import EventFilter  # noqa: E402
 
 DB = "webhooks_bench_console"
 ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -131,7 +132,7 @@ def seed(cfg: Settings, receipts: int, sources: int) -> list[str]:
             source, _ = catalog.create_source(
                 session, box, cfg, name=f"bench-{i}", provider="standard", account="default"
             )
-            catalog.add_route(session, box, source, handler="log")
+            route_catalog.add_route(session, box, source, handler="log")
             public.append(source.public_id)
     started = time.perf_counter()
     with engine.begin() as conn:

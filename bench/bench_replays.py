@@ -6,7 +6,7 @@ deliveries, against the bare per-delivery guarded statement the replay used to r
          to ``MAX_CHUNK`` deliveries, each one transaction (one set-based guarded move, the
          audit counters), then the publish of each moved id to the Redis broker; at
          ``MAX_RATE`` (the cap an operator may ask for) and with the cap lifted
-  bare   ``transitions.replay`` alone, one transaction per delivery, no audit, no publish
+  bare   ``requeue.replay`` alone, one transaction per delivery, no audit, no publish
          (the old replay's floor), on the first ``--bare`` deliveries only (it is slow)
 
 Each round replays the same dead deliveries (put back to dead between rounds with one
@@ -46,10 +46,10 @@ from core.clock import SystemClock  # noqa: E402
 from core.crypto import SecretBox  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from core.ttl import expires_at  # noqa: E402
-from models import catalog, replays, transitions  # noqa: E402
+from models import catalog, replays, requeue, route_catalog  # noqa: E402
 from models.accept import NewReceipt, accept_sync  # noqa: E402
+from models.candidates import ReplayFilter  # noqa: E402
 from models.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from models.queries import ReplayFilter  # noqa: E402
 from tasks.publisher import CeleryPublisher  # noqa: E402
 
 DB = "webhooks_bench_replays"
@@ -73,7 +73,7 @@ def make_dead(s: Settings, sessions: sessionmaker[Session], n: int) -> str:
             session, box, s, name=f"bench-{uuid.uuid4().hex[:8]}", provider="standard"
         )
         for _ in range(ROUTES):
-            catalog.add_route(session, box, source, handler="log")
+            route_catalog.add_route(session, box, source, handler="log")
         source_id, public_id = source.id, source.public_id
     ids: list[int] = []
     with psycopg.connect(s.psycopg_dsn, autocommit=True) as conn:
@@ -117,7 +117,7 @@ def bare_round(s: Settings, sessions: sessionmaker[Session], ids: list[int]) -> 
     start = time.perf_counter()
     for delivery_id in ids:
         with sessions() as session, session.begin():
-            assert transitions.replay(
+            assert requeue.replay(
                 session, delivery_id, now=datetime.now(UTC), publish_grace=s.publish_grace
             )
     return len(ids) / (time.perf_counter() - start)

@@ -13,7 +13,7 @@ ten days (ten daily partitions). Each receipt has one delivery row.
    payload and with a 1 KB payload; bytes per delivery row;
 2. time to expire the same one million compact receipts (and their deliveries) by the two
    mechanisms, measured with the production functions, hold step included:
-   :func:`models.retention.expire_partitions` (partition mode) and
+   :func:`models.retention_expiry.expire_partitions` (partition mode) and
    :func:`models.retention.delete_expired` (delete mode: the DEFAULT partitions with their
    expires_at index, 10,000 rows per statement). The ratio is delete / drop. Twice: with
    every delivery succeeded, and with 1% of them held (0.5% retrying, 0.5% dead within the
@@ -42,15 +42,12 @@ import psycopg
 from sqlalchemy import Engine, text
 
 from core.settings import Settings
-from models import partitions, retention
+from models import partitions, retention_expiry, retention_holds
 from models.db import make_engine, upgrade
-from models.retention import (
-    database_now,
-    delete_expired,
-    drop_expired_partitions,
-    ensure_partitions,
-    expire_partitions,
-)
+from models.retention import delete_expired
+from models.retention_expiry import drop_expired_partitions, expire_partitions
+from models.retention_holds import database_now
+from models.retention_layout import ensure_partitions
 
 DB = "webhooks_bench_retention"
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -178,18 +175,18 @@ def held_scan_plan(engine: Engine, now: datetime) -> str:
         # A day in the middle of the spread: a full one.
         day = (T0 + timedelta(days=SPREAD_DAYS // 2)).date()
         leaf = partitions.partition_name("deliveries", day)
-        sql = retention._HELD_SQL.format(  # noqa: SLF001 (the statement itself)
+        sql = retention_holds.HELD_SQL.format(  # noqa: SLF001 (the statement itself)
             deliveries=leaf,
-            hold_until=retention._HOLD_UNTIL,  # noqa: SLF001
+            hold_until=retention_holds.HOLD_UNTIL,  # noqa: SLF001
         )
         plan = conn.execute(
             text(f"EXPLAIN (FORMAT JSON) {sql}"),
             {
                 "now": now,
                 "retention": timedelta(days=30),
-                "step": retention.HOLD_STEP,
+                "step": retention_holds.HOLD_STEP,
                 "after": 0,
-                "batch": retention.MOVE_BATCH,
+                "batch": retention_holds.MOVE_BATCH,
             },
         ).scalar_one()
     scans: list[str] = []
@@ -633,14 +630,14 @@ def drop_under_load(args: argparse.Namespace) -> None:
         say("")
         day = today - timedelta(days=2)  # wholly past on the database's clock
 
-        def drop() -> tuple[float, retention.Expiry]:
+        def drop() -> tuple[float, retention_expiry.Expiry]:
             started = time.perf_counter()
             expiry = expire_partitions(engine, part, None)
             return time.perf_counter() - started, expiry
 
         last_run = partitions.day_bounds(day)[1] - timedelta(minutes=10)
 
-        def day_runs() -> tuple[float, retention.Expiry]:
+        def day_runs() -> tuple[float, retention_expiry.Expiry]:
             """The day's last run before midnight (maintenance runs every 10 minutes):
             every held row expired by then moves; the day is not past yet."""
             started = time.perf_counter()

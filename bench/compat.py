@@ -28,8 +28,9 @@ if TYPE_CHECKING:  # the types: this tree's paths
     from core.settings import Settings, load_settings
     from core.ttl import expires_at
     from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many
-    from models.catalog import add_route, create_source
+    from models.catalog import create_source
     from models.db import make_engine, make_sessionmaker, upgrade
+    from models.route_catalog import add_route
     from tasks.config import create_app
     from tasks.publisher import Publisher
 
@@ -77,7 +78,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "accept_many_params": ("models.accept", "ingest.store"),
     "decide_many": ("models.accept", "ingest.store"),
     "create_source": ("models.catalog",),
-    "add_route": ("models.catalog",),
+    "add_route": ("models.route_catalog", "models.catalog"),
     "make_engine": ("models.db",),
     "make_sessionmaker": ("models.db",),
     "upgrade": ("models.db",),

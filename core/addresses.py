@@ -26,6 +26,8 @@ import ipaddress
 import socket
 from collections.abc import Mapping
 
+from core.errors import WebhooksError
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 #: Cloud instance metadata services: AWS (IPv4, IPv6, ECS task metadata), GCP and Azure
@@ -50,7 +52,7 @@ ALLOW_PRIVATE = "allow_private"
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
 
-class AddressRefused(ValueError):  # noqa: N818 - a refusal, like PermanentError
+class AddressRefused(WebhooksError, ValueError):  # noqa: N818 - a refusal, like PermanentError
     """A target address a forward may not reach; ``reason`` is ``metadata``, ``link_local``,
     ``loopback`` or ``private``. The message names the class of address, never the URL."""
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
+from core.errors import WebhooksError
+
 _UNITS = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _NUMBER = r"\d+(?:\.\d+)?"
 _PART = re.compile(rf"({_NUMBER})(ms|[wdhms])")
@@ -23,7 +25,7 @@ _ISO = re.compile(
 EXAMPLES = "30s, 10m, 2h, 3d, 1h30m, plain seconds (2.5) or ISO 8601 (PT30S, P3D)"
 
 
-class DurationError(ValueError):
+class DurationError(WebhooksError, ValueError):
     """A duration string could not be parsed."""
 
 

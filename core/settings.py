@@ -27,6 +27,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.durations import DurationError, parse_duration
+from core.errors import WebhooksError
 
 MIN_ADMIN_TOKEN_LENGTH = 32
 # Threads or greenlets per worker when WEBHOOKS_WORKER_CONCURRENCY is unset (bench_forward.py).
@@ -40,7 +41,7 @@ ADMIN_TOKEN_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 DEFAULT_ADMIN_TOKEN_NAME = "admin"  # noqa: S105  (a name, not a secret)
 
 
-class SettingsError(Exception):
+class SettingsError(WebhooksError):
     """Settings could not be built; the message names the offending variable."""
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from core.durations import format_duration
+from core.errors import WebhooksError
 from core.providers import registry
 from core.settings import Settings
 
@@ -47,7 +48,7 @@ TERM_NAMES = ("retry_window", "queue_lag", "clock_skew", "replay_grace")
 MAX_EVENT_TIME_LEAD = timedelta(hours=1)
 
 
-class TtlConfigError(ValueError):
+class TtlConfigError(WebhooksError, ValueError):
     """A source's TTL terms do not cover its provider's retry window (or are invalid)."""
 
     def __init__(self, message: str, reason: str) -> None:

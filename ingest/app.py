@@ -51,6 +51,7 @@ from starlette.routing import Route
 from core import metrics
 from core.clock import Clock, SystemClock, pinned
 from core.crypto import SecretBox, SecretDecryptError
+from core.errors import WebhooksError
 from core.logs import configure_logging, get_logger
 from core.providers import (
     AuthError,
@@ -90,7 +91,7 @@ REFRESH_AFTER_SECONDS = 0.25
 SOURCE_ID = re.compile(r"src_[A-Za-z0-9]{20}")
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(WebhooksError):
     """The body exceeds the source's limit."""
 
 
@@ -440,7 +441,7 @@ class Receiver:
     def _ensure_partitions(self) -> None:
         # Lazy: SQLAlchemy loads only for this rare call; the receiver's own path is psycopg.
         from models.db import make_engine  # noqa: PLC0415
-        from models.retention import ensure_partitions  # noqa: PLC0415
+        from models.retention_layout import ensure_partitions  # noqa: PLC0415
 
         if self._sync_engine is None:
             self._sync_engine = make_engine(self.settings, pool_size=1)

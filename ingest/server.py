@@ -30,6 +30,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from core import metrics
+from core.errors import WebhooksError
 from core.settings import Settings, load_settings
 
 # Bytes a header line adds beyond its name and value: ": " and CRLF.
@@ -70,7 +71,9 @@ def _process_limits() -> Limits:
     return Limits.from_settings(load_settings())
 
 
-class _Refused(Exception):  # noqa: N818 - raised inside a parser callback, never escapes
+class _Refused(WebhooksError):  # noqa: N818 - raised inside a parser callback, never escapes
+    """A request refused while its body streams in (over a limit): its status and the limit."""
+
     def __init__(self, status: int, limit: str) -> None:
         super().__init__(limit)
         self.status = status

@@ -57,6 +57,7 @@ import psycopg
 import redis
 
 from core import metrics
+from core.errors import WebhooksError
 from core.messages import Dispatch
 
 PREFIX = "adm:"
@@ -73,7 +74,7 @@ _RATE = re.compile(r"^\s*(\d+)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$", re
 _PERIODS = {"s": 1, "m": 60, "h": 3600}
 
 
-class LimitError(ValueError):
+class LimitError(WebhooksError, ValueError):
     """A limit that cannot be set (its text says which and why)."""
 
 

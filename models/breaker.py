@@ -53,9 +53,10 @@ import psycopg
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from models.catalog import CatalogError, Change, Changed, _route_target, get_route, record_audit
+from models.catalog import CatalogError, Change, Changed, record_audit
+from models.route_catalog import get_route, route_target
 from models.schema import Route, Source
-from models.transitions import _placeholders, _sql
+from models.statements import placeholders, sql_text
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 # The gauge's value per state (webhooks_route_breaker_state).
@@ -79,7 +80,7 @@ class BreakerChange:
 # One downstream failure: opens (or extends) the route's window and counts it; opens the
 # breaker on a closed route past the ratio, reopens a half-open one. The window is read
 # FOR UPDATE so concurrent failures each count.
-_FAILURE_SQL = _placeholders(
+_FAILURE_SQL = placeholders(
     """
     WITH old AS (
         SELECT id, breaker_state AS before,
@@ -124,7 +125,7 @@ _FAILURE_SQL = _placeholders(
 )
 
 # A success on a half-open route (the probe, or any success while half-open): closed.
-_CLOSE_SQL = _placeholders(
+_CLOSE_SQL = placeholders(
     """
     UPDATE routes SET breaker_state = 'closed', breaker_probe_at = NULL, probe_delivery = NULL,
         window_started_at = NULL, window_requests = 0, window_failures = 0,
@@ -136,7 +137,7 @@ _CLOSE_SQL = _placeholders(
 
 # A success on a closed route whose failure window is open (within its time, or a streak of
 # failures, which a success ends): one more request in it.
-_COUNT_SUCCESS_SQL = _placeholders(
+_COUNT_SUCCESS_SQL = placeholders(
     """
     UPDATE routes SET window_requests = window_requests + 1
     WHERE id = :route AND breaker_state = 'closed' AND window_started_at IS NOT NULL
@@ -260,7 +261,9 @@ def pick_probes(
 ) -> list[Probe]:
     """The sweeper's probes (SKIP LOCKED: two sweepers never probe one route twice); the
     caller publishes each probe delivery after committing."""
-    rows = session.execute(_sql(_PROBES), {"now": now, "interval": interval, "grace": grace}).all()
+    rows = session.execute(
+        sql_text(_PROBES), {"now": now, "interval": interval, "grace": grace}
+    ).all()
     return [Probe(int(r[0]), None if r[1] is None else int(r[1]), r[2], r[3]) for r in rows]
 
 
@@ -367,11 +370,11 @@ def set_paused(
     if moved is None:
         raise CatalogError(f"route {route_id} is {'already paused' if paused else 'not paused'}")
     source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
-    target = _route_target(route, source)
+    target = route_target(route, source)
     action = "route.pause" if paused else "route.resume"
     audit_id = record_audit(session, change, action, target, count=1, now=now)
     held_now = session.execute(
-        _sql(
+        sql_text(
             "SELECT count(*) FROM deliveries WHERE route_id = :route"
             " AND status IN ('pending', 'retrying', 'processing')"
         ),
@@ -381,7 +384,7 @@ def set_paused(
 
 
 def _db_now(session: Session) -> datetime:
-    value: datetime = session.execute(_sql("SELECT now()")).scalar_one()
+    value: datetime = session.execute(sql_text("SELECT now()")).scalar_one()
     return value
 
 
@@ -413,7 +416,7 @@ def set_limits(
         route.rate_period_s = None if rate is None else rate.period_s
     session.flush()
     source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
-    target = {**_route_target(route, source), "before": before, "after": limits_view(route)}
+    target = {**route_target(route, source), "before": before, "after": limits_view(route)}
     audit_id = record_audit(session, change, "route.limits", target, count=1, now=now)
     return Changed(audit_id, target, 0)
 

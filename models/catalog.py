@@ -1,4 +1,5 @@
-"""Sources, their secrets and their routes: creation, rotation, revocation."""
+"""Sources and their secrets: creation, rotation, revocation, TTLs, enabling and disabling;
+the audit trail of configuration changes. Routes: :mod:`models.route_catalog`."""
 
 from __future__ import annotations
 
@@ -6,13 +7,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from core.addresses import allows_private, check_host
 from core.crypto import (
     SecretBox,
     check_key,
@@ -22,9 +21,11 @@ from core.crypto import (
     key_prefix,
     public_id,
 )
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.metrics import SOURCES_TTL_RAISED
 from core.settings import Settings
+from core.states import UNFINISHED
 from core.ttl import (
     EffectiveTtl,
     TtlConfigError,
@@ -35,7 +36,6 @@ from core.ttl import (
     unknown_provider,
 )
 from models.schema import (
-    UNFINISHED_STATES,
     AuditEntry,
     Delivery,
     Route,
@@ -46,7 +46,7 @@ from models.schema import (
 log = get_logger("catalog")
 
 
-class CatalogError(ValueError):
+class CatalogError(WebhooksError, ValueError):
     """Bad input for a source, secret or route; nothing was changed."""
 
 
@@ -103,7 +103,7 @@ def get_source(session: Session, ref: str) -> Source:
     raise CatalogError(f"no such source: {ref!r}")
 
 
-def _seconds(value: timedelta | None) -> int | None:
+def whole_seconds(value: timedelta | None) -> int | None:
     return None if value is None else int(value.total_seconds())
 
 
@@ -160,12 +160,12 @@ def create_source(
         name=name,
         provider=provider,
         config=normalised,
-        tolerance_s=_seconds(tolerance),
+        tolerance_s=whole_seconds(tolerance),
         max_body_bytes=max_body_bytes,
-        retry_window_s=_seconds(overrides.retry_window),
-        queue_lag_s=_seconds(overrides.queue_lag),
-        clock_skew_s=_seconds(overrides.clock_skew),
-        replay_grace_s=_seconds(overrides.replay_grace),
+        retry_window_s=whole_seconds(overrides.retry_window),
+        queue_lag_s=whole_seconds(overrides.queue_lag),
+        clock_skew_s=whole_seconds(overrides.clock_skew),
+        replay_grace_s=whole_seconds(overrides.replay_grace),
     )
     session.add(source)
     session.flush()
@@ -185,17 +185,17 @@ def create_source(
         "provider": provider,
         "secret": created.id,
     }
-    _audit_config(session, "source.add", target, operator, "source added")
+    audit_config(session, "source.add", target, operator, "source added")
     return source, created
 
 
-def _audit_config(
+def audit_config(
     session: Session, action: str, target: dict[str, Any], operator: str | None, reason: str
 ) -> int:
     """The audit row of a configuration change (every one is audited): who (``operator``,
     default this process's login name: the OS user for the CLI), what, on the database's
     clock, in the change's own transaction."""
-    change = Change(operator=(operator or "").strip() or _login(), reason=reason, via="cli")
+    change = Change(operator=(operator or "").strip() or login_name(), reason=reason, via="cli")
     return record_audit(session, change, action, target, count=1, now=None)
 
 
@@ -299,10 +299,10 @@ def update_source_ttl(
         else merged.replay_grace,
     )
     derive_ttl(source.provider, merged, settings, source_name=source.name)
-    source.retry_window_s = _seconds(merged.retry_window)
-    source.queue_lag_s = _seconds(merged.queue_lag)
-    source.clock_skew_s = _seconds(merged.clock_skew)
-    source.replay_grace_s = _seconds(merged.replay_grace)
+    source.retry_window_s = whole_seconds(merged.retry_window)
+    source.queue_lag_s = whole_seconds(merged.queue_lag)
+    source.clock_skew_s = whole_seconds(merged.clock_skew)
+    source.replay_grace_s = whole_seconds(merged.replay_grace)
 
 
 def record_source_update(
@@ -310,7 +310,7 @@ def record_source_update(
 ) -> int:
     """The audit row of ``sources update``: which settings changed, to what."""
     target = {"source": source.public_id, "name": source.name, "changed": dict(changed)}
-    return _audit_config(session, "source.update", target, operator, "source updated")
+    return audit_config(session, "source.update", target, operator, "source updated")
 
 
 def add_secret(
@@ -337,7 +337,7 @@ def add_secret(
     session.add(row)
     session.flush()
     if weak:
-        change = Change(operator=operator or _login(), reason=WEAK_SECRET_REASON, via="cli")
+        change = Change(operator=operator or login_name(), reason=WEAK_SECRET_REASON, via="cli")
         target = {"source": source.public_id, "provider": source.provider, "secret": row.id}
         record_audit(session, change, WEAK_SECRET_ACTION, target, count=1, now=None)
         log.warning(
@@ -348,7 +348,7 @@ def add_secret(
         )
     if audit:  # create_source audits the source with its first secret
         target = {"source": source.public_id, "provider": source.provider, "secret": row.id}
-        _audit_config(session, "secret.add", target, operator, "secret added")
+        audit_config(session, "secret.add", target, operator, "secret added")
     return CreatedSecret(row.id, plaintext if generated else None)
 
 
@@ -367,7 +367,7 @@ def check_secret_strength(provider: str, secret: str, *, allow_weak: bool = Fals
     except ValueError as exc:
         raise CatalogError(str(exc)) from None
     if _is_whsec(provider, secret):
-        key = _check_whsec(secret)
+        key = check_whsec(secret)
         if len(key) < MIN_WHSEC_BYTES:
             raise CatalogError(
                 f"a {provider} secret must decode to at least {MIN_WHSEC_BYTES} bytes "
@@ -396,7 +396,7 @@ def _is_whsec(provider: str, secret: str) -> bool:
     return secret.startswith("whsec_") and key_prefix(provider) != "whsec_"
 
 
-def _login() -> str:
+def login_name() -> str:
     import getpass  # noqa: PLC0415
 
     try:
@@ -405,7 +405,7 @@ def _login() -> str:
         return "unknown"
 
 
-def _check_whsec(secret: str) -> bytes:
+def check_whsec(secret: str) -> bytes:
     """The key a ``whsec_`` + base64 secret decodes to; CatalogError if it is not base64."""
     import base64  # noqa: PLC0415
     import binascii  # noqa: PLC0415
@@ -454,7 +454,7 @@ def revoke_secret(
     # Receivers may still hold the secret in their cache; the receipt transaction re-checks
     # that the matching secret is unrevoked, so revocation takes effect at once everywhere.
     change = Change(
-        operator=(operator or "").strip() or _login(),
+        operator=(operator or "").strip() or login_name(),
         reason=(reason or "").strip() or REVOKE_REASON,
         via="cli",
     )
@@ -462,108 +462,9 @@ def revoke_secret(
     return record_audit(session, change, REVOKE_ACTION, target, count=1, now=now)
 
 
-def add_route(
-    session: Session,
-    box: SecretBox,
-    source: Source,
-    *,
-    handler: str,
-    events: str = "*",
-    options: dict[str, str] | None = None,
-    max_attempts: int | None = None,
-    max_age: timedelta | None = None,
-    operator: str | None = None,
-) -> tuple[Route, str | None]:
-    """Bind a handler (audited: ``operator``, default this process's login name).
-    ``forward`` routes get their own signing secret (returned once, never audited)."""
-    if not handler.strip():
-        raise CatalogError("handler name must not be empty")
-    if not events.strip():
-        raise CatalogError("event pattern must not be empty")
-    if max_attempts is not None and max_attempts < 1:
-        raise CatalogError("max attempts must be at least 1")
-    opts = dict(options or {})
-    signing_plain: str | None = None
-    signing_ct: bytes | None = None
-    if handler == "forward":
-        _check_forward_target(opts)
-        signing_plain = opts.pop("secret", None) or generate_secret("standard")
-        _check_whsec(signing_plain)
-        signing_ct = box.encrypt(signing_plain)
-    route = Route(
-        source_id=source.id,
-        handler=handler,
-        events_glob=events,
-        events_like=glob_to_like(events),
-        options=opts,
-        signing_ciphertext=signing_ct,
-        max_attempts=max_attempts,
-        max_age_s=_seconds(max_age),
-    )
-    session.add(route)
-    session.flush()
-    _audit_config(
-        session, "route.add", _route_target(route, source.public_id), operator, "route added"
-    )
-    return route, signing_plain
-
-
-def _check_forward_target(options: Mapping[str, str]) -> None:
-    """A forward route's URL and ``allow_private``, judged as the worker will judge them
-    (:mod:`core.addresses`) where no DNS is needed: a refused address literal, metadata
-    host or ``localhost`` fails here, not on every delivery."""
-    url = options.get("url", "")
-    if not url.startswith(("http://", "https://")):
-        raise CatalogError("the forward handler needs --option url=http(s)://...")
-    try:
-        host = urlsplit(url).hostname
-    except ValueError:
-        host = None
-    if not host:
-        raise CatalogError("the forward handler's url has no host")
-    try:
-        check_host(host, allow_private=allows_private(options))
-    except ValueError as exc:  # AddressRefused is one
-        raise CatalogError(str(exc)) from None
-
-
-def list_routes(session: Session, source: Source) -> list[Route]:
-    return list(
-        session.scalars(select(Route).where(Route.source_id == source.id).order_by(Route.id))
-    )
-
-
-def list_all_routes(session: Session) -> list[tuple[Source, Route]]:
-    """Every route with its source, by source then route id (``webhooks routes list``)."""
-    rows = session.execute(
-        select(Source, Route)
-        .join(Route, Route.source_id == Source.id)
-        .order_by(Source.id, Route.id)
-    )
-    return [(source, route) for source, route in rows.tuples()]
-
-
-def get_route(session: Session, route_id: int) -> Route:
-    route = session.get(Route, route_id)
-    if route is None:
-        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
-    return route
-
-
-def active_routes(session: Session) -> list[tuple[Route, str]]:
-    """Every active route, with its source's public id (a disabled source's routes too: the
-    deliveries it accepted still run through them)."""
-    rows = session.execute(
-        select(Route, Source.public_id)
-        .join(Source, Source.id == Route.source_id)
-        .where(Route.active)
-        .order_by(Route.id)
-    ).all()
-    return [(route, public) for route, public in rows]
-
-
-# Lifecycle: disable, enable, remove; each one guarded statement and one audit_log row in the
-# caller's transaction, so the change and its record commit together.
+# Lifecycle (a source's here, a route's in models.route_catalog): disable, enable, remove; each
+# one guarded statement and one audit_log row in the caller's transaction, so the change and
+# its record commit together.
 
 
 @dataclass(frozen=True)
@@ -615,78 +516,10 @@ def record_audit(
     return int(entry.id)
 
 
-def _unfinished(session: Session, *where: Any) -> int:
+def count_unfinished(session: Session, *where: Any) -> int:
     return int(
-        session.scalar(select(func.count()).where(Delivery.status.in_(UNFINISHED_STATES), *where))
-        or 0
+        session.scalar(select(func.count()).where(Delivery.status.in_(UNFINISHED), *where)) or 0
     )
-
-
-def _route_target(route: Route, source: str) -> dict[str, Any]:
-    return {
-        "route": route.id,
-        "source": source,
-        "handler": route.handler,
-        "events": route.events_glob,
-    }
-
-
-def set_route_active(
-    session: Session, route_id: int, active: bool, change: Change, *, now: datetime | None
-) -> Changed:
-    """Disable (new events no longer get a delivery for it) or enable a route. Refuses a
-    route that is already so. Deliveries it already has keep their state; a worker turns
-    those it picks up while the route is disabled into dead letters (``route_inactive``),
-    which a replay runs once the route is enabled again."""
-    change.check()
-    route = get_route(session, route_id)
-    moved = session.execute(
-        update(Route)
-        .where(Route.id == route_id, Route.active.is_not(active))
-        .values(active=active)
-        .returning(Route.id)
-    ).first()
-    if moved is None:
-        state = "enabled" if active else "disabled"
-        raise CatalogError(f"route {route_id} is already {state}")
-    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
-    target = _route_target(route, source)
-    unfinished = _unfinished(session, Delivery.route_id == route_id)
-    action = "route.enable" if active else "route.disable"
-    audit_id = record_audit(session, change, action, target, count=1, now=now)
-    return Changed(audit_id, target, unfinished)
-
-
-def remove_route(
-    session: Session, route_id: int, change: Change, *, now: datetime | None
-) -> Changed:
-    """Delete a route, refused while any of its deliveries is unfinished or dead (a dead
-    letter must stay replayable): disable it instead, or let them finish and discard the dead
-    ones. Finished deliveries keep their history and show the route as removed."""
-    change.check()
-    route = session.scalars(select(Route).where(Route.id == route_id).with_for_update()).first()
-    if route is None:
-        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
-    unfinished = _unfinished(session, Delivery.route_id == route_id)
-    dead = int(
-        session.scalar(
-            select(func.count()).where(Delivery.route_id == route_id, Delivery.status == "dead")
-        )
-        or 0
-    )
-    if unfinished or dead:
-        parts = [f"{n} {what}" for n, what in ((unfinished, "unfinished"), (dead, "dead")) if n]
-        raise CatalogError(
-            f"route {route_id} still has {' and '.join(parts)} deliveries: disable it instead "
-            f"(webhooks routes disable {route_id}), or remove it once they have finished and its "
-            "dead letters are replayed or discarded (webhooks dead discard)"
-        )
-    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
-    target = _route_target(route, source)
-    session.delete(route)
-    session.flush()
-    audit_id = record_audit(session, change, "route.remove", target, count=1, now=now)
-    return Changed(audit_id, target, 0)
 
 
 def set_source_active(
@@ -705,7 +538,7 @@ def set_source_active(
         state = "enabled" if active else "disabled"
         raise CatalogError(f"source {source.public_id} is already {state}")
     target = {"source": source.public_id, "name": source.name, "provider": source.provider}
-    unfinished = _unfinished(session, Delivery.source_id == source.id)
+    unfinished = count_unfinished(session, Delivery.source_id == source.id)
     action = "source.enable" if active else "source.disable"
     audit_id = record_audit(session, change, action, target, count=1, now=now)
     return Changed(audit_id, target, unfinished)

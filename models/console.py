@@ -15,10 +15,15 @@ from typing import Any
 from sqlalchemy import and_, func, select, text
 from sqlalchemy.orm import Session
 
+from core.states import REPLAYABLE
 from models import queries
 from models.breaker import RouteState, state_of
+from models.candidates import (
+    Candidate,
+    ReplayFilter,
+    candidates_by_ids,
+)
 from models.catalog import get_source
-from models.queries import Candidate, ReplayFilter
 from models.schema import AuditEntry, Conflict, Delivery, Receipt, Replay, Route, Source
 
 WINDOWS = (("hour", timedelta(hours=1)), ("day", timedelta(days=1)))
@@ -242,14 +247,14 @@ class Preview:
 
 
 def preview(session: Session, flt: ReplayFilter, *, limit: int, sample: int = 10) -> Preview:
-    """The ids of the deliveries ``queries.candidates_by_filter`` would return (same filter,
-    same order, at most ``limit``), read from ``ix_deliveries_source_status`` alone when only
-    the source is given; the receipts are joined only for a type or time window. Only the
-    sample is read in full (``queries.candidates_by_ids``).
+    """The ids of the deliveries :func:`models.candidates.candidates_by_filter` would return
+    (same filter, same order, at most ``limit``), read from ``ix_deliveries_source_status``
+    alone when only the source is given; the receipts are joined only for a type or time
+    window. Only the sample is read in full (:func:`models.candidates.candidates_by_ids`).
 
     Why: reading every candidate joined to its receipt, source and route (10,000 of them in
     the benchmark) is what made the preview miss 500 ms; the ids are enough to freeze."""
-    queries.check_status(flt.status, queries.REPLAYABLE_STATES)
+    queries.check_status(flt.status, REPLAYABLE)
     conds: list[Any] = [Delivery.status == flt.status]
     if flt.source is not None:
         conds.append(Delivery.source_id == get_source(session, flt.source).id)
@@ -261,7 +266,7 @@ def preview(session: Session, flt: ReplayFilter, *, limit: int, sample: int = 10
             and_(Delivery.receipt_id == Receipt.id, Delivery.expires_at == Receipt.expires_at),
         )
     ids = tuple(session.scalars(query.where(*conds).order_by(Delivery.id).limit(limit)))
-    first = queries.candidates_by_ids(session, ids[:sample]) if ids else []
+    first = candidates_by_ids(session, ids[:sample]) if ids else []
     return Preview(ids, tuple(first))
 
 

@@ -11,6 +11,7 @@ from psycopg import sql
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.errors import WebhooksError
 from core.settings import Settings
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 
-class DatabaseUnavailable(Exception):
+class DatabaseUnavailable(WebhooksError):
     """Postgres could not be reached."""
 
 
@@ -170,13 +171,14 @@ def upgrade(settings: Settings, revision: str = "head") -> None:
     """Create the database when missing, migrate it, and lay out the receipt partitions."""
     from alembic import command  # noqa: PLC0415
 
-    from models import retention  # noqa: PLC0415  (the ORM schema: only an upgrade needs it)
+    # The ORM schema (through models.partitions): only an upgrade needs it.
+    from models.retention_layout import ensure_partitions  # noqa: PLC0415
 
     ensure_database(settings)
     command.upgrade(alembic_config(settings), revision)
     engine = make_engine(settings, pool_size=1)
     try:
         # None: the database's clock decides which days are already past.
-        retention.ensure_partitions(engine, settings, None)
+        ensure_partitions(engine, settings, None)
     finally:
         engine.dispose()

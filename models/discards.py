@@ -2,7 +2,7 @@
 
 A dead letter is kept for ``dead_letter_retention`` after it went dead, so an operator can
 inspect and replay it; an operator who decides it will never be replayed discards it:
-``dead -> discarded`` (:func:`models.transitions.discard`, guarded on ``dead``), after which
+``dead -> discarded`` (:func:`models.requeue.discard`, guarded on ``dead``), after which
 retention no longer holds it. The state change, its ``audit_log`` row (who, why, the
 filter as given, how many) and its ``audit_discarded`` rows (which deliveries: a filter
 matches other rows tomorrow, so the filter alone does not say what was discarded) commit in
@@ -19,9 +19,16 @@ from typing import Any, Literal
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from core.errors import WebhooksError
 from core.logs import get_logger
-from models import queries, transitions
-from models.queries import Candidate, ReplayFilter
+from core.states import DeliveryStatus
+from models import requeue
+from models.candidates import (
+    Candidate,
+    ReplayFilter,
+    candidates_by_filter,
+    candidates_by_ids,
+)
 
 log = get_logger("discards")
 
@@ -31,7 +38,7 @@ SAMPLE_SIZE = 10
 Via = Literal["cli", "api", "console"]
 
 
-class DiscardError(ValueError):
+class DiscardError(WebhooksError, ValueError):
     """The discard was refused or is malformed; nothing was changed."""
 
     def __init__(self, message: str, reason: str) -> None:
@@ -81,7 +88,7 @@ def _validate(req: DiscardRequest) -> None:
         raise DiscardError(
             "give delivery ids or a filter (--source/--type/...), not both", "bad_target"
         )
-    if req.flt is not None and req.flt.status != "dead":
+    if req.flt is not None and req.flt.status != DeliveryStatus.DEAD:
         raise DiscardError("only dead letters can be discarded", "not_dead")
 
 
@@ -90,8 +97,8 @@ def plan_discard(session: Session, req: DiscardRequest) -> DiscardPlan:
     dead (nothing else may be discarded)."""
     _validate(req)
     if req.ids:
-        found = queries.candidates_by_ids(session, req.ids)
-        alive = [c for c in found if c.status != "dead"]
+        found = candidates_by_ids(session, req.ids)
+        alive = [c for c in found if c.status != DeliveryStatus.DEAD]
         if alive:
             listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in alive[:10])
             raise DiscardError(
@@ -101,7 +108,7 @@ def plan_discard(session: Session, req: DiscardRequest) -> DiscardPlan:
             )
     else:
         assert req.flt is not None
-        found = queries.candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
+        found = candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
     if len(found) > MAX_PLAN:
         raise DiscardError(
             f"more than {MAX_PLAN} dead letters match; narrow the filter (--since/--until/--type)",
@@ -133,7 +140,7 @@ def execute_discard(session: Session, plan: DiscardPlan, *, now: datetime | None
     ids it changed, in the caller's transaction (the session's). ``now`` None: the
     database's clock."""
     req = plan.request
-    done = transitions.discard(session, [c.delivery_id for c in plan.candidates], now=now)
+    done = requeue.discard(session, [c.delivery_id for c in plan.candidates], now=now)
     audit_id = session.execute(
         _AUDIT,
         {

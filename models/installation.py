@@ -10,8 +10,10 @@ from __future__ import annotations
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import ProgrammingError
 
+from core.errors import WebhooksError
 
-class InstallationUnknown(Exception):
+
+class InstallationUnknown(WebhooksError):
     """The database has no installation id: it is not migrated to revision 0010."""
 
     reason = "not_migrated"

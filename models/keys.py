@@ -17,6 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.crypto import SecretBox, SecretDecryptError
+from core.errors import WebhooksError
 from core.logs import get_logger
 
 log = get_logger("keys")
@@ -41,7 +42,7 @@ class RekeyReport:
         return sum(self.rekeyed.values())
 
 
-class LegacyKeysInUseError(Exception):
+class LegacyKeysInUseError(WebhooksError):
     """``rekey --drop-legacy`` while stored secrets still need the legacy derivation."""
 
     reason = "legacy_in_use"

@@ -1,37 +1,38 @@
-"""Read-only queries for operators: events, dead letters, replay candidates.
+"""Read-only queries for operators: operator input (ids, times, statuses), events, one event
+or delivery looked up, dead letters.
 
 Everything here is a SELECT; state changes go through :mod:`models.transitions`. Results are
 plain dataclasses so the CLI and the admin API render the same facts. Payloads and secrets are
 never selected for display: an event shows its size and whether retention dropped it.
+
+Beside it: :mod:`models.event_walk` (events by a rare status), :mod:`models.delivery_history`
+(a delivery's attempts and replays), :mod:`models.candidates` (what a replay would move).
 """
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, literal_column, or_, select, true, tuple_
+from sqlalchemy import exists, func, select, tuple_
 from sqlalchemy.orm import Session
 
 from core.durations import DurationError, parse_duration
+from core.errors import WebhooksError
+from core.states import DeliveryStatus
 from models.catalog import get_source, glob_to_like
+from models.delivery_history import REMOVED_ROUTE, DeliveryView, delivery_of_receipt, delivery_views
+from models.event_walk import EVENT_COLUMNS, is_rare_status, probe_every_key, walk_by_created
 from models.schema import (
-    DELIVERY_STATES,
-    Attempt,
     Delivery,
     Receipt,
-    Replay,
     Route,
     Source,
 )
 
-REPLAYABLE_STATES = ("dead", "succeeded")
 MAX_LIST_LIMIT = 1000
-# The handler shown for a delivery whose route was removed (``webhooks routes remove``).
-REMOVED_ROUTE = "(route removed)"
 # Operators' unambiguous id forms: ``receipt:12``, ``delivery:11``, ``event:evt_1``.
 RECEIPT_PREFIX = "receipt:"
 DELIVERY_PREFIX = "delivery:"
@@ -45,7 +46,7 @@ def receipt_ref(receipt_id: int) -> str:
     return f"{RECEIPT_PREFIX}{receipt_id}"
 
 
-class QueryError(ValueError):
+class QueryError(WebhooksError, ValueError):
     """Bad operator input (unknown status, unparseable time, ...); nothing was read."""
 
     def __init__(self, message: str, reason: str = "bad_query") -> None:
@@ -54,6 +55,8 @@ class QueryError(ValueError):
 
 
 class NotFoundError(QueryError):
+    """The id, event or delivery asked for does not exist (``reason`` ``not_found``)."""
+
     def __init__(self, message: str) -> None:
         super().__init__(message, "not_found")
 
@@ -104,7 +107,7 @@ def parse_time(text: str, *, now: datetime) -> datetime:
     return parsed
 
 
-def check_status(status: str | None, allowed: Sequence[str] = DELIVERY_STATES) -> None:
+def check_status(status: str | None, allowed: Sequence[str] = tuple(DeliveryStatus)) -> None:
     if status is not None and status not in allowed:
         raise QueryError(f"unknown status {status!r}; one of {', '.join(allowed)}")
 
@@ -139,59 +142,6 @@ class EventSummary:
     occurred_at: datetime | None
     deliveries: dict[str, int]  # status -> count
     payload_dropped: bool
-
-
-@dataclass(frozen=True)
-class AttemptView:
-    """One try of a delivery: who ran it, when, and how it ended. ``number`` is the attempt's
-    fencing token: it only grows, across replays and re-runs too."""
-
-    number: int
-    generation: int
-    worker: str | None
-    started_at: datetime
-    ended_at: datetime | None
-    outcome: str | None
-    error_class: str | None
-    error: str | None
-
-
-@dataclass(frozen=True)
-class ReplayMark:
-    """A replay (or re-run) that moved a delivery: the attempts from ``first_attempt`` on
-    belong to it (None: none has started since). The audit fields are None when no audit row
-    accounts for it (a replay older than the ``replays`` rows kept)."""
-
-    replay_id: int | None
-    operator: str | None
-    reason: str | None
-    via: str | None
-    started_at: datetime | None
-    rerun: bool
-    first_attempt: int | None
-
-
-@dataclass(frozen=True)
-class DeliveryView:
-    """One (event, route) unit of work with its attempts (in time order) and the replays that
-    split them into runs."""
-
-    id: int
-    route_id: int
-    handler: str  # REMOVED_ROUTE once the route is gone
-    status: str
-    attempts: int  # the latest attempt's number (the fencing token; goes on across replays)
-    attempts_since_replay: int  # what the retry policy counts: attempts - attempt_base
-    generation: int
-    dead_reason: str | None
-    last_error_class: str | None
-    last_error: str | None
-    next_attempt_at: datetime | None  # None once finished
-    created_at: datetime
-    updated_at: datetime
-    succeeded_at: datetime | None
-    attempt_log: list[AttemptView] = field(default_factory=list)
-    replays: list[ReplayMark] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -230,33 +180,7 @@ class DeadGroup:
     sample_ids: list[int]  # newest first, for `webhooks replay ID ...`
 
 
-@dataclass(frozen=True)
-class ReplayFilter:
-    source: str | None = None
-    event_type: str | None = None
-    status: str = "dead"
-    since: datetime | None = None
-    until: datetime | None = None
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A delivery a replay would move, as planned."""
-
-    delivery_id: int
-    receipt_id: int
-    source: str
-    event_id: str
-    event_type: str
-    handler: str
-    status: str
-    generation: int
-    dead_reason: str | None
-    received_at: datetime
-    has_payload: bool
-
-
-def _source_id(session: Session, ref: str | None) -> int | None:
+def source_id_of(session: Session, ref: str | None) -> int | None:
     return None if ref is None else get_source(session, ref).id
 
 
@@ -269,7 +193,7 @@ def receipt_conditions(
 ) -> list[Any]:
     _window(since, until)
     conds: list[Any] = []
-    source_id = _source_id(session, source)
+    source_id = source_id_of(session, source)
     if source_id is not None:
         conds.append(Receipt.source_id == source_id)
     if event_type is not None:
@@ -281,169 +205,6 @@ def receipt_conditions(
     return conds
 
 
-def _delivery_of_receipt() -> Any:
-    return and_(Delivery.receipt_id == Receipt.id, Delivery.expires_at == Receipt.expires_at)
-
-
-# Events filtered by a delivery status: when at most this many deliveries (of the source) are
-# in that status, the query starts from them; above it, the status is common and walking the
-# receipts newest first with an EXISTS per receipt finds a page sooner. For a source's dead
-# deliveries (the dead-letter view, and the floor of issue 21) it walks them newest first and
-# stops after a page (_walk_by_created, on a partial index the hot path never writes); for
-# another rare status, or without a source, it reads every delivery in the status (of the
-# source), probes each one's receipt and sorts those.
-# (Benchmark and plans: bench/results_console.txt.)
-RARE_STATUS_ROWS = 20_000
-
-# The walk reads the index in batches: the first of WALK_FIRST_BATCH x the page size, each
-# next one WALK_GROWTH times larger, so a page needs one statement when the receipts it finds
-# pass the other filters, and a handful when few do.
-WALK_FIRST_BATCH = 2
-WALK_GROWTH = 4
-
-
-def _is_rare_status(session: Session, status: str, source_id: int | None) -> bool:
-    """At most RARE_STATUS_ROWS deliveries (of the source) in ``status``: an index-only count
-    that stops one row past the threshold."""
-    conds: list[Any] = [Delivery.status == status]
-    if source_id is not None:
-        conds.append(Delivery.source_id == source_id)
-    probe = select(Delivery.id).where(*conds).limit(RARE_STATUS_ROWS + 1).subquery()
-    found = session.execute(select(func.count()).select_from(probe)).scalar_one()
-    return bool(found <= RARE_STATUS_ROWS)
-
-
-_EVENT_COLUMNS = (
-    Receipt.id,
-    Receipt.expires_at,
-    Receipt.source_id,
-    Receipt.event_id,
-    Receipt.event_type,
-    Receipt.received_at,
-    Receipt.occurred_at,
-    Receipt.payload_dropped_at,
-)
-
-
-def _walk_by_created(
-    session: Session,
-    source_id: int,
-    conds: list[Any],
-    limit: int,
-    since: datetime | None,
-) -> list[Any]:
-    """The first ``limit`` receipts (newest first by received_at, id) meeting ``conds`` that
-    have a dead delivery of the source: exactly what probing every such delivery's
-    receipt and sorting would return, reading only the newest deliveries.
-
-    The walk reads the deliveries newest first by created_at (ix_deliveries_source_dead,
-    index-only) and probes each one's receipt by its key. A delivery is never created before
-    its receipt was received: ``webhooks_accept`` and ``webhooks_accept_many`` (the only
-    writers of deliveries) stamp both columns from one instant, and nothing updates either
-    (tests/test_console_queries.py checks both functions). So once the walk is at created_at
-    ``c``, every receipt it has not reached was received at or before ``c``, and it can stop
-    as soon as ``limit`` receipts found were received after ``c``: those outrank every receipt
-    behind it. It does not rely on the two instants being equal, only on the order: a
-    delivery created later than its receipt only makes the walk go deeper. Cursor pages
-    (``conds`` holds the cursor) walk from the newest again, which costs at most what reading
-    every key costs; ``since`` ends the walk once it is past it."""
-    walked = (Delivery.created_at, Delivery.receipt_id, Delivery.expires_at)
-    found: dict[tuple[int, datetime], Any] = {}
-    after: tuple[datetime, int, datetime] | None = None
-    batch = WALK_FIRST_BATCH * limit
-    while True:
-        # 'dead' inline, not a parameter: the partial index's predicate must be provable
-        # from the statement text, generic plans included.
-        where: list[Any] = [
-            Delivery.source_id == source_id,
-            Delivery.status == literal_column("'dead'"),
-        ]
-        if after is not None:
-            where.append(tuple_(*walked) < tuple_(*after))
-        keys = (
-            select(
-                Delivery.created_at.label("walk_created_at"),
-                Delivery.receipt_id.label("walk_receipt_id"),
-                Delivery.expires_at.label("walk_expires_at"),
-            )
-            .where(*where)
-            .order_by(*(c.desc() for c in walked))
-            .limit(batch)
-            .cte("walk")
-        )
-        key_columns = (keys.c.walk_created_at, keys.c.walk_receipt_id, keys.c.walk_expires_at)
-        # One receipt per key (LATERAL, pruned to its partition at run time), or none when it
-        # fails the other filters; of those only the batch's first ``limit`` can be on the
-        # page, so only they leave the database.
-        receipt = (
-            select(*_EVENT_COLUMNS)
-            .where(
-                Receipt.id == keys.c.walk_receipt_id,
-                Receipt.expires_at == keys.c.walk_expires_at,
-                *conds,
-            )
-            .limit(1)
-            .lateral()
-        )
-        top = (
-            select(receipt)
-            .select_from(keys.join(receipt, true()))
-            .distinct()  # a receipt with two deliveries in the status is one row of the page
-            .order_by(receipt.c.received_at.desc(), receipt.c.id.desc())
-            .limit(limit)
-            .subquery()
-        )
-        # Where the batch ended (its oldest key) and how many keys it read.
-        edge = select(*key_columns).order_by(*key_columns).limit(1).subquery()
-        size = select(func.count()).select_from(keys).scalar_subquery()
-        rows = session.execute(
-            select(edge, size.label("walked"), top, Source.public_id, Source.name).select_from(
-                edge.outerjoin(top, true()).outerjoin(Source, Source.id == top.c.source_id)
-            )
-        ).all()
-        for r in rows:
-            if r.id is not None:
-                found[(r.id, r.expires_at)] = r
-        if not rows or rows[0].walked < batch:
-            break  # every delivery in the status walked
-        last = (rows[0].walk_created_at, rows[0].walk_receipt_id, rows[0].walk_expires_at)
-        horizon = last[0]
-        if sum(1 for r in found.values() if r.received_at > horizon) >= limit:
-            break
-        if since is not None and horizon < since:
-            break  # everything behind the walk was received before ``since``
-        after = last
-        batch *= WALK_GROWTH
-    ranked = sorted(found.values(), key=lambda r: (r.received_at, r.id), reverse=True)
-    return ranked[:limit]
-
-
-def _probe_every_key(
-    session: Session, status: str, source_id: int | None, conds: list[Any], limit: int
-) -> list[Any]:
-    """The first ``limit`` receipts (newest first) meeting ``conds`` that have a delivery in
-    ``status`` (of the source, or any source): every such delivery's receipt probed by its
-    key, then sorted."""
-    where: list[Any] = [Delivery.status == status]
-    if source_id is not None:
-        where.append(Delivery.source_id == source_id)  # ix_deliveries_source_status
-    keys = select(Delivery.receipt_id, Delivery.expires_at).where(*where).distinct().subquery()
-    # One receipt per key: a delivery's receipt is the one with its (id, expires_at).
-    probed = (
-        select(*_EVENT_COLUMNS)
-        .where(Receipt.id == keys.c.receipt_id, Receipt.expires_at == keys.c.expires_at, *conds)
-        .limit(1)
-        .lateral()
-    )
-    query = (
-        select(probed, Source.public_id, Source.name)
-        .select_from(keys.join(probed, true()).join(Source, Source.id == probed.c.source_id))
-        .order_by(probed.c.received_at.desc(), probed.c.id.desc())
-        .limit(limit)
-    )
-    return list(session.execute(query).all())
-
-
 def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     """Newest first."""
     check_status(flt.status)
@@ -453,16 +214,16 @@ def list_events(session: Session, flt: EventFilter) -> list[EventSummary]:
     if flt.before is not None:
         conds.append(tuple_(Receipt.received_at, Receipt.id) < tuple_(*flt.before))
     rows: list[Any]
-    source_id = None if flt.status is None else _source_id(session, flt.source)
-    if flt.status is not None and _is_rare_status(session, flt.status, source_id):
-        if source_id is not None and flt.status == "dead":
-            rows = _walk_by_created(session, source_id, conds, flt.limit, flt.since)
+    source_id = None if flt.status is None else source_id_of(session, flt.source)
+    if flt.status is not None and is_rare_status(session, flt.status, source_id):
+        if source_id is not None and flt.status == DeliveryStatus.DEAD:
+            rows = walk_by_created(session, source_id, conds, flt.limit, flt.since)
         else:
-            rows = _probe_every_key(session, flt.status, source_id, conds, flt.limit)
+            rows = probe_every_key(session, flt.status, source_id, conds, flt.limit)
     else:
         if flt.status is not None:
-            conds.append(exists().where(_delivery_of_receipt(), Delivery.status == flt.status))
-        found = select(*_EVENT_COLUMNS).where(*conds).subquery()
+            conds.append(exists().where(delivery_of_receipt(), Delivery.status == flt.status))
+        found = select(*EVENT_COLUMNS).where(*conds).subquery()
         query = (
             select(found, Source.public_id, Source.name)
             .select_from(found.join(Source, Source.id == found.c.source_id))
@@ -624,7 +385,7 @@ def get_event(session: Session, ref: str | int, *, source: str | None = None) ->
         content_type=r.content_type,
         payload_bytes=r.payload_bytes,
         payload_dropped_at=r.payload_dropped_at,
-        deliveries=_delivery_views(session, r),
+        deliveries=delivery_views(session, r),
         arrived_via=r.arrived_via,
     )
 
@@ -681,7 +442,7 @@ def get_delivery(
         .where(Receipt.id == found.receipt_id, Receipt.expires_at == found.expires_at)
         .limit(1)
     ).one()
-    [view] = _delivery_views(session, r, only=delivery_id)
+    [view] = delivery_views(session, r, only=delivery_id)
     route = session.get(Route, view.route_id)
     key = (
         key_of(r.source_id, r.event_id, view.route_id, view.generation)
@@ -705,170 +466,12 @@ def get_delivery(
     )
 
 
-def _delivery_views(session: Session, r: Any, *, only: int | None = None) -> list[DeliveryView]:
-    conds = [Delivery.receipt_id == r.id, Delivery.expires_at == r.expires_at]
-    if only is not None:
-        conds.append(Delivery.id == only)
-    deliveries = session.execute(
-        select(Delivery, func.coalesce(Route.handler, REMOVED_ROUTE))
-        .outerjoin(Route, Route.id == Delivery.route_id)
-        .where(*conds)
-        .order_by(Delivery.id)
-    ).all()
-    if not deliveries:
-        return []
-    attempts: dict[int, list[AttemptView]] = {d.id: [] for d, _ in deliveries}
-    for a in session.scalars(
-        select(Attempt)
-        .where(Attempt.delivery_id.in_(list(attempts)), Attempt.expires_at == r.expires_at)
-        # Time order; the number breaks ties (it only grows, across replays too).
-        .order_by(Attempt.delivery_id, Attempt.started_at, Attempt.number, Attempt.id)
-    ):
-        attempts[a.delivery_id].append(
-            AttemptView(
-                a.number,
-                a.generation,
-                a.worker,
-                a.started_at,
-                a.ended_at,
-                a.outcome,
-                a.error_class,
-                a.error_message,
-            )
-        )
-    first_created = min(d.created_at for d, _ in deliveries)
-    audit = _replays_since(session, first_created, list(attempts))
-    return [
-        DeliveryView(
-            id=d.id,
-            route_id=d.route_id,
-            handler=handler,
-            status=d.status,
-            attempts=d.attempts,
-            attempts_since_replay=d.attempts - d.attempt_base,
-            generation=d.generation,
-            dead_reason=d.dead_reason,
-            last_error_class=d.last_error_class,
-            last_error=d.last_error,
-            next_attempt_at=d.next_attempt_at,
-            created_at=d.created_at,
-            updated_at=d.updated_at,
-            succeeded_at=d.succeeded_at,
-            attempt_log=attempts[d.id],
-            replays=replay_marks(
-                attempts[d.id],
-                [a for a in audit if a.could_have_moved(d.id, r.public_id, r.name, r.event_type)],
-                attempt_base=d.attempt_base,
-            ),
-        )
-        for d, handler in deliveries
-    ]
-
-
-@dataclass(frozen=True)
-class ReplayAudit:
-    """A ``replays`` row, as far as attributing it to a delivery needs."""
-
-    id: int
-    operator: str
-    reason: str
-    via: str
-    started_at: datetime
-    rerun: bool
-    filter: dict[str, Any]
-
-    def names(self, delivery_id: int) -> bool:
-        return delivery_id in (self.filter.get("ids") or [])
-
-    def could_have_moved(
-        self, delivery_id: int, source: str, source_name: str, event_type: str
-    ) -> bool:
-        """Named by id, or a filter replay whose filter (as given) matches the event."""
-        if "ids" in self.filter:
-            return self.names(delivery_id)
-        given_source = self.filter.get("source")
-        if given_source is not None and given_source not in (source, source_name):
-            return False
-        pattern = self.filter.get("type")
-        return pattern is None or fnmatch.fnmatchcase(event_type, str(pattern))
-
-
-def _replays_since(session: Session, since: datetime, ids: list[int]) -> list[ReplayAudit]:
-    rows = session.scalars(
-        select(Replay)
-        .where(
-            Replay.started_at >= since,
-            or_(
-                ~Replay.filter.has_key("ids"),
-                *(Replay.filter["ids"].contains([i]) for i in ids),
-            ),
-        )
-        .order_by(Replay.started_at, Replay.id)
-    )
-    return [
-        ReplayAudit(r.id, r.operator, r.reason, r.via, r.started_at, r.rerun_succeeded, r.filter)
-        for r in rows
-    ]
-
-
-def replay_marks(
-    attempts: Sequence[AttemptView], audit: Sequence[ReplayAudit], *, attempt_base: int
-) -> list[ReplayMark]:
-    """Where replays split a delivery's attempts (in time order) into runs, and which audit
-    row each was (pure).
-
-    A new run starts at an attempt that follows a finished one (its predecessor ended
-    ``dead`` or ``succeeded``), carries a new key generation (a re-run), or is the first
-    after ``attempt_base`` (the latest replay; this also finds a replay of a delivery that
-    went dead by crashing, whose last attempt says ``crashed``); a replay that names the
-    delivery between two of its attempts marks one too. A replay whose attempt has not
-    started yet is a mark at the end. Each mark takes the earliest replay that could have
-    moved the delivery after the run before it had started (one naming it by id first):
-    later ones could only have found it no longer dead.
-    """
-    starts: list[int] = []  # indexes of attempts that open a run
-    for i in range(1, len(attempts)):
-        prev, cur = attempts[i - 1], attempts[i]
-        if (
-            prev.outcome in ("dead", "succeeded")
-            or cur.generation > prev.generation
-            or (attempt_base > 0 and cur.number == attempt_base + 1)
-            or any(
-                prev.started_at < a.started_at <= cur.started_at and "ids" in a.filter
-                for a in audit
-            )
-        ):
-            starts.append(i)
-    pending_replay = attempt_base > 0 and not any(a.number > attempt_base for a in attempts)
-    if pending_replay and attempts:
-        starts.append(len(attempts))
-    marks: list[ReplayMark] = []
-    for k, i in enumerate(starts):
-        after = attempts[i - 1].started_at
-        # The run it opens ends where the next run's last attempt before it starts.
-        until = attempts[starts[k + 1] - 1].started_at if k + 1 < len(starts) else None
-        window = [
-            a for a in audit if a.started_at > after and (until is None or a.started_at <= until)
-        ]
-        window.sort(key=lambda a: ("ids" not in a.filter, a.started_at, a.id))
-        first = attempts[i].number if i < len(attempts) else None
-        rerun = i < len(attempts) and attempts[i].generation > attempts[i - 1].generation
-        if window:
-            a = window[0]
-            marks.append(
-                ReplayMark(a.id, a.operator, a.reason, a.via, a.started_at, a.rerun or rerun, first)
-            )
-        else:
-            marks.append(ReplayMark(None, None, None, None, None, rerun, first))
-    return marks
-
-
 def dead_letters(
     session: Session, *, source: str | None = None, samples: int = 5
 ) -> list[DeadGroup]:
     """Dead deliveries grouped by source, route and reason; largest groups first."""
-    conds: list[Any] = [Delivery.status == "dead"]
-    source_id = _source_id(session, source)
+    conds: list[Any] = [Delivery.status == DeliveryStatus.DEAD]
+    source_id = source_id_of(session, source)
     if source_id is not None:
         conds.append(Delivery.source_id == source_id)
     ids = func.array_agg(func.distinct(Delivery.id))
@@ -909,74 +512,6 @@ def dead_letters(
     ]
 
 
-def _candidate_query() -> Any:
-    return (
-        select(
-            Delivery.id,
-            Delivery.receipt_id,
-            Source.public_id,
-            Receipt.event_id,
-            Receipt.event_type,
-            func.coalesce(Route.handler, REMOVED_ROUTE),
-            Delivery.status,
-            Delivery.generation,
-            Delivery.dead_reason,
-            Receipt.received_at,
-            Receipt.payload.is_not(None),
-        )
-        .join(Receipt, _delivery_of_receipt())
-        .join(Source, Source.id == Delivery.source_id)
-        .outerjoin(Route, Route.id == Delivery.route_id)
-        .order_by(Delivery.id)
-    )
-
-
-def candidates_by_filter(session: Session, flt: ReplayFilter, *, limit: int) -> list[Candidate]:
-    """Deliveries in ``flt.status`` whose event matches the filter, oldest id first.
-
-    ``since`` and ``until`` bound the event's arrival (received_at), as in ``events list``.
-    At most ``limit`` rows; the caller asks for one more than it accepts to detect overflow.
-    """
-    check_status(flt.status, REPLAYABLE_STATES)
-    conds = receipt_conditions(session, flt.source, flt.event_type, flt.since, flt.until)
-    source_id = _source_id(session, flt.source)
-    if source_id is not None:
-        # The same rows (a delivery's source is its receipt's); this one lets the planner start
-        # from the deliveries' (source_id, status) index instead of every receipt of the source.
-        conds.append(Delivery.source_id == source_id)
-    rows = session.execute(
-        _candidate_query().where(Delivery.status == flt.status, *conds).limit(limit)
-    ).all()
-    return [Candidate(*row) for row in rows]
-
-
-def candidates_by_ids(session: Session, ids: Sequence[int]) -> list[Candidate]:
-    """The named deliveries in any state; raises NotFoundError naming the missing ones."""
-    wanted = sorted(set(ids))
-    rows = session.execute(_candidate_query().where(Delivery.id.in_(wanted))).all()
-    found = [Candidate(*row) for row in rows]
-    missing = sorted(set(wanted) - {c.delivery_id for c in found})
-    if missing:
-        raise NotFoundError("no such delivery: " + ", ".join(str(i) for i in missing))
-    return found
-
-
-def current_status(session: Session, delivery_id: int) -> str | None:
-    return session.scalars(select(Delivery.status).where(Delivery.id == delivery_id)).first()
-
-
-def payload_present(session: Session, receipt_id: int) -> tuple[bool, datetime | None]:
-    """(payload still stored, when retention dropped it)."""
-    row = session.execute(
-        select(Receipt.payload.is_not(None), Receipt.payload_dropped_at).where(
-            Receipt.id == receipt_id
-        )
-    ).first()
-    if row is None:
-        return False, None
-    return bool(row[0]), row[1]
-
-
 @dataclass(frozen=True)
 class DeliveryState:
     """Where one delivery of a watched event stands (the demo's live view)."""
@@ -1003,7 +538,7 @@ def deliveries_of(session: Session, source: str, event_ids: Sequence[str]) -> li
             Delivery.attempts,
             Delivery.generation,
         )
-        .join(Delivery, _delivery_of_receipt())
+        .join(Delivery, delivery_of_receipt())
         .outerjoin(Route, Route.id == Delivery.route_id)
         .where(Receipt.source_id == source_id, Receipt.event_id.in_(list(event_ids)))
         .order_by(Receipt.received_at, Delivery.id)

@@ -6,7 +6,7 @@
    deliveries that are still being worked on.
 2. :func:`start_replay` writes the audit row (who, why, the filter as given, planned count).
 3. :func:`execute` moves the deliveries in chunks, each chunk one transaction: one set-based
-   statement (:func:`models.transitions.replay_many`: per row the guarded ``replay``, dead ->
+   statement (:func:`models.requeue.replay_many`: per row the guarded ``replay``, dead ->
    pending with the same key generation, or ``rerun``, succeeded -> pending with generation
    + 1), one read of why the others did not move, and the audit counters bumped once; then
    publishes each moved id after the commit. Chunks are paced by :func:`pace_chunk` so that
@@ -34,10 +34,17 @@ from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.clock import Clock, pinned
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.settings import Settings
-from models import queries, replay_rates, transitions
-from models.queries import Candidate, ReplayFilter
+from core.states import REPLAYABLE, DeliveryStatus
+from models import queries, replay_rates, requeue
+from models.candidates import (
+    Candidate,
+    ReplayFilter,
+    candidates_by_filter,
+    candidates_by_ids,
+)
 from models.schema import Replay
 
 log = get_logger("replays")
@@ -57,7 +64,7 @@ Via = Literal["cli", "api", "console"]
 Publish = Callable[[int, str, str], bool]
 
 
-class ReplayError(ValueError):
+class ReplayError(WebhooksError, ValueError):
     """The replay was refused or is malformed; nothing was changed."""
 
     def __init__(self, message: str, reason: str) -> None:
@@ -116,7 +123,7 @@ class Plan:
 
 
 def _refuse_states(candidates: list[Candidate], rerun_succeeded: bool) -> None:
-    succeeded = [c.delivery_id for c in candidates if c.status == "succeeded"]
+    succeeded = [c.delivery_id for c in candidates if c.status == DeliveryStatus.SUCCEEDED]
     if succeeded and not rerun_succeeded:
         raise ReplayError(
             f"refused: delivery {_ids(succeeded)} already succeeded. A plain replay would run "
@@ -124,7 +131,7 @@ def _refuse_states(candidates: list[Candidate], rerun_succeeded: bool) -> None:
             "deliberately, with a new key, pass --rerun-succeeded (audited like any replay)",
             "succeeded",
         )
-    busy = [c for c in candidates if c.status not in queries.REPLAYABLE_STATES]
+    busy = [c for c in candidates if c.status not in REPLAYABLE]
     if busy:
         listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in busy[:10])
         raise ReplayError(
@@ -143,18 +150,18 @@ def plan_replay(session: Session, req: ReplayRequest) -> Plan:
     """Select and freeze the candidates. Read-only."""
     validate_request(req)
     if req.ids:
-        found = queries.candidates_by_ids(session, req.ids)
+        found = candidates_by_ids(session, req.ids)
         _refuse_states(found, req.rerun_succeeded)
     else:
         assert req.flt is not None
-        if req.flt.status == "succeeded" and not req.rerun_succeeded:
+        if req.flt.status == DeliveryStatus.SUCCEEDED and not req.rerun_succeeded:
             raise ReplayError(
                 "refused: replaying succeeded deliveries would run their effects again under "
                 "the same downstream idempotency key; pass --rerun-succeeded to run them again "
                 "with a new key (audited)",
                 "succeeded",
             )
-        found = queries.candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
+        found = candidates_by_filter(session, req.flt, limit=MAX_PLAN + 1)
     if len(found) > MAX_PLAN:
         raise ReplayError(
             f"more than {MAX_PLAN} deliveries match; narrow the filter (--since/--until/--type)",
@@ -305,7 +312,7 @@ def _replay_chunk(
 ) -> list[Skip]:
     """One chunk in one transaction: the guarded moves, why the others did not move, the
     audit counters. Returns the skips (every other candidate moved)."""
-    done = transitions.replay_many(
+    done = requeue.replay_many(
         session,
         [(c.delivery_id, c.status) for c in chunk],
         now=now,

@@ -21,6 +21,7 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql
 
+from core.errors import WebhooksError
 from core.settings import Settings
 from models.db import DatabaseUnavailable, ensure_database
 
@@ -30,7 +31,7 @@ _RESERVED: Final = frozenset({"postgres", "public", "none", "current_user", "ses
 ATTRIBUTES: Final = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS"
 
 
-class RoleError(ValueError):
+class RoleError(WebhooksError, ValueError):
     """The role cannot be set up as asked; the message says why (never the password)."""
 
 

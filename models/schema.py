@@ -32,9 +32,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-DELIVERY_STATES = ("pending", "processing", "succeeded", "retrying", "dead", "discarded")
-# Work retention never removes: not finished yet (a dead letter is held by its own retention).
-UNFINISHED_STATES = ("pending", "retrying", "processing")
+from core.states import DeliveryStatus
+
 PARTITIONED_TABLES = ("receipts", "deliveries", "attempts")
 ARRIVED_VIA = ("webhook", "reconcile")
 ARRIVED_VIA_DEFAULT = (
@@ -59,7 +58,8 @@ class Base(DeclarativeBase):
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
-    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+    quoted = ", ".join(f"'{v}'" for v in values)  # a member's str is its value, unlike its repr
+    return f"{column} IN ({quoted})"
 
 
 class Source(Base):
@@ -211,7 +211,7 @@ class Delivery(Base):
     __table_args__ = (
         PrimaryKeyConstraint("id", "expires_at"),
         UniqueConstraint("receipt_id", "route_id", "expires_at"),
-        CheckConstraint(_in("status", DELIVERY_STATES), name="status"),
+        CheckConstraint(_in("status", tuple(DeliveryStatus)), name="status"),
         CheckConstraint("crash_mark IN ('suspect', 'bystander')", name="crash_mark"),
         Index(
             "ix_deliveries_due",
@@ -248,7 +248,7 @@ class Delivery(Base):
     receipt_id: Mapped[int] = mapped_column(BigInteger)
     source_id: Mapped[int] = mapped_column(BigInteger)
     route_id: Mapped[int] = mapped_column(BigInteger)
-    status: Mapped[str] = mapped_column(Text, server_default="pending")
+    status: Mapped[str] = mapped_column(Text, server_default=DeliveryStatus.PENDING.value)
     # The attempt number of the latest claim: the fencing token, so it only grows (a replay
     # or re-run continues it); attempt rows carry it as their number.
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")

@@ -23,45 +23,19 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 import psycopg
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-# The instant a statement decides at: the database's clock unless a test pinned one.
-NOW = "coalesce(CAST(:now AS timestamptz), now())"
+from core.errors import WebhooksError
+from core.states import AttemptOutcome, DeliveryStatus
+from models.statements import Target, fetchone, placeholders
 
 
-def _placeholders(sql: str) -> str:
-    """``:name`` (this module's notation) -> psycopg's ``%(name)s``; ``::`` casts untouched."""
-    return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", sql.replace(":now", NOW))
-
-
-# Where a hot-path statement runs: a session (its own connection and transaction), or a
-# psycopg connection the caller manages (the worker's autocommit statements).
-Target = Session | psycopg.Connection[Any]
-
-
-def _fetchone(target: Target, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
-    """Run a hot-path statement through psycopg directly: on a worker, SQLAlchemy's result
-    machinery cost more CPU than the statements themselves (tuple rows, no per-result column
-    metadata). On a session it runs in the session's transaction, so handler writes made
-    through the same session commit or roll back with it; on a bare psycopg connection in
-    autocommit it is its own transaction (one round trip, commit included)."""
-    if isinstance(target, Session):
-        raw = target.connection().connection.driver_connection
-        assert raw is not None
-    else:
-        raw = target
-    row: tuple[Any, ...] | None = raw.execute(sql, params).fetchone()
-    return row
-
-
-class TransitionError(Exception):
+class TransitionError(WebhooksError):
     """Base class of state machine errors."""
 
 
@@ -102,7 +76,7 @@ class Claim:
 
     @property
     def crashed_too_often(self) -> bool:
-        return self.status == "dead"
+        return self.status == DeliveryStatus.DEAD
 
 
 # The claim's assignments, shared by the one-delivery and the several-deliveries statements:
@@ -229,7 +203,7 @@ def _claim_sql(*, worker: bool, leaf: str | None = None) -> str:
     """The claim by id alone (:func:`claim`: every partition's index), or the worker's
     (:func:`claim_with_event`: its partition, its generation, the event with it)."""
     tables = _tables(_leaf(leaf))
-    return _placeholders(
+    return placeholders(
         _CLAIM_SQL.format(
             expires_match="AND expires_at = :expires_at" if worker else "",
             attempt_expiry=":expires_at" if worker else "(SELECT expires_at FROM claimed)",
@@ -291,7 +265,7 @@ def claim(
     statement, by id alone, in the session's transaction (tools and tests; the worker runs
     :func:`claim_with_event`, the same transition).
     """
-    row = _fetchone(
+    row = fetchone(
         session,
         _claim_sql(worker=False),
         {
@@ -322,7 +296,7 @@ def claim_with_event(
     statement, one partition. Run it in autocommit: one round trip, its commit asynchronous.
     ``leaf``: run it on that day's leaf partitions (:func:`models.partitions.leaf_suffix`);
     psycopg.errors.UndefinedTable if they do not exist (run it again without)."""
-    row = _fetchone(
+    row = fetchone(
         conn,
         _claim_sql(worker=True, leaf=leaf),
         {
@@ -453,7 +427,7 @@ def claim_many_with_event(
 
 @functools.cache
 def _claim_many_sql(leaf: str | None) -> str:
-    return _placeholders(
+    return placeholders(
         _CLAIM_MANY_SQL.format(
             claim_set=_CLAIM_SET, claimed_event=_CLAIMED_EVENT, gate=_GATE, **_tables(_leaf(leaf))
         )
@@ -492,7 +466,7 @@ _SUCCEED_MANY_SQL = """
 
 @functools.cache
 def _succeed_many_sql(leaf: str | None) -> str:
-    return _placeholders(_SUCCEED_MANY_SQL.format(**_tables(_leaf(leaf))))
+    return placeholders(_SUCCEED_MANY_SQL.format(**_tables(_leaf(leaf))))
 
 
 def succeed_many(
@@ -520,7 +494,7 @@ def _finish_sql(assignments: str, leaf: str | None = None) -> str:
     """The finishing statement for one transition's assignments (built once per transition
     and partition)."""
     tables = _tables(_leaf(leaf))
-    return _placeholders(
+    return placeholders(
         f"""
         WITH done AS (
             UPDATE {tables["deliveries"]} SET {assignments}, lease_until = NULL, updated_at = :now
@@ -554,7 +528,7 @@ def _guarded_finish(
 ) -> None:
     """One statement: the guarded state change and the end of this attempt's row."""
     sql = _finish_sql(assignments, leaf)
-    row = _fetchone(
+    row = fetchone(
         session,
         sql,
         {
@@ -586,7 +560,7 @@ def succeed(session: Target, found: Claim, *, now: datetime, leaf: str | None = 
         "status = 'succeeded', succeeded_at = :now, next_attempt_at = NULL, "
         "last_error = NULL, last_error_class = NULL",
         now=now,
-        outcome="succeeded",
+        outcome=AttemptOutcome.SUCCEEDED,
         leaf=leaf,
     )
 
@@ -612,7 +586,7 @@ def retry_later(
         "last_error_class = :error_class, last_error = :error"
         + (", attempt_base = attempt_base + 1" if uncounted else ""),
         now=now,
-        outcome="retry",
+        outcome=AttemptOutcome.RETRY,
         error_class=error_class,
         error=error,
         params={"next_at": next_attempt_at},
@@ -637,183 +611,8 @@ def kill(
         "last_error_class = coalesce(:error_class, last_error_class), "
         "last_error = coalesce(:error, last_error)",
         now=now,
-        outcome="dead",
+        outcome=AttemptOutcome.DEAD,
         error_class=error_class,
         error=error,
         params={"reason": reason},
     )
-
-
-def _sql(statement: str) -> Any:
-    """A statement of this module for a SQLAlchemy session (``:now`` as :data:`NOW`)."""
-    return text(statement.replace(":now", NOW))
-
-
-def replay(
-    session: Session, delivery_id: int, *, now: datetime | None, publish_grace: timedelta
-) -> bool:
-    """dead -> pending, keeping the key generation; the policy's attempt count and the
-    max-age clock start again, the attempt number (the fencing token) goes on. False when it
-    was not dead (someone else replayed it first, or another state)."""
-    row = session.execute(
-        _sql(
-            """
-            UPDATE deliveries SET status = 'pending', attempt_base = attempts, redeliveries = 0,
-                dead_reason = NULL, dead_at = NULL, first_attempt_at = NULL,
-                next_attempt_at = :now + :grace, updated_at = :now
-            WHERE id = :id AND status = 'dead'
-            RETURNING id
-            """
-        ),
-        {"id": delivery_id, "now": now, "grace": publish_grace},
-    ).one_or_none()
-    return row is not None
-
-
-def rerun(
-    session: Session, delivery_id: int, *, now: datetime | None, publish_grace: timedelta
-) -> bool:
-    """succeeded -> pending with generation + 1, so downstreams see a new idempotency key;
-    the attempt number goes on, as for a replay."""
-    row = session.execute(
-        _sql(
-            """
-            UPDATE deliveries SET status = 'pending', attempt_base = attempts, redeliveries = 0,
-                generation = generation + 1, succeeded_at = NULL, first_attempt_at = NULL,
-                next_attempt_at = :now + :grace, updated_at = :now
-            WHERE id = :id AND status = 'succeeded'
-            RETURNING id
-            """
-        ),
-        {"id": delivery_id, "now": now, "grace": publish_grace},
-    ).one_or_none()
-    return row is not None
-
-
-# An operator's replay of many deliveries at once (models.replays): per row, the guarded move
-# of :func:`replay` (from dead) or :func:`rerun` (from succeeded: generation + 1), only while
-# its receipt still holds the payload (the receipt shares the delivery's expires_at). The ids
-# as one array: one index scan per partition, where a join with the list probed every
-# partition once per id; the payload check as a scalar subquery, looked up per row by the
-# receipt's key, where an EXISTS was planned as a hash join over every receipt.
-_REPLAY_MANY_SQL = """
-    UPDATE deliveries d SET status = 'pending', attempt_base = d.attempts, redeliveries = 0,
-        generation = d.generation + :bump, succeeded_at = NULL, dead_reason = NULL,
-        dead_at = NULL, first_attempt_at = NULL, next_attempt_at = :now + :grace,
-        updated_at = :now
-    WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.status = :status
-      AND (SELECT r.payload IS NOT NULL FROM receipts r
-           WHERE r.id = d.receipt_id AND r.expires_at = d.expires_at)
-    RETURNING d.id
-    """
-
-
-def replay_many(
-    session: Session,
-    wanted: list[tuple[int, str]],
-    *,
-    now: datetime | None,
-    publish_grace: timedelta,
-) -> set[int]:
-    """:func:`replay` (``dead``) and :func:`rerun` (``succeeded``) for many (delivery id, status
-    the plan saw) pairs, one statement per status, each row guarded on its own; a row whose
-    payload retention dropped is not moved. Returns the ids that moved (the others: the
-    caller asks why). Run it in a transaction of its own: it turns JIT compilation off there
-    (planning a statement over every partition, Postgres would spend seconds compiling it)."""
-    session.execute(text("SET LOCAL jit = off"))
-    moved: set[int] = set()
-    for status, bump in (("dead", 0), ("succeeded", 1)):
-        ids = [i for i, seen in wanted if seen == status]
-        if ids:
-            rows = session.execute(
-                _sql(_REPLAY_MANY_SQL),
-                {
-                    "ids": ids,
-                    "status": status,
-                    "bump": bump,
-                    "now": now,
-                    "grace": publish_grace,
-                },
-            ).all()
-            moved |= {int(r[0]) for r in rows}
-    return moved
-
-
-def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) -> list[int]:
-    """dead -> discarded (an operator's audited decision): no longer a dead letter, so
-    retention no longer holds it. Returns the ids that were dead (others are left alone)."""
-    rows = session.execute(
-        _sql(
-            """
-            UPDATE deliveries SET status = 'discarded', next_attempt_at = NULL, updated_at = :now
-            WHERE id = ANY(:ids) AND status = 'dead'
-            RETURNING id
-            """
-        ),
-        {"ids": list(delivery_ids), "now": now},
-    ).all()
-    return sorted(int(r[0]) for r in rows)
-
-
-def due_for_publish(
-    session: Session,
-    *,
-    now: datetime | None,
-    grace: timedelta,
-    limit: int,
-    admitted: Sequence[int] = (),
-) -> list[tuple[int, str | None, str | None]]:
-    """The sweeper's pick, claimed with SKIP LOCKED so two sweepers never take the same rows:
-
-    - pending deliveries whose publish grace passed (never published, or the message was lost);
-    - retrying deliveries due more than ``grace`` ago (their countdown message did not come,
-      or the delay was too long for a countdown), moved back to pending;
-    - processing deliveries whose lease expired (the worker died), left processing so the
-      claim counts the redelivery.
-
-    Each picked row's next_attempt_at moves ``grace`` ahead, so a backlog is re-published at
-    most once per grace period, and its ``republished`` count (reset by the claim) goes up: a
-    pending row re-published twice is claimed through Postgres whatever its fast-claim key
-    says (the worker's probe), since the moved next_attempt_at never looks overdue to it.
-    ``admitted``: deliveries admission holds (waiting for their route's limits, or in
-    flight: models/admission.py). They are not lost and are left alone.
-
-    The caller publishes after committing. Returns (delivery id, event id, source public id)
-    for each, so the message shows what it carries.
-    """
-    rows = session.execute(
-        _sql(
-            """
-            WITH due AS (
-                SELECT id, expires_at FROM deliveries
-                WHERE next_attempt_at <= :now
-                  AND (status = 'pending'
-                       OR (status = 'retrying' AND next_attempt_at <= :now - :grace)
-                       OR (status = 'processing' AND lease_until <= :now))
-                  -- held: the route is paused or its breaker not closed (its probe is
-                  -- picked by models.breaker.pick_probes, not here)
-                  AND NOT EXISTS (
-                      SELECT 1 FROM routes g WHERE g.id = deliveries.route_id
-                        AND (g.paused_at IS NOT NULL OR g.breaker_state <> 'closed'))
-                  AND id NOT IN (SELECT unnest(CAST(:admitted AS bigint[])))
-                ORDER BY next_attempt_at
-                LIMIT :limit
-                FOR UPDATE SKIP LOCKED
-            ), picked AS (
-                UPDATE deliveries d SET
-                    status = CASE WHEN d.status = 'retrying' THEN 'pending' ELSE d.status END,
-                    next_attempt_at = :now + :grace,
-                    republished = d.republished + 1,
-                    updated_at = :now
-                FROM due WHERE d.id = due.id AND d.expires_at = due.expires_at
-                RETURNING d.id, d.receipt_id, d.expires_at, d.source_id
-            )
-            SELECT p.id, r.event_id, s.public_id FROM picked p
-            LEFT JOIN receipts r ON r.id = p.receipt_id AND r.expires_at = p.expires_at
-            LEFT JOIN sources s ON s.id = p.source_id
-            ORDER BY p.id
-            """
-        ),
-        {"now": now, "grace": grace, "limit": limit, "admitted": list(admitted)},
-    ).all()
-    return [(int(r[0]), r[1], r[2]) for r in rows]

@@ -160,8 +160,8 @@ def _report_unknown_handlers(**_: Any) -> None:
     from sqlalchemy.orm import Session  # noqa: PLC0415
 
     from core.logs import get_logger  # noqa: PLC0415
-    from models.catalog import active_routes  # noqa: PLC0415
     from models.db import make_engine  # noqa: PLC0415
+    from models.route_catalog import active_routes  # noqa: PLC0415
     from tasks.handlers.registry import load_registry  # noqa: PLC0415
 
     log = get_logger("worker")

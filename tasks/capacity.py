@@ -30,7 +30,7 @@ from core.logs import get_logger
 from core.settings import Settings
 from core.ttl import MAX_EVENT_TIME_LEAD
 from models import partitions
-from models.retention import longest_ttl
+from models.retention_layout import longest_ttl
 from models.schema import PARTITIONED_TABLES
 
 log = get_logger(__name__)

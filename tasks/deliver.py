@@ -16,6 +16,7 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import Retry
 
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.messages import DELIVER_TASK, Dispatch
 from core.settings import MAX_DELIVERY_BATCH
@@ -29,14 +30,14 @@ from tasks.runtime import Runtime
 log = get_logger(__name__)
 
 
-class DeadLetter(Exception):
+class DeadLetter(WebhooksError):
     """Raised by the task once the dead state is committed, so that Celery (and Flower)
     shows the attempt as FAILURE with the reason. Declared in the task's ``throws``: an
     expected outcome, logged without a traceback; the message is acknowledged all the same
     (a failed task is acked), so nothing redelivers it."""
 
 
-class AttemptFailed(Exception):
+class AttemptFailed(WebhooksError):
     """The error of an attempt that will be retried: the exception of its RETRY state."""
 
 

@@ -35,6 +35,7 @@ import sqlalchemy.exc
 from psycopg_pool import PoolTimeout
 from sqlalchemy import Engine
 
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.metrics import RECORD_RETRIES
 
@@ -57,7 +58,7 @@ FIRST_WAIT = 0.05
 LONGEST_WAIT = 1.0
 
 
-class Unrecorded(Exception):
+class Unrecorded(WebhooksError):
     """The outcome could not be recorded within the retry time: the delivery keeps its lease
     and is taken over when the lease runs out (a crash, for the pipeline)."""
 

@@ -7,8 +7,10 @@ and ``deliveries.last_error`` for the operator.
 
 from __future__ import annotations
 
+from core.errors import WebhooksError
 
-class HandlerError(Exception):
+
+class HandlerError(WebhooksError):
     """Base class of the errors a handler raises on purpose."""
 
     reason: str = "handler_error"
@@ -62,7 +64,7 @@ class UnknownHandlerError(PermanentError):
         self.name = name
 
 
-class HandlerRegistrationError(Exception):
+class HandlerRegistrationError(WebhooksError):
     """A handler name was registered twice with different callables, or a module failed."""
 
     reason = "handler_registration"

@@ -30,6 +30,7 @@ from typing import Any
 
 from celery.signals import worker_process_shutdown, worker_ready, worker_shutdown
 
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.settings import Settings
 
@@ -39,7 +40,7 @@ ENV_VAR = "PROMETHEUS_MULTIPROC_DIR"
 DIR_PREFIX = "worker-"
 
 
-class MetricsSetupError(RuntimeError):
+class MetricsSetupError(WebhooksError, RuntimeError):
     """Multi-process metrics cannot be set up (prometheus_client was imported too early)."""
 
     reason = "imported_too_late"

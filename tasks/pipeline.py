@@ -139,6 +139,7 @@ from sqlalchemy.orm import Session
 
 from core.clock import pinned
 from core.crypto import SecretDecryptError
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.messages import Dispatch
 from core.metrics import ADMISSIONS, DEAD_LETTERS, DELIVERIES, RECEIPT_TO_SUCCESS, RETRIES
@@ -197,7 +198,7 @@ _PROBE_ONE = _PROBE.format(where="d.id = %(id)s")
 _PROBE_MANY = _PROBE.format(where="d.id = ANY(%(ids)s::bigint[])")
 
 
-class _StaleConnection(Exception):
+class _StaleConnection(WebhooksError):
     """The pooled connection died while idle (a Postgres restart): take a fresh one."""
 
 

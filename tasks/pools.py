@@ -61,6 +61,7 @@ from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
+from core.errors import WebhooksError
 from core.logs import get_logger
 from models.transitions import Held
 
@@ -131,7 +132,7 @@ def is_green() -> bool:
     return bool(monkey is not None and monkey.is_module_patched("socket"))
 
 
-class PoolMismatchError(RuntimeError):
+class PoolMismatchError(WebhooksError, RuntimeError):
     """The worker command runs another pool than WEBHOOKS_WORKER_POOL says."""
 
     reason = "pool_mismatch"

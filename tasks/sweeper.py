@@ -1,7 +1,7 @@
 """Beat's periodic tasks, on the maintenance queue. Each run is idempotent: running twice or
 missing a run only changes when, never whether, work is published.
 
-``webhooks.sweep`` picks (``transitions.due_for_publish``, SKIP LOCKED, committed before any
+``webhooks.sweep`` picks (``requeue.due_for_publish``, SKIP LOCKED, committed before any
 publish) pending deliveries never published or whose message was lost, retries that are due
 but whose countdown message did not come (or that were too long for a countdown), and
 processing deliveries whose lease expired (the worker died), skipping deliveries their route
@@ -30,7 +30,7 @@ from core.clock import pinned
 from core.logs import get_logger
 from core.messages import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
 from core.metrics import ADMISSIONS, BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
-from models import admission, breaker, retention, transitions
+from models import admission, breaker, requeue, retention
 from models.admission import Admission
 from models.db import DatabaseUnavailable, session_scope
 from tasks import capacity, periodic_failed, periodic_runtime
@@ -54,7 +54,7 @@ def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
     now = pinned(rt.clock)
     held = holding(rt)
     with session_scope(rt.sessions) as session:
-        picked = transitions.due_for_publish(
+        picked = requeue.due_for_publish(
             session,
             now=now,
             grace=rt.settings.publish_grace,

@@ -21,7 +21,7 @@ from core.crypto import SecretBox
 from core.providers import validate_config
 from core.settings import Settings
 from core.ttl import derive_ttl, expires_at
-from models import catalog
+from models import catalog, route_catalog
 from models.accept import NewReceipt, Outcome, accept_sync
 from models.schema import Source
 
@@ -68,7 +68,7 @@ def make_source(
         assert plaintext is not None
         route_ids = []
         for spec in routes if routes is not None else [{"handler": "log"}]:
-            route, _ = catalog.add_route(session, box, source, **spec)
+            route, _ = route_catalog.add_route(session, box, source, **spec)
             route_ids.append(route.id)
         return MadeSource(
             source.id,

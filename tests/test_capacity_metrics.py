@@ -17,7 +17,8 @@ from sqlalchemy import Engine, text
 
 from core.settings import Settings
 from models.db import make_engine, make_sessionmaker, upgrade
-from models.retention import ensure_partitions, expire_partitions
+from models.retention_expiry import expire_partitions
+from models.retention_layout import ensure_partitions
 from tasks.capacity import measure_fast_tier, measure_partitions
 from tests.conftest import ADMIN_DSN, REDIS, TEST_DB, free_port, make_settings, wait_for_port
 from tests.factories import make_source
@@ -114,7 +115,7 @@ def test_partition_days_ahead_and_past(own_database: tuple[Settings, Engine]) ->
 
 def _longest(engine: Engine, settings: Settings) -> timedelta:
     from core.ttl import MAX_EVENT_TIME_LEAD  # noqa: PLC0415
-    from models.retention import longest_ttl  # noqa: PLC0415
+    from models.retention_layout import longest_ttl  # noqa: PLC0415
 
     return longest_ttl(engine, settings) + MAX_EVENT_TIME_LEAD
 

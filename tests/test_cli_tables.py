@@ -83,7 +83,7 @@ def test_replays_list_headers_are_whole(width: int) -> None:
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_the_demo_table_keeps_event_ids_and_types_whole(width: int) -> None:
-    from webhooks.cli.operators import _states_table
+    from webhooks.cli.demo import _states_table
 
     states = [
         queries.DeliveryState(
@@ -198,7 +198,7 @@ def test_routes_list_without_a_source_lists_every_route_whole(
 def test_the_demos_delivery_table_fits_80_columns_without_cutting_a_status() -> None:
     """``webhooks demo``'s live table at 80 columns: ids, handlers and statuses whole (it
     printed ``suc…`` and ``fla…`` in a boxed table)."""
-    from webhooks.cli.operators import _states_table  # noqa: PLC0415
+    from webhooks.cli.demo import _states_table  # noqa: PLC0415
 
     states = [
         queries.DeliveryState("evt_demo_caf4a85e_1", "order.created", 1, "log", "succeeded", 1, 0),

@@ -25,9 +25,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
 from core.ttl import expires_at
-from models import console, queries
+from models import candidates, console, event_walk, queries
 from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, accept_sync
-from models.queries import EventFilter, ReplayFilter
+from models.candidates import ReplayFilter
+from models.queries import EventFilter
 from tests.conftest import ADMIN_DSN, make_settings
 from tests.factories import MadeSource, accept_event
 from tests.operators_support import accept, kill, ops_settings, source_with, succeed
@@ -102,7 +103,7 @@ def test_events_by_status_are_the_same_rows_in_the_same_order_either_way(
         with sessions() as session:
             # No source: every key of the status probed and sorted (any source's mix.event).
             anywhere = _pages(session, None, status, limit=3, event_type="mix.event")
-        monkeypatch.setattr(queries, "RARE_STATUS_ROWS", 0)
+        monkeypatch.setattr(event_walk, "RARE_STATUS_ROWS", 0)
         with sessions() as session:
             common = _pages(session, source.public_id, status, limit=3)
             common_anywhere = _pages(session, None, status, limit=3, event_type="mix.event")
@@ -165,7 +166,7 @@ def test_events_by_a_rare_status_stay_exact_when_deliveries_are_created_later(
             with sessions() as session:
                 walked = _pages(session, source.public_id, status, limit=limit)
             assert walked == expected, (status, limit)
-        monkeypatch.setattr(queries, "RARE_STATUS_ROWS", 0)
+        monkeypatch.setattr(event_walk, "RARE_STATUS_ROWS", 0)
         with sessions() as session:
             assert _pages(session, source.public_id, status, limit=4) == expected, status
         monkeypatch.undo()
@@ -293,7 +294,7 @@ def test_the_preview_freezes_the_ids_the_filter_selects_and_samples_the_first(
     flt = ReplayFilter(source.public_id, "pre.*", "dead", since=now - timedelta(hours=1))
     with sessions() as session:
         shown = console.preview(session, flt, limit=1000)
-        planned = queries.candidates_by_filter(session, flt, limit=1000)
+        planned = candidates.candidates_by_filter(session, flt, limit=1000)
         by_source = console.preview(session, ReplayFilter(source.public_id), limit=1000)
         capped = console.preview(session, ReplayFilter(source.public_id), limit=5)
     assert shown.ids == tuple(c.delivery_id for c in planned) == tuple(sorted(dead))

@@ -23,7 +23,9 @@ import pytest
 from sqlalchemy import text
 
 from models.db import make_engine, make_sessionmaker
-from models.retention import database_now, ensure_partitions, expire_partitions
+from models.retention_expiry import expire_partitions
+from models.retention_holds import database_now
+from models.retention_layout import ensure_partitions
 from models.roles import RoleError, check_role_name
 from tests.conftest import ADMIN_DSN, BIN, make_settings, test_env
 from tests.factories import make_source

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
 from models import queries, transitions
-from models.queries import AttemptView, ReplayAudit, replay_marks
+from models.delivery_history import AttemptView, ReplayAudit, replay_marks
 from tasks.context import idempotency_key
 from tests.factories import MadeSource, accept_event
 from tests.leakcheck import remember

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.crypto import SecretBox
 from core.settings import Settings
-from models import catalog
+from models import catalog, route_catalog
 from tests.conftest import count_rows
 from tests.factories import MadeSource
 from tests.operators_support import (
@@ -193,7 +193,7 @@ def test_enabling_a_route_whose_handler_is_not_registered_is_refused(
     source = source_with(sessions, ops, "log")
     box = SecretBox(ops.secret_key.get_secret_value())
     with sessions() as session, session.begin():  # as made before routes were validated
-        route, _ = catalog.add_route(
+        route, _ = route_catalog.add_route(
             session, box, catalog.get_source(session, source.public_id), handler="gone"
         )
         route_id = route.id
@@ -215,7 +215,7 @@ def test_a_disabled_source_answers_410_writes_nothing_and_its_accepted_work_stil
     [pending] = accept(ops, source)
     stranger = source_with(sessions, ops, "log")
     with sessions() as session, session.begin():  # a route naming a handler no one has
-        catalog.add_route(
+        route_catalog.add_route(
             session,
             SecretBox(ops.secret_key.get_secret_value()),
             catalog.get_source(session, stranger.public_id),

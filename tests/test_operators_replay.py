@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.clock import FrozenClock
 from core.settings import Settings
 from models import admission, queries, replays
-from models.queries import ReplayFilter
+from models.candidates import ReplayFilter
 from models.replays import ReplayError, ReplayRequest, moved, pace, pace_chunk
 from tasks.publisher import CeleryPublisher
 from tests.factories import accept_event

@@ -26,12 +26,8 @@ from core.settings import Settings
 from core.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, dedup_terms, known_providers
 from models import partitions
 from models.db import make_engine, make_sessionmaker, upgrade
-from models.retention import (
-    ensure_partitions,
-    longest_ttl,
-    run_maintenance,
-    trim_layout,
-)
+from models.retention import run_maintenance
+from models.retention_layout import ensure_partitions, longest_ttl, trim_layout
 from tests.conftest import ADMIN_DSN, make_settings
 from tests.factories import MadeSource, accept_event, make_source, source_ttl
 from tests.leakcheck import remember

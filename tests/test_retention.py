@@ -32,18 +32,13 @@ from core.clock import FrozenClock
 from core.settings import Settings
 from core.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, expires_at
 from ingest.app import create_app
-from models import partitions, transitions
+from models import partitions, requeue, transitions
 from models.accept import NewReceipt, accept_sync
 from models.db import make_engine, make_sessionmaker, upgrade
-from models.retention import (
-    delete_expired,
-    drop_expired_partitions,
-    drop_payloads,
-    ensure_partitions,
-    hold_end,
-    longest_ttl,
-    run_maintenance,
-)
+from models.retention import delete_expired, drop_payloads, run_maintenance
+from models.retention_expiry import drop_expired_partitions
+from models.retention_holds import hold_end
+from models.retention_layout import ensure_partitions, longest_ttl
 from models.transitions import Claim
 from tests.conftest import ADMIN_DSN, BIN, REDIS, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env
@@ -324,7 +319,7 @@ def _work_in_every_state(
     claim(sessions, ids["processing"][0], first)  # its lease ran out long ago: still unfinished
     kill(sessions, ids["dead_recent"][0], now - timedelta(minutes=30))
     with sessions() as session, session.begin():
-        assert transitions.discard(session, ids["discarded"], now=first) == ids["discarded"]
+        assert requeue.discard(session, ids["discarded"], now=first) == ids["discarded"]
     return ids
 
 
@@ -1029,7 +1024,7 @@ def test_payload_retention_drops_exactly_the_bodies_it_should(
     kill(sessions, split_dead, first)
     kill(sessions, one("replayed"), first)
     with sessions() as session, session.begin():
-        assert transitions.replay(
+        assert requeue.replay(
             session, one("replayed"), now=received + timedelta(days=1), publish_grace=SEC
         )
     succeed(
@@ -1040,7 +1035,7 @@ def test_payload_retention_drops_exactly_the_bodies_it_should(
     )
     succeed(sessions, one("rerun"), first, first)
     with sessions() as session, session.begin():
-        assert transitions.rerun(
+        assert requeue.rerun(
             session, one("rerun"), now=received + timedelta(days=2), publish_grace=SEC
         )
     assert delivery_ids(engine, source, "no_route") == []

@@ -23,10 +23,12 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from models import partitions, queries, retention, transitions
+from models import partitions, queries, requeue, retention, transitions
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.partitions import leaf_suffix
-from models.retention import ensure_partitions, hold_end, run_maintenance
+from models.retention import run_maintenance
+from models.retention_holds import hold_end
+from models.retention_layout import ensure_partitions
 from models.transitions import Claim
 from tests.conftest import ADMIN_DSN, BIN, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env
@@ -345,7 +347,7 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
     # One is replayed on day 10 and keeps its downstream key (generation 0).
     day10 = T0 + 10 * DAY
     with sessions() as session, session.begin():
-        assert transitions.replay(session, replayed, now=day10, publish_grace=SEC)
+        assert requeue.replay(session, replayed, now=day10, publish_grace=SEC)
     again = claim(sessions, replayed, day10 + SEC)
     assert again.generation == 0
     with sessions() as session, session.begin():

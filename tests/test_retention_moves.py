@@ -18,9 +18,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from models import discards, partitions, retention, transitions
-from models.queries import ReplayFilter
-from models.retention import LeaseWait, ensure_partitions, expire_partitions, run_maintenance
+from models import discards, partitions, retention_expiry, transitions
+from models.candidates import ReplayFilter
+from models.retention import run_maintenance
+from models.retention_expiry import LeaseWait, expire_partitions
+from models.retention_layout import ensure_partitions
 from tests.factories import MadeSource, make_source
 from tests.test_retention_holds import (
     DAY,
@@ -245,7 +247,7 @@ def test_the_drop_waits_for_a_reader_while_accepts_go_through(
     succeed(sessions, done, T0 + SEC)
     lo, hi = partitions.day_bounds(EXPIRY_DAY)
     reader = psycopg.connect(settings.psycopg_dsn)
-    result: list[retention.Expiry] = []
+    result: list[retention_expiry.Expiry] = []
     try:
         reader.execute(
             "SELECT count(*) FROM receipts WHERE expires_at >= %s AND expires_at < %s", (lo, hi)

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from models import admission, breaker, catalog, transitions
+from models import admission, breaker, catalog, requeue, transitions
 from models.breaker import Thresholds
 from tests.factories import accept_event, make_source
 from tests.operators_support import cli, ops_env
@@ -185,7 +185,7 @@ def test_an_open_breaker_holds_claims_without_an_attempt_and_probes_once_per_int
     assert {delivery(engine, i).attempts for i in ids} == {0}
     # (Other tests' rows share this database: only this test's deliveries and route count.)
     with sessions() as s, s.begin():
-        due = transitions.due_for_publish(s, now=now, grace=timedelta(0), limit=10_000)
+        due = requeue.due_for_publish(s, now=now, grace=timedelta(0), limit=10_000)
     assert [row for row in due if row[0] in ids] == []
 
     def probes(at: Any) -> list[breaker.Probe]:

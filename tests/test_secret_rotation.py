@@ -27,7 +27,7 @@ from core.crypto import SecretBox, SecretDecryptError
 from core.settings import SettingsError, load_settings
 from ingest.app import create_app
 from models import keys
-from models.retention import ensure_partitions
+from models.retention_layout import ensure_partitions
 from tests.conftest import BASE_ENV, BIN, REDIS, make_settings, test_env
 from tests.factories import make_source, source_ttl
 from tests.leakcheck import remember

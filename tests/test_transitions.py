@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from models import transitions
+from models import requeue, transitions
 from tests.factories import accept_event, make_source
 
 T0 = datetime.now(UTC).replace(microsecond=0)
@@ -94,14 +94,12 @@ def test_replay_only_from_dead_restarts_the_age_clock_and_continues_the_fence(
     found = claim(sessions, delivery_id, T0)
     assert found is not None
     with sessions() as s, s.begin():
-        assert not transitions.replay(
-            s, delivery_id, now=T0, publish_grace=timedelta(0)
-        )  # not dead
+        assert not requeue.replay(s, delivery_id, now=T0, publish_grace=timedelta(0))  # not dead
         transitions.kill(s, found, now=T0, reason="permanent", error_class="E", error="boom")
     later = T0 + timedelta(days=3)
     with sessions() as s, s.begin():
-        assert transitions.replay(s, delivery_id, now=later, publish_grace=timedelta(0))
-        assert not transitions.replay(s, delivery_id, now=later, publish_grace=timedelta(0))  # once
+        assert requeue.replay(s, delivery_id, now=later, publish_grace=timedelta(0))
+        assert not requeue.replay(s, delivery_id, now=later, publish_grace=timedelta(0))  # once
     again = claim(sessions, delivery_id, later)
     assert again is not None
     assert again.attempt == found.attempt + 1  # the fencing token only grows
@@ -129,7 +127,7 @@ def test_a_worker_frozen_before_a_replay_cannot_commit_after_it(
     with sessions() as s, s.begin():
         transitions.kill(s, taken, now=later, reason="permanent", error_class="E", error="x")
     with sessions() as s, s.begin():
-        assert transitions.replay(s, delivery_id, now=later, publish_grace=timedelta(0))
+        assert requeue.replay(s, delivery_id, now=later, publish_grace=timedelta(0))
     running = claim(sessions, delivery_id, later)  # after the replay: attempt 3, not 1
     assert running is not None
     assert (running.attempt, running.attempts_in_run) == (3, 1)
@@ -148,11 +146,9 @@ def test_rerun_only_from_succeeded_and_bumps_the_generation(
     found = claim(sessions, delivery_id, T0)
     assert found is not None
     with sessions() as s, s.begin():
-        assert not transitions.rerun(
-            s, delivery_id, now=T0, publish_grace=timedelta(0)
-        )  # processing
+        assert not requeue.rerun(s, delivery_id, now=T0, publish_grace=timedelta(0))  # processing
         transitions.succeed(s, found, now=T0)
-        assert transitions.rerun(s, delivery_id, now=T0, publish_grace=timedelta(0))
+        assert requeue.rerun(s, delivery_id, now=T0, publish_grace=timedelta(0))
     again = claim(sessions, delivery_id, T0)
     assert again is not None
     assert again.generation == found.generation + 1
@@ -258,7 +254,7 @@ def test_a_finished_delivery_has_no_next_attempt(
         ).all()
     assert sorted(tuple(r) for r in rows) == [("dead", None, None), ("succeeded", None, None)]
     with sessions() as s, s.begin():
-        assert transitions.replay(s, dead, now=T0, publish_grace=timedelta(seconds=30))
+        assert requeue.replay(s, dead, now=T0, publish_grace=timedelta(seconds=30))
         due = s.execute(
             text("SELECT next_attempt_at FROM deliveries WHERE id = :d"), {"d": dead}
         ).scalar_one()

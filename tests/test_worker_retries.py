@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import transitions
+from models import requeue
 from tasks.policy import RetryPolicy, backoff_bound
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL
@@ -149,7 +149,7 @@ def test_the_flaky_demo_handler_goes_dead_then_succeeds_once_replayed(
         broker.publish(delivery_id)
         assert wait_status(engine, delivery_id, "dead").dead_reason == "permanent"
         with sessions() as session, session.begin():
-            assert transitions.replay(
+            assert requeue.replay(
                 session, delivery_id, now=datetime.now(UTC), publish_grace=timedelta(seconds=30)
             )
         broker.publish(delivery_id)

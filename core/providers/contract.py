@@ -17,6 +17,8 @@ from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
+from core.errors import WebhooksError
+
 # Every reason the built-in schemes raise, so metrics can pre-register their labels.
 AUTH_REASONS: Final = frozenset(
     {
@@ -64,7 +66,7 @@ EVENT_ID: Final = re.compile(r"[\x21-\x7e]{1,255}")
 MAX_UNIX_DIGITS: Final = 11
 
 
-class ProviderError(Exception):
+class ProviderError(WebhooksError):
     """Base of the providers' errors: a machine-readable ``reason`` and nothing from the request.
 
     The message is built from the reason alone, so logging or returning it can never leak a

@@ -19,6 +19,7 @@ from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 from typing import Any, Final
 
+from core.errors import WebhooksError
 from core.providers.base import Provider
 
 ENTRY_POINT_GROUP: Final = "webhooks.providers"
@@ -62,12 +63,12 @@ _lock = threading.Lock()
 _loaded: Mapping[str, Provider] | None = None
 
 
-class ProviderPluginError(ValueError):
+class ProviderPluginError(WebhooksError, ValueError):
     """A provider plug-in (entry point) is broken; the message says which and why (a
     ValueError, so the CLI reports it as one error line)."""
 
 
-class UnknownProvider(ValueError):
+class UnknownProvider(WebhooksError, ValueError):
     """No provider of that name is registered."""
 
     def __init__(self, name: str, known: Sequence[str]) -> None:

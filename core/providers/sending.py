@@ -24,6 +24,7 @@ from urllib.parse import urlencode
 
 import orjson
 
+from core.errors import WebhooksError
 from core.providers import adyen, generic_hmac, hubspot, twilio, urlsigned
 
 Headers = dict[str, str]
@@ -69,7 +70,7 @@ DEFAULT_TYPES: Final[Mapping[str, str]] = {
 }
 
 
-class CannotSign(ValueError):
+class CannotSign(WebhooksError, ValueError):
     """No test event can be built for this source (a public-key or plug-in provider, or
     options that name headers this sender cannot fill in); the message says why."""
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from ingest.admin.deps import Db, Operator, PathId, State, error, parse_time
 from ingest.admin.schemas import NOT_FOUND, ErrorOut, ReplayCreatedOut, ReplayIn, preview
 from models import replays
-from models.queries import ReplayFilter
+from models.candidates import ReplayFilter
 from models.replays import ReplayError, ReplayRecord
 
 router = APIRouter()

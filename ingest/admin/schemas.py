@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from models import queries, replays
-from models.queries import Candidate
+from models.candidates import Candidate
 from models.replays import ReplayRecord
 
 # Numeric inputs within their column's range (a bigint), or 400 like any other bad input:

@@ -19,11 +19,11 @@ from starlette.routing import Route
 
 from ingest.console.base import Console, Visit, args_of, log, one, opt, parse_when, redirect
 from ingest.console.plans import PendingPlan
+from models import candidates, discards, queries, replays
 from models import console as reads
-from models import discards, queries, replays
+from models.candidates import ReplayFilter
 from models.catalog import CatalogError
 from models.discards import DiscardError
-from models.queries import ReplayFilter
 from models.replays import ReplayError
 
 DEAD_PAGE = 100
@@ -55,7 +55,7 @@ async def dead(c: Console, v: Visit) -> Response:
     try:
         now = await c.db(reads.db_now)
         flt = _dead_filter(args, now)
-        rows = await c.db(lambda s: queries.candidates_by_filter(s, flt, limit=DEAD_PAGE + 1))
+        rows = await c.db(lambda s: candidates.candidates_by_filter(s, flt, limit=DEAD_PAGE + 1))
         groups = await c.db(lambda s: queries.dead_letters(s, source=flt.source))
     except (queries.QueryError, CatalogError) as exc:
         return c.show(
@@ -159,7 +159,7 @@ async def dead_confirm(c: Console, v: Visit) -> Response:
         # The ids the preview counted, read now (the rows move only through guarded SQL
         # at execution, which skips any that are no longer dead).
         try:
-            rows = await c.db(lambda s: queries.candidates_by_ids(s, pending.frozen))
+            rows = await c.db(lambda s: candidates.candidates_by_ids(s, pending.frozen))
         except queries.NotFoundError as exc:
             return c.error(v, f"{exc}: preview again")
         pending.candidates = tuple(rows)

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from core.messages import DELIVER_TASK
 from core.settings import Settings
 from ingest.console.base import Console, Visit, redirect
-from models import queries
+from models import delivery_history, queries
 from tasks.context import idempotency_key
 
 
@@ -58,12 +58,12 @@ async def flower_task(c: Console, v: Visit) -> Response:
 class TimelineRow:
     """An attempt, or a replay separator before the attempt it opened."""
 
-    attempt: queries.AttemptView | None
-    replay: queries.ReplayMark | None
+    attempt: delivery_history.AttemptView | None
+    replay: delivery_history.ReplayMark | None
     duration_ms: int | None
 
 
-def _timeline(view: queries.DeliveryView) -> list[TimelineRow]:
+def _timeline(view: delivery_history.DeliveryView) -> list[TimelineRow]:
     marks = {m.first_attempt: m for m in view.replays}
     rows: list[TimelineRow] = []
     for a in view.attempt_log:

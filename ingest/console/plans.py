@@ -13,8 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from core.clock import Clock
-from models import queries
-from models.queries import ReplayFilter
+from models.candidates import Candidate, ReplayFilter
 
 PLAN_TTL = timedelta(minutes=15)
 
@@ -30,7 +29,7 @@ class PendingPlan:
     flt: ReplayFilter | None
     # By ids: the candidates as planned. By filter: the sample only; ``frozen`` holds every
     # matching id, and the confirmation reads the candidates of exactly those.
-    candidates: tuple[queries.Candidate, ...]
+    candidates: tuple[Candidate, ...]
     made_at: datetime
     frozen: tuple[int, ...] = ()
 

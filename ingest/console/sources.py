@@ -9,7 +9,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ingest.console.base import Console, Visit, log, one, redirect
-from models import breaker, catalog, queries
+from models import breaker, catalog, queries, route_catalog
 from models import console as reads
 from models.catalog import CatalogError, Change
 
@@ -48,9 +48,9 @@ async def route_action(c: Console, v: Visit) -> Response:
 
         def act(s: Session) -> None:
             if action in ("enable", "disable"):
-                catalog.set_route_active(s, route_id, action == "enable", change, now=None)
+                route_catalog.set_route_active(s, route_id, action == "enable", change, now=None)
             elif action == "remove":
-                catalog.remove_route(s, route_id, change, now=None)
+                route_catalog.remove_route(s, route_id, change, now=None)
             else:
                 breaker.set_paused(s, route_id, action == "pause", change, now=None)
 

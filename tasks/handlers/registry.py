@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
+from core.errors import WebhooksError
 from core.logs import get_logger
 from tasks.context import Event, HandlerContext
 from tasks.errors import HandlerRegistrationError, UnknownHandlerError
@@ -57,7 +58,7 @@ def register(name: str) -> Callable[[Handler], Handler]:
     return decorate
 
 
-class UnregisteredHandlerError(ValueError):
+class UnregisteredHandlerError(WebhooksError, ValueError):
     """A route would name a handler that no module registers: refused when the route is made
     or enabled, rather than every event of its source going dead with ``unknown_handler``."""
 

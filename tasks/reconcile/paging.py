@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from core.errors import WebhooksError
+
 MAX_WAIT = 60.0  # seconds: the longest Retry-After honoured as given
 MAX_WAITS = 5  # 429s waited out per run, then the run stops
 DEFAULT_WAIT = 2.0  # a 429 without Retry-After: 2, 4, 8 ... seconds
@@ -41,7 +43,7 @@ class Page:
     cursor: str | None  # the next page's cursor; None: this was the last page
 
 
-class RateLimited(Exception):
+class RateLimited(WebhooksError):
     """The API answered 429; ``retry_after`` in seconds when it said."""
 
     def __init__(self, retry_after: float | None) -> None:
@@ -49,7 +51,7 @@ class RateLimited(Exception):
         self.retry_after = retry_after
 
 
-class ApiError(Exception):
+class ApiError(WebhooksError):
     """The API failed: ``status`` (None: no answer) and a message with no key, no body."""
 
     def __init__(self, status: int | None, message: str) -> None:

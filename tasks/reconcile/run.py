@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import metrics
 from core.crypto import SecretBox
 from core.durations import format_duration
+from core.errors import WebhooksError
 from core.logs import get_logger
 from core.providers import reconcile_options as options
 from core.settings import Settings
@@ -50,7 +51,7 @@ DEFAULT_MAX_PAGES = 20
 Publish = Callable[[int, str, str], bool]
 
 
-class ReconcileError(Exception):
+class ReconcileError(WebhooksError):
     """The run cannot start (no credential, bad window, provider not supported): one line,
     nothing changed."""
 

@@ -15,7 +15,9 @@ from webhooks.cli import (
     providers,
     reconcile,
     retention,
+    routes,
     send,
+    source_secrets,
     sources,
 )
 from webhooks.cli.common import OPTIONS
@@ -48,7 +50,18 @@ def _options(
     OPTIONS.env_file = env_file
 
 
-for module in (db, sources, send, providers, pipeline, operators, retention, reconcile):
+for module in (
+    db,
+    sources,
+    source_secrets,
+    routes,
+    send,
+    providers,
+    pipeline,
+    operators,
+    retention,
+    reconcile,
+):
     module.register(app)
 
 

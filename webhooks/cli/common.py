@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from core.clock import Clock, SystemClock
+from core.errors import WebhooksError
 
 # What a command needs (settings, the database, logging) is imported when it runs, not here,
 # and so in every module of this package: each `webhooks` process pays for what it imports,
@@ -40,7 +41,7 @@ err_console = Console(stderr=True)
 ENV_FILE_VAR = "WEBHOOKS_ENV_FILE"
 
 
-class CliError(Exception):
+class CliError(WebhooksError):
     """A user-facing error: printed without a traceback, exit code 1."""
 
 

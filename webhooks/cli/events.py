@@ -16,6 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from core.states import DeliveryStatus
 from webhooks.cli.common import console, env, handle_errors, print_json
 from webhooks.cli.render import (
     JsonOpt,
@@ -191,7 +192,7 @@ def deliveries_show(
         say(f"{label + ':':<10} {escape(str(value))}")
     console.print()
     print_delivery(d)
-    if d.status == "dead":
+    if d.status == DeliveryStatus.DEAD:
         say(
             f"\nreplay it: webhooks replay {d.id} --reason TEXT; "
             f"discard it: webhooks dead discard {d.id} --reason TEXT"

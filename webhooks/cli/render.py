@@ -21,7 +21,7 @@ from rich.text import Text
 from webhooks.cli.common import Env, console
 
 if TYPE_CHECKING:
-    from models import queries
+    from models import delivery_history
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 SourceOpt = Annotated[str | None, typer.Option("--source", help="Source id or name.")]
@@ -87,7 +87,7 @@ def say(line: str) -> None:
     console.print(line, highlight=False, soft_wrap=True)
 
 
-def _replay_line(mark: queries.ReplayMark) -> str:
+def _replay_line(mark: delivery_history.ReplayMark) -> str:
     kind = "re-run (new key generation)" if mark.rerun else "replay"
     if mark.replay_id is None:
         return f"  ── {kind} (no audit row found) ──"
@@ -101,7 +101,7 @@ def _attempt_table() -> Table:
     return Table("#", "gen", "worker", "started (UTC)", "ended (UTC)", "outcome", "error")
 
 
-def print_delivery(d: queries.DeliveryView) -> None:
+def print_delivery(d: delivery_history.DeliveryView) -> None:
     """The delivery's line, then its attempts in time order, each replay a separator line
     with its audit row (who, when, why) between the runs."""
     shown = len(d.attempt_log)

@@ -11,13 +11,12 @@ from rich.table import Table
 
 from core.durations import format_duration
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
+from webhooks.cli.render import JsonOpt
 
 ttl_app = typer.Typer(
     help="Deduplication TTLs derived from each sender's contract.", no_args_is_help=True
 )
 maintenance_app = typer.Typer(help="Expiry maintenance (what beat runs).", no_args_is_help=True)
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
 @contextmanager

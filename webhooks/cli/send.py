@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
+from core.states import DeliveryStatus
 from webhooks.cli.common import CliError, Env, env, handle_errors
 from webhooks.cli.render import print_delivery, say
 
@@ -25,7 +26,7 @@ from webhooks.cli.render import print_delivery, say
 if TYPE_CHECKING:
     import httpx
 
-FINISHED = frozenset({"succeeded", "dead"})
+FINISHED = frozenset({DeliveryStatus.SUCCEEDED, DeliveryStatus.DEAD})
 MAX_COUNT = 1000
 
 

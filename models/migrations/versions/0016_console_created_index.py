@@ -10,7 +10,7 @@ dead walks it backwards, index-only, and stops once it has a page: a delivery is
 created before its receipt was received (``webhooks_accept`` and ``webhooks_accept_many``
 write both columns from one instant), so
 every receipt behind the walk was received no later than the walk's position
-(``models.queries._walk_by_created``). Before, every one of the source's 10,000 dead
+(``models.event_walk.walk_by_created``). Before, every one of the source's 10,000 dead
 deliveries had its receipt probed and sorted for each page.
 
 Revision ID: 0016

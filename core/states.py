@@ -1,0 +1,37 @@
+"""The closed sets of state strings the project stores and compares, as enums.
+
+``StrEnum`` members are ``str``: a member is its value in SQL parameters, JSON, log lines and
+CLI output (``f"{DeliveryStatus.DEAD}" == "dead"``), and a status read back from the database
+(a plain ``str``) compares equal to its member. The SQL statements name the same strings
+literally (guards, partial indexes); ``models.schema`` checks the column against these.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class DeliveryStatus(StrEnum):
+    """Where one (event, route) unit of work stands (the state diagram: models.transitions)."""
+
+    PENDING = "pending"
+    PROCESSING = "processing"
+    SUCCEEDED = "succeeded"
+    RETRYING = "retrying"
+    DEAD = "dead"
+    DISCARDED = "discarded"
+
+
+#: Work not finished yet: it holds its receipt and keeps a route from being removed.
+UNFINISHED = (DeliveryStatus.PENDING, DeliveryStatus.RETRYING, DeliveryStatus.PROCESSING)
+#: What a replay moves: dead letters back to pending, succeeded ones re-run.
+REPLAYABLE = (DeliveryStatus.DEAD, DeliveryStatus.SUCCEEDED)
+
+
+class AttemptOutcome(StrEnum):
+    """How one attempt ended (``attempts.outcome``; None while it runs)."""
+
+    SUCCEEDED = "succeeded"
+    RETRY = "retry"
+    DEAD = "dead"
+    CRASHED = "crashed"

@@ -1,0 +1,191 @@
+"""The transitions that put a delivery back in line, or take it out, guarded like every
+other (:mod:`models.transitions`): an operator's replay (dead -> pending), re-run (succeeded
+-> pending, generation + 1) and discard (dead -> discarded), and the sweeper's pick of the
+deliveries whose message was lost (:func:`due_for_publish`). Time as there: the database's
+clock unless a test pins ``now``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from core.states import DeliveryStatus
+from models.statements import sql_text
+
+
+def _back_to_pending(
+    session: Session,
+    delivery_id: int,
+    leaving: str,
+    resets: str,
+    now: datetime | None,
+    grace: timedelta,
+) -> bool:
+    """One guarded move of one delivery from ``leaving`` to pending (``resets``: what the
+    move clears besides the run's counters); False when the row was not in ``leaving``."""
+    row = session.execute(
+        sql_text(
+            f"""
+            UPDATE deliveries SET status = 'pending', attempt_base = attempts, redeliveries = 0,
+                {resets}, first_attempt_at = NULL,
+                next_attempt_at = :now + :grace, updated_at = :now
+            WHERE id = :id AND status = '{leaving}'
+            RETURNING id
+            """  # noqa: S608 (literals of this module)
+        ),
+        {"id": delivery_id, "now": now, "grace": grace},
+    ).one_or_none()
+    return row is not None
+
+
+def replay(
+    session: Session, delivery_id: int, *, now: datetime | None, publish_grace: timedelta
+) -> bool:
+    """dead -> pending, keeping the key generation; the policy's attempt count and the
+    max-age clock start again, the attempt number (the fencing token) goes on. False when it
+    was not dead (someone else replayed it first, or another state)."""
+    resets = "dead_reason = NULL, dead_at = NULL"
+    return _back_to_pending(session, delivery_id, DeliveryStatus.DEAD, resets, now, publish_grace)
+
+
+def rerun(
+    session: Session, delivery_id: int, *, now: datetime | None, publish_grace: timedelta
+) -> bool:
+    """succeeded -> pending with generation + 1, so downstreams see a new idempotency key;
+    the attempt number goes on, as for a replay."""
+    resets = "generation = generation + 1, succeeded_at = NULL"
+    return _back_to_pending(
+        session, delivery_id, DeliveryStatus.SUCCEEDED, resets, now, publish_grace
+    )
+
+
+# An operator's replay of many deliveries at once (models.replays): per row, the guarded move
+# of :func:`replay` (from dead) or :func:`rerun` (from succeeded: generation + 1), only while
+# its receipt still holds the payload (the receipt shares the delivery's expires_at). The ids
+# as one array: one index scan per partition, where a join with the list probed every
+# partition once per id; the payload check as a scalar subquery, looked up per row by the
+# receipt's key, where an EXISTS was planned as a hash join over every receipt.
+_REPLAY_MANY_SQL = """
+    UPDATE deliveries d SET status = 'pending', attempt_base = d.attempts, redeliveries = 0,
+        generation = d.generation + :bump, succeeded_at = NULL, dead_reason = NULL,
+        dead_at = NULL, first_attempt_at = NULL, next_attempt_at = :now + :grace,
+        updated_at = :now
+    WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.status = :status
+      AND (SELECT r.payload IS NOT NULL FROM receipts r
+           WHERE r.id = d.receipt_id AND r.expires_at = d.expires_at)
+    RETURNING d.id
+    """
+
+
+def replay_many(
+    session: Session,
+    wanted: list[tuple[int, str]],
+    *,
+    now: datetime | None,
+    publish_grace: timedelta,
+) -> set[int]:
+    """:func:`replay` (``dead``) and :func:`rerun` (``succeeded``) for many (delivery id, status
+    the plan saw) pairs, one statement per status, each row guarded on its own; a row whose
+    payload retention dropped is not moved. Returns the ids that moved (the others: the
+    caller asks why). Run it in a transaction of its own: it turns JIT compilation off there
+    (planning a statement over every partition, Postgres would spend seconds compiling it)."""
+    session.execute(text("SET LOCAL jit = off"))
+    moved: set[int] = set()
+    for status, bump in ((DeliveryStatus.DEAD, 0), (DeliveryStatus.SUCCEEDED, 1)):
+        ids = [i for i, seen in wanted if seen == status]
+        if ids:
+            rows = session.execute(
+                sql_text(_REPLAY_MANY_SQL),
+                {
+                    "ids": ids,
+                    "status": status,
+                    "bump": bump,
+                    "now": now,
+                    "grace": publish_grace,
+                },
+            ).all()
+            moved |= {int(r[0]) for r in rows}
+    return moved
+
+
+def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) -> list[int]:
+    """dead -> discarded (an operator's audited decision): no longer a dead letter, so
+    retention no longer holds it. Returns the ids that were dead (others are left alone)."""
+    rows = session.execute(
+        sql_text(
+            """
+            UPDATE deliveries SET status = 'discarded', next_attempt_at = NULL, updated_at = :now
+            WHERE id = ANY(:ids) AND status = 'dead'
+            RETURNING id
+            """
+        ),
+        {"ids": list(delivery_ids), "now": now},
+    ).all()
+    return sorted(int(r[0]) for r in rows)
+
+
+def due_for_publish(
+    session: Session,
+    *,
+    now: datetime | None,
+    grace: timedelta,
+    limit: int,
+    admitted: Sequence[int] = (),
+) -> list[tuple[int, str | None, str | None]]:
+    """The sweeper's pick, claimed with SKIP LOCKED so two sweepers never take the same rows:
+
+    - pending deliveries whose publish grace passed (never published, or the message was lost);
+    - retrying deliveries due more than ``grace`` ago (their countdown message did not come,
+      or the delay was too long for a countdown), moved back to pending;
+    - processing deliveries whose lease expired (the worker died), left processing so the
+      claim counts the redelivery.
+
+    Each picked row's next_attempt_at moves ``grace`` ahead, so a backlog is re-published at
+    most once per grace period, and its ``republished`` count (reset by the claim) goes up: a
+    pending row re-published twice is claimed through Postgres whatever its fast-claim key
+    says (the worker's probe), since the moved next_attempt_at never looks overdue to it.
+    ``admitted``: deliveries admission holds (waiting for their route's limits, or in
+    flight: models/admission.py). They are not lost and are left alone.
+
+    The caller publishes after committing. Returns (delivery id, event id, source public id)
+    for each, so the message shows what it carries.
+    """
+    rows = session.execute(
+        sql_text(
+            """
+            WITH due AS (
+                SELECT id, expires_at FROM deliveries
+                WHERE next_attempt_at <= :now
+                  AND (status = 'pending'
+                       OR (status = 'retrying' AND next_attempt_at <= :now - :grace)
+                       OR (status = 'processing' AND lease_until <= :now))
+                  -- held: the route is paused or its breaker not closed (its probe is
+                  -- picked by models.breaker.pick_probes, not here)
+                  AND NOT EXISTS (
+                      SELECT 1 FROM routes g WHERE g.id = deliveries.route_id
+                        AND (g.paused_at IS NOT NULL OR g.breaker_state <> 'closed'))
+                  AND id NOT IN (SELECT unnest(CAST(:admitted AS bigint[])))
+                ORDER BY next_attempt_at
+                LIMIT :limit
+                FOR UPDATE SKIP LOCKED
+            ), picked AS (
+                UPDATE deliveries d SET
+                    status = CASE WHEN d.status = 'retrying' THEN 'pending' ELSE d.status END,
+                    next_attempt_at = :now + :grace,
+                    republished = d.republished + 1,
+                    updated_at = :now
+                FROM due WHERE d.id = due.id AND d.expires_at = due.expires_at
+                RETURNING d.id, d.receipt_id, d.expires_at, d.source_id
+            )
+            SELECT p.id, r.event_id, s.public_id FROM picked p
+            LEFT JOIN receipts r ON r.id = p.receipt_id AND r.expires_at = p.expires_at
+            LEFT JOIN sources s ON s.id = p.source_id
+            ORDER BY p.id
+            """
+        ),
+        {"now": now, "grace": grace, "limit": limit, "admitted": list(admitted)},
+    ).all()
+    return [(int(r[0]), r[1], r[2]) for r in rows]

@@ -1,0 +1,205 @@
+"""Routes: a handler bound to a source's events (add, list, look up), and their lifecycle
+(disable, enable, remove), each change audited in the caller's transaction
+(:func:`models.catalog.record_audit`). Sources and their secrets: :mod:`models.catalog`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from core.addresses import allows_private, check_host
+from core.crypto import (
+    SecretBox,
+    generate_secret,
+)
+from core.states import DeliveryStatus
+from models.catalog import (
+    CatalogError,
+    Change,
+    Changed,
+    audit_config,
+    check_whsec,
+    count_unfinished,
+    glob_to_like,
+    record_audit,
+    whole_seconds,
+)
+from models.schema import (
+    Delivery,
+    Route,
+    Source,
+)
+
+
+def add_route(
+    session: Session,
+    box: SecretBox,
+    source: Source,
+    *,
+    handler: str,
+    events: str = "*",
+    options: dict[str, str] | None = None,
+    max_attempts: int | None = None,
+    max_age: timedelta | None = None,
+    operator: str | None = None,
+) -> tuple[Route, str | None]:
+    """Bind a handler (audited: ``operator``, default this process's login name).
+    ``forward`` routes get their own signing secret (returned once, never audited)."""
+    if not handler.strip():
+        raise CatalogError("handler name must not be empty")
+    if not events.strip():
+        raise CatalogError("event pattern must not be empty")
+    if max_attempts is not None and max_attempts < 1:
+        raise CatalogError("max attempts must be at least 1")
+    opts = dict(options or {})
+    signing_plain: str | None = None
+    signing_ct: bytes | None = None
+    if handler == "forward":
+        _check_forward_target(opts)
+        signing_plain = opts.pop("secret", None) or generate_secret("standard")
+        check_whsec(signing_plain)
+        signing_ct = box.encrypt(signing_plain)
+    route = Route(
+        source_id=source.id,
+        handler=handler,
+        events_glob=events,
+        events_like=glob_to_like(events),
+        options=opts,
+        signing_ciphertext=signing_ct,
+        max_attempts=max_attempts,
+        max_age_s=whole_seconds(max_age),
+    )
+    session.add(route)
+    session.flush()
+    audit_config(
+        session, "route.add", route_target(route, source.public_id), operator, "route added"
+    )
+    return route, signing_plain
+
+
+def _check_forward_target(options: Mapping[str, str]) -> None:
+    """A forward route's URL and ``allow_private``, judged as the worker will judge them
+    (:mod:`core.addresses`) where no DNS is needed: a refused address literal, metadata
+    host or ``localhost`` fails here, not on every delivery."""
+    url = options.get("url", "")
+    if not url.startswith(("http://", "https://")):
+        raise CatalogError("the forward handler needs --option url=http(s)://...")
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        host = None
+    if not host:
+        raise CatalogError("the forward handler's url has no host")
+    try:
+        check_host(host, allow_private=allows_private(options))
+    except ValueError as exc:  # AddressRefused is one
+        raise CatalogError(str(exc)) from None
+
+
+def list_routes(session: Session, source: Source) -> list[Route]:
+    return list(
+        session.scalars(select(Route).where(Route.source_id == source.id).order_by(Route.id))
+    )
+
+
+def list_all_routes(session: Session) -> list[tuple[Source, Route]]:
+    """Every route with its source, by source then route id (``webhooks routes list``)."""
+    rows = session.execute(
+        select(Source, Route)
+        .join(Route, Route.source_id == Source.id)
+        .order_by(Source.id, Route.id)
+    )
+    return [(source, route) for source, route in rows.tuples()]
+
+
+def get_route(session: Session, route_id: int) -> Route:
+    route = session.get(Route, route_id)
+    if route is None:
+        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
+    return route
+
+
+def active_routes(session: Session) -> list[tuple[Route, str]]:
+    """Every active route, with its source's public id (a disabled source's routes too: the
+    deliveries it accepted still run through them)."""
+    rows = session.execute(
+        select(Route, Source.public_id)
+        .join(Source, Source.id == Route.source_id)
+        .where(Route.active)
+        .order_by(Route.id)
+    ).all()
+    return [(route, public) for route, public in rows]
+
+
+def route_target(route: Route, source: str) -> dict[str, Any]:
+    return {
+        "route": route.id,
+        "source": source,
+        "handler": route.handler,
+        "events": route.events_glob,
+    }
+
+
+def set_route_active(
+    session: Session, route_id: int, active: bool, change: Change, *, now: datetime | None
+) -> Changed:
+    """Disable (new events no longer get a delivery for it) or enable a route. Refuses a
+    route that is already so. Deliveries it already has keep their state; a worker turns
+    those it picks up while the route is disabled into dead letters (``route_inactive``),
+    which a replay runs once the route is enabled again."""
+    change.check()
+    route = get_route(session, route_id)
+    moved = session.execute(
+        update(Route)
+        .where(Route.id == route_id, Route.active.is_not(active))
+        .values(active=active)
+        .returning(Route.id)
+    ).first()
+    if moved is None:
+        state = "enabled" if active else "disabled"
+        raise CatalogError(f"route {route_id} is already {state}")
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = route_target(route, source)
+    unfinished = count_unfinished(session, Delivery.route_id == route_id)
+    action = "route.enable" if active else "route.disable"
+    audit_id = record_audit(session, change, action, target, count=1, now=now)
+    return Changed(audit_id, target, unfinished)
+
+
+def remove_route(
+    session: Session, route_id: int, change: Change, *, now: datetime | None
+) -> Changed:
+    """Delete a route, refused while any of its deliveries is unfinished or dead (a dead
+    letter must stay replayable): disable it instead, or let them finish and discard the dead
+    ones. Finished deliveries keep their history and show the route as removed."""
+    change.check()
+    route = session.scalars(select(Route).where(Route.id == route_id).with_for_update()).first()
+    if route is None:
+        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
+    unfinished = count_unfinished(session, Delivery.route_id == route_id)
+    dead = int(
+        session.scalar(
+            select(func.count()).where(
+                Delivery.route_id == route_id, Delivery.status == DeliveryStatus.DEAD
+            )
+        )
+        or 0
+    )
+    if unfinished or dead:
+        parts = [f"{n} {what}" for n, what in ((unfinished, "unfinished"), (dead, "dead")) if n]
+        raise CatalogError(
+            f"route {route_id} still has {' and '.join(parts)} deliveries: disable it instead "
+            f"(webhooks routes disable {route_id}), or remove it once they have finished and its "
+            "dead letters are replayed or discarded (webhooks dead discard)"
+        )
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = route_target(route, source)
+    session.delete(route)
+    session.flush()
+    audit_id = record_audit(session, change, "route.remove", target, count=1, now=now)
+    return Changed(audit_id, target, 0)

@@ -1,0 +1,402 @@
+"""``webhooks routes`` (handlers bound to a source: add, list, show, update, pause, resume,
+disable, enable, remove) and ``webhooks handlers`` (the handlers this installation
+registers)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from webhooks.cli.catalog_input import DurationOpt, change_by, duration_or_none, pairs, secret_box
+from webhooks.cli.common import Env, console, env, handle_errors, print_json
+from webhooks.cli.render import (
+    JsonOpt,
+    OperatorOpt,
+    ReasonOpt,
+    count,
+    login,
+    row,
+    say,
+    show_table,
+    whole,
+)
+
+# The catalog, providers and crypto are imported by the commands that use them (see
+# webhooks.cli.common).
+if TYPE_CHECKING:
+    from models import catalog
+
+
+routes_app = typer.Typer(help="Handlers bound to a source.", no_args_is_help=True)
+
+
+handlers_app = typer.Typer(help="The handlers this installation registers.", no_args_is_help=True)
+
+
+def route_view(r: Any) -> dict[str, Any]:
+    from models import breaker  # noqa: PLC0415
+
+    return {
+        "id": r.id,
+        "handler": r.handler,
+        "events": r.events_glob,
+        "options": r.options,
+        "max_attempts": r.max_attempts,
+        "max_age_s": r.max_age_s,
+        "active": r.active,
+        **breaker.state_of(r).view(),
+    }
+
+
+def _breaker_cell(v: dict[str, Any]) -> str:
+    """``paused`` or the breaker state, for the routes table."""
+    state = str(v["breaker"]["state"])
+    return f"paused, {state}" if v["paused"] else state
+
+
+@routes_app.command("add")
+@handle_errors
+def routes_add(
+    source: str,
+    handler: Annotated[str, typer.Option(help="Handler name (forward, log, ...).")],
+    events: Annotated[str, typer.Option(help="Event type glob, e.g. invoice.*")] = "*",
+    option: Annotated[
+        list[str] | None, typer.Option("--option", help="KEY=VALUE, repeatable.")
+    ] = None,
+    max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
+    max_age: DurationOpt = None,
+    operator: OperatorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Bind a handler to a source, optionally for matching event types only (audited).
+
+    The handler must be registered here (webhooks handlers list)."""
+    from models import catalog, route_catalog  # noqa: PLC0415
+
+    e = env()
+    _registry(e).require(handler)
+    with e.session() as session:
+        route, signing = route_catalog.add_route(
+            session,
+            secret_box(e),
+            catalog.get_source(session, source),
+            handler=handler,
+            events=events,
+            options=pairs(option, "--option"),
+            max_attempts=max_attempts,
+            max_age=duration_or_none(max_age),
+            operator=operator or login(),
+        )
+        view = route_view(route)
+    if signing is not None:
+        view["signing_secret"] = signing
+    if as_json:
+        print_json(view)
+        return
+    say(escape(f"route {view['id']}: {handler} for {events}"))
+    if signing is not None:
+        console.print(f"signing secret (give it to the downstream): {signing}", highlight=False)
+
+
+@routes_app.command("list")
+@handle_errors
+def routes_list(
+    source: Annotated[
+        str | None, typer.Argument(help="A source's id or name; every source's when omitted.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A source's routes, or every route with its source."""
+    from models import catalog, route_catalog  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        if source is not None:
+            views = [
+                route_view(r)
+                for r in route_catalog.list_routes(session, catalog.get_source(session, source))
+            ]
+        else:
+            views = [
+                {"source": s.public_id, "source_name": s.name, **route_view(r)}
+                for s, r in route_catalog.list_all_routes(session)
+            ]
+    if as_json:
+        print_json(views)
+        return
+    if not views:
+        say("no routes: webhooks routes add SOURCE --handler NAME")
+        return
+    if source is not None:
+        table = Table("id", "handler", "events", "active", "breaker")
+        table.add_column("limits", overflow="fold")
+        table.add_column("options", overflow="fold")  # a URL is folded, never cut
+        default_budget = e.settings.route_max_in_flight
+        for v in views:
+            options = "\n".join(f"{k}={o}" for k, o in v["options"].items())
+            limits = _limits_cell(v, default_budget).replace(", ", ",\n")
+            row(
+                table,
+                v["id"],
+                v["handler"],
+                v["events"],
+                v["active"],
+                _breaker_cell(v),
+                limits,
+                options,
+            )
+        show_table(whole(table, "id", "handler", "events"))
+        return
+    # Every source's routes: whole ids, sources, handlers and event types take the width, so
+    # no box and one state column (disabled, paused, else the breaker's state).
+    table = Table("id", "source", "handler", "events", "state", box=None)
+    for v in views:
+        state = "disabled" if not v["active"] else "paused" if v["paused"] else _breaker_cell(v)
+        row(table, v["id"], v["source"], v["handler"], v["events"], state)
+    # Event types fold rather than push the state out: another route's long list of types
+    # must not cut this one's state at 80 columns.
+    table.columns[3].overflow = "fold"
+    show_table(
+        whole(table, "id", "source", "handler", "state"),
+        "routes list SOURCE for a source's options; --json for every field",
+    )
+
+
+def _limits_cell(v: dict[str, Any], default_budget: int) -> str:
+    """The route's in-flight budget and rate limit, for the routes table and `routes show`."""
+    limits = v["limits"]
+    budget = limits["max_in_flight"]
+    flight = f"{budget} in flight" if budget else f"{default_budget} in flight (default)"
+    return f"{flight}, rate {limits['rate_limit'] or 'unlimited'}"
+
+
+def _registry(e: Env) -> Any:
+    from tasks.handlers.registry import load_registry  # noqa: PLC0415
+
+    return load_registry(e.settings.handler_modules)
+
+
+def _say_route(verb: str, changed: catalog.Changed, extra: str = "") -> None:
+    t = changed.target
+    say(
+        escape(
+            f"route {t['route']} ({t['handler']} for {t['events']} on {t['source']}) {verb} "
+            f"(audit {changed.audit_id}){extra}"
+        )
+    )
+
+
+RouteIdArg = Annotated[int, typer.Argument(metavar="ROUTE_ID", help="See `routes list SOURCE`.")]
+
+
+@routes_app.command("disable")
+@handle_errors
+def routes_disable(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Stop routing new events to this route (audited). Its deliveries that are not finished
+    go dead with route_inactive when a worker picks them up; replay them after
+    `routes enable`."""
+    from models import route_catalog  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        changed = route_catalog.set_route_active(
+            session, route_id, False, change_by(operator, reason), now=None
+        )
+    extra = ""
+    if changed.unfinished:
+        extra = (
+            f"; {changed.unfinished} of its deliveries are not finished: they go dead with "
+            f"route_inactive (replay them after webhooks routes enable {route_id})"
+        )
+    _say_route("disabled: new events no longer get a delivery for it", changed, extra)
+
+
+@routes_app.command("enable")
+@handle_errors
+def routes_enable(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Route new events to this route again (audited); its handler must be registered."""
+    from models import route_catalog  # noqa: PLC0415
+
+    e = env()
+    registry = _registry(e)
+    with e.session() as session:
+        registry.require(route_catalog.get_route(session, route_id).handler)
+        changed = route_catalog.set_route_active(
+            session, route_id, True, change_by(operator, reason), now=None
+        )
+    _say_route("enabled", changed)
+
+
+@routes_app.command("show")
+@handle_errors
+def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
+    """One route: its handler, and whether it is paused and its circuit breaker's state."""
+    from models import route_catalog  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        view = route_view(route_catalog.get_route(session, route_id))
+    if as_json:
+        print_json(view)
+        return
+    b = view["breaker"]
+    say(escape(f"route {view['id']}: {view['handler']} for {view['events']}"))
+    if view["paused"]:
+        say(escape(f"paused since {view['paused_at']}: {view['pause_reason']}"))
+    say(escape(f"limits: {_limits_cell(view, e.settings.route_max_in_flight)}"))
+    say(
+        escape(
+            f"breaker {b['state']} (trips {b['trips']}, opened {b['opened_at']}, next probe "
+            f"{b['probe_at']}); window since {b['window_started_at']}: "
+            f"{b['window_failures']} failures of {b['window_requests']} requests"
+        )
+    )
+
+
+@routes_app.command("update")
+@handle_errors
+def routes_update(
+    route_id: RouteIdArg,
+    rate_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--rate-limit", help="Most calls to the downstream: 50/s, 3000/m, 100/h, none."
+        ),
+    ] = None,
+    max_in_flight: Annotated[
+        str | None,
+        typer.Option(
+            "--max-in-flight",
+            help="Most deliveries in flight at once, or none (the default budget).",
+        ),
+    ] = None,
+    reason: ReasonOpt = None,
+    operator: OperatorOpt = None,
+) -> None:
+    """Set the route's delivery limits (audited): they hold across every worker and host;
+    waiting for them is not an attempt."""
+    from models import breaker  # noqa: PLC0415
+    from models.admission import parse_max_in_flight, parse_rate  # noqa: PLC0415
+
+    values: dict[str, Any] = {}
+    if rate_limit is not None:
+        values["rate"] = parse_rate(rate_limit)
+    if max_in_flight is not None:
+        values["max_in_flight"] = parse_max_in_flight(max_in_flight)
+    e = env()
+    with e.session() as session:
+        changed = breaker.set_limits(
+            session, route_id, change_by(operator, reason or "limits updated"), now=None, **values
+        )
+    after = changed.target["after"]
+    _say_route(
+        "updated",
+        changed,
+        f": {_limits_cell({'limits': after}, e.settings.route_max_in_flight)}",
+    )
+
+
+@routes_app.command("pause")
+@handle_errors
+def routes_pause(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Hold this route's deliveries without attempting them (audited): new events are still
+    accepted and stored; `routes resume` delivers them."""
+    from models import breaker  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        changed = breaker.set_paused(session, route_id, True, change_by(operator, reason), now=None)
+    _say_route(f"paused: {count(changed.unfinished, 'delivery')} held", changed)
+
+
+@routes_app.command("resume")
+@handle_errors
+def routes_resume(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Deliver a paused route's held deliveries again (audited; the sweeper publishes them)."""
+    from models import breaker  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        changed = breaker.set_paused(
+            session, route_id, False, change_by(operator, reason or "resumed"), now=None
+        )
+    _say_route(f"resumed: {count(changed.unfinished, 'delivery')} to deliver", changed)
+
+
+@routes_app.command("remove")
+@handle_errors
+def routes_remove(
+    route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
+) -> None:
+    """Delete a route (audited). Refused while it has deliveries that are not finished or
+    dead (disable it instead); finished ones keep their history."""
+    from models import route_catalog  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        changed = route_catalog.remove_route(
+            session, route_id, change_by(operator, reason), now=None
+        )
+    _say_route("removed", changed)
+
+
+@handlers_app.command("list")
+@handle_errors
+def handlers_list(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Handlers a route can name: the built-ins, the webhooks.handlers entry points and the
+    modules in WEBHOOKS_HANDLER_MODULES, with the active routes using each."""
+    from models import route_catalog  # noqa: PLC0415
+
+    e = env()
+    infos = _registry(e).describe()
+    with e.session() as session:
+        routes = route_catalog.active_routes(session)
+    used: dict[str, list[int]] = {}
+    for route, _source in routes:
+        used.setdefault(route.handler, []).append(route.id)
+    views = [
+        {
+            "name": i.name,
+            "origin": i.origin,
+            "module": i.module,
+            "summary": i.summary,
+            "active_routes": used.get(i.name, []),
+        }
+        for i in infos
+    ]
+    known = {i.name for i in infos}
+    unknown = {h: ids for h, ids in used.items() if h not in known}
+    if as_json:
+        print_json({"handlers": views, "unknown_in_routes": unknown})
+        return
+    table = Table("name", "from", "active routes", "what it does")
+    for v in views:
+        routes_text = " ".join(str(i) for i in v["active_routes"]) or "-"
+        row(table, v["name"], v["origin"], routes_text, v["summary"])
+    console.print(table)
+    for handler, ids in sorted(unknown.items()):
+        say(
+            escape(
+                f"active route {' '.join(str(i) for i in ids)} names {handler!r}, which is not "
+                "registered here: its events go dead with unknown_handler (deploy the handler, "
+                "or webhooks routes disable ROUTE_ID)"
+            )
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(routes_app, name="routes")
+    app.add_typer(handlers_app, name="handlers")

@@ -1,0 +1,162 @@
+"""``webhooks secrets``: a source's signing secrets (add, list, revoke, rekey the stored
+ones under a new ``WEBHOOKS_SECRET_KEY``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from webhooks.cli.catalog_input import WeakSecretOpt, secret_box
+from webhooks.cli.common import CliError, console, env, handle_errors, print_json
+from webhooks.cli.render import (
+    JsonOpt,
+    OperatorOpt,
+    login,
+    row,
+)
+
+# The catalog, providers and crypto are imported by the commands that use them (see
+# webhooks.cli.common).
+
+
+secrets_app = typer.Typer(help="A source's signing secrets (rotation).", no_args_is_help=True)
+
+
+def secret_view(s: Any) -> dict[str, Any]:
+    return {"id": s.id, "created_at": s.created_at, "revoked_at": s.revoked_at}
+
+
+@secrets_app.command("add")
+@handle_errors
+def secrets_add(
+    source: str,
+    secret: Annotated[str | None, typer.Option()] = None,
+    allow_weak_secret: WeakSecretOpt = False,
+    operator: OperatorOpt = None,
+) -> None:
+    """Add a secret (rotation): every active secret verifies (audited)."""
+    from models import catalog  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        row = catalog.get_source(session, source)
+        created = catalog.add_secret(
+            session,
+            secret_box(e),
+            row,
+            secret,
+            allow_weak_secret=allow_weak_secret,
+            operator=operator or login(),
+        )
+    console.print(f"secret id: {created.id}")
+    if created.plaintext is not None:
+        console.print(f"secret:    {created.plaintext}  (shown once)", highlight=False)
+
+
+@secrets_app.command("list")
+@handle_errors
+def secrets_list(source: str, as_json: JsonOpt = False) -> None:
+    """A source's secrets: ids and dates only."""
+    from models import catalog  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        views = [
+            secret_view(s)
+            for s in catalog.list_secrets(session, catalog.get_source(session, source))
+        ]
+    if as_json:
+        print_json(views)
+        return
+    table = Table("id", "created", "revoked")
+    for v in views:
+        row(table, v["id"], v["created_at"], v["revoked_at"] or "")
+    console.print(table)
+
+
+@secrets_app.command("revoke")
+@handle_errors
+def secrets_revoke(
+    source: str,
+    secret_id: str,
+    reason: Annotated[
+        str | None, typer.Option("--reason", help="Why (optional; recorded in the audit).")
+    ] = None,
+    operator: OperatorOpt = None,
+) -> None:
+    """Revoke a secret: it stops verifying at once, in every receiver (audited: who, which
+    secret, when; see `webhooks audit list --action secret`)."""
+    from models import catalog  # noqa: PLC0415
+
+    e = env()
+    with e.session() as session:
+        audit_id = catalog.revoke_secret(
+            session,
+            catalog.get_source(session, source),
+            secret_id,
+            now=e.clock.now(),
+            operator=operator or login(),
+            reason=reason,
+        )
+    console.print(f"revoked {secret_id} (audit {audit_id})")
+
+
+@secrets_app.command("rekey")
+@handle_errors
+def secrets_rekey(
+    as_json: JsonOpt = False,
+    drop_legacy: Annotated[
+        bool,
+        typer.Option(
+            "--drop-legacy",
+            help="First confirm no stored secret needs the legacy SHA-256 key derivation"
+            " (refused, changing nothing, while one does); then set"
+            " WEBHOOKS_SECRET_KEY_LEGACY=false everywhere.",
+        ),
+    ] = False,
+) -> None:
+    """Re-encrypt every stored secret under the newest WEBHOOKS_SECRET_KEY.
+
+    Rotation: set WEBHOOKS_SECRET_KEY=NEW,OLD on every process, run this, then set NEW
+    alone. Resumable (each batch commits) and idempotent (a second run changes nothing).
+    """
+    from models.keys import LegacyKeysInUseError, rekey  # noqa: PLC0415
+
+    e = env()
+    try:
+        report = rekey(e.sessions, secret_box(e), drop_legacy=drop_legacy)
+    except LegacyKeysInUseError as exc:
+        raise CliError(str(exc)) from None
+    view = {
+        "rekeyed": report.total_rekeyed,
+        "checked": report.checked,
+        "undecryptable": report.undecryptable,
+    }
+    if drop_legacy:
+        view["legacy_in_use"] = 0
+    if as_json:
+        print_json(view)
+    else:
+        console.print(
+            f"re-encrypted {report.total_rekeyed} of {sum(report.checked.values())} stored"
+            " secrets under the newest key",
+            highlight=False,
+        )
+    missing = sum(report.undecryptable.values())
+    if missing:
+        raise CliError(
+            f"{missing} stored secrets could not be decrypted with any listed key: add the key"
+            " they were written with to WEBHOOKS_SECRET_KEY (after the newest) and run again"
+        )
+    if drop_legacy and not as_json:
+        console.print(
+            "no stored secret needs the legacy SHA-256 key derivation: set"
+            " WEBHOOKS_SECRET_KEY_LEGACY=false on every process to retire it",
+            highlight=False,
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(secrets_app, name="secrets")
