@@ -22,6 +22,16 @@ Ciphertexts written before keys were stretched (a SHA-256 of the key, fast to gu
 still decrypt while ``WEBHOOKS_SECRET_KEY_LEGACY`` is true (the default), and ``rekey`` moves
 them to the stretched key. ``webhooks secrets rekey --drop-legacy`` confirms none is left
 (refused, changing nothing, while any is) so the setting can be turned off everywhere.
+
+Every stored secret is bound to its place: the token's plaintext starts with the table, the
+row's key and the purpose it was written for (:class:`Place`), inside Fernet's authenticated
+token, so it is covered by the token's HMAC exactly as associated data is covered by an AEAD
+tag. A ciphertext copied to another row, or from one purpose to another (a source's signing
+secret pasted into a reconciliation credential, whose API base an attacker controls), fails to
+open with :class:`SecretMisplaced`, counted and alerted, and is never used. Fernet is kept for
+its key rotation (MultiFernet); the binding costs a few bytes per secret. Ciphertexts written
+before binding existed open only for ``webhooks db upgrade`` and ``webhooks secrets rekey``,
+which bind them in place (:class:`SecretUnbound` everywhere else).
 """
 
 from __future__ import annotations
@@ -31,10 +41,12 @@ import functools
 import hashlib
 import secrets as _secrets
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
-from core.errors import WebhooksError
+from core import metrics
 from core.providers import registry
 
 # A fixed, purpose-bound salt: the key itself is the secret; the salt keeps these derived keys
@@ -44,8 +56,102 @@ _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**15, 8, 1
 MIN_KEY_LENGTH = 32
 
 
-class SecretDecryptError(WebhooksError):
+class SecretDecryptError(Exception):
     """A stored secret could not be decrypted: WEBHOOKS_SECRET_KEY changed or data is corrupt."""
+
+
+# What a stored secret is for: the purpose half of its binding (and a metric label).
+SIGNING: Final = "signing_secret"  # source_secrets.ciphertext: verifies a provider's requests
+RECONCILE: Final = "reconcile_credential"  # sources.reconcile_ciphertext: the provider's API key
+ROUTE_SIGNING: Final = "route_secret"  # routes.signing_ciphertext: signs forwarded requests
+PURPOSES: Final = (SIGNING, RECONCILE, ROUTE_SIGNING)
+
+# The bound plaintext: MARK, then table, row and purpose, each ended by a NUL, then the secret.
+# A secret is text a person or a provider made, never starting with a NUL: an unbound
+# plaintext (written before binding) cannot be mistaken for a bound one.
+_MARK: Final = b"\x00bound1\x00"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a stored secret lives, sealed into its ciphertext: the table, the row's primary
+    key (as text) and the purpose."""
+
+    table: str
+    row: str
+    purpose: str
+
+    def __post_init__(self) -> None:
+        if self.purpose not in PURPOSES:
+            raise ValueError(f"unknown secret purpose {self.purpose!r}")
+        if any("\x00" in part or not part for part in (self.table, self.row)):
+            raise ValueError("a secret's table and row are non-empty text without NUL")
+
+    def encoded(self) -> bytes:
+        return b"".join(part.encode() + b"\x00" for part in (self.table, self.row, self.purpose))
+
+    def __str__(self) -> str:
+        return f"{self.table} row {self.row} ({self.purpose})"
+
+
+class SecretMisplaced(SecretDecryptError):
+    """A stored ciphertext opened, but it was sealed for another row or purpose: it was copied
+    there (a compromised database user, a restored backup, a careless migration). Never used;
+    counted as ``webhooks_secret_misplaced_total``."""
+
+    reason = "misplaced"
+
+    def __init__(self, wanted: Place, found: Place | None) -> None:
+        self.wanted, self.found = wanted, found
+        super().__init__(
+            f"the secret stored at {wanted} was sealed for "
+            f"{found if found is not None else 'an unreadable place'}: it was copied there and"
+            " is refused; set it again (webhooks secrets add SOURCE, then secrets revoke the copy;"
+            " a credential: webhooks sources update SOURCE --api-key)"
+        )
+
+
+class SecretUnbound(SecretDecryptError):
+    """A stored ciphertext written before secrets were bound to their place: ``webhooks db
+    upgrade`` or ``webhooks secrets rekey`` binds it; until then it is not used."""
+
+    reason = "unbound"
+
+    def __init__(self, wanted: Place) -> None:
+        self.wanted = wanted
+        super().__init__(
+            f"the secret stored at {wanted} is not bound to its place yet: run"
+            " `webhooks db upgrade` (or `webhooks secrets rekey`)"
+        )
+
+
+def source_secret_place(secret_id: str) -> Place:
+    """A source's signing secret (``source_secrets``, keyed by its ``sec_...`` id)."""
+    return Place("source_secrets", secret_id, SIGNING)
+
+
+def reconcile_place(source_id: int) -> Place:
+    """A source's reconciliation credential (``sources.reconcile_ciphertext``)."""
+    return Place("sources", str(source_id), RECONCILE)
+
+
+def route_secret_place(route_id: int) -> Place:
+    """A forward route's signing secret (``routes.signing_ciphertext``)."""
+    return Place("routes", str(route_id), ROUTE_SIGNING)
+
+
+def _split(plaintext: bytes) -> tuple[Place | None, bytes]:
+    """(its place, the secret) of a bound plaintext; (None, plaintext) of an unbound one."""
+    if not plaintext.startswith(_MARK):
+        return None, plaintext
+    parts = plaintext[len(_MARK) :].split(b"\x00", 3)
+    if len(parts) != 4:
+        raise SecretDecryptError("stored secret has a malformed binding")
+    table, row, purpose, secret = parts
+    try:
+        return Place(table.decode(), row.decode(), purpose.decode()), secret
+    except (UnicodeDecodeError, ValueError):
+        raise SecretDecryptError("stored secret has a malformed binding") from None
 
 
 def split_keys(secret_key: str) -> list[str]:
@@ -89,31 +195,56 @@ class SecretBox:
         self._stretched, self._legacy = MultiFernet(stretched), MultiFernet(legacies)
         # WEBHOOKS_SECRET_KEY_LEGACY: the old derivation decrypts too (never encrypts).
         self._fernet = MultiFernet(stretched + legacies if legacy else stretched)
-        self._cache: dict[bytes, str] = {}
+        self._cache: dict[bytes, tuple[Place | None, str]] = {}
 
-    def encrypt(self, plaintext: str) -> bytes:
-        return self._current.encrypt(plaintext.encode())
+    def seal(self, plaintext: str, place: Place) -> bytes:
+        """``plaintext`` encrypted under the newest key, bound to ``place``."""
+        return self._current.encrypt(_MARK + place.encoded() + plaintext.encode())
 
-    def decrypt(self, ciphertext: bytes) -> str:
+    def open(self, ciphertext: bytes, place: Place) -> str:
+        """The secret stored at ``place``: :class:`SecretMisplaced` when it was sealed for
+        another place, :class:`SecretUnbound` when it was written before binding, and
+        SecretDecryptError when no listed key decrypts it."""
+        found, value = self._read(ciphertext)
+        if found is None:
+            metrics.SECRETS_REFUSED.labels(place.purpose, SecretUnbound.reason).inc()
+            raise SecretUnbound(place)
+        if found != place:
+            metrics.SECRETS_REFUSED.labels(place.purpose, SecretMisplaced.reason).inc()
+            raise SecretMisplaced(place, found)
+        return value
+
+    def readable(self, ciphertext: bytes) -> bool:
+        """Whether a listed key decrypts it, wherever it belongs (the start-up key check)."""
+        try:
+            self._read(ciphertext)
+        except SecretDecryptError:
+            return False
+        return True
+
+    def _read(self, ciphertext: bytes) -> tuple[Place | None, str]:
         hit = self._cache.get(ciphertext)
         if hit is not None:
             return hit
         try:
-            value = self._fernet.decrypt(ciphertext).decode()
+            raw = self._fernet.decrypt(ciphertext)
         except InvalidToken:
             raise SecretDecryptError("stored secret cannot be decrypted with this key") from None
+        found, secret = _split(raw)
+        value = (found, secret.decode())
         if len(self._cache) > 10_000:
             self._cache.clear()
         self._cache[ciphertext] = value
         return value
 
-    def is_current(self, ciphertext: bytes) -> bool:
-        """Encrypted under the newest key already (nothing for ``rekey`` to do)."""
+    def is_current(self, ciphertext: bytes, place: Place) -> bool:
+        """Encrypted under the newest key and bound to ``place`` already (nothing for
+        ``rekey`` to do)."""
         try:
-            self._current.decrypt(ciphertext)
+            raw = self._current.decrypt(ciphertext)
         except InvalidToken:
             return False
-        return True
+        return _split(raw)[0] == place
 
     def needs_legacy(self, ciphertext: bytes) -> bool:
         """Readable only through the legacy SHA-256 derivation of a listed key (whether or not
@@ -130,13 +261,18 @@ class SecretBox:
             return False
         return True
 
-    def rekeyed(self, ciphertext: bytes) -> bytes:
-        """The same secret encrypted under the newest key; SecretDecryptError if no listed
-        key decrypts it."""
-        return self.encrypt(self.decrypt(ciphertext))
+    def rebound(self, ciphertext: bytes, place: Place) -> bytes:
+        """The same secret under the newest key, bound to ``place``: what ``rekey`` and ``db
+        upgrade`` write. An unbound ciphertext (written before binding) is bound where it
+        stands; one sealed for another place stays refused (:class:`SecretMisplaced`), and
+        SecretDecryptError if no listed key decrypts it."""
+        found, value = self._read(ciphertext)
+        if found is not None and found != place:
+            raise SecretMisplaced(place, found)
+        return self.seal(value, place)
 
 
-class KeyMismatch(WebhooksError):  # noqa: N818 (the agreed name)
+class KeyMismatch(Exception):  # noqa: N818 (the agreed name)
     """``WEBHOOKS_SECRET_KEY`` cannot decrypt stored secrets: a fresh ``.env`` against an
     existing database, or a key dropped from the list too early. Every signed request would
     fail, so processes refuse to start with this one line instead."""
@@ -158,9 +294,7 @@ def check_keys(box: SecretBox, ciphertexts: Iterable[bytes]) -> int:
     checked = unreadable = 0
     for ciphertext in ciphertexts:
         checked += 1
-        try:
-            box.decrypt(ciphertext)
-        except SecretDecryptError:
+        if not box.readable(ciphertext):
             unreadable += 1
     if unreadable:
         raise KeyMismatch(unreadable, checked)

@@ -26,6 +26,13 @@ DUPLICATES = Counter(
     "webhooks_duplicates_total", "Duplicate deliveries (same id, same body)", ["source"]
 )
 CONFLICTS = Counter("webhooks_conflicts_total", "Same event id, different body", ["source"])
+# A stored secret refused where it was read (core.crypto): ``misplaced``, sealed for another row
+# or purpose (copied there: alerted); ``unbound``, written before binding (run db upgrade).
+SECRETS_REFUSED = Counter(
+    "webhooks_secrets_refused_total",
+    "Stored secrets refused where they were read, by purpose and reason",
+    ["purpose", "reason"],
+)
 PUBLISH_FAILURES = Counter(
     "webhooks_publish_failures_total", "Messages not published after commit", ["source"]
 )

@@ -50,7 +50,7 @@ from starlette.routing import Route
 
 from core import metrics
 from core.clock import Clock, SystemClock, pinned
-from core.crypto import SecretBox, SecretDecryptError
+from core.crypto import SecretBox, SecretDecryptError, SecretMisplaced, SecretUnbound
 from core.errors import WebhooksError
 from core.logs import configure_logging, get_logger
 from core.providers import (
@@ -171,15 +171,19 @@ class Receiver:
         log.warning("provider_missing", source=label)
         return self._retry_later(label, "provider_missing", "provider not installed", 60)
 
-    def _undecryptable(self, public_id: str) -> Response:
+    def _undecryptable(self, public_id: str, exc: SecretDecryptError) -> Response:
         # WEBHOOKS_SECRET_KEY does not decrypt this source's secrets (a new .env against an
-        # old database): the sender must keep the event and retry once the key is fixed, so
-        # 503 with Retry-After, and one line naming the variable; never a 500.
-        log.error(
-            "source.secret_undecryptable",
-            source=public_id,
-            fix="set WEBHOOKS_SECRET_KEY to the key this database was written with",
-        )
+        # old database), or a secret is sealed for another place (copied there) or not bound
+        # yet: the sender must keep the event and retry once it is fixed, so 503 with
+        # Retry-After, and one line naming the cause; never a 500.
+        if isinstance(exc, SecretMisplaced | SecretUnbound):
+            log.error("source.secret_refused", source=public_id, reason=exc.reason, why=str(exc))
+        else:
+            log.error(
+                "source.secret_undecryptable",
+                source=public_id,
+                fix="set WEBHOOKS_SECRET_KEY to the key this database was written with",
+            )
         return self._retry_later(public_id, "secret_undecryptable", "source secret unavailable", 60)
 
     async def _live_source(self, public_id: str) -> SourceRecord | Response:
@@ -191,8 +195,8 @@ class Receiver:
             source = await self.store.source(public_id)
         except DB_ERRORS:
             return self._unavailable("unknown")
-        except SecretDecryptError:
-            return self._undecryptable(public_id)
+        except SecretDecryptError as exc:
+            return self._undecryptable(public_id, exc)
         if source is None:
             return self._answer("unknown", "unknown_source", 404, {"error": "unknown source"})
         if not source.active:  # nothing is written; what it accepted before still runs

@@ -25,7 +25,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from core import metrics
-from core.crypto import SecretBox
+from core.crypto import SecretBox, source_secret_place
 from core.providers import registry
 from core.settings import Settings
 from core.ttl import TtlOverrides, effective_ttl
@@ -188,7 +188,10 @@ class Store:
             max_body_bytes=max_body,
             ttl=total,
             ttl_raised=raised,
-            secrets=tuple((i, self.box.decrypt(bytes(c))) for i, c in zip(ids, cts, strict=True)),
+            secrets=tuple(
+                (i, self.box.open(bytes(c), source_secret_place(i)))
+                for i, c in zip(ids, cts, strict=True)
+            ),
             loaded_at=time.monotonic(),
             active=bool(active),
         )

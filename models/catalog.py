@@ -20,6 +20,7 @@ from core.crypto import (
     key_format,
     key_prefix,
     public_id,
+    source_secret_place,
 )
 from core.errors import WebhooksError
 from core.logs import get_logger
@@ -333,7 +334,12 @@ def add_secret(
     except ValueError as exc:  # a public-key provider: the key must be given
         raise CatalogError(str(exc)) from None
     weak = check_secret_strength(source.provider, plaintext, allow_weak=allow_weak_secret)
-    row = SourceSecret(id=public_id("sec"), source_id=source.id, ciphertext=box.encrypt(plaintext))
+    secret_id = public_id("sec")
+    row = SourceSecret(
+        id=secret_id,
+        source_id=source.id,
+        ciphertext=box.seal(plaintext, source_secret_place(secret_id)),
+    )
     session.add(row)
     session.flush()
     if weak:

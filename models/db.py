@@ -168,8 +168,13 @@ def migrations_behind(settings: Settings, engine: Engine) -> tuple[str | None, s
 
 
 def upgrade(settings: Settings, revision: str = "head") -> None:
-    """Create the database when missing, migrate it, and lay out the receipt partitions."""
+    """Create the database when missing, migrate it, lay out the receipt partitions, and (at
+    head) bind every stored secret to its place under the newest key (``models.keys.rekey``)."""
     from alembic import command  # noqa: PLC0415
+
+    # Secrets are sealed for their place from 0019 on: an upgrade binds the stored ones.
+    from core.crypto import SecretBox  # noqa: PLC0415 (scrypt and Fernet: only an upgrade)
+    from models.keys import rekey  # noqa: PLC0415 (likewise)
 
     # The ORM schema (through models.partitions): only an upgrade needs it.
     from models.retention_layout import ensure_partitions  # noqa: PLC0415
@@ -180,5 +185,10 @@ def upgrade(settings: Settings, revision: str = "head") -> None:
     try:
         # None: the database's clock decides which days are already past.
         ensure_partitions(engine, settings, None)
+        if revision == "head":
+            box = SecretBox(
+                settings.secret_key.get_secret_value(), legacy=settings.secret_key_legacy
+            )
+            rekey(make_sessionmaker(engine), box)
     finally:
         engine.dispose()

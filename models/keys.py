@@ -1,7 +1,10 @@
 """Re-encrypting every stored secret under the newest ``WEBHOOKS_SECRET_KEY`` (``webhooks
 secrets rekey``).
 
-Source secrets and route signing secrets are walked in key order, a batch per transaction, and
+It also binds each one to its place (``core.crypto.Place``): one written before binding
+existed is sealed for the row it stands in; one sealed for another row or purpose (copied
+there) is counted as misplaced and left alone, refused wherever it is read. Source secrets
+and route signing secrets are walked in key order, a batch per transaction, and
 each one not already under the newest key is re-encrypted by a guarded UPDATE that names the
 ciphertext it read (a secret changed meanwhile is left for the next run). So a run can stop at
 any point and be started again (resumable), and a second run finds nothing to do
@@ -10,23 +13,34 @@ any point and be started again (resumable), and a second run finds nothing to do
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.crypto import SecretBox, SecretDecryptError
+from core.crypto import (
+    Place,
+    SecretBox,
+    SecretDecryptError,
+    SecretMisplaced,
+    reconcile_place,
+    route_secret_place,
+    source_secret_place,
+)
 from core.errors import WebhooksError
 from core.logs import get_logger
 
 log = get_logger("keys")
 
-# (table, key column, ciphertext column): every column that holds a secret at rest.
-_TARGETS = (
-    ("source_secrets", "id", "ciphertext"),
-    ("routes", "id", "signing_ciphertext"),
-    ("sources", "id", "reconcile_ciphertext"),  # reconciliation's API credential (0016)
+# (table, key column, ciphertext column, the place of a row's secret): every column that
+# holds a secret at rest, and where each of its ciphertexts is bound (core.crypto.Place).
+_TARGETS: tuple[tuple[str, str, str, Callable[[Any], Place]], ...] = (
+    ("source_secrets", "id", "ciphertext", lambda key: source_secret_place(str(key))),
+    ("routes", "id", "signing_ciphertext", lambda key: route_secret_place(int(key))),
+    # reconciliation's API credential (0016)
+    ("sources", "id", "reconcile_ciphertext", lambda key: reconcile_place(int(key))),
 )
 
 
@@ -36,6 +50,8 @@ class RekeyReport:
     rekeyed: dict[str, int] = field(default_factory=dict)
     # Rows no listed key decrypts (left untouched: a key is missing from the list).
     undecryptable: dict[str, int] = field(default_factory=dict)
+    # Rows sealed for another place (copied there): left untouched, refused where read.
+    misplaced: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_rekeyed(self) -> int:
@@ -57,7 +73,7 @@ class LegacyKeysInUseError(WebhooksError):
 
 
 def _ciphertexts(sessions: sessionmaker[Session], batch: int) -> Iterator[bytes]:
-    for table, key, column in _TARGETS:
+    for table, key, column, _ in _TARGETS:
         after: object = None
         while True:
             with sessions() as session:
@@ -96,8 +112,8 @@ def rekey(
         if count:
             raise LegacyKeysInUseError(count)
     report = RekeyReport()
-    for table, key, column in _TARGETS:
-        checked = rekeyed = undecryptable = 0
+    for table, key, column, place_of in _TARGETS:
+        checked = rekeyed = undecryptable = misplaced = 0
         after: object = None
         while True:
             with sessions() as session, session.begin():
@@ -113,10 +129,14 @@ def rekey(
                 for row_key, ciphertext in rows:
                     checked += 1
                     stored = bytes(ciphertext)
-                    if box.is_current(stored):
+                    place = place_of(row_key)
+                    if box.is_current(stored, place):
                         continue
                     try:
-                        fresh = box.rekeyed(stored)
+                        fresh = box.rebound(stored, place)
+                    except SecretMisplaced:
+                        misplaced += 1
+                        continue
                     except SecretDecryptError:
                         undecryptable += 1
                         continue
@@ -134,9 +154,11 @@ def rekey(
         report.checked[table] = checked
         report.rekeyed[table] = rekeyed
         report.undecryptable[table] = undecryptable
+        report.misplaced[table] = misplaced
     log.info(
         "secrets.rekeyed",
         rekeyed=report.total_rekeyed,
         undecryptable=sum(report.undecryptable.values()),
+        misplaced=sum(report.misplaced.values()),
     )
     return report

@@ -16,6 +16,7 @@ from core.addresses import allows_private, check_host
 from core.crypto import (
     SecretBox,
     generate_secret,
+    route_secret_place,
 )
 from core.states import DeliveryStatus
 from models.catalog import (
@@ -58,24 +59,24 @@ def add_route(
         raise CatalogError("max attempts must be at least 1")
     opts = dict(options or {})
     signing_plain: str | None = None
-    signing_ct: bytes | None = None
     if handler == "forward":
         _check_forward_target(opts)
         signing_plain = opts.pop("secret", None) or generate_secret("standard")
         check_whsec(signing_plain)
-        signing_ct = box.encrypt(signing_plain)
     route = Route(
         source_id=source.id,
         handler=handler,
         events_glob=events,
         events_like=glob_to_like(events),
         options=opts,
-        signing_ciphertext=signing_ct,
         max_attempts=max_attempts,
         max_age_s=whole_seconds(max_age),
     )
     session.add(route)
     session.flush()
+    if signing_plain is not None:  # sealed for this row: its id exists once flushed
+        route.signing_ciphertext = box.seal(signing_plain, route_secret_place(route.id))
+        session.flush()
     audit_config(
         session, "route.add", route_target(route, source.public_id), operator, "route added"
     )

@@ -174,14 +174,15 @@ def test_secrets_are_encrypted_at_rest(
         ).scalar_one()
     assert b"plain-github-secret-123" not in bytes(stored)
     other_key = make_settings(secret_key="another-key-" + "z" * 40)
-    from core.crypto import SecretBox, SecretDecryptError
+    from core.crypto import SecretBox, SecretDecryptError, source_secret_place
 
+    here = source_secret_place(made.secret_id)
     assert (
-        SecretBox(settings.secret_key.get_secret_value()).decrypt(bytes(stored))
+        SecretBox(settings.secret_key.get_secret_value()).open(bytes(stored), here)
         == "plain-github-secret-123"
     )
     with pytest.raises(SecretDecryptError):
-        SecretBox(other_key.secret_key.get_secret_value()).decrypt(bytes(stored))
+        SecretBox(other_key.secret_key.get_secret_value()).open(bytes(stored), here)
 
 
 @pytest.mark.parametrize(

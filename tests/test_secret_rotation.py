@@ -23,7 +23,14 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.clock import FrozenClock
-from core.crypto import SecretBox, SecretDecryptError
+from core.crypto import (
+    Place,
+    SecretBox,
+    SecretDecryptError,
+    reconcile_place,
+    route_secret_place,
+    source_secret_place,
+)
 from core.settings import SettingsError, load_settings
 from ingest.app import create_app
 from models import keys
@@ -42,21 +49,23 @@ ROUTE_SECRET = "whsec_" + base64.b64encode(b"route-signing-secret-for-rotation")
 
 def test_every_listed_key_decrypts_and_the_newest_encrypts() -> None:
     old, both, new = SecretBox(OLD), SecretBox(f"{NEW},{OLD}"), SecretBox(NEW)
-    under_old = old.encrypt("s1")
-    assert both.decrypt(under_old) == "s1"
+    here = source_secret_place("sec_rotation")
+    under_old = old.seal("s1", here)
+    assert both.open(under_old, here) == "s1"
     with pytest.raises(SecretDecryptError):
-        new.decrypt(under_old)
-    under_new = both.encrypt("s2")
-    assert new.decrypt(under_new) == "s2"
-    assert both.is_current(under_new)
-    assert not both.is_current(under_old)
-    assert new.decrypt(both.rekeyed(under_old)) == "s1"
-    # Written before keys were stretched (SHA-256 of the key): still readable, not current.
+        new.open(under_old, here)
+    under_new = both.seal("s2", here)
+    assert new.open(under_new, here) == "s2"
+    assert both.is_current(under_new, here)
+    assert not both.is_current(under_old, here)
+    assert new.open(both.rebound(under_old, here), here) == "s1"
+    # Written before keys were stretched (SHA-256 of the key), and before binding: still
+    # readable by a rekey, which binds it; not current.
     legacy = Fernet(
         base64.urlsafe_b64encode(hashlib.sha256(b"webhooks-secret-box:" + OLD.encode()).digest())
     ).encrypt(b"s0")
-    assert old.decrypt(legacy) == "s0"
-    assert not old.is_current(legacy)
+    assert old.open(old.rebound(legacy, here), here) == "s0"
+    assert not old.is_current(legacy, here)
 
 
 def test_a_short_or_empty_key_in_the_list_is_refused() -> None:
@@ -85,15 +94,27 @@ def back_to_the_old_key(sessions: sessionmaker[Session]) -> Iterator[None]:
 
 def _not_current(engine: Engine, box: SecretBox) -> int:
     with engine.connect() as conn:
-        stored = conn.execute(
-            text(
-                "SELECT ciphertext FROM source_secrets UNION ALL"
-                " SELECT signing_ciphertext FROM routes WHERE signing_ciphertext IS NOT NULL"
-                " UNION ALL SELECT reconcile_ciphertext FROM sources"
-                " WHERE reconcile_ciphertext IS NOT NULL"
+        stored = [
+            (source_secret_place(str(k)), c)
+            for k, c in conn.execute(text("SELECT id, ciphertext FROM source_secrets"))
+        ]
+        stored += [
+            (route_secret_place(int(k)), c)
+            for k, c in conn.execute(
+                text(
+                    "SELECT id, signing_ciphertext FROM routes WHERE signing_ciphertext IS NOT NULL"
+                )
             )
-        ).scalars()
-        return sum(not box.is_current(bytes(c)) for c in stored)
+        ]
+        stored += [
+            (reconcile_place(int(k)), c)
+            for k, c in conn.execute(
+                text(
+                    "SELECT id, reconcile_ciphertext FROM sources WHERE reconcile_ciphertext IS NOT NULL"
+                )
+            )
+        ]
+        return sum(not box.is_current(bytes(c), place) for place, c in stored)
 
 
 class Interrupting(SecretBox):
@@ -103,11 +124,11 @@ class Interrupting(SecretBox):
         super().__init__(key)
         self.left = after
 
-    def rekeyed(self, ciphertext: bytes) -> bytes:
+    def rebound(self, ciphertext: bytes, place: Place) -> bytes:
         if self.left == 0:
             raise KeyboardInterrupt
         self.left -= 1
-        return super().rekeyed(ciphertext)
+        return super().rebound(ciphertext, place)
 
 
 @pytest.mark.usefixtures("back_to_the_old_key")
@@ -119,7 +140,7 @@ def test_rekey_is_resumable_and_idempotent(sessions: sessionmaker[Session], engi
     with engine.begin() as conn:
         conn.execute(
             text("UPDATE sources SET reconcile_ciphertext = :c WHERE id = :s"),
-            {"c": SecretBox(OLD).encrypt(api_key), "s": made[0].id},
+            {"c": SecretBox(OLD).seal(api_key, reconcile_place(made[0].id)), "s": made[0].id},
         )
     box = SecretBox(f"{NEW},{OLD}")
     todo = _not_current(engine, box)
@@ -135,13 +156,13 @@ def test_rekey_is_resumable_and_idempotent(sessions: sessionmaker[Session], engi
     newest_only = SecretBox(NEW)
     assert _not_current(engine, newest_only) == 0
     for source in made:
-        secret, _ = _stored_secret(engine, source.id)
-        assert newest_only.decrypt(secret) == source.secret
+        secret, secret_id = _stored_secret(engine, source.id)
+        assert newest_only.open(secret, source_secret_place(secret_id)) == source.secret
     with engine.connect() as conn:
         stored = conn.execute(
             text("SELECT reconcile_ciphertext FROM sources WHERE id = :s"), {"s": made[0].id}
         ).scalar_one()
-    assert newest_only.decrypt(bytes(stored)) == api_key
+    assert newest_only.open(bytes(stored), reconcile_place(made[0].id)) == api_key
 
 
 def _stored_secret(engine: Engine, source_id: int) -> tuple[bytes, Any]:
@@ -197,8 +218,9 @@ def test_rotation_with_receivers_running_never_stops_verification(
         assert post(on_new.url, 4) == 202
     secret, route = _stored(engine, source.id, route_id)
     newest_only = SecretBox(NEW)
-    assert newest_only.decrypt(secret) == source.secret
-    assert newest_only.decrypt(route)  # the route's own signing secret moved as well
+    assert newest_only.open(secret, source_secret_place(source.secret_id)) == source.secret
+    # the route's own signing secret moved as well
+    assert newest_only.open(route, route_secret_place(route_id))
     again = subprocess.run(
         [str(BIN / "webhooks"), "secrets", "rekey", "--json"],
         env=test_env(WEBHOOKS_SECRET_KEY=NEW),
@@ -369,7 +391,8 @@ def test_a_capture_replayed_after_retention_is_refused_by_its_timestamp(
 
 
 def _legacy_ciphertext(key: str, plaintext: str) -> bytes:
-    """What SecretBox wrote before keys were stretched: Fernet under a SHA-256 of the key."""
+    """What SecretBox wrote before keys were stretched (Fernet under a SHA-256 of the key),
+    and before secrets were bound to their place."""
     digest = hashlib.sha256(b"webhooks-secret-box:" + key.encode()).digest()
     return Fernet(base64.urlsafe_b64encode(digest)).encrypt(plaintext.encode())
 
@@ -405,13 +428,14 @@ def test_drop_legacy_is_refused_while_a_secret_needs_it_then_retires_it(
     assert "Traceback" not in refused.stderr
     assert _stored_secret(engine, source.id)[0] == legacy  # nothing changed
     # Without the legacy derivation the row cannot be read: that is what the refusal protects.
+    here = source_secret_place(source.secret_id)
     with pytest.raises(SecretDecryptError):
-        SecretBox(OLD, legacy=False).decrypt(legacy)
-    assert SecretBox(OLD).decrypt(legacy) == source.secret
+        SecretBox(OLD, legacy=False).rebound(legacy, here)
+    assert SecretBox(OLD).open(SecretBox(OLD).rebound(legacy, here), here) == source.secret
 
     assert cli().returncode == 0
     moved = _stored_secret(engine, source.id)[0]
-    assert SecretBox(OLD, legacy=False).decrypt(moved) == source.secret
+    assert SecretBox(OLD, legacy=False).open(moved, here) == source.secret
     retired = cli("--drop-legacy")
     assert retired.returncode == 0, retired.stderr
     assert "WEBHOOKS_SECRET_KEY_LEGACY=false" in retired.stdout

@@ -24,7 +24,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import metrics
-from core.crypto import SecretBox
+from core.crypto import SecretBox, SecretMisplaced, SecretUnbound, reconcile_place
 from core.durations import format_duration
 from core.errors import WebhooksError
 from core.logs import get_logger
@@ -157,6 +157,16 @@ def _hook(target: Target) -> str:
     return hook
 
 
+def _credential(box: SecretBox, source_id: int, ciphertext: bytes) -> str:
+    """The source's API credential, opened only at its own place: one sealed for another row
+    or purpose (a signing secret copied there, say) is never sent anywhere."""
+    try:
+        return box.open(ciphertext, reconcile_place(source_id))
+    except (SecretMisplaced, SecretUnbound) as exc:
+        log.error("reconcile.credential_refused", source_id=source_id, reason=exc.reason)
+        raise ReconcileError(str(exc)) from None
+
+
 def load_target(session: Session, box: SecretBox, settings: Settings, ref: str) -> Target:
     source = catalog.get_source(session, ref)
     if not options.supported(source.provider):
@@ -178,7 +188,7 @@ def load_target(session: Session, box: SecretBox, settings: Settings, ref: str) 
         name=source.name,
         provider=source.provider,
         config=dict(source.config or {}),
-        api_key=None if ciphertext is None else box.decrypt(bytes(ciphertext)),
+        api_key=None if ciphertext is None else _credential(box, source.id, bytes(ciphertext)),
         secret_id=secret_id,
         ttl=catalog.source_effective_ttl(source, settings).total,
     )

@@ -62,7 +62,7 @@ def _demo_source(e: Env) -> tuple[str, str]:
     """The demo source (created on first use) and its newest secret."""
     from sqlalchemy import select  # noqa: PLC0415
 
-    from core.crypto import SecretBox  # noqa: PLC0415
+    from core.crypto import SecretBox, source_secret_place  # noqa: PLC0415
     from models import catalog, route_catalog  # noqa: PLC0415
     from models.schema import Source  # noqa: PLC0415
 
@@ -79,7 +79,11 @@ def _demo_source(e: Env) -> tuple[str, str]:
             secret = created.plaintext
         else:
             active = [s for s in catalog.list_secrets(session, source) if s.revoked_at is None]
-            secret = box.decrypt(active[-1].ciphertext) if active else None
+            secret = (
+                box.open(active[-1].ciphertext, source_secret_place(active[-1].id))
+                if active
+                else None
+            )
             if secret is None:
                 secret = catalog.add_secret(session, box, source).plaintext
         have = {(r.handler, r.events_glob) for r in route_catalog.list_routes(session, source)}

@@ -61,7 +61,7 @@ def read_data(value: str | None) -> Any:
 
 def _source_and_secret(e: Env, ref: str) -> tuple[str, str, dict[str, Any], str]:
     """(public id, provider, options, newest active secret) of the source."""
-    from core.crypto import SecretBox  # noqa: PLC0415
+    from core.crypto import SecretBox, source_secret_place  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
     from models.schema import Source  # noqa: PLC0415
 
@@ -83,7 +83,7 @@ def _source_and_secret(e: Env, ref: str) -> tuple[str, str, dict[str, Any], str]
             source.public_id,
             source.provider,
             dict(source.config),
-            box.decrypt(active[-1].ciphertext),
+            box.open(active[-1].ciphertext, source_secret_place(active[-1].id)),
         )
 
 

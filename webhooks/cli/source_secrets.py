@@ -133,6 +133,7 @@ def secrets_rekey(
         "rekeyed": report.total_rekeyed,
         "checked": report.checked,
         "undecryptable": report.undecryptable,
+        "misplaced": report.misplaced,
     }
     if drop_legacy:
         view["legacy_in_use"] = 0
@@ -141,8 +142,16 @@ def secrets_rekey(
     else:
         console.print(
             f"re-encrypted {report.total_rekeyed} of {sum(report.checked.values())} stored"
-            " secrets under the newest key",
+            " secrets under the newest key, each bound to its place",
             highlight=False,
+        )
+    misplaced = sum(report.misplaced.values())
+    if misplaced:
+        raise CliError(
+            f"{misplaced} stored secrets are sealed for another row or purpose (copied there):"
+            " they stay refused; set each again (webhooks secrets add SOURCE, then secrets revoke"
+            " the copy; a credential: sources update SOURCE --api-key) and review who can write"
+            " the database"
         )
     missing = sum(report.undecryptable.values())
     if missing:

@@ -212,6 +212,7 @@ def sources_add(
 ) -> None:
     """Create a source (audited); prints its id, URL path and, when generated, its secret
     (once)."""
+    from core.crypto import reconcile_place  # noqa: PLC0415
     from core.providers import validate_config  # noqa: PLC0415
     from core.ttl import TtlOverrides  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
@@ -245,11 +246,12 @@ def sources_add(
             allow_weak_secret=allow_weak_secret,
             operator=operator or login(),
         )
-        if credential is not None:
-            source.reconcile_ciphertext = secret_box(e).encrypt(credential)
         if every:
             source.reconcile_every_s = every
         session.flush()
+        if credential is not None:  # sealed for this row: its id exists once flushed
+            source.reconcile_ciphertext = secret_box(e).seal(credential, reconcile_place(source.id))
+            session.flush()
         view = _source_view(e, source)
     _lay_out_partitions(e)
     view["secret_id"] = created.id
@@ -293,6 +295,7 @@ def sources_update(
 ) -> None:
     """Change a source's TTL terms, timestamp tolerance, body limit, provider options or
     reconciliation settings (audited; a credential is recorded as set, never its value)."""
+    from core.crypto import reconcile_place  # noqa: PLC0415
     from core.providers import validate_config  # noqa: PLC0415
     from core.ttl import TtlOverrides  # noqa: PLC0415
     from models import catalog  # noqa: PLC0415
@@ -326,7 +329,7 @@ def sources_update(
             row.config = validate_config(row.provider, merged)
             changed["config"] = row.config
         if credential is not None:
-            row.reconcile_ciphertext = secret_box(e).encrypt(credential)
+            row.reconcile_ciphertext = secret_box(e).seal(credential, reconcile_place(row.id))
             changed["api_key"] = "set"
         if clear_api_key:
             row.reconcile_ciphertext = None
