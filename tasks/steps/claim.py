@@ -246,11 +246,9 @@ def _crash_looped(rt: Runtime, found: Claim, row: ClaimedEvent, fast: FastClaim)
         reason=DEAD_CRASHED,
         redeliveries=found.redeliveries,
     )
-    return Report(
+    return Report.of(
         Outcome.DEAD,
-        found.id,
-        found.attempt,
-        row.event_id,
-        row.public_id,
+        found,
+        row,
         f"{DEAD_CRASHED}: its worker died {found.redeliveries} times holding the lease",
     )

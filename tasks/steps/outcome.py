@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from core.logs import get_logger
 from core.messages import Dispatch
 from core.metrics import DELIVERIES
+from models.transitions import Claim, ClaimedEvent
 
 log = get_logger(__name__)
 
@@ -51,6 +52,30 @@ class Report:
     # as soon as the task ends (:func:`tasks.deliver.release_slots`), not at the dispatcher's
     # next reconcile.
     route_id: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        outcome: Outcome,
+        found: Claim,
+        row: ClaimedEvent,
+        detail: str | None = None,
+        *,
+        countdown: float | None = None,
+        finished: bool = False,
+    ) -> Report:
+        """The report of a claimed delivery; ``finished``: an attempt that ended here
+        (succeeded, retry, dead), whose route's admission slot is to be freed."""
+        return cls(
+            outcome,
+            found.id,
+            found.attempt,
+            row.event_id,
+            row.public_id,
+            detail,
+            countdown,
+            found.route_id if finished else None,
+        )
 
 
 def quiet(delivery_id: int, outcome: Outcome) -> Report:

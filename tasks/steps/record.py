@@ -232,12 +232,10 @@ def unrecorded(found: Claim, row: ClaimedEvent) -> Report:
     keeps its lease (and its fast claim, which expires with it) and is taken over once the
     lease runs out, as after a crash."""
     DELIVERIES.labels(outcome=Outcome.UNRECORDED).inc()
-    return Report(
+    return Report.of(
         Outcome.UNRECORDED,
-        found.id,
-        found.attempt,
-        row.event_id,
-        row.public_id,
+        found,
+        row,
         "the database stayed unreachable: the lease hands the delivery on when it ends",
     )
 
@@ -274,14 +272,7 @@ def succeeded(rt: Runtime, done: Done) -> Report:
         attempt=found.attempt,
         degraded=fast.degraded,
     )
-    return Report(
-        Outcome.SUCCEEDED,
-        found.id,
-        found.attempt,
-        row.event_id,
-        row.public_id,
-        route_id=found.route_id,
-    )
+    return Report.of(Outcome.SUCCEEDED, found, row, finished=True)
 
 
 def lost(rt: Runtime, found: Claim, fast: FastClaim, row: ClaimedEvent) -> Report:
@@ -289,13 +280,8 @@ def lost(rt: Runtime, found: Claim, fast: FastClaim, row: ClaimedEvent) -> Repor
     rt.claims.release(fast)
     DELIVERIES.labels(outcome=Outcome.LOST).inc()
     log.warning("delivery.lease_lost", delivery_id=found.id, attempt=found.attempt)
-    return Report(
-        Outcome.LOST,
-        found.id,
-        found.attempt,
-        row.event_id,
-        row.public_id,
-        "its lease ran out and another attempt took the delivery over",
+    return Report.of(
+        Outcome.LOST, found, row, "its lease ran out and another attempt took the delivery over"
     )
 
 
@@ -382,15 +368,7 @@ def fail(
         DEAD_LETTERS.labels(reason=decision.reason).inc()
         DELIVERIES.labels(outcome=Outcome.DEAD).inc()
         log.warning("delivery.dead", reason=decision.reason, **fields)
-        return Report(
-            Outcome.DEAD,
-            found.id,
-            found.attempt,
-            row.event_id,
-            row.public_id,
-            f"{decision.reason}: {error}",
-            route_id=found.route_id,
-        )
+        return Report.of(Outcome.DEAD, found, row, f"{decision.reason}: {error}", finished=True)
     RETRIES.inc()
     DELIVERIES.labels(outcome=Outcome.RETRY).inc()
     via = "sweeper"
@@ -407,15 +385,16 @@ def fail(
                 error_class=type(publish_exc).__name__,
             )
     log.info("delivery.retry", delay_s=decision.delay.total_seconds(), via=via, **fields)
-    return Report(
+    return Report.of(
         Outcome.RETRY,
-        found.id,
-        found.attempt,
-        row.event_id,
-        row.public_id,
+        found,
+        row,
         error,
-        {"countdown": decision.countdown, "admission": decision.delay.total_seconds()}.get(via),
-        route_id=found.route_id,
+        countdown={
+            "countdown": decision.countdown,
+            "admission": decision.delay.total_seconds(),
+        }.get(via),
+        finished=True,
     )
 
 
