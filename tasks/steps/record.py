@@ -19,6 +19,7 @@ are :mod:`models.breaker`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass
@@ -53,6 +54,14 @@ from tasks.steps.inputs import Loaded
 from tasks.steps.outcome import Outcome, PublishRetry, Report
 
 log = get_logger(__name__)
+
+
+class RetryVia(enum.StrEnum):
+    """Who publishes a retry's next copy: the ``via`` of ``delivery.retry``."""
+
+    ADMISSION = "admission"  # the dispatcher, once due, within the route's limits
+    COUNTDOWN = "countdown"  # a countdown message of its own
+    SWEEPER = "sweeper"  # the sweeper, once due (a long delay, or both others failed)
 
 
 @dataclass(frozen=True)
@@ -371,13 +380,13 @@ def fail(
         return Report.of(Outcome.DEAD, found, row, f"{decision.reason}: {error}", finished=True)
     RETRIES.inc()
     DELIVERIES.labels(outcome=Outcome.RETRY).inc()
-    via = "sweeper"
+    via = RetryVia.SWEEPER
     if rt.settings.admission and _schedule(rt, found.id, decision.delay.total_seconds()):
-        via = "admission"
+        via = RetryVia.ADMISSION
     elif decision.countdown is not None:
         try:
             publish_retry(Dispatch(found.id, row.event_id, row.public_id), decision.countdown)
-            via = "countdown"
+            via = RetryVia.COUNTDOWN
         except Exception as publish_exc:  # noqa: BLE001 (the sweeper publishes it later)
             log.warning(
                 "delivery.retry_publish_failed",
@@ -391,8 +400,8 @@ def fail(
         row,
         error,
         countdown={
-            "countdown": decision.countdown,
-            "admission": decision.delay.total_seconds(),
+            RetryVia.COUNTDOWN: decision.countdown,
+            RetryVia.ADMISSION: decision.delay.total_seconds(),
         }.get(via),
         finished=True,
     )
