@@ -47,6 +47,7 @@ from typing import Final
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
 from core import metrics
+from core.errors import WebhooksError
 from core.providers import registry
 
 # A fixed, purpose-bound salt: the key itself is the secret; the salt keeps these derived keys
@@ -56,7 +57,7 @@ _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**15, 8, 1
 MIN_KEY_LENGTH = 32
 
 
-class SecretDecryptError(Exception):
+class SecretDecryptError(WebhooksError):
     """A stored secret could not be decrypted: WEBHOOKS_SECRET_KEY changed or data is corrupt."""
 
 
@@ -272,7 +273,7 @@ class SecretBox:
         return self.seal(value, place)
 
 
-class KeyMismatch(Exception):  # noqa: N818 (the agreed name)
+class KeyMismatch(WebhooksError):  # noqa: N818 (the agreed name)
     """``WEBHOOKS_SECRET_KEY`` cannot decrypt stored secrets: a fresh ``.env`` against an
     existing database, or a key dropped from the list too early. Every signed request would
     fail, so processes refuse to start with this one line instead."""

@@ -122,7 +122,7 @@ class Settings(BaseSettings):
     max_redeliveries: int = Field(default=3, ge=1)
     # How long a worker keeps trying to record an outcome that already happened (a handler's
     # success, or a failure's retry or dead state) through database faults before it leaves
-    # the delivery to its lease (tasks/durable.py): longer than a Postgres restart, well
+    # the delivery to its lease (tasks/connections.py): longer than a Postgres restart, well
     # under the lease (4 x the hard time limit).
     record_retry_seconds: float = Field(default=30.0, ge=0, le=3600)
     # Worker pool (docs/workers.md; time limits per pool: tasks/pools.py): threads or gevent

@@ -28,6 +28,7 @@ commit was lost to a restore or failover), is stale: the worker asks Postgres an
 
 from __future__ import annotations
 
+import enum
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +42,16 @@ from core.logs import get_logger
 from core.metrics import CLAIMS, DEGRADED
 
 log = get_logger(__name__)
+
+
+class ClaimResult(enum.StrEnum):
+    """A fast claim's result: the ``result`` label of ``webhooks_claims_total``."""
+
+    FIRST = "first"  # won: no copy holds the key
+    DUPLICATE = "duplicate"  # another copy holds or completed it
+    DEGRADED = "degraded"  # Redis unreachable: the durable claim alone decides
+    STALE_KEY = "stale_key"  # held, yet Postgres shows the row overdue
+
 
 # KEYS[1] = claim key, ARGV[1] = our token. Compare-and-delete in one step, so a key that has
 # expired and been re-acquired by another worker is never deleted by us.
@@ -96,7 +107,7 @@ class ClaimStore:
         try:
             won = self._client.set(key, token, nx=True, px=self._ttl_ms)
         except _REDIS_DOWN as exc:
-            CLAIMS.labels(result="degraded").inc()
+            CLAIMS.labels(result=ClaimResult.DEGRADED).inc()
             DEGRADED.inc()
             log.warning(
                 "claim.degraded",
@@ -105,7 +116,7 @@ class ClaimStore:
                 tier="durable_only",
             )
             return FastClaim(key, token, first=True, degraded=True)
-        CLAIMS.labels(result="first" if won else "duplicate").inc()
+        CLAIMS.labels(result=ClaimResult.FIRST if won else ClaimResult.DUPLICATE).inc()
         return FastClaim(key, token, first=bool(won), degraded=False)
 
     def acquire_many(self, wanted: list[tuple[int, int]]) -> list[FastClaim]:
@@ -122,7 +133,7 @@ class ClaimStore:
                 pipe.set(key, token, nx=True, px=self._ttl_ms)
             won = pipe.execute()
         except _REDIS_DOWN as exc:
-            CLAIMS.labels(result="degraded").inc(len(keys))
+            CLAIMS.labels(result=ClaimResult.DEGRADED).inc(len(keys))
             DEGRADED.inc(len(keys))
             log.warning(
                 "claim.degraded",
@@ -140,9 +151,9 @@ class ClaimStore:
         ]
         first = sum(c.first for c in claims)
         if first:
-            CLAIMS.labels(result="first").inc(first)
+            CLAIMS.labels(result=ClaimResult.FIRST).inc(first)
         if len(claims) - first:
-            CLAIMS.labels(result="duplicate").inc(len(claims) - first)
+            CLAIMS.labels(result=ClaimResult.DUPLICATE).inc(len(claims) - first)
         return claims
 
     def confirm_many(self, confirmed: list[tuple[FastClaim, timedelta]]) -> None:
@@ -170,7 +181,7 @@ class ClaimStore:
         """The key is held but Postgres shows its row overdue, or pending after two of the
         sweeper's re-publishes: count it; the durable claim decides, and on success
         :meth:`confirm` overwrites the key with ours."""
-        CLAIMS.labels(result="stale_key").inc()
+        CLAIMS.labels(result=ClaimResult.STALE_KEY).inc()
         log.warning("claim.stale_key", delivery_id=delivery_id, key=claim.key)
 
     def confirm(self, claim: FastClaim, dedup_ttl: timedelta) -> bool:

@@ -12,8 +12,9 @@ others whose handlers this process runs ``bystander`` (:func:`models.transitions
 each guarded by its attempt). The claim counts a crash only against an unmarked or suspect
 row, so a bystander loses nothing but its lease time. Then the sweeper republishes each
 lease-expired row alone (one id per message), and a requeued copy of a batch message hands
-its lease-expired rows on one per message too (:mod:`tasks.pipeline`): the suspect runs alone
-and, if it is stuck again, dies alone, until its own ``max_redeliveries`` makes it dead.
+its lease-expired rows on one per message too (:func:`tasks.steps.claim.isolate`): the
+suspect runs alone and, if it is stuck again, dies alone, until its own
+``max_redeliveries`` makes it dead.
 
 Best effort, bounded: a fresh connection (the pool's may all be busy, or held by the stuck
 thread), a short connect timeout and statement timeout; any failure is logged and the kill

@@ -3,7 +3,7 @@
 A message carries one delivery id, or a list of them (:func:`message_ids`). Either way the task
 hands them to :func:`tasks.pipeline.run`, which owns the claim, the handlers and the recording
 of their outcomes for n >= 1 deliveries (a message of one id is a batch of one, through the
-same code; the module's docstring argues why each effect happens once). What stays here is
+same code; docs/workers.md argues why each effect happens once). What stays here is
 Celery's side: the task's state (what Flower shows: :func:`celery_state` for one id,
 :func:`celery_batch_state` for a list), the retry messages it publishes, and the admission
 slots it frees as soon as it ends (:func:`release_slots`).
@@ -11,9 +11,10 @@ slots it frees as soon as it ends (:func:`release_slots`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from celery import Task, shared_task
+from celery import Celery, Task
 from celery.exceptions import Retry
 
 from core.errors import WebhooksError
@@ -22,10 +23,11 @@ from core.messages import DELIVER_TASK, Dispatch
 from core.settings import MAX_DELIVERY_BATCH
 from models.admission import Admission
 from models.db import DatabaseUnavailable
-from tasks import dispatcher, get_runtime
-from tasks.durable import CONNECTION_ERRORS
-from tasks.pipeline import Report, run
+from tasks import dispatcher
+from tasks.connections import CONNECTION_ERRORS
+from tasks.pipeline import run
 from tasks.runtime import Runtime
+from tasks.steps.outcome import Outcome, Report
 
 log = get_logger(__name__)
 
@@ -47,7 +49,7 @@ def celery_state(report: Report) -> str:
     otherwise, with a result that says what happened, so a duplicate or skipped copy is
     never mistaken for a real success."""
     where = f"delivery {report.delivery_id} attempt {report.attempt}"
-    if report.outcome == "retry":
+    if report.outcome == Outcome.RETRY:
         then = (
             f"next copy in {report.countdown:.1f}s"
             if report.countdown is not None
@@ -57,21 +59,21 @@ def celery_state(report: Report) -> str:
             f"{where} failed, will retry: {report.detail}; {then}",
             exc=AttemptFailed(f"{where}: {report.detail}"),
         )
-    if report.outcome == "dead":
+    if report.outcome == Outcome.DEAD:
         raise DeadLetter(f"{where}: dead letter ({report.detail})")
-    if report.outcome == "succeeded":
-        return "succeeded"
-    if report.outcome == "lost":
+    if report.outcome == Outcome.SUCCEEDED:
+        return Outcome.SUCCEEDED.value
+    if report.outcome == Outcome.LOST:
         return f"lost: {report.detail}"
-    if report.outcome == "unrecorded":
+    if report.outcome == Outcome.UNRECORDED:
         return f"unrecorded: {report.detail}"
     return {
-        "duplicate": "duplicate: another copy holds or completed this delivery",
-        "skipped": "skipped: done, dead, not due yet or owned by a live lease",
-        "held": "held: its route is paused or its circuit breaker is open (not an attempt)",
-        "missing": "missing: no such delivery",
-        "isolated": "isolated: its worker died holding it; published again alone",
-    }.get(report.outcome, report.outcome)
+        Outcome.DUPLICATE: "duplicate: another copy holds or completed this delivery",
+        Outcome.SKIPPED: "skipped: done, dead, not due yet or owned by a live lease",
+        Outcome.HELD: "held: its route is paused or its circuit breaker is open (not an attempt)",
+        Outcome.MISSING: "missing: no such delivery",
+        Outcome.ISOLATED: "isolated: its worker died holding it; published again alone",
+    }.get(report.outcome, str(report.outcome))
 
 
 def celery_batch_state(reports: list[Report]) -> str:
@@ -80,7 +82,7 @@ def celery_batch_state(reports: list[Report]) -> str:
     Flower shows, names every delivery it carried with its own outcome."""
     lines = [
         f"{r.delivery_id}: {r.outcome}: {r.detail}"[:300]
-        if r.outcome in ("retry", "dead")
+        if r.outcome in (Outcome.RETRY, Outcome.DEAD)
         else f"{r.delivery_id}: {celery_state(r)}"
         for r in reports
     ]
@@ -89,9 +91,9 @@ def celery_batch_state(reports: list[Report]) -> str:
         counts[report.outcome] = counts.get(report.outcome, 0) + 1
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     text = f"{len(reports)} deliveries ({summary}): " + "; ".join(lines)
-    if counts.get("dead"):
+    if counts.get(Outcome.DEAD):
         raise DeadLetter(text)
-    if counts.get("retry"):
+    if counts.get(Outcome.RETRY):
         raise Retry(text, exc=AttemptFailed(text))
     return text
 
@@ -106,8 +108,20 @@ def message_ids(argument: object) -> list[int] | None:
     return ids if len(ids) == len(values) else None
 
 
-@shared_task(bind=True, name=DELIVER_TASK, ignore_result=True, throws=(DeadLetter,))
-def deliver(self: Task[Any, Any], delivery_id: int | list[int]) -> str:
+def register(app: Celery, runtime: Callable[[], Runtime]) -> Task[Any, Any]:
+    """The ``webhooks.deliver`` task on ``app``, with this process's runtime (built by the
+    worker on first use: :class:`tasks.worker.WorkerProcess`)."""
+
+    @app.task(bind=True, name=DELIVER_TASK, ignore_result=True, throws=(DeadLetter,))
+    def deliver(self: Task[Any, Any], delivery_id: int | list[int]) -> str:
+        return deliver_message(self, runtime, delivery_id)
+
+    return deliver
+
+
+def deliver_message(
+    task: Task[Any, Any], runtime: Callable[[], Runtime], delivery_id: int | list[int]
+) -> str:
     """Celery entry point: one delivery id, or a list of them; both through
     :func:`tasks.pipeline.run`."""
     ids = message_ids(delivery_id)
@@ -117,11 +131,11 @@ def deliver(self: Task[Any, Any], delivery_id: int | list[int]) -> str:
 
     def publish_retry(dispatch: Dispatch, countdown: float) -> None:
         options: dict[str, Any] = {"countdown": countdown, **dispatch.reprs()}
-        self.apply_async(args=(dispatch.delivery_id,), **options)
+        task.apply_async(args=(dispatch.delivery_id,), **options)
 
     alone = not isinstance(delivery_id, list)
     try:
-        rt = get_runtime()  # a worker started during an outage builds it on its first task
+        rt = runtime()  # a worker started during an outage builds it on its first task
         reports = run(rt, ids, publish_retry=publish_retry, alone=alone)
     except CONNECTION_ERRORS as exc:
         # A handled condition (a lost connection, a restarted database): one line, and a

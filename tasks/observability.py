@@ -4,8 +4,8 @@ Celery's prefork pool forks its children from the main worker process after ``ce
 tasks worker`` has imported this package; children never import modules afresh. So
 prometheus-client's multi-process mode must be chosen in the main process, *before*
 ``prometheus_client`` is first imported there (it picks its value class at import time):
-``tasks.get_app`` imports this module ahead of the task modules, and on import in a worker
-command we point ``PROMETHEUS_MULTIPROC_DIR`` at a directory of our own. Every child then
+``tasks.app`` calls :func:`setup` before it imports the task modules, and in a worker
+command it points ``PROMETHEUS_MULTIPROC_DIR`` at a directory of our own. Every child then
 writes its own ``<type>_<pid>.db`` files there (prometheus-client notices the new pid after
 the fork), and the main process serves ``/metrics`` on ``WEBHOOKS_WORKER_METRICS_PORT``
 (of ``WEBHOOKS_ADMIN_HOST``, the private address, never the public receiver's host)
@@ -91,8 +91,8 @@ def prepare(settings: Settings, *, pid: int | None = None) -> Path:
     """Choose and empty this worker's metrics directory and export it. Main process only."""
     if "core.metrics" in sys.modules:
         raise MetricsSetupError(
-            "core.metrics was imported before tasks.observability: worker metrics would "
-            "not add up across pool processes; import tasks.observability first"
+            "core.metrics was imported before tasks.observability.setup: worker metrics "
+            "would not add up across pool processes; call tasks.observability.setup first"
         )
     directory = metrics_dir(settings, pid or os.getpid())
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -151,15 +151,13 @@ def _worker_exit(**_: Any) -> None:
         shutil.rmtree(_Worker.directory, ignore_errors=True)
 
 
-def _setup_from_argv() -> None:
-    if not is_worker_command(sys.argv):
+def setup(settings: Settings, argv: Sequence[str]) -> None:
+    """In a worker command (not beat, not flower): this worker's metrics directory chosen
+    (:func:`prepare`) and its serving and clean-up connected to the worker's signals. Call it
+    before anything imports :mod:`core.metrics` (``tasks.__getattr__`` does, first)."""
+    if not is_worker_command(argv):
         return
-    from tasks import get_settings  # noqa: PLC0415  (the package is importing us)
-
-    prepare(get_settings())
+    prepare(settings)
     worker_ready.connect(_serve_metrics, weak=False)
     worker_process_shutdown.connect(_child_exit, weak=False)
     worker_shutdown.connect(_worker_exit, weak=False)
-
-
-_setup_from_argv()

@@ -11,7 +11,7 @@ gevent
     Celery runs each task in a greenlet under ``gevent.Timeout(hard limit)``; it has no soft
     limit. :func:`soft_limit` adds one (the same ``SoftTimeLimitExceeded``, the same
     retryable failure); at the hard limit the ``Timeout`` is raised in the task's greenlet
-    and :mod:`tasks.pipeline` fails the attempt (retry now) before Celery records the
+    and :mod:`tasks.steps.run` fails the attempt (retry now) before Celery records the
     timeout. Both need the handler to yield (any socket, ``time.sleep``, a query): a handler
     that spins on the CPU freezes every greenlet of the process, so :func:`start_watchdog`
     kills the process once its event loop has not run for the hard limit, which is then
@@ -23,7 +23,7 @@ threads
     timeout). :func:`time_limits` does: a watchdog thread raises ``SoftTimeLimitExceeded``
     in the handler's thread at the soft limit and :class:`HardTimeLimitExceeded` (not an
     ``Exception``: a handler's ``except Exception`` cannot swallow it) at the hard limit,
-    after which :mod:`tasks.pipeline` fails the attempt (retry now). Such an exception lands
+    after which :mod:`tasks.steps.run` fails the attempt (retry now). Such an exception lands
     between two Python bytecodes: a thread blocked inside one C call (a ``time.sleep(600)``,
     a socket read without timeout) does not see it, so at ``1.5 x`` the hard limit the
     watchdog kills the process (prefork's crash path again; ``forward``'s own I/O timeouts,
@@ -72,7 +72,7 @@ WATCHDOG_TICK = 0.5
 
 
 # Called by a watchdog just before it kills this process: (suspects, bystanders). Set once per
-# worker (tasks.get_app); must not raise and must return within a few seconds.
+# worker (tasks.worker.build_app); must not raise and must return within a few seconds.
 CrashReporter = Callable[[list[Held], list[Held]], None]
 
 

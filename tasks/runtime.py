@@ -1,7 +1,7 @@
 """The per-process resources a worker's tasks use, built lazily after fork.
 
 Nothing here is needed for correctness across processes: it is a pool of connections and
-the handler table. ``tasks.get_runtime()`` builds one per process on first use; the
+the handler table. ``tasks.worker.WorkerProcess`` builds one per process on first use; the
 ``worker_process_init`` signal throws away anything inherited from the parent.
 """
 
@@ -33,7 +33,7 @@ WORKER_POOL_SIZE = 2
 def engine_pool_size(settings: Settings) -> int:
     """Connections one worker process keeps. Prefork: one task per process, so two, or up
     to ``WEBHOOKS_DB_POOL_SIZE`` when it is set to run batches (WEBHOOKS_DELIVERY_BATCH),
-    whose handlers run at once and may each hold one through ``ctx.session`` (tasks.pipeline).
+    whose handlers run at once and may each hold one through ``ctx.session`` (tasks.steps.run).
     Threads and gevent: one per slot up to ``WEBHOOKS_DB_POOL_SIZE``; a task holds a
     connection only for its own statements (not while its handler waits on a downstream), so
     ~10 serve 100 slots, and a task that finds them all busy waits for one (SQLAlchemy's

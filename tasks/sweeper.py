@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from celery import shared_task
+from celery import Celery, Task
 from sqlalchemy import text
 
 from core.clock import pinned
@@ -33,9 +33,14 @@ from core.metrics import ADMISSIONS, BREAKER_CHANGES, BREAKER_STATE, OLDEST_PEND
 from models import admission, breaker, requeue, retention
 from models.admission import Admission
 from models.db import DatabaseUnavailable, session_scope
-from tasks import capacity, periodic_failed, periodic_runtime
-from tasks.deliver import deliver
-from tasks.durable import CONNECTION_ERRORS, discard_pooled, on_connection
+from tasks import capacity
+from tasks.connections import (
+    CONNECTION_ERRORS,
+    discard_pooled,
+    on_connection,
+    periodic_failed,
+    periodic_runtime,
+)
 from tasks.runtime import Runtime
 
 log = get_logger(__name__)
@@ -135,13 +140,29 @@ def probed(probes: list[breaker.Probe]) -> list[tuple[int, str | None, str | Non
     return out
 
 
-@shared_task(name=SWEEP_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
-def sweep() -> int:
+def register(
+    app: Celery, runtime: Callable[[], Runtime], deliver: Task[Any, Any]
+) -> tuple[Task[Any, Any], Task[Any, Any]]:
+    """The ``webhooks.sweep`` and ``webhooks.maintenance`` tasks on ``app``, with this
+    process's runtime; the sweep publishes through ``deliver`` (the delivery task)."""
+
+    @app.task(name=SWEEP_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
+    def sweep() -> int:
+        return sweep_task(runtime, deliver)
+
+    @app.task(name=MAINTENANCE_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
+    def maintenance() -> str:
+        return maintenance_task(runtime)
+
+    return sweep, maintenance
+
+
+def sweep_task(runtime: Callable[[], Runtime], deliver: Task[Any, Any]) -> int:
     def publish(dispatch: Dispatch) -> None:
         options: dict[str, Any] = dispatch.reprs()
         deliver.apply_async(args=(dispatch.delivery_id,), **options)
 
-    rt = periodic_runtime("sweep.failed")
+    rt = periodic_runtime(runtime, "sweep.failed")
     try:
         return len(sweep_once(rt, publish))
     except CONNECTION_ERRORS as exc:
@@ -152,13 +173,12 @@ def sweep() -> int:
         raise periodic_failed("sweep.failed", exc) from None
 
 
-@shared_task(name=MAINTENANCE_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
-def maintenance() -> str:
+def maintenance_task(runtime: Callable[[], Runtime]) -> str:
     """Retention (:func:`models.retention.run_maintenance`): partitions laid out ahead,
     expired ones dropped (or a batched delete), payloads past their retention cleared. Then
     the capacity gauges (:mod:`tasks.capacity`), read even when retention failed: a failing
     drop is what the past-days gauge is there to show."""
-    rt = periodic_runtime("maintenance.failed")
+    rt = periodic_runtime(runtime, "maintenance.failed")
     capacity.record_fast_tier(rt.redis)
     try:
         try:

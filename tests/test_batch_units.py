@@ -15,8 +15,8 @@ from celery.exceptions import Retry
 from core.messages import DELIVERIES_QUEUE, Dispatch, batch_time_limits, batches, message
 from core.settings import MAX_DELIVERY_BATCH
 from tasks.deliver import DeadLetter, celery_batch_state, message_ids
-from tasks.pipeline import Report
 from tasks.publisher import Publisher
+from tasks.steps.outcome import Report
 from tests.conftest import make_settings
 from tests.workers import BROKER_URL, flush_redis, wait_for
 

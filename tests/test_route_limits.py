@@ -35,9 +35,9 @@ from models import admission, breaker, catalog
 from models.accept import NewReceipt, Outcome
 from tasks import dispatcher
 from tasks.deliver import release_slots
-from tasks.pipeline import Report
 from tasks.publisher import Publisher
 from tasks.runtime import build_runtime
+from tasks.steps.outcome import Report
 from tasks.sweeper import sweep_once
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import EFFECTS_DDL

@@ -18,9 +18,10 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from tasks import pipeline
-from tasks.pipeline import FINISH_WINDOW, deliver_one, in_waves, run
+from models import deliveries
+from tasks.pipeline import FINISH_WINDOW, deliver_one, run
 from tasks.runtime import Runtime, build_runtime
+from tasks.steps.run import in_waves
 from tests.factories import accept_event, make_source
 from tests.netproxy import CuttableProxy
 from tests.workers import attempts, delivery, flush_redis, wait_for, worker_settings
@@ -99,7 +100,7 @@ def test_statements_fall_back_to_the_parents_when_the_leaf_is_missing(
     settings = worker_settings(retention_mode="delete")
     source = make_source(sessions, settings)
     ids = [accept_event(settings, source)[1].delivery_ids[0] for _ in range(n)]
-    pipeline._MISSING_LEAVES.discard("default")
+    deliveries._MISSING_LEAVES.discard("default")
     made = build_runtime(settings, worker="leafless")
     try:
         if n == 1:
@@ -108,8 +109,8 @@ def test_statements_fall_back_to_the_parents_when_the_leaf_is_missing(
             assert _run(made, [*ids, ids[0], 10**12]) == ["succeeded"] * n + ["missing"]
     finally:
         made.close()
-    assert "default" in pipeline._MISSING_LEAVES
-    pipeline._MISSING_LEAVES.discard("default")
+    assert "default" in deliveries._MISSING_LEAVES
+    deliveries._MISSING_LEAVES.discard("default")
     for delivery_id in ids:
         assert delivery(engine, delivery_id).status == "succeeded"
         assert [a.outcome for a in attempts(engine, delivery_id)] == ["succeeded"]
@@ -121,9 +122,9 @@ def test_in_partition_mode_the_leaves_exist_and_are_used(
     settings = worker_settings()
     source = make_source(sessions, settings)
     delivery_id = accept_event(settings, source)[1].delivery_ids[0]
-    before = set(pipeline._MISSING_LEAVES)
+    before = set(deliveries._MISSING_LEAVES)
     assert deliver_one(runtime, delivery_id, publish_retry=_no_publish) == "succeeded"
-    assert before == pipeline._MISSING_LEAVES  # no fallback was needed
+    assert before == deliveries._MISSING_LEAVES  # no fallback was needed
     assert delivery(engine, delivery_id).status == "succeeded"
 
 

@@ -22,7 +22,6 @@ from tasks.context import idempotency_key
 from tasks.errors import HandlerRegistrationError, PermanentError, UnknownHandlerError
 from tasks.handlers import load_registry, register
 from tasks.handlers.forward import parse_retry_after
-from tasks.pipeline import describe_error
 from tasks.policy import (
     DEAD_MAX_AGE,
     DEAD_MAX_ATTEMPTS,
@@ -39,6 +38,7 @@ from tasks.pools import (
     time_limits,
 )
 from tasks.runtime import engine_pool_size
+from tasks.steps.record import describe_error
 from tests.conftest import free_port, make_settings
 from tests.workers import CLAIMS_URL
 

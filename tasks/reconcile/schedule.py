@@ -16,15 +16,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
-from celery import shared_task
+from celery import Celery, Task
 from sqlalchemy import text
 
 from core.logs import get_logger
 from core.messages import RECONCILE_TASK, RECONCILE_TICK
 from models.db import DatabaseUnavailable
-from tasks import periodic_failed, periodic_runtime
-from tasks.durable import CONNECTION_ERRORS, discard_pooled
+from tasks.connections import CONNECTION_ERRORS, discard_pooled, periodic_failed, periodic_runtime
 from tasks.reconcile.run import ReconcileError, reconcile
 from tasks.runtime import Runtime
 
@@ -94,9 +94,18 @@ def run_due(
     return done
 
 
-@shared_task(name=RECONCILE_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
-def reconcile_due() -> int:
-    rt = periodic_runtime("reconcile.failed")
+def register(app: Celery, runtime: Callable[[], Runtime]) -> Task[Any, Any]:
+    """The ``webhooks.reconcile`` task on ``app``, with this process's runtime."""
+
+    @app.task(name=RECONCILE_TASK, ignore_result=True, throws=(DatabaseUnavailable,))
+    def reconcile_due() -> int:
+        return reconcile_task(runtime)
+
+    return reconcile_due
+
+
+def reconcile_task(runtime: Callable[[], Runtime]) -> int:
+    rt = periodic_runtime(runtime, "reconcile.failed")
     try:
         return len(run_due(rt))
     except CONNECTION_ERRORS as exc:

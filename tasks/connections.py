@@ -1,5 +1,8 @@
-"""Recording an outcome that has already happened: retried through database faults, never
-dropped.
+"""The worker's database connections: which errors mean the database went away
+(:data:`CONNECTION_ERRORS`), statements in autocommit on a pooled connection
+(:func:`on_connection`), recording an outcome that has already happened, retried through
+lost connections and never dropped (:func:`record`), and what a periodic task does when the
+database is unreachable (:func:`periodic_runtime`, :func:`periodic_failed`).
 
 Once a handler has returned, its effect exists (a downstream called, a message sent). If the
 statement that records it then fails because the database connection died (Postgres
@@ -17,7 +20,7 @@ attempt matches none either.
 After a connection error every connection pooled before it is replaced at its next checkout
 (:func:`discard_pooled`): a Postgres restart kills them all, and the next statements must not
 each discover that on their own. This is the one mechanism for every statement of the
-worker: the claim's stale-connection guard (:mod:`tasks.pipeline`) uses it too.
+worker: the claim's stale-connection guard (:mod:`tasks.steps.claim`) uses it too.
 
 Each failed try is one structured warning line with the error's class; no traceback (a lost
 connection is an expected condition, not a bug).
@@ -38,6 +41,8 @@ from sqlalchemy import Engine
 from core.errors import WebhooksError
 from core.logs import get_logger
 from core.metrics import RECORD_RETRIES
+from models.db import DatabaseUnavailable
+from tasks.runtime import Runtime
 
 log = get_logger(__name__)
 
@@ -138,3 +143,23 @@ def record(
             log.warning("delivery.record_retry", **fields)
             sleep(min(wait, left))
             wait = min(wait * 2, LONGEST_WAIT)
+
+
+def periodic_runtime(runtime: Callable[[], Runtime], failed: str) -> Runtime:
+    """This process's runtime for a periodic task (sweep, maintenance, reconcile); when
+    Postgres cannot be reached to build it (a worker that started during an outage has no
+    runtime until its first statement succeeds), :func:`periodic_failed` raised."""
+    try:
+        return runtime()
+    except CONNECTION_ERRORS as exc:
+        raise periodic_failed(failed, exc) from None
+
+
+def periodic_failed(failed: str, exc: BaseException) -> DatabaseUnavailable:
+    """What a periodic task raises when its database is unreachable: one warning line,
+    ``failed`` with the error's class, never a traceback; then the run ends as FAILURE in
+    Flower with ``DatabaseUnavailable`` (declared in the task's ``throws``: Celery logs it as
+    expected, without a traceback), not as a SUCCESS that did nothing. The next run retries."""
+    name = type(exc).__name__
+    get_logger("tasks").warning(failed, error_class=name)
+    return DatabaseUnavailable(f"database unavailable ({name}); the next run retries")

@@ -1,0 +1,85 @@
+"""What the task did with one delivery (its :class:`Outcome` and :class:`Report`), and how it
+publishes a delivery's next copy (:data:`PublishRetry`)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from core.logs import get_logger
+from core.messages import Dispatch
+from core.metrics import DELIVERIES
+from models.transitions import Claim, ClaimedEvent
+
+log = get_logger(__name__)
+
+# Publishes the delivery again after ``countdown`` seconds.
+PublishRetry = Callable[[Dispatch, float], None]
+
+
+class Outcome(enum.StrEnum):
+    """A delivery's outcome in one message: the value is what logs, the ``outcome`` label of
+    ``webhooks_deliveries_total`` and the task's Celery state (Flower) show."""
+
+    SUCCEEDED = "succeeded"
+    RETRY = "retry"
+    DEAD = "dead"
+    DUPLICATE = "duplicate"  # the fast tier: another copy holds or completed it
+    SKIPPED = "skipped"  # the durable tier: done, dead, not due or owned by a live lease
+    HELD = "held"  # its route is paused or its breaker open: no attempt
+    MISSING = "missing"  # no such delivery
+    LOST = "lost"  # our lease ran out and another attempt took over
+    ISOLATED = "isolated"  # its worker died holding it: published again alone
+    UNCLAIMED = "unclaimed"  # its partition's claim failed on a lost connection
+    UNRECORDED = "unrecorded"  # the database stayed away past WEBHOOKS_RECORD_RETRY_SECONDS
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the task did with one delivery, for the task's Celery state (what Flower
+    shows) and the tests: the outcome, and for a claimed delivery its attempt, event, source
+    and the reason of a retry or death (payload-free, as stored)."""
+
+    outcome: Outcome
+    delivery_id: int
+    attempt: int | None = None
+    event_id: str | None = None
+    source: str | None = None
+    detail: str | None = None
+    countdown: float | None = None  # retry: the next copy's countdown; None: the sweeper's
+    # The route of a finished attempt (succeeded, retry, dead): its admission slot is freed
+    # as soon as the task ends (:func:`tasks.deliver.release_slots`), not at the dispatcher's
+    # next reconcile.
+    route_id: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        outcome: Outcome,
+        found: Claim,
+        row: ClaimedEvent,
+        detail: str | None = None,
+        *,
+        countdown: float | None = None,
+        finished: bool = False,
+    ) -> Report:
+        """The report of a claimed delivery; ``finished``: an attempt that ended here
+        (succeeded, retry, dead), whose route's admission slot is to be freed."""
+        return cls(
+            outcome,
+            found.id,
+            found.attempt,
+            row.event_id,
+            row.public_id,
+            detail,
+            countdown,
+            found.route_id if finished else None,
+        )
+
+
+def quiet(delivery_id: int, outcome: Outcome) -> Report:
+    """A delivery this message did not attempt: counted and logged, nothing else."""
+    DELIVERIES.labels(outcome=outcome).inc()
+    log.info("delivery.not_claimed", delivery_id=delivery_id, outcome=outcome)
+    return Report(outcome, delivery_id)

@@ -1,0 +1,204 @@
+"""Step 3 of a message: run each claimed delivery's ``handler(event, ctx)``, concurrently.
+
+Each handler runs in its own thread (a greenlet under gevent; the calling thread for a
+message of one bare id) with its own session, its own soft and hard time limits
+(:func:`tasks.pools.run_limited`) and its own idempotency key. A handler that wrote through
+``ctx.session`` commits its writes and its success together in its own transaction; the
+others' successes are recorded together by :func:`tasks.steps.record.finish`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
+
+from celery.exceptions import SoftTimeLimitExceeded
+from sqlalchemy.orm import Session
+
+from core.logs import get_logger
+from core.settings import MAX_DELIVERY_BATCH
+from models import transitions
+from models.transitions import IllegalTransition
+from tasks.context import HandlerContext, idempotency_key
+from tasks.errors import RetryableError
+from tasks.policy import RetryPolicy
+from tasks.pools import is_green, is_hard_timeout, run_limited
+from tasks.runtime import Runtime
+from tasks.steps.claim import Claimed, held_of
+from tasks.steps.inputs import Loaded, load
+from tasks.steps.outcome import PublishRetry, Report
+from tasks.steps.record import Done, fail, lost, succeeded
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+
+def handler_job(
+    rt: Runtime, claimed: Claimed, publish_retry: PublishRetry
+) -> Callable[[], Report | Done]:
+    """The job that runs one claimed delivery's handler: its report, or :class:`Done` when
+    the success is still to be recorded."""
+
+    def job() -> Report | Done:
+        # The handler's session takes a connection only if the handler uses it.
+        with rt.sessions() as session:
+            return attempt(rt, session, claimed, publish_retry)
+
+    return job
+
+
+def attempt(
+    rt: Runtime, session: Session, claimed: Claimed, publish_retry: PublishRetry
+) -> Report | Done:
+    """Run the handler of a claimed delivery: its report, or :class:`Done` when the success
+    is still to be recorded."""
+    found, fast = claimed.found, claimed.fast
+    loaded: Loaded | None = None
+    try:
+        loaded = load(rt, found, claimed.row)
+        handler = rt.registry.get(loaded.route.handler)
+        ctx = HandlerContext(
+            idempotency_key=idempotency_key(
+                found.source_id, loaded.event.event_id, found.route_id, found.generation
+            ),
+            delivery_id=found.id,
+            attempt=found.attempt,
+            generation=found.generation,
+            meta=loaded.event.meta,
+            route=loaded.route,
+            session=session,
+            clock=rt.clock,
+            io_timeout=rt.settings.handler_io_timeout,
+        )
+        run_limited(
+            handler,
+            loaded.event,
+            ctx,
+            soft=rt.settings.soft_time_limit,
+            hard=rt.settings.hard_time_limit,
+            held=held_of(found),
+        )
+        session.flush()
+        done_at = claimed.now(rt.clock)
+        if not session.in_transaction():
+            return Done(claimed, loaded, done_at)
+        # The handler used ctx.session: its writes and the success commit together.
+        transitions.succeed(session, found, now=done_at)
+        session.commit()
+    except IllegalTransition:
+        session.rollback()
+        return lost(rt, found, fast, claimed.row)
+    except Exception as exc:  # noqa: BLE001 (any handler error is a failed attempt)
+        _discard(session, exc)
+        policy = loaded.policy if loaded else RetryPolicy.for_route(rt.settings)
+        return fail(
+            rt,
+            session,
+            claimed,
+            exc=exc,
+            policy=policy,
+            publish_retry=publish_retry,
+            now=claimed.now(rt.clock),
+        )
+    except BaseException as exc:
+        if not is_hard_timeout(exc):
+            raise
+        # The hard limit fired in this thread or greenlet (tasks.pools), e.g. in a handler
+        # that caught the soft limit and went on waiting. The attempt fails now, retried
+        # like any other failure, instead of holding its lease for the processing TTL.
+        _discard(session, exc)
+        log.warning("delivery.hard_time_limit", delivery_id=found.id, attempt=found.attempt)
+        return fail(
+            rt,
+            session,
+            claimed,
+            exc=RetryableError(
+                f"hard time limit ({rt.settings.hard_time_limit}s) exceeded",
+                reason="hard_time_limit",
+            ),
+            policy=loaded.policy if loaded else RetryPolicy.for_route(rt.settings),
+            publish_retry=publish_retry,
+            now=claimed.now(rt.clock),
+        )
+    # Committed with the handler's writes: promote its fast claim now, as finish does for
+    # the others.
+    if loaded.dedup_ttl is not None:
+        rt.claims.confirm(fast, loaded.dedup_ttl)
+    return succeeded(rt, Done(claimed, loaded, done_at))
+
+
+def _discard(session: Session, exc: BaseException) -> None:
+    """End the handler's transaction after it failed. A time limit lands between two
+    bytecodes, possibly inside psycopg or the pool while the handler used ``ctx.session``: that
+    connection's protocol state is unknown, so it is invalidated (closed, never pooled again)
+    instead of rolled back through; the session then takes a fresh one for the failure's
+    record. Any other failure rolls back as usual."""
+    if isinstance(exc, SoftTimeLimitExceeded) or is_hard_timeout(exc):
+        session.invalidate()
+    else:
+        session.rollback()
+
+
+# Runs a message's handlers; sized so that no handler ever waits for a thread (every slot's
+# message fully concurrent, whatever batch size its publisher chose), threads made only as
+# needed and then reused.
+_EXECUTOR: tuple[int, ThreadPoolExecutor] | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor(rt: Runtime) -> ThreadPoolExecutor:
+    global _EXECUTOR  # noqa: PLW0603
+    pid = os.getpid()
+    if _EXECUTOR is None or _EXECUTOR[0] != pid:  # none yet, or the parent's (after a fork)
+        with _EXECUTOR_LOCK:
+            if _EXECUTOR is None or _EXECUTOR[0] != pid:
+                slots = 1 if rt.settings.worker_pool == "prefork" else rt.settings.worker_slots
+                size = slots * MAX_DELIVERY_BATCH
+                _EXECUTOR = (pid, ThreadPoolExecutor(size, thread_name_prefix="handler"))
+    return _EXECUTOR[1]
+
+
+def in_waves(
+    rt: Runtime, jobs: list[Callable[[], T]], window: float, *, inline: bool = False
+) -> Iterator[list[tuple[int, T | BaseException]]]:
+    """Run ``jobs`` at once; yield what finished, as (index, result or what it raised), when
+    all are done or every ``window`` seconds meanwhile (each job once). Threads under threads
+    and prefork, greenlets under gevent. A lone job runs in the calling thread (or greenlet)
+    when ``inline`` (the message's own Celery limits are its handler's: a bare id), or in a
+    thread-pool thread that is not a prefork child's main thread (there, without ``inline``,
+    the per-handler limits need a thread of their own, see :mod:`tasks.pools`)."""
+
+    def guarded(job: Callable[[], T]) -> T | BaseException:
+        try:
+            return job()
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+            return exc
+
+    if not jobs:
+        return
+    green = is_green()
+    if len(jobs) == 1 and (
+        inline or (not green and threading.current_thread() is not threading.main_thread())
+    ):
+        yield [(0, guarded(jobs[0]))]
+        return
+    if green:
+        import gevent  # noqa: PLC0415 (only under the gevent pool)
+
+        greenlets = {gevent.spawn(guarded, job): i for i, job in enumerate(jobs)}
+        while greenlets:
+            gevent.joinall(list(greenlets), timeout=window)
+            ready = [g for g in greenlets if g.ready()]
+            if ready:
+                yield [(greenlets.pop(g), g.value) for g in ready]
+        return
+    pool = _executor(rt)
+    futures = {pool.submit(guarded, job): i for i, job in enumerate(jobs)}
+    while futures:
+        finished, _ = wait(futures, timeout=window)
+        if finished:
+            yield [(futures.pop(f), f.result()) for f in finished]
