@@ -46,7 +46,6 @@ from typing import Final
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
-from core import metrics
 from core.errors import WebhooksError
 from core.providers import registry
 
@@ -59,6 +58,8 @@ MIN_KEY_LENGTH = 32
 
 class SecretDecryptError(WebhooksError):
     """A stored secret could not be decrypted: WEBHOOKS_SECRET_KEY changed or data is corrupt."""
+
+    reason = "undecryptable"
 
 
 # What a stored secret is for: the purpose half of its binding (and a metric label).
@@ -207,13 +208,17 @@ class SecretBox:
         another place, :class:`SecretUnbound` when it was written before binding, and
         SecretDecryptError when no listed key decrypts it."""
         found, value = self._read(ciphertext)
-        if found is None:
-            metrics.SECRETS_REFUSED.labels(place.purpose, SecretUnbound.reason).inc()
-            raise SecretUnbound(place)
-        if found != place:
-            metrics.SECRETS_REFUSED.labels(place.purpose, SecretMisplaced.reason).inc()
-            raise SecretMisplaced(place, found)
-        return value
+        if found == place:
+            return value
+        refused: SecretDecryptError = (
+            SecretUnbound(place) if found is None else SecretMisplaced(place, found)
+        )
+        # Imported on refusal only: settings import this module, and a worker chooses
+        # prometheus' multi-process mode after its settings load, before core.metrics loads.
+        from core import metrics  # noqa: PLC0415 (see above)
+
+        metrics.SECRETS_REFUSED.labels(place.purpose, refused.reason).inc()
+        raise refused
 
     def readable(self, ciphertext: bytes) -> bool:
         """Whether a listed key decrypts it, wherever it belongs (the start-up key check)."""

@@ -216,7 +216,7 @@ class Settings(BaseSettings):
     @field_validator("secret_key")
     @classmethod
     def _check_secret_keys(cls, value: SecretStr) -> SecretStr:
-        from core.crypto import split_keys  # noqa: PLC0415
+        from core.crypto import split_keys  # noqa: PLC0415 (cryptography and the providers: loaded when a key is checked)
 
         split_keys(value.get_secret_value())  # raises naming the short key's position
         return value

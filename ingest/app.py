@@ -444,8 +444,8 @@ class Receiver:
 
     def _ensure_partitions(self) -> None:
         # Lazy: SQLAlchemy loads only for this rare call; the receiver's own path is psycopg.
-        from models.db import make_engine  # noqa: PLC0415
-        from models.retention_layout import ensure_partitions  # noqa: PLC0415
+        from models.db import make_engine  # noqa: PLC0415 (SQLAlchemy, see above)
+        from models.retention_layout import ensure_partitions  # noqa: PLC0415 (likewise)
 
         if self._sync_engine is None:
             self._sync_engine = make_engine(self.settings, pool_size=1)
@@ -476,8 +476,8 @@ class Receiver:
 
 def _report_raised_ttls(settings: Settings) -> None:
     # Lazy: SQLAlchemy loads only for this start-up report; the receiver's path is psycopg.
-    from models.catalog import report_raised_ttls  # noqa: PLC0415
-    from models.db import make_engine  # noqa: PLC0415
+    from models.catalog import report_raised_ttls  # noqa: PLC0415 (SQLAlchemy, see above)
+    from models.db import make_engine  # noqa: PLC0415 (SQLAlchemy, see above)
 
     engine = make_engine(settings, pool_size=1)
     try:

@@ -3,6 +3,9 @@ the audit trail of configuration changes. Routes: :mod:`models.route_catalog`.""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import getpass
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -403,8 +406,6 @@ def _is_whsec(provider: str, secret: str) -> bool:
 
 
 def login_name() -> str:
-    import getpass  # noqa: PLC0415
-
     try:
         return getpass.getuser()
     except (KeyError, OSError):  # a container user without a passwd entry or $USER
@@ -413,9 +414,6 @@ def login_name() -> str:
 
 def check_whsec(secret: str) -> bytes:
     """The key a ``whsec_`` + base64 secret decodes to; CatalogError if it is not base64."""
-    import base64  # noqa: PLC0415
-    import binascii  # noqa: PLC0415
-
     try:
         return base64.b64decode(secret.removeprefix("whsec_"), validate=True)
     except (binascii.Error, ValueError):

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import psycopg
 from psycopg import sql
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.errors import WebhooksError
@@ -33,8 +35,6 @@ UPGRADE_HINT = "run `webhooks db upgrade`"
 
 def where(database_url: str) -> str:
     """``host:port/database`` of a URL, without its user or password."""
-    from sqlalchemy.engine import make_url  # noqa: PLC0415
-
     try:
         url = make_url(database_url)
     except ValueError:
@@ -46,8 +46,6 @@ def describe_db_error(exc: BaseException, database_url: str) -> str | None:
     """One line for an error of Postgres a user can act on: where (host:port/database, never
     the password) and the cause: refused, unknown database, authentication, not migrated, or
     unreachable with the driver's reason. None when ``exc`` is no such error."""
-    from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
-
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
     if not isinstance(orig, psycopg.Error):
         return None
@@ -138,7 +136,7 @@ def ensure_database(settings: Settings) -> bool:
 
 
 def alembic_config(settings: Settings) -> Config:
-    from alembic.config import Config  # noqa: PLC0415
+    from alembic.config import Config  # noqa: PLC0415 (alembic, see above)
 
     cfg = Config()
     cfg.set_main_option("script_location", "models:migrations")
@@ -151,8 +149,8 @@ def migrations_behind(settings: Settings, engine: Engine) -> tuple[str | None, s
     """(the database's revision, the code's head) when the database lacks a migration this
     code has (none at all: None first), else None: at head, or ahead of this code (a newer
     release migrated it; the older code reads only what it knew, so it runs)."""
-    from alembic.runtime.migration import MigrationContext  # noqa: PLC0415
-    from alembic.script import ScriptDirectory  # noqa: PLC0415
+    from alembic.runtime.migration import MigrationContext  # noqa: PLC0415 (alembic: only the revision check)
+    from alembic.script import ScriptDirectory  # noqa: PLC0415 (likewise)
 
     scripts = ScriptDirectory.from_config(alembic_config(settings))
     head = scripts.get_current_head()
@@ -170,14 +168,14 @@ def migrations_behind(settings: Settings, engine: Engine) -> tuple[str | None, s
 def upgrade(settings: Settings, revision: str = "head") -> None:
     """Create the database when missing, migrate it, lay out the receipt partitions, and (at
     head) bind every stored secret to its place under the newest key (``models.keys.rekey``)."""
-    from alembic import command  # noqa: PLC0415
+    from alembic import command  # noqa: PLC0415 (alembic: only an upgrade)
 
     # Secrets are sealed for their place from 0019 on: an upgrade binds the stored ones.
     from core.crypto import SecretBox  # noqa: PLC0415 (scrypt and Fernet: only an upgrade)
     from models.keys import rekey  # noqa: PLC0415 (likewise)
 
     # The ORM schema (through models.partitions): only an upgrade needs it.
-    from models.retention_layout import ensure_partitions  # noqa: PLC0415
+    from models.retention_layout import ensure_partitions  # noqa: PLC0415 (the ORM schema: only an upgrade)
 
     ensure_database(settings)
     command.upgrade(alembic_config(settings), revision)

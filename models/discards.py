@@ -168,6 +168,6 @@ def record_discarded(result: DiscardResult, via: Via) -> None:
     )
     if result.discarded:
         # Imported here, as in models.retention: the metrics module is imported late.
-        from core.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415
+        from core.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415 (see above)
 
         DEAD_LETTERS_DISCARDED.labels(via="operator").inc(result.discarded)

@@ -99,7 +99,7 @@ def count_discarded(n: int, via: str) -> None:
     if n:
         # Imported here: a worker must choose prometheus' multi-process mode before the
         # metrics module is first imported, and this module is imported early.
-        from core.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415
+        from core.metrics import DEAD_LETTERS_DISCARDED  # noqa: PLC0415 (see above)
 
         DEAD_LETTERS_DISCARDED.labels(via=via).inc(n)
 

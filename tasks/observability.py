@@ -105,7 +105,7 @@ def prepare(settings: Settings, *, pid: int | None = None) -> Path:
         # The celery command imports flower's CLI plugin, which imports prometheus_client
         # before our app loads. No metric exists yet, so choosing the value class again
         # (now that the directory is exported) puts every metric in multi-process mode.
-        from prometheus_client import values  # noqa: PLC0415
+        from prometheus_client import values  # noqa: PLC0415 (see above)
 
         values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     _Worker.settings = settings
@@ -118,11 +118,11 @@ def _serve_metrics(**_: Any) -> None:
     settings, directory = _Worker.settings, _Worker.directory
     if settings is None or directory is None or settings.worker_metrics_port is None:
         return
-    from prometheus_client import start_http_server  # noqa: PLC0415
-    from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
+    from prometheus_client import start_http_server  # noqa: PLC0415 (the metrics server: only a worker that serves one)
+    from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415 (likewise)
 
     # Imported now, not at the top: prepare() must run before core.metrics is imported.
-    from core.metrics import exposed  # noqa: PLC0415
+    from core.metrics import exposed  # noqa: PLC0415 (see above)
 
     summed = MultiProcessCollector(None, path=str(directory))  # type: ignore[no-untyped-call]
     # The workers' own families only: the receiver's are defined in every process, at zero.
@@ -140,7 +140,7 @@ def _child_exit(**_: Any) -> None:
     """worker_process_shutdown (in the exiting child): drop its live-gauge files."""
     if _Worker.directory is None:
         return
-    from prometheus_client import multiprocess  # noqa: PLC0415
+    from prometheus_client import multiprocess  # noqa: PLC0415 (only an exiting pool child)
 
     multiprocess.mark_process_dead(os.getpid(), str(_Worker.directory))  # type: ignore[no-untyped-call]
 

@@ -175,7 +175,7 @@ def soft_limit(seconds: float) -> Iterator[None]:
     if not is_green():
         yield
         return
-    from gevent import Timeout  # noqa: PLC0415
+    from gevent import Timeout  # noqa: PLC0415 (gevent only under the gevent pool)
 
     exc = SoftTimeLimitExceeded(f"soft time limit ({seconds}s) exceeded")
     with Timeout(seconds, exc):
@@ -194,7 +194,7 @@ def is_hard_timeout(exc: BaseException) -> bool:
         return True
     if not is_green():
         return False
-    from gevent import Timeout  # noqa: PLC0415
+    from gevent import Timeout  # noqa: PLC0415 (gevent only under the gevent pool)
 
     return isinstance(exc, Timeout)
 
@@ -279,8 +279,8 @@ def time_limits(soft: float, hard: float, held: Held | None = None) -> Iterator[
     it kills the process. Prefork: nothing (Celery does it all: its hard limit kills a child
     that runs one lone delivery, the one to blame)."""
     if is_green():
-        import gevent  # noqa: PLC0415
-        from gevent import Timeout  # noqa: PLC0415
+        import gevent  # noqa: PLC0415 (gevent only under the gevent pool)
+        from gevent import Timeout  # noqa: PLC0415 (gevent only under the gevent pool)
 
         me = gevent.getcurrent()
         if held is not None:
@@ -386,8 +386,8 @@ def start_watchdog(hard_limit: float) -> bool:
     Returns whether it started (False outside gevent)."""
     if not is_green():
         return False
-    import gevent  # noqa: PLC0415
-    from gevent import monkey  # noqa: PLC0415
+    import gevent  # noqa: PLC0415 (gevent only under the gevent pool)
+    from gevent import monkey  # noqa: PLC0415 (likewise)
 
     start_thread: Any = monkey.get_original("_thread", "start_new_thread")
     real_sleep: Any = monkey.get_original("time", "sleep")

@@ -23,7 +23,7 @@ DOCS_ASSETS = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png")
 def _docs_assets() -> FilePath | None:
     try:
         # Lazy: an optional package; without it only the schema is served.
-        import swagger_ui_bundle  # type: ignore[import-untyped]  # noqa: PLC0415
+        import swagger_ui_bundle  # type: ignore[import-untyped]  # noqa: PLC0415 (optional package, see above)
     except ImportError:
         return None
     return FilePath(swagger_ui_bundle.swagger_ui_path)

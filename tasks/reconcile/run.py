@@ -32,6 +32,7 @@ from core.providers import reconcile_options as options
 from core.settings import Settings
 from core.ttl import expires_at
 from models import catalog
+from models.accept import ACCEPT_SQL, NewReceipt, accept_params, decide
 from models.schema import SourceSecret
 from tasks.reconcile.paging import (
     MAX_WAIT,
@@ -111,15 +112,15 @@ class Report:
 def fetcher(target: Target, base: str, since: datetime) -> Callable[[str | None], Page]:
     assert target.api_key is not None
     if target.provider == "stripe":
-        from tasks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415
+        from tasks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415 (the stripe client: only a Stripe run)
 
         return events_fetcher(target.api_key, base, since, _stripe_endpoint(target))
     if target.provider == "github":
-        from tasks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415
+        from tasks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415 (only a GitHub run)
 
         return deliveries_fetcher(target.api_key, base, _hook(target), since)
     if target.provider == "svix":
-        from tasks.reconcile.svix_api import messages_fetcher  # noqa: PLC0415
+        from tasks.reconcile.svix_api import messages_fetcher  # noqa: PLC0415 (the svix client: only a Svix run)
 
         return messages_fetcher(target.api_key, base, _svix(target)[0], since)
     raise ReconcileError(f"reconciliation does not support provider {target.provider!r}")
@@ -358,7 +359,7 @@ def _redeliver(target: Target, base: str, report: Report, sleep: Callable[[float
     """GitHub: one redelivery request per missing delivery (its latest attempt), each 429
     waited out like a page; the first other error stops the requests (the rest wait for the
     next run)."""
-    from tasks.reconcile.github_api import redeliver  # noqa: PLC0415
+    from tasks.reconcile.github_api import redeliver  # noqa: PLC0415 (only a GitHub run)
 
     assert target.api_key is not None
     hook = _hook(target)
@@ -386,7 +387,7 @@ def _redeliver(target: Target, base: str, report: Report, sleep: Callable[[float
 
 def _svix_recover(target: Target, base: str, report: Report) -> None:
     """Svix: one ``recover`` for the window; Svix resends each failed message of it."""
-    from tasks.reconcile.svix_api import recover  # noqa: PLC0415
+    from tasks.reconcile.svix_api import recover  # noqa: PLC0415 (the svix client: only a Svix run)
 
     assert target.api_key is not None
     app, endpoint = _svix(target)
@@ -412,8 +413,6 @@ def accept_recovered(
     """Accept one recovered event object through the receiver's accept function, in one
     transaction that marks its receipt ``reconcile``. Returns (accepted | duplicate | revoked,
     delivery ids)."""
-    from models.accept import ACCEPT_SQL, NewReceipt, accept_params, decide  # noqa: PLC0415
-
     assert event.body is not None
     assert target.secret_id is not None
     with conn.transaction():

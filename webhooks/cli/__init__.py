@@ -95,7 +95,7 @@ def _plain_help() -> None:
 
     def reflowing(format_help: Any) -> Any:
         def wrapper(self: Any, ctx: Any, formatter: Any) -> Any:
-            import typer.rich_utils  # noqa: PLC0415
+            import typer.rich_utils
 
             if hasattr(typer.rich_utils, "_fix_linebreaks"):
                 typer.rich_utils._fix_linebreaks = reflow

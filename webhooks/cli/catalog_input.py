@@ -49,12 +49,12 @@ def duration_or_none(value: str | None) -> timedelta | None:
 
 
 def secret_box(e: Env) -> SecretBox:
-    from core.crypto import SecretBox  # noqa: PLC0415
+    from core.crypto import SecretBox
 
     return SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
 
 
 def change_by(operator: str | None, reason: str | None) -> catalog.Change:
-    from models import catalog  # noqa: PLC0415
+    from models import catalog
 
     return catalog.Change(operator=operator or login(), reason=reason or "", via="cli")

@@ -108,7 +108,7 @@ def export_env_file(path: Path, environ: Mapping[str, str] | None = None) -> dic
     """The file's ``WEBHOOKS_*`` values that the environment does not set (the environment wins,
     as in pydantic-settings); the caller puts them in ``os.environ`` so that processes started
     from here (``webhooks serve``'s app factory, ``webhooks run``'s children) read the same."""
-    from dotenv import dotenv_values  # noqa: PLC0415  (pydantic-settings' own parser)
+    from dotenv import dotenv_values  # pydantic-settings' own parser
 
     present = {key.upper() for key in (os.environ if environ is None else environ)}
     return {
@@ -128,13 +128,13 @@ class Env:
 
     @cached_property
     def engine(self) -> Engine:
-        from models.db import make_engine  # noqa: PLC0415
+        from models.db import make_engine
 
         return make_engine(self.settings, pool_size=2)
 
     @cached_property
     def sessions(self) -> sessionmaker[Session]:
-        from models.db import make_sessionmaker  # noqa: PLC0415
+        from models.db import make_sessionmaker
 
         return make_sessionmaker(self.engine)
 
@@ -151,8 +151,8 @@ class Env:
         """Before the first session: WEBHOOKS_SECRET_KEY must decrypt the stored secrets
         (:class:`core.crypto.KeyMismatch`, one line, otherwise). ``secrets rekey``, the
         way out of a mismatch, uses :attr:`sessions` and is not checked."""
-        from core.crypto import SecretBox  # noqa: PLC0415
-        from models.catalog import check_stored_keys  # noqa: PLC0415
+        from core.crypto import SecretBox
+        from models.catalog import check_stored_keys
 
         box = SecretBox(
             self.settings.secret_key.get_secret_value(), legacy=self.settings.secret_key_legacy
@@ -164,8 +164,8 @@ class Env:
 
 def env() -> Env:
     """Settings from the environment and the env file :func:`find_env_file` picks."""
-    from core.logs import configure_logging  # noqa: PLC0415
-    from core.settings import SettingsError, load_settings  # noqa: PLC0415
+    from core.logs import configure_logging
+    from core.settings import SettingsError, load_settings
 
     source = find_env_file(OPTIONS.env_file, os.environ, Path.cwd(), project_root())
     exported: dict[str, str] = {}
@@ -243,7 +243,7 @@ def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ..
 def database_error(exc: BaseException) -> str | None:
     """One line for a Postgres error a user can fix (refused, unknown database, authentication,
     not migrated), naming host:port/database; None for any other error."""
-    from models.db import describe_db_error  # noqa: PLC0415
+    from models.db import describe_db_error
 
     url = OPTIONS.database_url or os.environ.get("WEBHOOKS_DATABASE_URL", "")
     return describe_db_error(exc, url)

@@ -17,7 +17,7 @@ db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 @handle_errors
 def upgrade(revision: str = typer.Argument("head", help="Alembic revision")) -> None:
     """Create the database if it is missing and migrate it to the latest schema."""
-    from models.db import ensure_database  # noqa: PLC0415
+    from models.db import ensure_database
     from models.db import upgrade as run_upgrade
 
     settings = env().settings
@@ -43,7 +43,7 @@ def create_role(
     make it the owner of the database, its schema and its objects. Run as the superuser, once
     per deployment, before ``db upgrade`` runs as that role; running it again is harmless (it
     re-asserts the attributes and sets the password again)."""
-    from models.roles import check_password, check_role_name, ensure_app_role  # noqa: PLC0415
+    from models.roles import check_password, check_role_name, ensure_app_role
 
     check_role_name(name)
     e = env()  # reads the env file too, which may hold the password variable

@@ -60,11 +60,11 @@ def _receiver_url(e: Env) -> str:
 
 def _demo_source(e: Env) -> tuple[str, str]:
     """The demo source (created on first use) and its newest secret."""
-    from sqlalchemy import select  # noqa: PLC0415
+    from sqlalchemy import select
 
-    from core.crypto import SecretBox, source_secret_place  # noqa: PLC0415
-    from models import catalog, route_catalog  # noqa: PLC0415
-    from models.schema import Source  # noqa: PLC0415
+    from core.crypto import SecretBox, source_secret_place
+    from models import catalog, route_catalog
+    from models.schema import Source
 
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     with e.session() as session:
@@ -97,7 +97,7 @@ def _demo_source(e: Env) -> tuple[str, str]:
 def _send(
     client: httpx.Client, url: str, secret: str, event_id: str, body: bytes, now: datetime
 ) -> str:
-    import standardwebhooks  # noqa: PLC0415
+    import standardwebhooks
 
     signature = standardwebhooks.Webhook(secret).sign(event_id, now, body.decode())
     response = client.post(
@@ -155,9 +155,9 @@ def _watch(
     done: Callable[[list[queries.DeliveryState]], bool],
     timeout: float,
 ) -> list[queries.DeliveryState]:
-    from rich.live import Live  # noqa: PLC0415
+    from rich.live import Live
 
-    from models import queries  # noqa: PLC0415
+    from models import queries
 
     deadline = time.monotonic() + timeout
     with Live(console=console, refresh_per_second=8) as live:
@@ -179,7 +179,7 @@ def _watch(
 def _workers_answering(e: Env) -> list[str]:
     """The workers that answer a Celery ping within a second (none when the broker is
     unreachable: that is no worker either, as far as the demo can tell)."""
-    from tasks.config import create_app  # noqa: PLC0415
+    from tasks.config import create_app
 
     app = create_app(e.settings)
     try:
@@ -194,10 +194,10 @@ def _workers_answering(e: Env) -> list[str]:
 def _held_keys(e: Env, pending: list[queries.DeliveryState]) -> list[int]:
     """The pending deliveries whose fast-claim key exists in Redis: a worker refuses each
     copy of them as a duplicate until Postgres' claim takes over (tasks.claims)."""
-    import redis  # noqa: PLC0415
+    import redis
 
-    from models.installation import InstallationUnknown, installation_id  # noqa: PLC0415
-    from tasks.claims import claim_key, make_client  # noqa: PLC0415
+    from models.installation import InstallationUnknown, installation_id
+    from tasks.claims import claim_key, make_client
 
     try:
         installation = installation_id(e.engine)
@@ -255,10 +255,10 @@ def demo(
     fails until replayed), shows them move through the states, replays the dead one and
     prints a summary.
     """
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from core.logs import configure_logging  # noqa: PLC0415
-    from models import replays  # noqa: PLC0415
+    from core.logs import configure_logging
+    from models import replays
 
     e = env()
     configure_logging("WARNING", json=e.settings.log_json)
@@ -357,9 +357,9 @@ def demo(
 def _flower_row(e: Env, delivery_id: int) -> str:
     """The URL of the Flower page of the delivery's FAILURE task (its dead attempt), asked of
     Flower's API with the configured login; else where to search for it."""
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from core.messages import DELIVER_TASK  # noqa: PLC0415
+    from core.messages import DELIVER_TASK
 
     base = f"http://127.0.0.1:{e.settings.flower_port}"
     fallback = f"{base}/tasks (search: ({delivery_id},))"

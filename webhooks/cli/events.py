@@ -64,8 +64,8 @@ def events_list(
     as_json: JsonOpt = False,
 ) -> None:
     """List received events, newest first, with their deliveries' states."""
-    from models import queries  # noqa: PLC0415
-    from models.queries import EventFilter, receipt_ref  # noqa: PLC0415
+    from models import queries
+    from models.queries import EventFilter, receipt_ref
 
     e = env()
     flt = EventFilter(source, event_type, status, parse_when(e, since), parse_when(e, until), limit)
@@ -118,8 +118,8 @@ def events_show(
     as_json: JsonOpt = False,
 ) -> None:
     """One event: the receipt, its deliveries and every attempt with its error."""
-    from models import queries  # noqa: PLC0415
-    from models.queries import receipt_ref  # noqa: PLC0415
+    from models import queries
+    from models.queries import receipt_ref
 
     e = env()
     with e.session() as session:
@@ -165,8 +165,8 @@ def deliveries_show(
 ) -> None:
     """One delivery: its event, route and handler, status, attempts (replays marked), dead
     reason and downstream idempotency key."""
-    from models import queries  # noqa: PLC0415
-    from tasks.context import idempotency_key  # noqa: PLC0415
+    from models import queries
+    from tasks.context import idempotency_key
 
     e = env()
     with e.session() as session:

@@ -51,7 +51,7 @@ audit_app = typer.Typer(
 @handle_errors
 def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
     """Dead deliveries grouped by source, route and reason, with counts."""
-    from models import queries  # noqa: PLC0415
+    from models import queries
 
     e = env()
     with e.session() as session:
@@ -121,9 +121,9 @@ def dead_discard(
     A discarded delivery is never replayed and retention no longer keeps it (dead letters
     are otherwise kept for WEBHOOKS_DEAD_LETTER_RETENTION). Audited in audit_log.
     """
-    from core.clock import pinned  # noqa: PLC0415
-    from core.logs import configure_logging  # noqa: PLC0415
-    from models import discards  # noqa: PLC0415
+    from core.clock import pinned
+    from core.logs import configure_logging
+    from models import discards
 
     e = env()
     given, flt = selection(
@@ -208,7 +208,7 @@ def audit_list(
 ) -> None:
     """Who discarded dead letters, disabled, enabled or removed routes and sources, revoked
     secrets, when and why (replays have their own trail: webhooks replays list)."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog
 
     e = env()
     with e.session() as session:

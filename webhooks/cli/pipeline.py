@@ -52,9 +52,9 @@ def serve(
     workers: Annotated[int | None, typer.Option(help="Receiver processes.")] = None,
 ) -> None:
     """Run the receiver (ASGI, uvicorn), and the admin API and /metrics on WEBHOOKS_ADMIN_PORT."""
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
 
-    from ingest.server import ReceiverProtocol  # noqa: PLC0415
+    from ingest.server import ReceiverProtocol
 
     e = env()
     _check_database_if_reachable(e)
@@ -100,9 +100,9 @@ def _check_database_if_reachable(e: Env) -> None:
     WEBHOOKS_SECRET_KEY cannot decrypt the stored secrets (every signed request would fail).
     A database that cannot be reached now does not stop the receiver (one warning; it answers
     503 until Postgres is back; each request still gets 503, never 500, if the key is wrong)."""
-    from sqlalchemy.exc import DBAPIError  # noqa: PLC0415
+    from sqlalchemy.exc import DBAPIError
 
-    from models.db import UPGRADE_HINT, migrations_behind, where  # noqa: PLC0415
+    from models.db import UPGRADE_HINT, migrations_behind, where
 
     try:
         behind = migrations_behind(e.settings, e.engine)
@@ -114,7 +114,7 @@ def _check_database_if_reachable(e: Env) -> None:
             )
         e.check_keys()
     except DBAPIError as exc:
-        from core.logs import get_logger  # noqa: PLC0415
+        from core.logs import get_logger
 
         get_logger("serve").warning("startup.checks_skipped", error_class=type(exc.orig).__name__)
 
@@ -124,7 +124,7 @@ def _admin_server(
 ) -> AdminServer:
     """The admin plane (admin API and /metrics) on WEBHOOKS_ADMIN_HOST:WEBHOOKS_ADMIN_PORT,
     bound now: a taken port stops ``webhooks serve`` before the receiver starts."""
-    from ingest.admin import AdminServer  # noqa: PLC0415
+    from ingest.admin import AdminServer
 
     host, number = settings.admin_host, settings.admin_port
     if number == public_port:
@@ -272,7 +272,7 @@ class Output:
     the terminal closed (SIGHUP) there is nobody to read them, and stopping must go on."""
 
     def __init__(self, *, relay: bool) -> None:
-        from core.logs import wants_colour  # noqa: PLC0415
+        from core.logs import wants_colour
 
         self.relay = relay
         self.colour = relay and wants_colour(sys.stderr)
@@ -369,7 +369,7 @@ def run(
     if problem is not None:
         raise CliError(problem)
 
-    from models.db import upgrade  # noqa: PLC0415
+    from models.db import upgrade
 
     upgrade(settings)
     e.check_keys()
@@ -422,7 +422,7 @@ def _start(
         "PYTHONUNBUFFERED": "1",  # lines through the pipe as they are written
     }
     if out.relay:
-        from core.logs import wants_json  # noqa: PLC0415
+        from core.logs import wants_json
 
         # The children's stderr is a pipe to us: decide for them as for a terminal.
         child_env["WEBHOOKS_LOG_JSON"] = "true" if wants_json(settings.log_json) else "false"
@@ -504,7 +504,7 @@ def _start(
 def _await_urls(children: list[Child], stop: Stop, urls: tuple[str, ...], timeout: float) -> None:
     """Until every URL answers 200, a child exits, a signal comes or ``timeout`` passes
     (whichever first; :func:`_wait_ready` then reports what did not answer)."""
-    import httpx  # noqa: PLC0415
+    import httpx
 
     deadline = time.monotonic() + timeout
     left = list(urls)
@@ -532,7 +532,7 @@ def _wait_ready(
     timeout: float,
     flower_auth: tuple[str, str] | None,
 ) -> str | None:
-    import httpx  # noqa: PLC0415
+    import httpx
 
     pending = {c.name: list(c.urls) for c in children if c.urls}
     started = time.monotonic()

@@ -23,8 +23,8 @@ providers_app = typer.Typer(help="The webhook providers this installation knows.
 
 def provider_views() -> list[dict[str, Any]]:
     """One view per provider, in registry order (what ``list`` prints)."""
-    from core.providers import registry  # noqa: PLC0415
-    from core.ttl import TtlOverrides, dedup_terms  # noqa: PLC0415
+    from core.providers import registry
+    from core.ttl import TtlOverrides, dedup_terms
 
     settings = env().settings
     builtin = set(registry.builtin_names())
@@ -126,7 +126,7 @@ def providers_show(
     signed, tolerance, retry window and its citation, dedup TTL, key format."""
     views = {v["name"]: v for v in provider_views()}
     if name not in views:
-        from difflib import get_close_matches  # noqa: PLC0415
+        from difflib import get_close_matches
 
         close = get_close_matches(name.lower(), views, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else " (webhooks providers list)"

@@ -43,8 +43,8 @@ def reconcile_command(
     API's event object, with its deliveries; GitHub: a redelivery request, the signed webhook
     then arrives). Exit code 1 when the provider's API failed (what was found before the
     failure is still recovered)."""
-    from core.crypto import SecretBox  # noqa: PLC0415
-    from tasks.reconcile.run import ReconcileError, reconcile  # noqa: PLC0415
+    from core.crypto import SecretBox
+    from tasks.reconcile.run import ReconcileError, reconcile
 
     window = None if since is None else parse_duration(since)
     e = env()
@@ -53,7 +53,7 @@ def reconcile_command(
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     publisher = None
     if not dry_run:
-        from tasks.publisher import CeleryPublisher  # noqa: PLC0415  (only when recovering)
+        from tasks.publisher import CeleryPublisher  # only when recovering
 
         publisher = CeleryPublisher(e.settings)
     try:

@@ -64,7 +64,7 @@ def count(n: int, singular: str, plural: str | None = None) -> str:
 
 
 def parse_when(e: Env, text: str | None) -> datetime | None:
-    from models import queries  # noqa: PLC0415
+    from models import queries
 
     return None if text is None else queries.parse_time(text, now=e.clock.now())
 

@@ -159,7 +159,7 @@ def replay(
     A dead delivery keeps its downstream idempotency key. A succeeded one runs again only
     with --rerun-succeeded, under a new key. Every run is audited: webhooks replays list.
     """
-    from models import replays  # noqa: PLC0415
+    from models import replays
 
     e = env()
     given, flt = selection(
@@ -211,7 +211,7 @@ def replay(
 
 
 def run_replay(e: Env, plan: replays.Plan, *, show_progress: bool) -> replays.ReplayResult:
-    from rich.progress import (  # noqa: PLC0415
+    from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
         Progress,
@@ -219,13 +219,13 @@ def run_replay(e: Env, plan: replays.Plan, *, show_progress: bool) -> replays.Re
         TimeRemainingColumn,
     )
 
-    from core.logs import configure_logging  # noqa: PLC0415
-    from models import replays  # noqa: PLC0415
+    from core.logs import configure_logging
+    from models import replays
 
     # Log lines go to stderr, warnings only: the terminal shows the progress and the summary
     # (and stdout stays pure JSON with --json); the audit row is the record.
     configure_logging("WARNING", json=e.settings.log_json)
-    from tasks.publisher import CeleryPublisher  # noqa: PLC0415  (Celery only when publishing)
+    from tasks.publisher import CeleryPublisher  # Celery only when publishing
 
     publisher = CeleryPublisher(e.settings)
     replay_id = replays.start_replay(e.sessions, plan, now=e.clock.now())
@@ -277,7 +277,7 @@ def replays_list(
     as_json: JsonOpt = False,
 ) -> None:
     """Who replayed what, when (UTC) and why."""
-    from models import replays  # noqa: PLC0415
+    from models import replays
 
     e = env()
     with e.session() as session:
@@ -330,7 +330,7 @@ def selection(
     both), a reason unless it is a dry run, no prompt in JSON mode. Returns the filter as
     given (for the audit row) and the filter itself (None for ids). ``status`` None: dead
     letters only, not an option of the command."""
-    from models.candidates import ReplayFilter  # noqa: PLC0415
+    from models.candidates import ReplayFilter
 
     has_filter = any(v is not None for v in (source, event_type, since, until))
     if ids and (has_filter or (status or DeliveryStatus.DEAD) != DeliveryStatus.DEAD):

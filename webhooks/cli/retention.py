@@ -22,9 +22,9 @@ maintenance_app = typer.Typer(help="Expiry maintenance (what beat runs).", no_ar
 @contextmanager
 def _database(e: Env) -> Iterator[None]:
     """A database that cannot be reached is a one-line error, not a traceback."""
-    from sqlalchemy.exc import OperationalError  # noqa: PLC0415
+    from sqlalchemy.exc import OperationalError
 
-    from models.db import DatabaseUnavailable, describe_db_error  # noqa: PLC0415
+    from models.db import DatabaseUnavailable, describe_db_error
 
     try:
         yield
@@ -42,8 +42,8 @@ def ttl_explain(
     as_json: JsonOpt = False,
 ) -> None:
     """Each term of the source's dedup TTL, where its value came from, and the sum."""
-    from core.ttl import dedup_terms  # noqa: PLC0415
-    from models import catalog  # noqa: PLC0415
+    from core.ttl import dedup_terms
+    from models import catalog
 
     e = env()
     with _database(e), e.session() as session:
@@ -103,9 +103,9 @@ def maintenance_run(as_json: JsonOpt = False) -> None:
 
     Unfinished deliveries and dead letters within their retention are held (moved forward
     with their receipt and attempts), never removed; the database's clock decides."""
-    from core.clock import pinned  # noqa: PLC0415
-    from core.logs import configure_logging  # noqa: PLC0415
-    from models.retention import run_maintenance  # noqa: PLC0415
+    from core.clock import pinned
+    from core.logs import configure_logging
+    from models.retention import run_maintenance
 
     e = env()
     configure_logging(e.settings.log_level, json=e.settings.log_json)  # stderr: stdout is data

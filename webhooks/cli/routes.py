@@ -37,7 +37,7 @@ handlers_app = typer.Typer(help="The handlers this installation registers.", no_
 
 
 def route_view(r: Any) -> dict[str, Any]:
-    from models import breaker  # noqa: PLC0415
+    from models import breaker
 
     return {
         "id": r.id,
@@ -74,7 +74,7 @@ def routes_add(
     """Bind a handler to a source, optionally for matching event types only (audited).
 
     The handler must be registered here (webhooks handlers list)."""
-    from models import catalog, route_catalog  # noqa: PLC0415
+    from models import catalog, route_catalog
 
     e = env()
     _registry(e).require(handler)
@@ -110,7 +110,7 @@ def routes_list(
     as_json: JsonOpt = False,
 ) -> None:
     """A source's routes, or every route with its source."""
-    from models import catalog, route_catalog  # noqa: PLC0415
+    from models import catalog, route_catalog
 
     e = env()
     with e.session() as session:
@@ -174,7 +174,7 @@ def _limits_cell(v: dict[str, Any], default_budget: int) -> str:
 
 
 def _registry(e: Env) -> Any:
-    from tasks.handlers.registry import load_registry  # noqa: PLC0415
+    from tasks.handlers.registry import load_registry
 
     return load_registry(e.settings.handler_modules)
 
@@ -200,7 +200,7 @@ def routes_disable(
     """Stop routing new events to this route (audited). Its deliveries that are not finished
     go dead with route_inactive when a worker picks them up; replay them after
     `routes enable`."""
-    from models import route_catalog  # noqa: PLC0415
+    from models import route_catalog
 
     e = env()
     with e.session() as session:
@@ -222,7 +222,7 @@ def routes_enable(
     route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
 ) -> None:
     """Route new events to this route again (audited); its handler must be registered."""
-    from models import route_catalog  # noqa: PLC0415
+    from models import route_catalog
 
     e = env()
     registry = _registry(e)
@@ -238,7 +238,7 @@ def routes_enable(
 @handle_errors
 def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
     """One route: its handler, and whether it is paused and its circuit breaker's state."""
-    from models import route_catalog  # noqa: PLC0415
+    from models import route_catalog
 
     e = env()
     with e.session() as session:
@@ -282,8 +282,8 @@ def routes_update(
 ) -> None:
     """Set the route's delivery limits (audited): they hold across every worker and host;
     waiting for them is not an attempt."""
-    from models import breaker  # noqa: PLC0415
-    from models.admission import parse_max_in_flight, parse_rate  # noqa: PLC0415
+    from models import breaker
+    from models.admission import parse_max_in_flight, parse_rate
 
     values: dict[str, Any] = {}
     if rate_limit is not None:
@@ -310,7 +310,7 @@ def routes_pause(
 ) -> None:
     """Hold this route's deliveries without attempting them (audited): new events are still
     accepted and stored; `routes resume` delivers them."""
-    from models import breaker  # noqa: PLC0415
+    from models import breaker
 
     e = env()
     with e.session() as session:
@@ -324,7 +324,7 @@ def routes_resume(
     route_id: RouteIdArg, reason: ReasonOpt = None, operator: OperatorOpt = None
 ) -> None:
     """Deliver a paused route's held deliveries again (audited; the sweeper publishes them)."""
-    from models import breaker  # noqa: PLC0415
+    from models import breaker
 
     e = env()
     with e.session() as session:
@@ -341,7 +341,7 @@ def routes_remove(
 ) -> None:
     """Delete a route (audited). Refused while it has deliveries that are not finished or
     dead (disable it instead); finished ones keep their history."""
-    from models import route_catalog  # noqa: PLC0415
+    from models import route_catalog
 
     e = env()
     with e.session() as session:
@@ -358,7 +358,7 @@ def handlers_list(
 ) -> None:
     """Handlers a route can name: the built-ins, the webhooks.handlers entry points and the
     modules in WEBHOOKS_HANDLER_MODULES, with the active routes using each."""
-    from models import route_catalog  # noqa: PLC0415
+    from models import route_catalog
 
     e = env()
     infos = _registry(e).describe()

@@ -61,9 +61,9 @@ def read_data(value: str | None) -> Any:
 
 def _source_and_secret(e: Env, ref: str) -> tuple[str, str, dict[str, Any], str]:
     """(public id, provider, options, newest active secret) of the source."""
-    from core.crypto import SecretBox, source_secret_place  # noqa: PLC0415
-    from models import catalog  # noqa: PLC0415
-    from models.schema import Source  # noqa: PLC0415
+    from core.crypto import SecretBox, source_secret_place
+    from models import catalog
+    from models.schema import Source
 
     box = SecretBox(e.settings.secret_key.get_secret_value(), legacy=e.settings.secret_key_legacy)
     with e.session() as session:
@@ -89,7 +89,7 @@ def _source_and_secret(e: Env, ref: str) -> tuple[str, str, dict[str, Any], str]
 
 def _ids(headers: dict[str, str], body: bytes, provider: str, config: dict[str, Any]) -> list[str]:
     """The event ids the receiver will store for this request (its own extract)."""
-    from core.providers import Batch, EventMeta, MalformedEvent, extract  # noqa: PLC0415
+    from core.providers import Batch, EventMeta, MalformedEvent, extract
 
     lowered = {k.lower(): v for k, v in headers.items()}
     try:
@@ -111,7 +111,7 @@ def _target(base: str | None, e: Env, public_id: str) -> str:
 
 
 def _post(client: httpx.Client, url: str, headers: dict[str, str], body: bytes) -> httpx.Response:
-    import httpx  # noqa: PLC0415
+    import httpx
 
     try:
         return client.post(url, content=body, headers=headers)
@@ -130,7 +130,7 @@ def _answer(response: httpx.Response) -> str:
 def _follow(e: Env, public_id: str, ids: list[str], timeout: float) -> None:
     """Wait until every delivery of the events is finished (or ``timeout``), then show each
     as ``deliveries show`` does."""
-    from models import queries  # noqa: PLC0415
+    from models import queries
 
     deadline = time.monotonic() + timeout
     while True:
@@ -198,9 +198,9 @@ def send(
 
     Every built-in provider with a shared secret; SendGrid and Discord sign with their own
     private key, so no test event can be signed for them here."""
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from core.providers import sending  # noqa: PLC0415
+    from core.providers import sending
 
     if not 1 <= count <= MAX_COUNT:
         raise CliError(f"--count must be from 1 to {MAX_COUNT}, got {count}")

@@ -37,7 +37,7 @@ def secrets_add(
     operator: OperatorOpt = None,
 ) -> None:
     """Add a secret (rotation): every active secret verifies (audited)."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog
 
     e = env()
     with e.session() as session:
@@ -59,7 +59,7 @@ def secrets_add(
 @handle_errors
 def secrets_list(source: str, as_json: JsonOpt = False) -> None:
     """A source's secrets: ids and dates only."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog
 
     e = env()
     with e.session() as session:
@@ -88,7 +88,7 @@ def secrets_revoke(
 ) -> None:
     """Revoke a secret: it stops verifying at once, in every receiver (audited: who, which
     secret, when; see `webhooks audit list --action secret`)."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog
 
     e = env()
     with e.session() as session:
@@ -122,7 +122,7 @@ def secrets_rekey(
     Rotation: set WEBHOOKS_SECRET_KEY=NEW,OLD on every process, run this, then set NEW
     alone. Resumable (each batch commits) and idempotent (a second run changes nothing).
     """
-    from models.keys import LegacyKeysInUseError, rekey  # noqa: PLC0415
+    from models.keys import LegacyKeysInUseError, rekey
 
     e = env()
     try:

@@ -45,7 +45,7 @@ sources_app = typer.Typer(help="Webhook sources (one URL per source).", no_args_
 
 
 def _provider_names() -> list[str]:
-    from core.providers import registry  # noqa: PLC0415
+    from core.providers import registry
 
     return list(registry.names())
 
@@ -75,7 +75,7 @@ def _api_key(value: str | None) -> str | None:
     if value is None:
         return None
     if value == "-":
-        import sys  # noqa: PLC0415
+        import sys
 
         value = sys.stdin.readline().rstrip("\r\n")
     key = value.strip()
@@ -85,7 +85,7 @@ def _api_key(value: str | None) -> str | None:
 
 
 def _require_reconcilable(provider: str, option: str) -> None:
-    from core.providers import reconcile_options as options  # noqa: PLC0415
+    from core.providers import reconcile_options as options
 
     if not options.supported(provider):
         raise CliError(
@@ -108,7 +108,7 @@ def _reconcile_every(provider: str, value: str | None) -> int | None:
 
 
 def _reconcile_view(source: Source) -> dict[str, Any]:
-    from core.providers import reconcile_options as options  # noqa: PLC0415
+    from core.providers import reconcile_options as options
 
     if not options.supported(source.provider):
         return {"supported": False}
@@ -132,8 +132,8 @@ def _lay_out_partitions(e: Env) -> None:
 
 
 def _source_view(e: Env, source: Source) -> dict[str, Any]:
-    from core.ttl import TtlConfigError  # noqa: PLC0415
-    from models import catalog  # noqa: PLC0415
+    from core.ttl import TtlConfigError
+    from models import catalog
 
     try:
         ttl = catalog.source_effective_ttl(source, e.settings)
@@ -212,10 +212,10 @@ def sources_add(
 ) -> None:
     """Create a source (audited); prints its id, URL path and, when generated, its secret
     (once)."""
-    from core.crypto import reconcile_place  # noqa: PLC0415
-    from core.providers import validate_config  # noqa: PLC0415
-    from core.ttl import TtlOverrides  # noqa: PLC0415
-    from models import catalog  # noqa: PLC0415
+    from core.crypto import reconcile_place
+    from core.providers import validate_config
+    from core.ttl import TtlOverrides
+    from models import catalog
 
     # The provider and its options are checked against the registry before anything else.
     options = validate_config(provider, pairs(config, "--config"))
@@ -295,10 +295,10 @@ def sources_update(
 ) -> None:
     """Change a source's TTL terms, timestamp tolerance, body limit, provider options or
     reconciliation settings (audited; a credential is recorded as set, never its value)."""
-    from core.crypto import reconcile_place  # noqa: PLC0415
-    from core.providers import validate_config  # noqa: PLC0415
-    from core.ttl import TtlOverrides  # noqa: PLC0415
-    from models import catalog  # noqa: PLC0415
+    from core.crypto import reconcile_place
+    from core.providers import validate_config
+    from core.ttl import TtlOverrides
+    from models import catalog
 
     given = {
         "retry_window": retry_window,
@@ -385,9 +385,9 @@ def sources_list(
     ] = False,
 ) -> None:
     """List sources (never a secret). Each source's URL is /webhooks/ID on the receiver."""
-    from sqlalchemy import select  # noqa: PLC0415
+    from sqlalchemy import select
 
-    from models.schema import Source  # noqa: PLC0415
+    from models.schema import Source
 
     e = env()
     with e.session() as session:
@@ -420,7 +420,7 @@ def sources_list(
 @handle_errors
 def sources_show(source: str, as_json: JsonOpt = False) -> None:
     """Show one source with its secrets (ids and dates) and routes."""
-    from models import catalog, route_catalog  # noqa: PLC0415
+    from models import catalog, route_catalog
 
     e = env()
     with e.session() as session:
@@ -476,7 +476,7 @@ def sources_disable(
 ) -> None:
     """Refuse new webhooks for this source: its URL answers 410 Gone and writes nothing
     (audited). What it already accepted still runs."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog
 
     e = env()
     with e.session() as session:
@@ -501,7 +501,7 @@ def sources_enable(
     operator: OperatorOpt = None,
 ) -> None:
     """Accept webhooks for this source again (audited)."""
-    from models import catalog  # noqa: PLC0415
+    from models import catalog
 
     e = env()
     with e.session() as session:
