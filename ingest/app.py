@@ -555,7 +555,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
             publisher.close()
 
     # The public port serves these three and nothing else: the admin API and /metrics are on
-    # the admin address (ingest/admin.py).
+    # the admin address (ingest/admin/server.py).
     routes = [
         Route("/webhooks/{source_id}", receiver.receive, methods=["POST"]),
         Route("/webhooks/{source_id}", receiver.verify_get, methods=["GET"]),
