@@ -35,3 +35,21 @@ class AttemptOutcome(StrEnum):
     RETRY = "retry"
     DEAD = "dead"
     CRASHED = "crashed"
+
+
+class BreakerState(StrEnum):
+    """A route's circuit breaker (``routes.breaker_state``; models.breaker decides)."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class ReplayStatus(StrEnum):
+    """How a bulk replay's run stands (``replays.status``)."""
+
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
+    FAILED = "failed"

@@ -53,14 +53,15 @@ import psycopg
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from core.states import BreakerState
 from models.catalog import CatalogError, Change, Changed, record_audit
 from models.route_catalog import get_route, route_target
 from models.schema import Route, Source
 from models.statements import placeholders, sql_text
 
-CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 # The gauge's value per state (webhooks_route_breaker_state).
-STATE_VALUES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+STATE_VALUES: dict[str, int] = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from core.clock import Clock, pinned
 from core.errors import WebhooksError
 from core.logs import get_logger
 from core.settings import Settings
-from core.states import REPLAYABLE, DeliveryStatus
+from core.states import REPLAYABLE, DeliveryStatus, ReplayStatus
 from models import queries, replay_rates, requeue
 from models.candidates import (
     Candidate,
@@ -247,7 +247,7 @@ class ReplayResult:
     skipped: int = 0
     publish_failed: int = 0  # moved to pending but not published: the sweeper will
     skips: list[Skip] = field(default_factory=list)
-    status: str = "running"
+    status: ReplayStatus = ReplayStatus.RUNNING
 
     @property
     def done(self) -> int:
@@ -264,7 +264,7 @@ def start_replay(sessions: sessionmaker[Session], plan: Plan, *, now: datetime) 
             filter=req.filter_as_given,
             rerun_succeeded=req.rerun_succeeded,
             rate=req.rate,
-            status="running",
+            status=ReplayStatus.RUNNING,
             planned=plan.count,
             started_at=now,
             via=req.via,
@@ -331,7 +331,9 @@ def _replay_chunk(
     return [Skip(c.delivery_id, _skip_reason(c, found.get(c.delivery_id))) for c in left]
 
 
-def _finish(sessions: sessionmaker[Session], replay_id: int, status: str, now: datetime) -> None:
+def _finish(
+    sessions: sessionmaker[Session], replay_id: int, status: ReplayStatus, now: datetime
+) -> None:
     with sessions() as session, session.begin():
         session.execute(
             update(Replay).where(Replay.id == replay_id).values(status=status, ended_at=now)
@@ -367,7 +369,7 @@ def execute(
     try:
         while todo:
             if cancelled is not None and cancelled():
-                result.status = "cancelled"
+                result.status = ReplayStatus.CANCELLED
                 break
             wait, n = pace_chunk(window, clock.now().timestamp(), rate, min(size, len(todo)))
             if wait > 0:
@@ -393,12 +395,12 @@ def execute(
             if on_progress is not None:
                 on_progress(result)
         else:
-            result.status = "done"
+            result.status = ReplayStatus.DONE
     except KeyboardInterrupt:
-        result.status = "interrupted"
+        result.status = ReplayStatus.INTERRUPTED
         raise
     except BaseException:
-        result.status = "failed"
+        result.status = ReplayStatus.FAILED
         raise
     finally:
         try:
