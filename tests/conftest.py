@@ -30,6 +30,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from models.db import make_engine, make_sessionmaker, upgrade
 from webhooks.settings import Settings
 
+# Helper modules that also define fixtures: a test module asks for them by name (or with
+# ``pytest.mark.usefixtures``), never by importing them from another test file.
+pytest_plugins = ("tests.workers",)
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # One database per test run, so runs on one machine never share (or drop) each other's data.

@@ -13,18 +13,16 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.publisher import Publisher
 from tasks.config import DELIVER_TASK, Dispatch, create_app
 from tests.conftest import BIN, free_port, wait_for_port
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
 from tests.workers import (
     Process,
-    flush_redis,
     running_worker,
     wait_for,
     wait_status,
@@ -32,16 +30,9 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 FLOWER_AUTH = ("ops", "flower-" + "s" * 20)
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
 
 
 class EventLog:

@@ -51,7 +51,7 @@ from tests.workers import (
 from webhooks.crypto import SecretBox
 from webhooks.settings import Settings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 
 class Downstream:
@@ -127,11 +127,6 @@ def downstream() -> Iterator[Downstream]:
     )
     yield server
     server.close()
-
-
-@pytest.fixture(autouse=True)
-def _clean() -> None:
-    flush_redis()
 
 
 def _accept(settings: Settings, source: Any, n: int) -> list[int]:

@@ -12,19 +12,18 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.publisher import Publisher
 from tasks.config import DELIVERIES_QUEUE, Dispatch
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL, KILL_AFTER_COMMIT_DIR
+from tests.handlers_for_tests import KILL_AFTER_COMMIT_DIR
 from tests.workers import (
     BROKER_URL,
     attempts,
     delivery,
     effects,
-    flush_redis,
     running_beat,
     running_worker,
     wait_for,
@@ -32,14 +31,7 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 
 def _deliveries(

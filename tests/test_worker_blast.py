@@ -18,12 +18,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from ingest.publisher import Publisher
 from tasks.config import Dispatch
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL
 from tests.workers import (
     Worker,
     attempts,
     delivery,
-    flush_redis,
     running_beat,
     running_worker,
     wait_for,
@@ -31,17 +29,10 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 # The stuck delivery gets two crashes: the first beside its batch-mates, the second alone.
 BUDGET = {"max_redeliveries": 2}
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
 
 
 def _deliveries(

@@ -22,17 +22,14 @@ from tasks.pipeline import FINISH_WINDOW, deliver_one, in_waves, run
 from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
 from tests.netproxy import CuttableProxy
-from tests.workers import attempts, delivery, flush_redis, wait_for, worker_settings
+from tests.workers import attempts, delivery, wait_for, worker_settings
 from webhooks.settings import Settings
+
+pytestmark = pytest.mark.usefixtures("clean_worker_state")
 
 
 def _no_publish(delivery_id: int, countdown: float) -> None:
     raise AssertionError("nothing here retries")
-
-
-@pytest.fixture(autouse=True)
-def _clean() -> None:
-    flush_redis()  # fast-claim keys of earlier runs name the same delivery ids
 
 
 @pytest.fixture

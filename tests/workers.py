@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 from sqlalchemy import Engine, Row, text
@@ -253,6 +254,20 @@ def flush_redis(*urls: str) -> None:
             client.flushdb()
         finally:
             client.close()
+
+
+@pytest.fixture
+def clean_worker_state(engine: Engine) -> None:
+    """Each test of a module that opts in (``pytest.mark.usefixtures("clean_worker_state")``)
+    starts with the handlers' effects table in place and the workers' Redis databases (broker
+    and claims) empty: messages and fast-claim keys of earlier tests name the same delivery
+    ids. A fixture of this plugin module (registered in ``tests/conftest.py``)."""
+    # Imported here: importing it registers the test handlers, which only these modules use.
+    from tests.handlers_for_tests import EFFECTS_DDL  # noqa: PLC0415
+
+    with engine.begin() as conn:
+        conn.execute(text(EFFECTS_DDL))
+    flush_redis()
 
 
 # -- reading the database -----------------------------------------------------------------
