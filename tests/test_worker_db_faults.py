@@ -15,11 +15,12 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.test_worker_batches import _deliveries, _publish_one_message
 from tests.workers import (
     Worker,
     attempts,
     delivery,
+    new_dispatches,
+    publish_one_message,
     running_worker,
     wait_for,
     wait_status,
@@ -57,10 +58,10 @@ def _run_through_fault(
     marks = tmp_path / "marks"
     marks.mkdir()
     routes = [("gate", {"marker_dir": str(marks)})] * 6
-    dispatches = _deliveries(sessions, routes, **LIMITS)
-    _publish_one_message(dispatches[:4])  # one message of four deliveries
-    _publish_one_message(dispatches[4:5])  # and two of one each
-    _publish_one_message(dispatches[5:])
+    dispatches = new_dispatches(sessions, routes, **LIMITS)
+    publish_one_message(dispatches[:4])  # one message of four deliveries
+    publish_one_message(dispatches[4:5])  # and two of one each
+    publish_one_message(dispatches[5:])
     with running_worker("faults", tmp_path, **LIMITS) as worker:
         ids = [d.delivery_id for d in dispatches]
         wait_for(

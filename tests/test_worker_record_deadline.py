@@ -16,10 +16,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tests.conftest import TEST_DB
 from tests.netproxy import CuttableProxy
-from tests.test_worker_batches import _deliveries, _publish_one_message
 from tests.workers import (
     attempts,
     delivery,
+    new_dispatches,
+    publish_one_message,
     running_beat,
     running_worker,
     wait_for,
@@ -36,8 +37,8 @@ def test_an_unrecordable_success_takes_the_lease_path_and_repeats_under_the_same
 ) -> None:
     marks = tmp_path / "marks"
     marks.mkdir()
-    (dispatch,) = _deliveries(sessions, [("gate", {"marker_dir": str(marks)})])
-    _publish_one_message([dispatch])
+    (dispatch,) = new_dispatches(sessions, [("gate", {"marker_dir": str(marks)})])
+    publish_one_message([dispatch])
     proxy = CuttableProxy(5432)  # the worker's way to Postgres; the test's own is direct
     via_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{TEST_DB}"
     try:

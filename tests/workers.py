@@ -25,16 +25,20 @@ import pytest
 import redis
 from celery import Celery
 from sqlalchemy import Engine, Row, text
+from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.publisher import Publisher
 from tasks.config import (
     DELIVER_TASK,
     DELIVERIES_QUEUE,
     MAINTENANCE_QUEUE,
     MAINTENANCE_TASK,
     SWEEP_TASK,
+    Dispatch,
     create_app,
 )
 from tests.conftest import BIN, REDIS, make_settings, test_env
+from tests.factories import accept_event, make_source
 from tests.leakcheck import log_file
 from webhooks.settings import Settings
 
@@ -268,6 +272,34 @@ def clean_worker_state(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(text(EFFECTS_DDL))
     flush_redis()
+
+
+def new_dispatches(
+    sessions: sessionmaker[Session], routes: list[tuple[str, dict[str, str]]], **overrides: Any
+) -> list[Dispatch]:
+    """One source and event per route: the dispatches the receiver would publish."""
+    settings = worker_settings(**overrides)
+    out = []
+    for handler, options in routes:
+        source = make_source(sessions, settings, routes=[{"handler": handler, "options": options}])
+        event_id, outcome = accept_event(settings, source)
+        out.append(Dispatch(outcome.delivery_ids[0], event_id, source.public_id))
+    return out
+
+
+def publish_one_message(dispatches: list[Dispatch], copies: int = 1, **overrides: Any) -> None:
+    """Through the receiver's publisher: deliveries published together are one message."""
+    client = redis.Redis.from_url(BROKER_URL)
+    before = client.llen(DELIVERIES_QUEUE)
+    publisher = Publisher(worker_settings(**overrides))
+    try:
+        for _ in range(copies):
+            publisher.publish_sync(dispatches)
+    finally:
+        publisher.close()
+        publisher.app.close()
+    assert client.llen(DELIVERIES_QUEUE) - before == copies  # one message per copy
+    client.close()
 
 
 # -- reading the database -----------------------------------------------------------------
