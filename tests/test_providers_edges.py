@@ -37,8 +37,7 @@ from tests.conftest import BIN, test_env
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
 from tests.processes import Receiver, receiver
-from tests.test_providers_more_receiver import new_source, post, receipts, written
-from tests.test_providers_more_units import BY_NAME
+from tests.provider_specs import BY_NAME, new_source, post, receipts, written
 from webhooks.settings import Settings
 from webhooks.ttl import TtlOverrides, derive_ttl
 
