@@ -31,7 +31,6 @@ from ingest.providers import (
     registry,
     validate_config,
 )
-from ingest.providers.adyen import sign_item
 from tests import signing
 from tests.conftest import BIN, test_env
 from tests.factories import MadeSource, make_source
@@ -172,9 +171,8 @@ def test_adyen_refuses_at_the_first_forged_item_before_reading_the_next() -> Non
     assert caught.value.reason == "bad_signature"
     # A good first item under one key, a second signed by another: refused all the same.
     other = pysecrets.token_hex(32)
-    one, two = signing.adyen_item("a"), signing.adyen_item("b")
-    one["additionalData"] = {"hmacSignature": sign_item(one, key)}
-    two["additionalData"] = {"hmacSignature": sign_item(two, other)}
+    one = signing.adyen_signed(signing.adyen_item("a"), key)
+    two = signing.adyen_signed(signing.adyen_item("b"), other)
     wrapped = [{"NotificationRequestItem": i} for i in (one, two)]
     body = json.dumps({"live": "false", "notificationItems": wrapped}).encode()
     secrets = [("k1", key), ("k2", other)]
