@@ -32,7 +32,7 @@ from webhooks.settings import Settings
 
 # Helper modules that also define fixtures: a test module asks for them by name (or with
 # ``pytest.mark.usefixtures``), never by importing them from another test file.
-pytest_plugins = ("tests.workers",)
+pytest_plugins = ("tests.retention_support", "tests.workers")
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -21,7 +21,7 @@ from models import discards, partitions, retention, transitions
 from models.queries import ReplayFilter
 from models.retention import LeaseWait, ensure_partitions, expire_partitions, run_maintenance
 from tests.factories import MadeSource, make_source
-from tests.test_retention_holds import (
+from tests.retention_support import (
     DAY,
     LEASE,
     SEC,
@@ -34,8 +34,6 @@ from tests.test_retention_holds import (
     rows_of,
     succeed,
 )
-from tests.test_retention_holds import delete_mode as delete_mode  # noqa: PLC0414 (fixture)
-from tests.test_retention_holds import made as made  # noqa: PLC0414 (fixture)
 from webhooks.settings import Settings
 
 T0 = datetime(2025, 6, 2, 9, tzinfo=UTC)
