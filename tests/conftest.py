@@ -156,7 +156,7 @@ def make_settings(**overrides: object) -> Settings:
 
 
 def wait_for_port(
-    port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 20
+    port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60
 ) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
