@@ -47,7 +47,8 @@ lint: install
 # redis-server of its own), then the tests marked serial alone: they restart Postgres, or
 # read every process's logs, which both parts write to one WEBHOOKS_TEST_LOG_DIR. Exit
 # status 5 (no test selected) is no failure. PYTEST_WORKERS=1 runs the first part in one
-# process.
+# process. On 2 cores the gain is small: nearly all of the suite's CPU is in the processes it
+# starts (CLI runs ~1.1 s of CPU each, workers, receivers), and two files at a time share it.
 PYTEST_WORKERS ?= 2
 test: lint
 	@logs=$$(mktemp -d -t webhooks-test-logs-XXXXXX); export WEBHOOKS_TEST_LOG_DIR=$$logs; rc=0; \
