@@ -1,9 +1,10 @@
 """Test infrastructure: real Postgres and Redis, no mocks of either.
 
-The suite runs against the services on this machine (Postgres 127.0.0.1:5432, Redis
-127.0.0.1:6379, or ``WEBHOOKS_TEST_REDIS_PORT``). Each run creates and migrates its own database ``webhooks_test_<pid>`` (dropped
-at the end) and uses Redis databases 14 (broker) and 15 (claims), so a pipeline started by
-``make run`` on the same machine is not disturbed. Subprocesses (receivers, workers, beat) get the same settings through
+The suite runs against the services on this machine: Postgres 127.0.0.1:5432, and a
+redis-server each pytest process starts for itself on a free port (or the one
+``WEBHOOKS_TEST_REDIS_PORT`` names). Each process creates and migrates its own database
+``webhooks_test_<pid>`` (dropped at the end) and uses Redis databases 4-15, so a pipeline
+started by ``make run`` and other suites on the same machine are not disturbed. Subprocesses (receivers, workers, beat) get the same settings through
 the environment returned by :func:`test_env`.
 """
 
@@ -30,6 +31,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.settings import Settings
 from models.db import make_engine, make_sessionmaker, upgrade
 
+# Helper modules that also define fixtures: a test module asks for them by name (or with
+# ``pytest.mark.usefixtures``), never by importing them from another test file.
+pytest_plugins = ("tests.retention_support", "tests.workers")
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # One database per test run, so runs on one machine never share (or drop) each other's data.
@@ -43,13 +48,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# The Redis server the suite uses (its databases 4-15); another port lets two suites run side by
-# side, each against a redis-server of its own (``WEBHOOKS_TEST_REDIS_PORT=6390 make test``).
-#
-# Under pytest-xdist (``pytest -n 2``; ``make test`` runs one process) each worker process starts a redis-server of its own, on a
-# free port, stopped when the process exits: the suite's Redis databases are fixed numbers, so
-# two processes sharing one server would consume each other's messages and flush each other's
-# keys. Postgres needs nothing: every process makes a database of its own.
+# The Redis server the suite uses (its databases 4-15). Every pytest process (each
+# pytest-xdist worker of ``make test``, or a run in one process) starts a redis-server of its
+# own on a free port, stopped when the process exits: the suite's Redis databases are fixed
+# numbers, so two processes sharing one server (two xdist workers, or suites of two worktrees
+# run side by side) would consume each other's messages and flush each other's keys.
+# ``WEBHOOKS_TEST_REDIS_PORT=6379`` points a run at a server already running there instead.
+# Postgres needs nothing: every process makes a database of its own.
 def _private_redis() -> int:
     port = free_port()
     subprocess.run(
@@ -79,9 +84,10 @@ def _answers(port: int) -> bool:
         return False
 
 
-if "WEBHOOKS_TEST_REDIS_PORT" not in os.environ and "PYTEST_XDIST_WORKER" in os.environ:
-    os.environ["WEBHOOKS_TEST_REDIS_PORT"] = str(_private_redis())
-REDIS_PORT = int(os.environ.get("WEBHOOKS_TEST_REDIS_PORT", "6379"))
+# Not through os.environ: the xdist workers inherit the controller's environment, and each
+# needs a server of its own (the controller's, which runs no test, stays idle).
+_NAMED_PORT = os.environ.get("WEBHOOKS_TEST_REDIS_PORT")
+REDIS_PORT = int(_NAMED_PORT) if _NAMED_PORT else _private_redis()
 REDIS = f"redis://127.0.0.1:{REDIS_PORT}"
 
 # A developer's own .env (``make run`` writes one at the project root) must never reach the
@@ -150,7 +156,7 @@ def make_settings(**overrides: object) -> Settings:
 
 
 def wait_for_port(
-    port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 20
+    port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60
 ) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

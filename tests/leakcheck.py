@@ -41,4 +41,6 @@ def everything_remembered() -> set[bytes]:
 
 
 def log_file(name: str) -> Path:
-    return LOG_DIR / f"{name}.log"
+    """A log file of this process's own: processes sharing the directory count their logs
+    from 0 alike (``receiver-0``), and one file for two would mix their lines."""
+    return LOG_DIR / f"{name}.p{os.getpid()}.log"

@@ -1168,18 +1168,18 @@ def adyen_item(
     }
 
 
-def sign_adyen(hex_key: str, items: Sequence[dict[str, Any]]) -> tuple[Headers, bytes]:
-    """Each item's ``additionalData.hmacSignature`` by ``Adyen.util.generate_notification_sig``."""
+def adyen_signed(item: Mapping[str, Any], hex_key: str) -> dict[str, Any]:
+    """``item`` with its ``additionalData.hmacSignature`` by Adyen's own
+    ``Adyen.util.generate_notification_sig``."""
     from Adyen.util import generate_notification_sig  # noqa: PLC0415
 
-    wrapped = []
-    for item in items:
-        sig = generate_notification_sig(dict(item), hex_key).decode()
-        signed = {
-            **item,
-            "additionalData": {**item.get("additionalData", {}), "hmacSignature": sig},
-        }
-        wrapped.append({"NotificationRequestItem": signed})
+    sig = generate_notification_sig(dict(item), hex_key).decode()
+    return {**item, "additionalData": {**item.get("additionalData", {}), "hmacSignature": sig}}
+
+
+def sign_adyen(hex_key: str, items: Sequence[dict[str, Any]]) -> tuple[Headers, bytes]:
+    """Each item signed by :func:`adyen_signed`, in Adyen's notification envelope."""
+    wrapped = [{"NotificationRequestItem": adyen_signed(item, hex_key)} for item in items]
     body = dump({"live": "false", "notificationItems": wrapped})
     return {"Content-Type": "application/json"}, body
 

@@ -385,7 +385,9 @@ def test_admin_token_is_one_more_token_named_admin() -> None:
         "/admin/events?limit=-1",
     ],
 )
-def test_admin_inputs_beyond_their_ranges_are_400(plane: Receiver, path: str) -> None:
+def test_admin_inputs_beyond_their_ranges_are_400_with_reason_and_detail_on_a_served_plane(
+    plane: Receiver, path: str
+) -> None:
     answer = httpx.get(f"{plane.admin_url}{path}", headers=bearer(OPS_TOKEN), timeout=10)
     assert answer.status_code == 400, answer.text
     body = answer.json()

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import DELIVER_TASK, Dispatch
@@ -21,11 +21,9 @@ from tasks.config import create_app
 from tasks.publisher import Publisher
 from tests.conftest import BIN, free_port, wait_for_port
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
 from tests.workers import (
     Process,
-    flush_redis,
     running_worker,
     wait_for,
     wait_status,
@@ -33,16 +31,9 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 FLOWER_AUTH = ("ops", "flower-" + "s" * 20)
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
 
 
 class EventLog:

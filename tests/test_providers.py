@@ -908,20 +908,8 @@ def test_unknown_provider_is_a_programming_error() -> None:
 
 # --- validate_config -------------------------------------------------------------------------
 
-HMAC_DEFAULTS = {
-    "signature_header": "x-signature",
-    "algorithm": "sha256",
-    "encoding": "hex",
-    "prefix": "",
-    "timestamp_header": None,
-    "signed_content": None,
-    "id_header": None,
-    "id_field": "id",
-    "id_from_unsigned_header": False,
-    "type_header": None,
-    "type_field": "type",
-    "time_field": None,
-}
+# The documented defaults, as the test signer states them (tests/signing.py).
+HMAC_DEFAULTS = signing.HMAC_DEFAULTS
 
 
 def test_generic_hmac_defaults_are_filled_in() -> None:

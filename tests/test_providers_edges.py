@@ -31,7 +31,6 @@ from core.providers import (
     registry,
     validate_config,
 )
-from core.providers.adyen import sign_item
 from core.settings import Settings
 from core.ttl import TtlOverrides, derive_ttl
 from tests import signing
@@ -39,8 +38,7 @@ from tests.conftest import BIN, test_env
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
 from tests.processes import Receiver, receiver
-from tests.test_providers_more_receiver import new_source, post, receipts, written
-from tests.test_providers_more_units import BY_NAME
+from tests.provider_specs import BY_NAME, new_source, post, receipts, written
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
@@ -173,9 +171,8 @@ def test_adyen_refuses_at_the_first_forged_item_before_reading_the_next() -> Non
     assert caught.value.reason == "bad_signature"
     # A good first item under one key, a second signed by another: refused all the same.
     other = pysecrets.token_hex(32)
-    one, two = signing.adyen_item("a"), signing.adyen_item("b")
-    one["additionalData"] = {"hmacSignature": sign_item(one, key)}
-    two["additionalData"] = {"hmacSignature": sign_item(two, other)}
+    one = signing.adyen_signed(signing.adyen_item("a"), key)
+    two = signing.adyen_signed(signing.adyen_item("b"), other)
     wrapped = [{"NotificationRequestItem": i} for i in (one, two)]
     body = json.dumps({"live": "false", "notificationItems": wrapped}).encode()
     secrets = [("k1", key), ("k2", other)]

@@ -10,8 +10,6 @@ import hashlib
 import hmac
 import json
 import secrets as pysecrets
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -33,87 +31,10 @@ from core.providers import (
     validate_config,
 )
 from tests import signing
+from tests.provider_specs import BY_NAME, OTHER_URL, SPECS, URL, Spec, text_secret
 
 NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 TS = int(NOW.timestamp())
-URL = "https://hooks.example.com/webhooks/src_abcdefghij0123456789?team=ops"
-OTHER_URL = "https://evil.example.net/webhooks/src_abcdefghij0123456789?team=ops"
-
-
-def text_secret() -> str:
-    return pysecrets.token_urlsafe(32)
-
-
-@dataclass
-class Spec:
-    """How to sign a delivery for one provider: ``sign(secret, ts, event_id) -> (headers, body)``
-    with the test's own key material from ``keys()`` (signing key, stored secret)."""
-
-    provider: str
-    sign: Callable[[Any, int, str], tuple[dict[str, str], bytes]]
-    keys: Callable[[], tuple[Any, str]] = lambda: (s := text_secret(), s)
-    timed: bool = False
-    config: dict[str, Any] = field(default_factory=dict)
-    url_signed: bool = False
-
-    def __str__(self) -> str:
-        return self.provider
-
-
-def _adyen_keys() -> tuple[str, str]:
-    key = pysecrets.token_hex(32).upper()
-    return key, key
-
-
-SPECS = [
-    Spec("bitbucket", lambda k, ts, i: signing.sign_bitbucket(k, event_id=i)),
-    Spec("pagerduty", lambda k, ts, i: signing.sign_pagerduty(k, event_id=i, timestamp=ts)),
-    Spec("twitch", lambda k, ts, i: signing.sign_twitch(k, event_id=i, timestamp=ts), timed=True),
-    Spec("mailgun", lambda k, ts, i: signing.sign_mailgun(k, event_id=i, timestamp=ts), timed=True),
-    Spec(
-        "discord",
-        lambda k, ts, i: signing.sign_discord(k, timestamp=ts),
-        keys=signing.discord_keypair,
-        timed=True,
-    ),
-    Spec(
-        "square",
-        lambda k, ts, i: signing.sign_square(k, event_id=i, url=URL, timestamp=ts),
-        config={"public_url": URL},
-        url_signed=True,
-    ),
-    Spec(
-        "hubspot",
-        lambda k, ts, i: signing.sign_hubspot(k, event_ids=[i], url=URL, timestamp=ts),
-        config={"public_url": URL},
-        url_signed=True,
-        timed=True,
-    ),
-    Spec(
-        "twilio",
-        lambda k, ts, i: signing.sign_twilio(k, url=URL, sid=i),
-        config={"public_url": URL},
-        url_signed=True,
-    ),
-    Spec("zoom", lambda k, ts, i: signing.sign_zoom(k, timestamp=ts), timed=True),
-    Spec(
-        "meta",
-        lambda k, ts, i: signing.sign_meta(k, timestamp=ts),
-        config={"verify_token": "tok-" + "v" * 20},
-    ),
-    Spec(
-        "adyen",
-        lambda k, ts, i: signing.sign_adyen(k, [signing.adyen_item(i)]),
-        keys=_adyen_keys,
-    ),
-    Spec(
-        "sendgrid",
-        lambda k, ts, i: signing.sign_sendgrid(k, [signing.sendgrid_event(i, ts=ts)], timestamp=ts),
-        keys=signing.sendgrid_keypair,
-        timed=True,
-    ),
-]
-BY_NAME = {s.provider: s for s in SPECS}
 
 
 def auth(spec: Spec, headers: dict[str, str], body: bytes, secret: str, **kw: Any) -> str:

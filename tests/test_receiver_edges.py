@@ -283,7 +283,9 @@ def admin() -> Admin:
         "/dead?source=%00",
     ],
 )
-def test_admin_inputs_beyond_their_ranges_are_400(admin: Admin, path: str) -> None:
+def test_admin_ids_limits_times_and_nul_bytes_beyond_their_ranges_are_400(
+    admin: Admin, path: str
+) -> None:
     response = admin.get(path)
     assert response.status_code == 400, (path, response.status_code, response.text)
     assert response.json()["reason"]

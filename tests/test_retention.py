@@ -45,6 +45,7 @@ from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, accept_event, make_source, source_ttl
 from tests.leakcheck import remember
 from tests.processes import receiver
+from tests.retention_support import forget
 from tests.signing import sign
 
 D = datetime(2024, 2, 10, tzinfo=UTC)  # a midnight
@@ -57,31 +58,6 @@ LEASE = timedelta(minutes=5)
 # ------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def made(sessions: sessionmaker[Session]) -> Iterator[list[MadeSource]]:
-    """Sources a test creates; their rows are removed afterwards."""
-    created: list[MadeSource] = []
-    yield created
-    _forget(sessions, created)
-
-
-def _forget(sessions: sessionmaker[Session], sources: list[MadeSource]) -> None:
-    ids = [s.id for s in sources]
-    if not ids:
-        return
-    with sessions() as session, session.begin():
-        session.execute(
-            text(
-                "DELETE FROM attempts WHERE delivery_id IN "
-                "(SELECT id FROM deliveries WHERE source_id = ANY(:ids))"
-            ),
-            {"ids": ids},
-        )
-        for table in ("deliveries", "receipts", "conflicts"):
-            session.execute(text(f"DELETE FROM {table} WHERE source_id = ANY(:ids)"), {"ids": ids})
-        session.execute(text("DELETE FROM sources WHERE id = ANY(:ids)"), {"ids": ids})
 
 
 def new_source(
@@ -440,7 +416,7 @@ def test_expiry_never_removes_unfinished_or_dead_work_delete_mode(
         assert sum(again.rows_deleted.values()) == 0
         _check_expiry_kept_held_work(engine, source, ids, now, attempts_before)
     finally:
-        _forget(sessions, [source])  # the delete-mode database is shared by this module
+        forget(sessions, [source])  # the delete-mode database is shared by this module
 
 
 HOLD_ROUTES = [

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -24,137 +22,33 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
 from models import partitions, queries, requeue, retention, transitions
-from models.db import make_engine, make_sessionmaker, upgrade
 from models.partitions import leaf_suffix
 from models.retention import run_maintenance
 from models.retention_holds import hold_end
 from models.retention_layout import ensure_partitions
-from models.transitions import Claim
-from tests.conftest import ADMIN_DSN, BIN, TEST_DB, make_settings
+from tests.conftest import BIN
 from tests.conftest import test_env as subprocess_env
-from tests.factories import MadeSource, accept_event, make_source
-from tests.leakcheck import remember
+from tests.factories import MadeSource, make_source
+from tests.retention_support import (
+    DAY,
+    LEASE,
+    SEC,
+    TTL,
+    accept,
+    claim,
+    kill,
+    new_source,
+    retry_later,
+    rows_of,
+    succeed,
+)
 
 T0 = datetime(2025, 3, 1, 9, tzinfo=UTC)
-DAY = timedelta(days=1)
-SEC = timedelta(seconds=1)
-LEASE = timedelta(minutes=5)
-TTL = timedelta(days=4)
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def made(sessions: sessionmaker[Session]) -> Iterator[list[MadeSource]]:
-    created: list[MadeSource] = []
-    yield created
-    forget(sessions, created)
-
-
-def forget(sessions: sessionmaker[Session], sources: list[MadeSource]) -> None:
-    ids = [s.id for s in sources]
-    if not ids:
-        return
-    with sessions() as session, session.begin():
-        session.execute(
-            text(
-                "DELETE FROM attempts WHERE delivery_id IN "
-                "(SELECT id FROM deliveries WHERE source_id = ANY(:ids))"
-            ),
-            {"ids": ids},
-        )
-        for table in ("deliveries", "receipts", "conflicts"):
-            session.execute(text(f"DELETE FROM {table} WHERE source_id = ANY(:ids)"), {"ids": ids})
-        session.execute(
-            text("DELETE FROM audit_log WHERE target->>'source' = ANY(:p)"),
-            {"p": [s.public_id for s in sources]},
-        )
-        session.execute(text("DELETE FROM sources WHERE id = ANY(:ids)"), {"ids": ids})
-
-
-def new_source(
-    sessions: sessionmaker[Session], settings: Settings, made: list[MadeSource], **kw: Any
-) -> MadeSource:
-    source = make_source(sessions, settings, **kw)
-    made.append(source)
-    remember(source.secret)
-    return source
-
-
-def accept(
-    settings: Settings, source: MadeSource, event_id: str, now: datetime | None, **kw: Any
-) -> tuple[str, tuple[int, ...]]:
-    body = {"id": event_id, "type": "test.event", "data": {"n": 1}}
-    _, outcome = accept_event(
-        settings, source, event_id=event_id, body=body, now=now, ttl=TTL, **kw
-    )
-    return outcome.status, outcome.delivery_ids
-
-
-def claim(sessions: sessionmaker[Session], delivery_id: int, now: datetime) -> Claim:
-    with sessions() as session, session.begin():
-        found = transitions.claim(
-            session, delivery_id, now=now, lease=LEASE, max_redeliveries=3, worker="test"
-        )
-    assert found is not None
-    return found
-
-
-def succeed(sessions: sessionmaker[Session], delivery_id: int, at: datetime) -> None:
-    found = claim(sessions, delivery_id, at)
-    with sessions() as session, session.begin():
-        transitions.succeed(session, found, now=at)
-
-
-def kill(sessions: sessionmaker[Session], delivery_id: int, at: datetime) -> None:
-    found = claim(sessions, delivery_id, at)
-    with sessions() as session, session.begin():
-        transitions.kill(session, found, now=at, reason="permanent", error_class="E", error="e")
-
-
-def retry_later(
-    sessions: sessionmaker[Session], delivery_id: int, at: datetime, due: datetime
-) -> None:
-    found = claim(sessions, delivery_id, at)
-    with sessions() as session, session.begin():
-        transitions.retry_later(
-            session, found, now=at, next_attempt_at=due, error_class="E", error="e"
-        )
-
-
-@dataclass(frozen=True)
-class Row:
-    event_id: str
-    expires_at: datetime
-    has_payload: bool
-    statuses: tuple[str, ...]
-    attempts: int
-
-
-def rows_of(engine: Engine, source: MadeSource) -> dict[str, Row]:
-    """Each receipt of the source with its deliveries' states and attempt count."""
-    with engine.connect() as conn:
-        found = conn.execute(
-            text(
-                """
-                SELECT r.event_id, r.expires_at, r.payload IS NOT NULL,
-                       coalesce(array_agg(d.status ORDER BY d.route_id)
-                                FILTER (WHERE d.id IS NOT NULL), '{}'),
-                       (SELECT count(*) FROM attempts a JOIN deliveries d2
-                          ON a.delivery_id = d2.id AND a.expires_at = d2.expires_at
-                        WHERE d2.receipt_id = r.id AND d2.expires_at = r.expires_at)
-                FROM receipts r
-                LEFT JOIN deliveries d ON d.receipt_id = r.id AND d.expires_at = r.expires_at
-                WHERE r.source_id = :s
-                GROUP BY r.id, r.event_id, r.expires_at, r.payload
-                """
-            ),
-            {"s": source.id},
-        ).all()
-    return {r[0]: Row(r[0], r[1], bool(r[2]), tuple(r[3]), int(r[4])) for r in found}
 
 
 def count_deliveries(engine: Engine, source: MadeSource) -> int:
@@ -377,31 +271,6 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
 # ------------------------------------------------------------------------------------------
 
 
-DELETE_DB = f"{TEST_DB}_holds_delete"
-
-
-@pytest.fixture(scope="module")
-def delete_mode() -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
-    url = f"postgresql://postgres@127.0.0.1:5432/{DELETE_DB}"
-    settings = make_settings(database_url=url, retention_mode="delete", delete_batch_size=2)
-    drop_database(DELETE_DB)
-    upgrade(settings)
-    engine = make_engine(settings, pool_size=2)
-    try:
-        yield settings, engine, make_sessionmaker(engine)
-    finally:
-        engine.dispose()
-        drop_database(DELETE_DB)
-
-
-def drop_database(name: str) -> None:
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
-        )
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-
-
 def test_delete_mode_live_lease_is_neither_moved_nor_deleted(
     delete_mode: tuple[Settings, Engine, sessionmaker[Session]],
 ) -> None:
@@ -611,7 +480,7 @@ def test_ensure_partitions_on_the_database_clock_never_creates_a_past_day(
     env = lagging_env("-3d")
     assert _process_clock(env) < database_now(engine) - timedelta(days=2)
     script = (
-        "from models.db import make_engine; from models.retention import ensure_partitions;"
+        "from models.db import make_engine; from models.retention_layout import ensure_partitions;"
         "from core.settings import load_settings; s = load_settings();"
         "print(len(ensure_partitions(make_engine(s, pool_size=1), s, None)))"
     )

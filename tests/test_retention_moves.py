@@ -24,7 +24,7 @@ from models.retention import run_maintenance
 from models.retention_expiry import LeaseWait, expire_partitions
 from models.retention_layout import ensure_partitions
 from tests.factories import MadeSource, make_source
-from tests.test_retention_holds import (
+from tests.retention_support import (
     DAY,
     LEASE,
     SEC,
@@ -37,8 +37,6 @@ from tests.test_retention_holds import (
     rows_of,
     succeed,
 )
-from tests.test_retention_holds import delete_mode as delete_mode  # noqa: PLC0414 (fixture)
-from tests.test_retention_holds import made as made  # noqa: PLC0414 (fixture)
 
 T0 = datetime(2025, 6, 2, 9, tzinfo=UTC)
 EXPIRY_DAY = (T0 + TTL).date()

@@ -29,13 +29,12 @@ from tests.workers import (
     Broker,
     attempts,
     delivery,
-    flush_redis,
     running_worker,
     wait_for,
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 LIMITS = Thresholds(timedelta(minutes=1), 3, 0.7, timedelta(seconds=30), 5, timedelta(minutes=1))
 # A quiet route's thresholds: the ratio needs 10 requests, which one delivery never makes in
@@ -86,11 +85,6 @@ def downstream() -> Iterator[Downstream]:
     server = Downstream(503)
     yield server
     server.close()
-
-
-@pytest.fixture(autouse=True)
-def _clean() -> None:
-    flush_redis()
 
 
 def _route(engine: Engine, route_id: int) -> Any:

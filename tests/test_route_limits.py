@@ -52,7 +52,7 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 
 class Downstream:
@@ -128,11 +128,6 @@ def downstream() -> Iterator[Downstream]:
     )
     yield server
     server.close()
-
-
-@pytest.fixture(autouse=True)
-def _clean() -> None:
-    flush_redis()
 
 
 def _accept(settings: Settings, source: Any, n: int) -> list[int]:

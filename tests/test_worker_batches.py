@@ -8,66 +8,28 @@ Postgres and Redis; messages published by the receiver's own publisher."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.messages import DELIVERIES_QUEUE, Dispatch
-from tasks.publisher import Publisher
-from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL, KILL_AFTER_COMMIT_DIR
+from core.messages import DELIVERIES_QUEUE
+from tests.handlers_for_tests import KILL_AFTER_COMMIT_DIR
 from tests.workers import (
     BROKER_URL,
     attempts,
     delivery,
     effects,
-    flush_redis,
+    new_dispatches,
+    publish_one_message,
     running_beat,
     running_worker,
     wait_for,
     wait_status,
-    worker_settings,
 )
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
-
-
-def _deliveries(
-    sessions: sessionmaker[Session], routes: list[tuple[str, dict[str, str]]], **overrides: Any
-) -> list[Dispatch]:
-    """One source and event per route: the dispatches the receiver would publish."""
-    settings = worker_settings(**overrides)
-    out = []
-    for handler, options in routes:
-        source = make_source(sessions, settings, routes=[{"handler": handler, "options": options}])
-        event_id, outcome = accept_event(settings, source)
-        out.append(Dispatch(outcome.delivery_ids[0], event_id, source.public_id))
-    return out
-
-
-def _publish_one_message(dispatches: list[Dispatch], copies: int = 1, **overrides: Any) -> None:
-    """Through the receiver's publisher: deliveries published together are one message."""
-    client = redis.Redis.from_url(BROKER_URL)
-    before = client.llen(DELIVERIES_QUEUE)
-    publisher = Publisher(worker_settings(**overrides))
-    try:
-        for _ in range(copies):
-            publisher.publish_sync(dispatches)
-    finally:
-        publisher.close()
-        publisher.app.close()
-    assert client.llen(DELIVERIES_QUEUE) - before == copies  # one message per copy
-    client.close()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 
 def _calls(marker_dir: Path, delivery_id: int) -> list[tuple[int, str]]:
@@ -81,7 +43,7 @@ def test_each_delivery_of_a_batch_keeps_its_own_fate(
     engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
 ) -> None:
     marks = str(tmp_path)
-    effect, touched, flaky, doomed = _deliveries(
+    effect, touched, flaky, doomed = new_dispatches(
         sessions,
         [
             ("effect", {}),
@@ -90,7 +52,7 @@ def test_each_delivery_of_a_batch_keeps_its_own_fate(
             ("permanent", {}),
         ],
     )
-    _publish_one_message([effect, touched, flaky, doomed])
+    publish_one_message([effect, touched, flaky, doomed])
     with running_worker("fates", tmp_path) as worker:
         done = [wait_status(engine, d.delivery_id, "succeeded") for d in (effect, touched, flaky)]
         dead = wait_status(engine, doomed.delivery_id, "dead")
@@ -128,9 +90,9 @@ def test_kill_9_mid_batch_then_each_effect_exactly_once(
     marks.mkdir()
     slow = [("slow_effect", {"marker_dir": str(marks), "sleep": "2"})] * 3
     touch = [("touch", {"marker_dir": str(marks), "sleep": "2"})] * 2
-    batch = _deliveries(sessions, slow + touch)
+    batch = new_dispatches(sessions, slow + touch)
     ids = [d.delivery_id for d in batch]
-    _publish_one_message(batch)
+    publish_one_message(batch)
     with running_worker("doomed", tmp_path, pool=pool) as doomed:
         wait_for(
             lambda: all(list(marks.glob(f"{i}.1.*")) for i in ids),
@@ -165,9 +127,9 @@ def test_kill_9_after_the_batch_success_commit_before_the_ack(
     marks.mkdir()
     kills = tmp_path / "kills"
     kills.mkdir()
-    batch = _deliveries(sessions, [("touch", {"marker_dir": str(marks)})] * 4)
+    batch = new_dispatches(sessions, [("touch", {"marker_dir": str(marks)})] * 4)
     ids = [d.delivery_id for d in batch]
-    _publish_one_message(batch)
+    publish_one_message(batch)
     with running_worker(
         "committer", tmp_path, extra_env={KILL_AFTER_COMMIT_DIR: str(kills)}
     ) as worker:
@@ -175,7 +137,7 @@ def test_kill_9_after_the_batch_success_commit_before_the_ack(
         wait_for(lambda: not worker.alive(), timeout=30, what="the worker to die")
     rows = [delivery(engine, i) for i in ids]
     assert [(r.status, r.attempts) for r in rows] == [("succeeded", 1)] * 4
-    _publish_one_message(batch)  # the copy a redelivery brings
+    publish_one_message(batch)  # the copy a redelivery brings
     with running_worker("second", tmp_path) as second:
 
         def skipped() -> bool:
@@ -199,12 +161,12 @@ def test_a_stuck_handler_fails_alone_at_the_hard_limit(
     it is stopped at the hard limit (3 s) and its delivery retried, while its batch-mates'
     successes are recorded long before, with one attempt each."""
     marks = str(tmp_path)
-    batch = _deliveries(
+    batch = new_dispatches(
         sessions,
         [("hang_once", {}), ("effect", {}), ("touch", {"marker_dir": marks}), ("effect", {})],
     )
     stuck, *mates = batch
-    _publish_one_message(batch)
+    publish_one_message(batch)
     with running_worker("stuck-batch", tmp_path, pool=pool) as worker:
         row = wait_status(engine, stuck.delivery_id, "succeeded", timeout=60)
         assert worker.alive()
@@ -226,11 +188,11 @@ def test_two_workers_racing_copies_of_a_batch_with_redis_down_give_one_success_e
     """The fast tier unreachable (fail open, degraded): two workers claim copies of the same
     batch at once in Postgres; each row is claimed once, each effect written once."""
     down = {"redis_url": "redis://127.0.0.1:1/0", "redis_socket_timeout": 0.2}
-    batch = _deliveries(
+    batch = new_dispatches(
         sessions, [("slow_effect", {"marker_dir": str(tmp_path), "sleep": "0.5"})] * 6
     )
     ids = [d.delivery_id for d in batch]
-    _publish_one_message(batch, copies=6)
+    publish_one_message(batch, copies=6)
     with (
         running_worker("racer-a", tmp_path, **down) as a,
         running_worker("racer-b", tmp_path, **down) as b,

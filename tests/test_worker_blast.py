@@ -17,13 +17,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import Dispatch
 from tasks.publisher import Publisher
-from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL
 from tests.workers import (
     Worker,
     attempts,
     delivery,
-    flush_redis,
+    new_dispatches,
     running_beat,
     running_worker,
     wait_for,
@@ -31,30 +29,10 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 # The stuck delivery gets two crashes: the first beside its batch-mates, the second alone.
 BUDGET = {"max_redeliveries": 2}
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
-
-
-def _deliveries(
-    sessions: sessionmaker[Session], routes: list[tuple[str, dict[str, str]]]
-) -> list[Dispatch]:
-    """One source and event per route: the dispatches the receiver would publish."""
-    settings = worker_settings(**BUDGET)
-    out = []
-    for handler, options in routes:
-        source = make_source(sessions, settings, routes=[{"handler": handler, "options": options}])
-        event_id, outcome = accept_event(settings, source)
-        out.append(Dispatch(outcome.delivery_ids[0], event_id, source.public_id))
-    return out
 
 
 def _publish(dispatches: list[Dispatch]) -> None:
@@ -94,8 +72,10 @@ def test_a_stuck_handler_spends_only_its_own_crash_budget(
     started once the stuck handler passed its soft limit (2.5 s)."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    [stuck] = _deliveries(sessions, [("wedge", {"marker_dir": str(marks)})])
-    innocents = _deliveries(sessions, [("touch", {"marker_dir": str(marks), "sleep": "2.2"})] * 3)
+    [stuck] = new_dispatches(sessions, [("wedge", {"marker_dir": str(marks)})], **BUDGET)
+    innocents = new_dispatches(
+        sessions, [("touch", {"marker_dir": str(marks), "sleep": "2.2"})] * 3, **BUDGET
+    )
     ids = [d.delivery_id for d in innocents]
     with running_worker("first", tmp_path, pool=pool, **BUDGET) as first:
         if pool == "gevent":
@@ -155,7 +135,9 @@ def test_after_a_kill_9_from_outside_the_batch_copy_runs_each_delivery_alone(
     of its own (their second attempts do not share the claim's instant, as a batch's do)."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    batch = _deliveries(sessions, [("touch", {"marker_dir": str(marks), "sleep": "2"})] * 4)
+    batch = new_dispatches(
+        sessions, [("touch", {"marker_dir": str(marks), "sleep": "2"})] * 4, **BUDGET
+    )
     ids = [d.delivery_id for d in batch]
     _publish(batch)
     with running_worker("doomed", tmp_path, pool="threads", **BUDGET) as doomed:

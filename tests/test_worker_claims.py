@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 from kombu import Connection
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
@@ -22,7 +22,6 @@ from models.installation import installation_id
 from tasks.claims import claim_key
 from tests.conftest import REDIS_PORT, free_port
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL
 from tests.workers import (
     AMQP_URL,
     CLAIMS_URL,
@@ -39,7 +38,7 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 # The machine's Redis (6379) restarts as its service does; a suite's own Redis on another
 # port restarts in /tmp.
@@ -52,13 +51,6 @@ REDIS_START = [
     "redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", str(REDIS_PORT),
     "--save", "", "--appendonly", "no", "--dir", _REDIS_DIR, "--logfile", _REDIS_LOG,
 ]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
 
 
 def _one_delivery(sessions: sessionmaker[Session], handler: str, **options: str) -> int:

@@ -24,16 +24,13 @@ from tasks.runtime import Runtime, build_runtime
 from tasks.steps.run import in_waves
 from tests.factories import accept_event, make_source
 from tests.netproxy import CuttableProxy
-from tests.workers import attempts, delivery, flush_redis, wait_for, worker_settings
+from tests.workers import attempts, delivery, wait_for, worker_settings
+
+pytestmark = pytest.mark.usefixtures("clean_worker_state")
 
 
 def _no_publish(delivery_id: int, countdown: float) -> None:
     raise AssertionError("nothing here retries")
-
-
-@pytest.fixture(autouse=True)
-def _clean() -> None:
-    flush_redis()  # fast-claim keys of earlier runs name the same delivery ids
 
 
 @pytest.fixture

@@ -9,16 +9,14 @@ import signal
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL
 from tests.workers import (
     Broker,
     attempts,
     effects,
-    flush_redis,
     running_beat,
     running_worker,
     wait_for,
@@ -26,14 +24,7 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 
 def _slow_delivery(sessions: sessionmaker[Session], tmp_path: Path, sleep: float) -> int:

@@ -12,35 +12,27 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.handlers_for_tests import EFFECTS_DDL
-from tests.test_worker_batches import _deliveries, _publish_one_message
 from tests.workers import (
     Worker,
     attempts,
     delivery,
-    flush_redis,
+    new_dispatches,
+    publish_one_message,
     running_worker,
     wait_for,
     wait_status,
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 # Time limits long enough for a Postgres restart inside one attempt (the lease, 4 x hard,
 # is then 100 s: a repeat by lease could not hide inside the test's wait).
 LIMITS = {"soft_time_limit": 20.0, "hard_time_limit": 25.0, "visibility_timeout": 200.0}
 CLUSTER = ["15", "main"]
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
 
 
 def _terminate_all(engine: Engine) -> None:
@@ -66,10 +58,10 @@ def _run_through_fault(
     marks = tmp_path / "marks"
     marks.mkdir()
     routes = [("gate", {"marker_dir": str(marks)})] * 6
-    dispatches = _deliveries(sessions, routes, **LIMITS)
-    _publish_one_message(dispatches[:4])  # one message of four deliveries
-    _publish_one_message(dispatches[4:5])  # and two of one each
-    _publish_one_message(dispatches[5:])
+    dispatches = new_dispatches(sessions, routes, **LIMITS)
+    publish_one_message(dispatches[:4])  # one message of four deliveries
+    publish_one_message(dispatches[4:5])  # and two of one each
+    publish_one_message(dispatches[5:])
     with running_worker("faults", tmp_path, **LIMITS) as worker:
         ids = [d.delivery_id for d in dispatches]
         wait_for(

@@ -19,7 +19,6 @@ from models.db import make_engine
 from tasks.runtime import engine_pool_size
 from tests.conftest import TEST_DB
 from tests.netproxy import CuttableProxy
-from tests.test_worker_batches import _deliveries
 from tests.workers import (
     Broker,
     Worker,
@@ -27,6 +26,7 @@ from tests.workers import (
     broker_idle,
     delivery,
     flush_redis,
+    new_dispatches,
     running_beat,
     running_worker,
     wait_for,
@@ -132,7 +132,7 @@ def test_a_delivery_without_its_database_is_one_line_and_a_retry_not_a_traceback
     marks = tmp_path / "marks"
     marks.mkdir()
     route = [("touch", {"marker_dir": str(marks)})]
-    (first,) = _deliveries(sessions, route)
+    (first,) = new_dispatches(sessions, route)
     proxy = CuttableProxy(5432)
     proxy.cut()
     via_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{TEST_DB}"
@@ -143,7 +143,7 @@ def test_a_delivery_without_its_database_is_one_line_and_a_retry_not_a_traceback
         ):
             _held_then_made_once(worker, proxy, engine, first.delivery_id, marks)
             # Accepted now: pending before, the sweep after the restore would have made it.
-            (second,) = _deliveries(sessions, route)
+            (second,) = new_dispatches(sessions, route)
             proxy.cut()  # open connections die; new ones are refused
             _held_then_made_once(worker, proxy, engine, second.delivery_id, marks)
             log = worker.output()

@@ -23,28 +23,22 @@ from tasks.handlers.subscription import apply_subscription_event
 from tasks.pipeline import deliver_one
 from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL, record_effect
+from tests.handlers_for_tests import record_effect
 from tests.leakcheck import remember
 from tests.workers import (
     Broker,
     attempts,
     delivery,
     effects,
-    flush_redis,
     retry_logs,
     running_worker,
     wait_status,
     worker_settings,
 )
 
+pytestmark = pytest.mark.usefixtures("clean_worker_state")
+
 ROUTE_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
 
 
 # -- forward ------------------------------------------------------------------------------

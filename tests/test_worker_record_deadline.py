@@ -11,33 +11,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.conftest import TEST_DB
-from tests.handlers_for_tests import EFFECTS_DDL
 from tests.netproxy import CuttableProxy
-from tests.test_worker_batches import _deliveries, _publish_one_message
 from tests.workers import (
     attempts,
     delivery,
-    flush_redis,
+    new_dispatches,
+    publish_one_message,
     running_beat,
     running_worker,
     wait_for,
     wait_status,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 RECORD_WITHIN = 1.5
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
 
 
 def test_an_unrecordable_success_takes_the_lease_path_and_repeats_under_the_same_key(
@@ -45,8 +37,8 @@ def test_an_unrecordable_success_takes_the_lease_path_and_repeats_under_the_same
 ) -> None:
     marks = tmp_path / "marks"
     marks.mkdir()
-    (dispatch,) = _deliveries(sessions, [("gate", {"marker_dir": str(marks)})])
-    _publish_one_message([dispatch])
+    (dispatch,) = new_dispatches(sessions, [("gate", {"marker_dir": str(marks)})])
+    publish_one_message([dispatch])
     proxy = CuttableProxy(5432)  # the worker's way to Postgres; the test's own is direct
     via_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{TEST_DB}"
     try:

@@ -8,20 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import requeue
 from tasks.policy import RetryPolicy, backoff_bound
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
 from tests.workers import (
     Broker,
     attempts,
     delivery,
     effects,
-    flush_redis,
     retry_logs,
     running_beat,
     running_worker,
@@ -30,14 +28,7 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 
 def test_a_handler_failing_three_times_succeeds_on_the_fourth_attempt_with_jittered_delays(

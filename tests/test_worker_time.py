@@ -19,7 +19,7 @@ from typing import Any
 import libfaketime
 import pytest
 import redis
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.clock import FrozenClock
@@ -28,7 +28,7 @@ from tasks.pipeline import deliver_one, run
 from tasks.runtime import Runtime, build_runtime
 from tasks.sweeper import sweep_once
 from tests.factories import accept_event, make_source
-from tests.handlers_for_tests import EFFECTS_DDL, KILL_AFTER_COMMIT_DIR
+from tests.handlers_for_tests import KILL_AFTER_COMMIT_DIR
 from tests.leakcheck import remember
 from tests.workers import (
     CLAIMS_URL,
@@ -37,7 +37,6 @@ from tests.workers import (
     attempts,
     delivery,
     effects,
-    flush_redis,
     running_beat,
     running_worker,
     wait_for,
@@ -45,20 +44,13 @@ from tests.workers import (
     worker_settings,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 ROUTE_SECRET = "whsec_Q2xvY2tzRGlzYWdyZWVCdXRUaGVEYXRhYmFzZURlY2lkZXM="
 
 # Long enough for a second worker to start while the first is still in its handler:
 # handler 12 s < soft 18 s < hard 20 s < processing TTL (the lease) 80 s < visibility 120 s.
 SLOW: dict[str, Any] = {"soft_time_limit": 18.0, "hard_time_limit": 20.0, "visibility_timeout": 120}
-
-
-@pytest.fixture(autouse=True)
-def _clean(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(EFFECTS_DDL))
-    flush_redis()
 
 
 def faketime_env(offset: str) -> dict[str, str]:

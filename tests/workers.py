@@ -21,9 +21,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 from sqlalchemy import Engine, Row, text
+from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import (
     DELIVER_TASK,
@@ -31,10 +33,13 @@ from core.messages import (
     MAINTENANCE_QUEUE,
     MAINTENANCE_TASK,
     SWEEP_TASK,
+    Dispatch,
 )
 from core.settings import Settings
 from tasks.config import create_app
+from tasks.publisher import Publisher
 from tests.conftest import BIN, REDIS, make_settings, test_env
+from tests.factories import accept_event, make_source
 from tests.leakcheck import log_file
 
 BROKER_URL = f"{REDIS}/10"
@@ -253,6 +258,48 @@ def flush_redis(*urls: str) -> None:
             client.flushdb()
         finally:
             client.close()
+
+
+@pytest.fixture
+def clean_worker_state(engine: Engine) -> None:
+    """Each test of a module that opts in (``pytest.mark.usefixtures("clean_worker_state")``)
+    starts with the handlers' effects table in place and the workers' Redis databases (broker
+    and claims) empty: messages and fast-claim keys of earlier tests name the same delivery
+    ids. A fixture of this plugin module (registered in ``tests/conftest.py``)."""
+    # Imported here: importing it registers the test handlers, which only these modules use.
+    from tests.handlers_for_tests import EFFECTS_DDL  # noqa: PLC0415
+
+    with engine.begin() as conn:
+        conn.execute(text(EFFECTS_DDL))
+    flush_redis()
+
+
+def new_dispatches(
+    sessions: sessionmaker[Session], routes: list[tuple[str, dict[str, str]]], **overrides: Any
+) -> list[Dispatch]:
+    """One source and event per route: the dispatches the receiver would publish."""
+    settings = worker_settings(**overrides)
+    out = []
+    for handler, options in routes:
+        source = make_source(sessions, settings, routes=[{"handler": handler, "options": options}])
+        event_id, outcome = accept_event(settings, source)
+        out.append(Dispatch(outcome.delivery_ids[0], event_id, source.public_id))
+    return out
+
+
+def publish_one_message(dispatches: list[Dispatch], copies: int = 1, **overrides: Any) -> None:
+    """Through the receiver's publisher: deliveries published together are one message."""
+    client = redis.Redis.from_url(BROKER_URL)
+    before = client.llen(DELIVERIES_QUEUE)
+    publisher = Publisher(worker_settings(**overrides))
+    try:
+        for _ in range(copies):
+            publisher.publish_sync(dispatches)
+    finally:
+        publisher.close()
+        publisher.app.close()
+    assert client.llen(DELIVERIES_QUEUE) - before == copies  # one message per copy
+    client.close()
 
 
 # -- reading the database -----------------------------------------------------------------
