@@ -21,7 +21,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from models import partitions, queries, requeue, retention, transitions
+from models import partitions, queries, requeue, retention_holds, transitions
 from models.partitions import leaf_suffix
 from models.retention import run_maintenance
 from models.retention_holds import hold_end
@@ -227,7 +227,7 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
     kill(sessions, dead, died)
     kill(sessions, replayed, died)
     recorder = Recorder()
-    monkeypatch.setattr(retention, "log", recorder)
+    monkeypatch.setattr(retention_holds, "log", recorder)  # where the expiry is logged
     before = sample("webhooks_dead_letters_discarded_total", via="retention")
 
     for day in range(1, 11):
