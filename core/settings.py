@@ -119,6 +119,10 @@ class Settings(BaseSettings):
     soft_time_limit: float = Field(default=30.0, gt=0)
     hard_time_limit: float = Field(default=60.0, gt=0)
     visibility_timeout: float = Field(default=3600.0, gt=0)
+    # How long a worker's wait for the broker's next message lasts (kombu's Redis BRPOP timeout):
+    # a stopping worker begins its warm shutdown once that wait returns, so shorter stops
+    # sooner, at the cost of one more idle Redis round trip per interval.
+    broker_poll_interval: timedelta = Field(default=timedelta(seconds=1), gt=timedelta(0))
     max_redeliveries: int = Field(default=3, ge=1)
     # How long a worker keeps trying to record an outcome that already happened (a handler's
     # success, or a failure's retry or dead state) through database faults before it leaves

@@ -32,6 +32,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     # Kombu's Redis transport keeps 10 connections for acks and publishes by default: with
     # ~100 greenlets acking at once it raises "Too many connections". One per slot, plus room.
     transport["max_connections"] = max(10, settings.worker_slots + 10)
+    transport["polling_interval"] = settings.broker_poll_interval.total_seconds()
     return {
         "broker_url": settings.broker_url,
         "result_backend": None,

@@ -54,6 +54,8 @@ FAST: dict[str, Any] = {
     "soft_time_limit": 2.5,
     "hard_time_limit": 3.0,
     "visibility_timeout": 20.0,
+    # A stopping worker leaves its wait for the broker within 0.2 s (the default is 1 s).
+    "broker_poll_interval": timedelta(seconds=0.2),
     "sweep_interval": timedelta(seconds=1),
     "publish_grace": timedelta(seconds=1),
     "retry_base": timedelta(seconds=0.2),
