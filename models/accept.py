@@ -13,14 +13,8 @@ migration 0003), so one round trip. Inside its transaction it:
 
 Nothing is acknowledged before that statement's COMMIT returns.
 
-Group commit. Concurrent requests in one receiver process share that round trip and that
-commit: :meth:`Store.accept` queues the receipt and at most ``accept_concurrency`` batches are
-in flight at once, each taking whatever queued up while the previous ones ran (up to
-``accept_batch_max``) and running ``webhooks_accept_many(...)`` (migration 0004: for each
-element exactly what ``webhooks_accept`` decides, set-based, in one transaction). Alone, a
-request runs at once as a batch of one (no added latency); under load, one WAL flush and one
-network exchange serve many webhooks. A batch that fails on one element (not a lost
-connection) is run again element by element, so one bad request never fails its neighbours.
+The receiver runs it in groups (group commit, ``ingest.store``): ``webhooks_accept_many``
+(migration 0004) decides each element exactly as ``webhooks_accept`` does, in one transaction.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Its fixtures (``made``, ``delete_mode``) reach the test modules as a plugin regi
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -145,18 +146,27 @@ def rows_of(engine: Engine, source: MadeSource) -> dict[str, Row]:
 DELETE_DB = f"{TEST_DB}_holds_delete"
 
 
-@pytest.fixture(scope="module")
-def delete_mode() -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
-    url = f"postgresql://postgres@127.0.0.1:5432/{DELETE_DB}"
-    settings = make_settings(database_url=url, retention_mode="delete", delete_batch_size=2)
-    drop_database(DELETE_DB)
+@contextmanager
+def delete_mode_database(
+    name: str, batch: int
+) -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
+    """A database of its own laid out by upgrade in delete retention mode, dropped after."""
+    url = f"postgresql://postgres@127.0.0.1:5432/{name}"
+    settings = make_settings(database_url=url, retention_mode="delete", delete_batch_size=batch)
+    drop_database(name)
     upgrade(settings)
     engine = make_engine(settings, pool_size=2)
     try:
         yield settings, engine, make_sessionmaker(engine)
     finally:
         engine.dispose()
-        drop_database(DELETE_DB)
+        drop_database(name)
+
+
+@pytest.fixture(scope="module")
+def delete_mode() -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
+    with delete_mode_database(DELETE_DB, batch=2) as made:
+        yield made
 
 
 def drop_database(name: str) -> None:

@@ -34,18 +34,17 @@ from core.ttl import MAX_EVENT_TIME_LEAD, TtlOverrides, expires_at
 from ingest.app import create_app
 from models import partitions, requeue, transitions
 from models.accept import NewReceipt, accept_sync
-from models.db import make_engine, make_sessionmaker, upgrade
 from models.retention import delete_expired, drop_payloads, run_maintenance
 from models.retention_expiry import drop_expired_partitions
 from models.retention_holds import hold_end
 from models.retention_layout import ensure_partitions, longest_ttl
 from models.transitions import Claim
-from tests.conftest import ADMIN_DSN, BIN, REDIS, TEST_DB, make_settings
+from tests.conftest import BIN, REDIS, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, accept_event, make_source, source_ttl
 from tests.leakcheck import remember
 from tests.processes import receiver
-from tests.retention_support import forget
+from tests.retention_support import delete_mode_database, forget
 from tests.signing import sign
 
 D = datetime(2024, 2, 10, tzinfo=UTC)  # a midnight
@@ -768,24 +767,8 @@ DELETE_DB = f"{TEST_DB}_retention_delete"
 
 @pytest.fixture(scope="module")
 def delete_mode() -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
-    url = f"postgresql://postgres@127.0.0.1:5432/{DELETE_DB}"
-    settings = make_settings(database_url=url, retention_mode="delete", delete_batch_size=3)
-    _drop_database(DELETE_DB)
-    upgrade(settings)
-    engine = make_engine(settings, pool_size=2)
-    try:
-        yield settings, engine, make_sessionmaker(engine)
-    finally:
-        engine.dispose()
-        _drop_database(DELETE_DB)
-
-
-def _drop_database(name: str) -> None:
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
-        )
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    with delete_mode_database(DELETE_DB, batch=3) as made:
+        yield made
 
 
 def test_delete_mode_lays_out_indexed_default_partitions_and_never_drops(

@@ -65,6 +65,15 @@ def reseal(engine: Engine) -> Iterator[Callable[[str, str], None]]:
             )
 
 
+def stored(engine: Engine, secret_id: str) -> bytes:
+    with engine.connect() as conn:
+        return bytes(
+            conn.execute(
+                text("SELECT ciphertext FROM source_secrets WHERE id = :id"), {"id": secret_id}
+            ).scalar_one()
+        )
+
+
 def _refused(purpose: str, reason: str) -> float:
     value = metrics.SECRETS_REFUSED.labels(purpose, reason)._value.get()
     return float(value)
@@ -199,19 +208,12 @@ def test_upgrade_and_rekey_bind_what_was_written_before_binding(
         )
     box = SecretBox(KEY)
 
-    def stored() -> bytes:
-        with engine.connect() as conn:
-            return bytes(
-                conn.execute(
-                    text("SELECT ciphertext FROM source_secrets WHERE id = :id"),
-                    {"id": made.secret_id},
-                ).scalar_one()
-            )
-
     with pytest.raises(SecretUnbound):
-        box.open(stored(), source_secret_place(made.secret_id))
+        box.open(stored(engine, made.secret_id), source_secret_place(made.secret_id))
     upgrade(settings)  # what `webhooks db upgrade` runs
-    assert box.open(stored(), source_secret_place(made.secret_id)) == made.secret
+    assert (
+        box.open(stored(engine, made.secret_id), source_secret_place(made.secret_id)) == made.secret
+    )
     # A misplaced one stays refused and is reported by rekey, not rebound where it stands.
     other = make_source(sessions, settings)
     remember(other.secret)
@@ -225,20 +227,12 @@ def test_upgrade_and_rekey_bind_what_was_written_before_binding(
             {"from": made.secret_id, "to": other.secret_id},
         )
 
-    def held(secret_id: str) -> bytes:
-        with engine.connect() as conn:
-            return bytes(
-                conn.execute(
-                    text("SELECT ciphertext FROM source_secrets WHERE id = :id"), {"id": secret_id}
-                ).scalar_one()
-            )
-
-    copied = held(other.secret_id)
+    copied = stored(engine, other.secret_id)
     report = rekey(sessions, box)
     assert report.misplaced["source_secrets"] >= 1  # this one (others' tests may add theirs)
-    assert held(other.secret_id) == copied  # left as it was, not rebound where it stands
+    assert stored(engine, other.secret_id) == copied  # left as it was, not rebound where it stands
     with pytest.raises(SecretMisplaced):
-        box.open(held(other.secret_id), source_secret_place(other.secret_id))
+        box.open(stored(engine, other.secret_id), source_secret_place(other.secret_id))
 
 
 def test_a_route_secret_is_sealed_for_its_route(
