@@ -67,6 +67,12 @@ SIGNING: Final = "signing_secret"  # source_secrets.ciphertext: verifies a provi
 RECONCILE: Final = "reconcile_credential"  # sources.reconcile_ciphertext: the provider's API key
 ROUTE_SIGNING: Final = "route_secret"  # routes.signing_ciphertext: signs forwarded requests
 PURPOSES: Final = (SIGNING, RECONCILE, ROUTE_SIGNING)
+# How an operator puts a refused secret right, by its purpose.
+_FIXES: Final = {
+    SIGNING: "add a new one (webhooks secrets add SOURCE) and revoke this one",
+    RECONCILE: "set the credential again (webhooks sources update SOURCE --api-key KEY)",
+    ROUTE_SIGNING: "remove the route and add it again (it gets a new signing secret)",
+}
 
 # The bound plaintext: MARK, then table, row and purpose, each ended by a NUL, then the secret.
 # A secret is text a person or a provider made, never starting with a NUL: an unbound
@@ -108,8 +114,7 @@ class SecretMisplaced(SecretDecryptError):
         super().__init__(
             f"the secret stored at {wanted} was sealed for "
             f"{found if found is not None else 'an unreadable place'}: it was copied there and"
-            " is refused; set it again (webhooks secrets add SOURCE, then secrets revoke the copy;"
-            " a credential: webhooks sources update SOURCE --api-key)"
+            f" is refused; {_FIXES[wanted.purpose]}"
         )
 
 

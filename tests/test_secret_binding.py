@@ -147,7 +147,9 @@ def test_a_signing_secret_copied_into_a_credential_never_reaches_the_api(
         fake.seen.clear()
         run = cli("reconcile", attacker.name, "--dry-run", env=env)
     assert run.returncode != 0
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr  # one line, no log noise
     assert "sealed for" in run.stderr
+    assert "webhooks sources update SOURCE --api-key" in run.stderr  # the fix for a credential
     assert "copied there" in run.stderr
     assert "Traceback" not in run.stderr
     assert victim.secret not in run.stdout + run.stderr
