@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, text
@@ -41,6 +42,7 @@ from tests.factories import make_source
 from tests.fake_providers import FakeStripe, serving
 from tests.leakcheck import remember
 from tests.operators_support import cli
+from tests.workers import delivery, new_dispatches, publish_one_message, running_worker, wait_for
 
 KEY = make_settings().secret_key.get_secret_value()
 
@@ -254,3 +256,35 @@ def test_a_route_secret_is_sealed_for_its_route(
     assert box.open(bytes(ciphertext), route_secret_place(made.route_ids[0])).startswith("whsec_")
     with pytest.raises(SecretMisplaced):
         box.open(bytes(ciphertext), route_secret_place(made.route_ids[0] + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clean_worker_state")
+def test_a_forward_route_whose_secret_was_copied_goes_dead_and_calls_nothing(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """The worker opens a route's signing secret only at its own route: another route's copied
+    there is refused before any downstream call, and the delivery is a dead letter saying so."""
+    url = "https://downstream.invalid/hook"  # never reached: the refusal comes first
+    (victim, attacker) = new_dispatches(
+        sessions, [("forward", {"url": url}), ("forward", {"url": url})]
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE routes SET signing_ciphertext = (SELECT r.signing_ciphertext FROM routes r"
+                " JOIN deliveries d ON d.route_id = r.id WHERE d.id = :victim)"
+                " WHERE id = (SELECT route_id FROM deliveries WHERE id = :attacker)"
+            ),
+            {"victim": victim.delivery_id, "attacker": attacker.delivery_id},
+        )
+    publish_one_message([attacker])
+    with running_worker("misplaced", tmp_path):
+        row = wait_for(
+            lambda: (r := delivery(engine, attacker.delivery_id)).status == "dead" and r,
+            timeout=60,
+            what="the delivery to go dead",
+        )
+    assert row.dead_reason == "permanent"  # the dead letter's reason for every permanent error
+    assert "sealed for routes row" in row.last_error  # which place the copy came from
+    assert row.attempts == 1  # refused at once: no retry, no downstream call
