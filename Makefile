@@ -3,12 +3,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install chromium run test lint bench bench-receiver
+.PHONY: install chromium run test lint bench bench-receiver drill-hosts
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make run   - install, migrate, run receiver + worker + beat + Flower (Ctrl-C stops)"
 	@echo "make test  - install, lint (ruff), type-check (mypy --strict), run the test suite"
+	@echo "make drill-hosts - (root) the multi-host drill: hosts as network namespaces, faults between them"
 	@echo "make bench-receiver [REV=rev] - the receiver against REV (default: the merge base with main)"
 
 install: $(VENV)/.installed
@@ -62,3 +63,8 @@ test: lint
 REV ?= $(shell git merge-base HEAD main)
 bench-receiver: install
 	$(PY) bench/bench_receiver.py --against $(REV) $(BENCH_ARGS)
+
+# The multi-host drill (docs/reliability.md): hosts as network namespaces, faults between them,
+# about 8 minutes; DRILL_ARGS=--short for a <= 3 minute run. Needs root (ip netns, tc).
+drill-hosts: install
+	$(PY) bench/drill_hosts.py $(DRILL_ARGS)
