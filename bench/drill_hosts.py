@@ -81,6 +81,8 @@ DB_NAME = "webhooks"
 HARD_LIMIT = 5.0
 LEASE = 4 * HARD_LIMIT
 SENDER_TIMEOUT = 10.0
+# The worker host whose Postgres traffic goes through the slow-link relay.
+SLOW_HOST = "w3"
 
 
 def ip_of(host: str) -> str:
@@ -201,7 +203,6 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
     source_path: str = ""
     secret: str = ""
-    source_id: int = 0
     route_id: int = 0
 
     def start(self, proc: Proc, extra_env: dict[str, str] | None = None) -> None:
@@ -287,8 +288,9 @@ def psql(sql: str) -> str:
 def start_postgres(cluster: Cluster) -> None:
     data = cluster.tmp / "pgdata"
     sock = cluster.tmp / "pgsock"
-    sock.mkdir()
-    shutil.chown(sock, "postgres", "postgres")
+    for path in (data, sock):
+        path.mkdir(mode=0o700)
+        shutil.chown(path, "postgres", "postgres")
     run(["runuser", "-u", "postgres", "--", str(PG_BIN / "initdb"), "-D", str(data),
          "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])  # fmt: skip
     with (data / "postgresql.conf").open("a") as conf:
@@ -323,6 +325,10 @@ def start_redis(cluster: Cluster) -> None:
     )
 
 
+def database_url(host: str, port: int) -> str:
+    return f"postgresql+psycopg://postgres@{host}:{port}/{DB_NAME}"
+
+
 def pipeline_env(tmp: Path, concurrency: int) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
     empty = tmp / "empty.env"
@@ -331,7 +337,7 @@ def pipeline_env(tmp: Path, concurrency: int) -> dict[str, str]:
         **base,
         "WEBHOOKS_ENV_FILE": str(empty),
         "WEBHOOKS_ENVIRONMENT": "development",
-        "WEBHOOKS_DATABASE_URL": f"postgresql+psycopg://postgres@{ip_of('pg')}:{PG_PORT}/{DB_NAME}",
+        "WEBHOOKS_DATABASE_URL": database_url(ip_of("pg"), PG_PORT),
         "WEBHOOKS_REDIS_URL": f"redis://{ip_of('redis')}:{REDIS_PORT}/1",
         "WEBHOOKS_BROKER_URL": f"redis://{ip_of('redis')}:{REDIS_PORT}/0",
         "WEBHOOKS_SECRET_KEY": secrets.token_urlsafe(48),
@@ -374,10 +380,8 @@ def setup_database(cluster: Cluster) -> None:
     source = json.loads(
         webhooks("sources", "add", "drill", "--provider", "stripe", "--json", "--as", "drill")
     )
-    cluster.secret = str(find_key(source, "secret"))
-    cluster.source_id = int(find_key(source, "id"))
-    public = str(find_key(source, "public_id"))
-    cluster.source_path = f"/webhooks/{public}"
+    cluster.secret = str(source["secret"])
+    cluster.source_path = str(source["url_path"])
     route = json.loads(
         webhooks(
             "routes", "add", "drill", "--handler", "forward", "--json", "--as", "drill",
@@ -385,24 +389,7 @@ def setup_database(cluster: Cluster) -> None:
             "--option", "allow_http=true", "--option", "allow_private=true",
         )
     )  # fmt: skip
-    cluster.route_id = int(find_key(route, "id"))
-
-
-def find_key(obj: Any, key: str) -> Any:
-    """The first value under ``key`` in a JSON document (depth first)."""
-    if isinstance(obj, dict):
-        if key in obj and obj[key] not in (None, ""):
-            return obj[key]
-        for value in obj.values():
-            found = find_key(value, key)
-            if found is not None:
-                return found
-    if isinstance(obj, list):
-        for value in obj:
-            found = find_key(value, key)
-            if found is not None:
-                return found
-    return None
+    cluster.route_id = int(route["id"])
 
 
 def start_pipeline(cluster: Cluster, concurrency: int) -> None:
@@ -428,6 +415,12 @@ def start_pipeline(cluster: Cluster, concurrency: int) -> None:
     for host in WORKERS:
         env = {**cluster.env, "WEBHOOKS_METRICS_DIR": str(cluster.tmp / f"metrics-{host}")}
         Path(env["WEBHOOKS_METRICS_DIR"]).mkdir()
+        if host == SLOW_HOST:
+            relay = [py, me, "slowlink", "--port", str(SLOW_PORT), "--target", ip_of("pg")]
+            cluster.start(
+                Proc(host, "slowlink", relay, dict(os.environ), logs / f"{host}-slowlink.log")
+            )
+            env["WEBHOOKS_DATABASE_URL"] = database_url("127.0.0.1", SLOW_PORT)
         cmd = [str(VENV_BIN / "celery"), "-A", "tasks", "worker", "-Q", "deliveries,maintenance",
                "-P", "threads", "-c", str(concurrency), "-n", f"worker@{ns_of(host)}",
                "--loglevel", "WARNING"]  # fmt: skip
@@ -475,31 +468,74 @@ def blackhole(
     return apply, revert
 
 
-def netem(host: str, target: str) -> tuple[Callable[[Cluster], None], Callable[[Cluster], None]]:
-    """100 ms +- 20 ms and 2% loss on what ``host`` sends to ``target`` and what ``target``
-    sends back to ``host`` (a prio qdisc whose third band is the netem one, a u32 filter)."""
+SLOW_PORT = 6432
 
-    def shape(on: str, dst: str) -> None:
-        tc = ["ip", "netns", "exec", ns_of(on), "tc"]
-        run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "prio",
-             "priomap", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1"])  # fmt: skip
-        run([*tc, "qdisc", "add", "dev", "eth0", "parent", "1:3", "handle", "30:", "netem",
-             "delay", "100ms", "20ms", "loss", "2%"])  # fmt: skip
-        run([*tc, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:0", "prio", "3",
-             "u32", "match", "ip", "dst", f"{ip_of(dst)}/32", "flowid", "1:3"])  # fmt: skip
 
-    def apply(_: Cluster) -> None:
-        shape(host, target)
-        shape(target, host)
+def slow_link(host: str) -> tuple[Callable[[Cluster], None], Callable[[Cluster], None]]:
+    """100 ms +- 20 ms each way, and 2% of segments held a retransmit timeout more, between
+    ``host`` and Postgres. This kernel has no ``netem`` qdisc (only htb, tbf, pfifo), so the
+    link is a userspace relay on the host's own loopback (``slowlink``), which that host's
+    processes always reach Postgres through: transparent until SIGUSR1, again after SIGUSR2."""
 
-    def revert(_: Cluster) -> None:
-        for on in (host, target):
-            run(
-                ["ip", "netns", "exec", ns_of(on), "tc", "qdisc", "del", "dev", "eth0", "root"],
-                check=False,
-            )
+    def relay(c: Cluster, signum: int) -> None:
+        for proc in c.host_procs(host):
+            if proc.name == "slowlink" and proc.popen is not None:
+                proc.popen.send_signal(signum)
 
-    return apply, revert
+    return (lambda c: relay(c, signal.SIGUSR1)), (lambda c: relay(c, signal.SIGUSR2))
+
+
+async def serve_slow_link(listen_port: int, target: str, target_port: int, loss: float) -> None:
+    degraded = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, degraded.set)
+    loop.add_signal_handler(signal.SIGUSR2, degraded.clear)
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    break
+                wait = due - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.create_task(deliver())
+        last = 0.0
+        try:
+            while data := await reader.read(65536):
+                due = loop.time()
+                if degraded.is_set():
+                    due += max(0.0, random.gauss(0.1, 0.02))
+                    if random.random() < loss:  # noqa: S311  (a lost segment: one RTO)
+                        due += 0.2 + random.random() * 0.2  # noqa: S311
+                last = max(last, due)
+                queue.put_nowait((last, data))
+        except OSError:
+            pass
+        finally:
+            queue.put_nowait((0.0, b""))
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                await sender
+            with contextlib.suppress(OSError):
+                writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(target, target_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", listen_port, backlog=256)
+    async with server:
+        await server.serve_forever()
 
 
 def faketime_env(offset: str) -> dict[str, str]:
@@ -539,8 +575,8 @@ def make_faults(short: bool) -> dict[str, Fault]:
               *blackhole("w2", "redis")),
         Fault("pg-cut-receiver", "r1", 15, "receiver host r1 cut off from Postgres",
               *blackhole("r1", "pg")),
-        Fault("netem-worker-pg", "w3", 30, "100 ms +- 20 ms, 2% loss between worker host w3 and Postgres",
-              *netem("w3", "pg")),
+        Fault("slow-link-worker-pg", "w3", 30, "100 ms +- 20 ms each way and 2% of segments held"
+              " one retransmit timeout more, between worker host w3 and Postgres", *slow_link("w3")),
         Fault("clock-ahead", "w3", 40, "worker host w3 restarted with its clock 2 min ahead (libfaketime)",
               restart("w3", faketime_env("+2m")), restart("w3", None)),
         Fault("freeze-host", "w2", lease_plus - 2, "worker host w2 frozen (SIGSTOP of all its pids) past a lease",
@@ -952,8 +988,10 @@ def drill(args: argparse.Namespace) -> int:
         print("the drill makes network namespaces: run it as root", file=sys.stderr)
         return 2
     faults_all = make_faults(args.short)
-    chosen = [n.strip() for n in args.faults.split(",") if n.strip()] if args.faults else (
-        list(SHORT_FAULTS) if args.short else list(faults_all))  # fmt: skip
+    if args.faults is None:
+        chosen = list(SHORT_FAULTS) if args.short else list(faults_all)
+    else:
+        chosen = [n.strip() for n in args.faults.split(",") if n.strip() not in ("", "none")]
     unknown = [n for n in chosen if n not in faults_all]
     if unknown:
         print(f"unknown faults {unknown}; known: {', '.join(faults_all)}", file=sys.stderr)
@@ -1067,7 +1105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="mode")
     parser.add_argument("--short", action="store_true", help="a <= 3 minute run with three faults")
     parser.add_argument(
-        "--faults", default="", help="comma-separated faults (default: all, or the short set)"
+        "--faults",
+        default=None,
+        help="comma-separated faults, or none (default: all, or the short set)",
     )
     parser.add_argument("--rate", type=float, default=40.0, help="events per second")
     parser.add_argument(
@@ -1091,6 +1131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     down.add_argument("--port", type=int, required=True)
     down.add_argument("--out", type=Path, required=True)
     down.add_argument("--delay", type=float, default=0.02)
+    slow = sub.add_parser("slowlink", help="(internal) the slow, lossy relay to Postgres")
+    slow.add_argument("--port", type=int, required=True)
+    slow.add_argument("--target", required=True)
+    slow.add_argument("--loss", type=float, default=0.02)
     send = sub.add_parser("sender", help="(internal) the provider-like sender")
     send.add_argument("--receivers", required=True)
     send.add_argument("--path", required=True)
@@ -1102,6 +1146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mode == "downstream":
         serve_downstream(args.bind, args.port, args.out, args.delay)
+        return 0
+    if args.mode == "slowlink":
+        asyncio.run(serve_slow_link(args.port, args.target, PG_PORT, args.loss))
         return 0
     if args.mode == "sender":
         asyncio.run(send_events(args.receivers.split(","), args.path, args.rate, args.duration,
