@@ -70,6 +70,7 @@ HOSTS: dict[str, int] = {
     "beat": 31,
     "sender": 41,
 }
+HOST_OF_IP: dict[str, str] = {f"{SUBNET}.{n}": h for h, n in HOSTS.items()}
 WORKERS = ("w1", "w2", "w3")
 RECEIVERS = ("r1", "r2")
 PG_PORT = 5432
@@ -448,6 +449,9 @@ class Fault:
     what: str
     apply: Callable[[Cluster], None]
     revert: Callable[[Cluster], None]
+    # Applied the moment the downstream sees a call from ``host`` (within 5 s of the
+    # planned time): a host frozen or killed with a downstream call in flight.
+    when_busy: bool = False
     start: float = 0.0  # planned offset from the sender's start (s)
     applied_at: float = 0.0  # epoch seconds, as applied
     reverted_at: float = 0.0
@@ -538,6 +542,21 @@ async def serve_slow_link(listen_port: int, target: str, target_port: int, loss:
         await server.serve_forever()
 
 
+def wait_busy(arrivals: Path, peer: str, timeout: float) -> bool:
+    """Until the downstream logs a call's arrival from ``peer`` (True), or ``timeout``."""
+    deadline = now() + timeout
+    with arrivals.open() as log:
+        log.seek(0, os.SEEK_END)
+        pending = ""
+        while now() < deadline:
+            pending += log.read()
+            *lines, pending = pending.split("\n")
+            if any(line.endswith(" " + peer) for line in lines):
+                return True
+            time.sleep(0.001)
+    return False
+
+
 def faketime_env(offset: str) -> dict[str, str]:
     import libfaketime  # type: ignore[import-untyped]  # noqa: PLC0415  (dev extra)
 
@@ -580,9 +599,9 @@ def make_faults(short: bool) -> dict[str, Fault]:
         Fault("clock-ahead", "w3", 40, "worker host w3 restarted with its clock 2 min ahead (libfaketime)",
               restart("w3", faketime_env("+2m")), restart("w3", None)),
         Fault("freeze-host", "w2", lease_plus - 2, "worker host w2 frozen (SIGSTOP of all its pids) past a lease",
-              sig("w2", signal.SIGSTOP), sig("w2", signal.SIGCONT)),
+              sig("w2", signal.SIGSTOP), sig("w2", signal.SIGCONT), when_busy=True),
         Fault("kill-host", "w3" if short else "w1", 5, "a worker host killed (SIGKILL of all its pids), started 5 s later",
-              kill("w3" if short else "w1"), start("w3" if short else "w1")),
+              kill("w3" if short else "w1"), start("w3" if short else "w1"), when_busy=True),
     ]  # fmt: skip
     return {f.name: f for f in faults}
 
@@ -595,8 +614,12 @@ SHORT_FAULTS = ("pg-cut-worker", "freeze-host", "kill-host")
 
 
 def serve_downstream(bind: str, port: int, out: Path, delay: float) -> None:
+    """Every call recorded twice: its arrival at once (``arrivals.log`` beside ``out``, which
+    the drill watches to freeze or kill a host while it has a call in flight), and the whole
+    record once answered."""
     lock = threading.Lock()
     sink = out.open("a", buffering=1)
+    live = (out.parent / "arrivals.log").open("a", buffering=1)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -611,6 +634,8 @@ def serve_downstream(bind: str, port: int, out: Path, delay: float) -> None:
 
         def do_POST(self) -> None:
             arrived = now()
+            with lock:
+                live.write(f"{arrived:.6f} {self.client_address[0]}\n")
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length)
             key = self.headers.get("Idempotency-Key") or ""
@@ -896,7 +921,7 @@ def analyse(
         ev = key_calls[0]["event"]
         d = by_event.get(ev, {})
         p(f"- {ev} (delivery {d.get('id')}, window {repeat_window[key]}): calls at "
-          + ", ".join(f"{rel(c['t'])}{' (reset)' if c['reset'] else ''}" for c in key_calls)
+          + ", ".join(f"{rel(c['t'])} from {HOST_OF_IP.get(c['peer'], c['peer'])}{' (reset)' if c['reset'] else ''}" for c in key_calls)
           + f"; succeeded committed at {rel(d.get('succeeded'))}")  # fmt: skip
         for att in sorted(attempts_of.get(int(d.get("id") or 0), []), key=lambda x: x["number"]):
             p(f"    attempt {att['number']} {att['worker'] or '?'}: started {rel(att['started'])},"
@@ -1043,6 +1068,8 @@ def drill(args: argparse.Namespace) -> int:
                 while now() < at:
                     time.sleep(min(0.2, at - now()))
                 if action == "apply":
+                    if f.when_busy:
+                        wait_busy(tmp / "arrivals.log", ip_of(f.host), 5.0)
                     f.applied_at = now()
                     f.apply(cluster)
                     applied.append(f)
