@@ -202,6 +202,8 @@ class Cluster:
     tmp: Path
     env: dict[str, str]
     procs: list[Proc] = field(default_factory=list)
+    # Every pid the drill started, by host: an attempt's worker (hostname:pid) names its host.
+    host_of_pid: dict[int, str] = field(default_factory=dict)
     source_path: str = ""
     secret: str = ""
     route_id: int = 0
@@ -219,6 +221,7 @@ class Cluster:
                 stdin=subprocess.DEVNULL,
                 cwd=ROOT,
             )
+        self.host_of_pid[proc.popen.pid] = proc.host
         if proc not in self.procs:
             self.procs.append(proc)
 
@@ -598,9 +601,9 @@ def make_faults(short: bool) -> dict[str, Fault]:
               " one retransmit timeout more, between worker host w3 and Postgres", *slow_link("w3")),
         Fault("clock-ahead", "w3", 40, "worker host w3 restarted with its clock 2 min ahead (libfaketime)",
               restart("w3", faketime_env("+2m")), restart("w3", None)),
-        Fault("freeze-host", "w2", lease_plus - 2, "worker host w2 frozen (SIGSTOP of all its pids) past a lease",
+        Fault("freeze-host", "w2", lease_plus - 2, "worker host w2 frozen (SIGSTOP of all its pids) past a lease, with a call in flight",
               sig("w2", signal.SIGSTOP), sig("w2", signal.SIGCONT), when_busy=True),
-        Fault("kill-host", "w3" if short else "w1", 5, "a worker host killed (SIGKILL of all its pids), started 5 s later",
+        Fault("kill-host", "w3" if short else "w1", 5, "a worker host killed (SIGKILL of all its pids) with a call in flight, started 5 s later",
               kill("w3" if short else "w1"), start("w3" if short else "w1"), when_busy=True),
     ]  # fmt: skip
     return {f.name: f for f in faults}
@@ -799,8 +802,14 @@ class Outcome:
 
 
 def analyse(
-    t0: float, faults: list[Fault], tmp: Path, gap: float, args: argparse.Namespace
+    t0: float, faults: list[Fault], cluster: Cluster, gap: float, args: argparse.Namespace
 ) -> tuple[Outcome, dict[str, Any]]:
+    tmp = cluster.tmp
+
+    def worker_host(worker: str | None) -> str:
+        pid = (worker or "").rpartition(":")[2]
+        return cluster.host_of_pid.get(int(pid), worker or "?") if pid.isdigit() else worker or "?"
+
     tries = read_jsonl(tmp / "sender.jsonl")
     calls = read_jsonl(tmp / "downstream.jsonl")
     deliveries, attempts = db_dump()
@@ -924,7 +933,7 @@ def analyse(
           + ", ".join(f"{rel(c['t'])} from {HOST_OF_IP.get(c['peer'], c['peer'])}{' (reset)' if c['reset'] else ''}" for c in key_calls)
           + f"; succeeded committed at {rel(d.get('succeeded'))}")  # fmt: skip
         for att in sorted(attempts_of.get(int(d.get("id") or 0), []), key=lambda x: x["number"]):
-            p(f"    attempt {att['number']} {att['worker'] or '?'}: started {rel(att['started'])},"
+            p(f"    attempt {att['number']} on {worker_host(att['worker'])}: started {rel(att['started'])},"
               f" ended {rel(att['ended'])}, {att['outcome'] or 'open'}"
               f"{' ' + att['error'] if att['error'] else ''}")  # fmt: skip
     outcome = Outcome("\n".join(lines) + "\n", len(lost), len(accepted), len(repeats))
@@ -1096,7 +1105,7 @@ def drill(args: argparse.Namespace) -> int:
                 flush=True,
             )
             time.sleep(args.settle)
-            outcome, series = analyse(t0, faults, tmp, gap, args)
+            outcome, series = analyse(t0, faults, cluster, gap, args)
             out_txt = Path(args.results)
             out_png = Path(args.png)
             header = f"$ {' '.join(['bench/drill_hosts.py', *sys.argv[1:]])}\n"
