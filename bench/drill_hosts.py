@@ -920,6 +920,19 @@ def analyse(
     for f in faults:
         p(f"  {f.name}: {f.what}")
     p("")
+    p("the sender's tries while each fault held (answer time median / p99 in ms, failures):")
+    for f in faults:
+        a, b = f.applied_at, f.reverted_at or f.applied_at + f.duration
+        held = [tr for tr in tries if a <= tr["t0"] < b]
+        parts = []
+        for i, host in enumerate(RECEIVERS):
+            mine = [tr for tr in held if tr["recv"] == i]
+            took = [tr["t1"] - tr["t0"] for tr in mine]
+            failed = Counter(tr["error"] or str(tr["status"]) for tr in mine if not tr["ok"])
+            parts.append(f"{host} {len(mine)} tries, {fmt_ms(pct(took, 50))}/{fmt_ms(pct(took, 99))}"
+                         f" ms, failed {dict(failed) or 0}")  # fmt: skip
+        p(f"  {f.name:18} " + "; ".join(parts))
+    p("")
     if lost:
         p(f"lost events ({len(lost)}): " + ", ".join(
             f"{ev} ({by_event.get(ev, {}).get('status', 'no row')})" for ev in lost[:30]))  # fmt: skip
