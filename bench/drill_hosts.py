@@ -204,6 +204,8 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
     # Every pid the drill started, by host: an attempt's worker (hostname:pid) names its host.
     host_of_pid: dict[int, str] = field(default_factory=dict)
+    ended_by_drill: set[int] = field(default_factory=set)
+    exits: list[tuple[float, str, str, int]] = field(default_factory=list)
     source_path: str = ""
     secret: str = ""
     route_id: int = 0
@@ -229,7 +231,22 @@ class Cluster:
         return [p for p in self.procs if p.host == host]
 
     def signal_host(self, host: str, sig: int) -> int:
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.ended_by_drill.update(
+                p.popen.pid for p in self.host_procs(host) if p.popen is not None
+            )
         return kill_namespace_pids(ns_of(host), sig)
+
+    def check_exits(self, t0: float) -> None:
+        """Note each process that exited without the drill stopping it (once)."""
+        for proc in self.procs:
+            if proc.popen is None or proc.popen.pid in self.ended_by_drill or proc.name == "sender":
+                continue
+            code = proc.popen.poll()
+            if code is not None:
+                self.ended_by_drill.add(proc.popen.pid)
+                self.exits.append((now() - t0, proc.host, proc.name, code))
+                print(f"  {now() - t0:6.1f}s {proc.name} on {proc.host} exited by itself ({code})")
 
     def reap(self, host: str, timeout: float) -> None:
         deadline = now() + timeout
@@ -248,8 +265,17 @@ class Cluster:
 
     def restart_host(self, host: str, extra_env: dict[str, str] | None, graceful: bool) -> None:
         if graceful:
+            # The relay is the host's network: it goes last, as a host's network would.
+            for proc in self.host_procs(host):
+                if proc.name != "slowlink" and proc.popen is not None:
+                    self.ended_by_drill.add(proc.popen.pid)
+                    proc.popen.terminate()
+            for proc in self.host_procs(host):
+                if proc.name != "slowlink" and proc.popen is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.popen.wait(15.0)
             self.signal_host(host, signal.SIGTERM)
-            self.reap(host, 15.0)
+            self.reap(host, 5.0)
         else:
             self.signal_host(host, signal.SIGKILL)
             self.reap(host, 2.0)
@@ -848,10 +874,15 @@ def analyse(
 
     windows = [(f.name, f.applied_at, f.reverted_at or f.applied_at + f.duration) for f in faults]
 
-    def window_of(t: float) -> str:
+    def window_of(first: float, second: float) -> str:
+        """The fault that held when the first call was made (its commit is what failed),
+        else the one whose lease-long aftermath the second call falls in."""
+        for name, a, b in windows:
+            if a - 0.5 <= first <= b:
+                return name
         best = "no fault"
         for name, a, b in windows:
-            if a <= t <= b + LEASE + 10:
+            if a <= second <= b + LEASE + 10:
                 best = name
         return best
 
@@ -875,14 +906,15 @@ def analyse(
     all_lat = list(latency.values())
     p(f"latency receipt -> first downstream call: p50 {fmt_ms(pct(all_lat, 50))} ms,"
       f" p99 {fmt_ms(pct(all_lat, 99))} ms, max {fmt_ms(max(all_lat, default=math.nan))} ms")  # fmt: skip
-    lag = []
+    lag_of: dict[str, float] = {}
     event_calls = calls_by_event(calls_of)
     for ev, d in by_event.items():
         if d["succeeded"] is None:
             continue
         ev_calls = [c for c in event_calls.get(ev, []) if c["t_resp"] <= d["succeeded"] + 0.05]
         if ev_calls:
-            lag.append(d["succeeded"] - ev_calls[-1]["t_resp"])
+            lag_of[ev] = d["succeeded"] - ev_calls[-1]["t_resp"]
+    lag = list(lag_of.values())
     p(f"downstream 2xx -> success committed: p50 {fmt_ms(pct(lag, 50))} ms, p99 {fmt_ms(pct(lag, 99))} ms,"
       f" max {fmt_ms(max(lag, default=math.nan))} ms (downstream clock vs database clock, one host)")  # fmt: skip
     p("")
@@ -893,16 +925,26 @@ def analyse(
     base_rate = len([1 for t in accepted.values() if t0 + 3 <= t < baseline_end]) / max(
         1.0, baseline_end - t0 - 3
     )
-    p(f"baseline (before the first fault): accepted {base_rate:.1f}/s, latency p50"
-      f" {fmt_ms(pct(base_lat, 50))} ms, p99 {fmt_ms(pct(base_lat, 99))} ms")  # fmt: skip
+    base_lag = [lag_of[ev] for ev, t in accepted.items() if t0 <= t < baseline_end and ev in lag_of]
+
+    def delivered_rate(a: float, b: float) -> float:
+        return sum(1 for t in first_call.values() if a <= t < b) / max(0.1, b - a)
+
+    p(f"baseline (before the first fault): accepted {base_rate:.1f}/s, delivered"
+      f" {delivered_rate(t0 + 3, baseline_end):.1f}/s, latency p50 {fmt_ms(pct(base_lat, 50))} ms,"
+      f" p99 {fmt_ms(pct(base_lat, 99))} ms; 2xx -> committed p99 {fmt_ms(pct(base_lag, 99))} ms")  # fmt: skip
     p("")
     p("per fault window (times from the sender's start):")
-    header = (f"{'fault':18} {'held':>15} {'acc':>5} {'acc/s':>6} {'lost':>4} {'rep':>4}"
-              f" {'p50ms':>6} {'p99ms':>6} {'after p99':>9} {'after/s':>7}")  # fmt: skip
+    p(
+        "(acc: accepted while it held; dlv/s: first downstream calls per second; latency of the"
+        " events accepted while it held; after: the next gap seconds)"
+    )
+    header = (f"{'fault':19} {'held':>13} {'acc':>5} {'acc/s':>5} {'dlv/s':>5} {'lost':>4} {'rep':>3}"
+              f" {'p50ms':>6} {'p99ms':>6} {'after p99':>9} {'after dlv/s':>11}")  # fmt: skip
     p(header)
     repeat_window: dict[str, str] = {}
     for key, key_calls in repeats.items():
-        repeat_window[key] = window_of(key_calls[1]["t"])
+        repeat_window[key] = window_of(key_calls[0]["t"], key_calls[1]["t"])
     for f in faults:
         a, b = f.applied_at, f.reverted_at or f.applied_at + f.duration
         during = [ev for ev, t in accepted.items() if a <= t < b]
@@ -911,12 +953,11 @@ def analyse(
         lat_a = [latency[ev] for ev in after if ev in latency]
         n_lost = sum(1 for ev in lost if a <= accepted[ev] < b + gap)
         n_rep = sum(1 for w in repeat_window.values() if w == f.name)
-        p(f"{f.name:18} {a - t0:6.1f}-{b - t0:6.1f}s {len(during):5d} {len(during) / max(0.1, b - a):6.1f}"
-          f" {n_lost:4d} {n_rep:4d} {fmt_ms(pct(lat_d, 50)):>6} {fmt_ms(pct(lat_d, 99)):>6}"
-          f" {fmt_ms(pct(lat_a, 99)):>9} {len(after) / max(0.1, gap):7.1f}")  # fmt: skip
-    p(
-        f"{'no fault':18} {'':>15} {'':>5} {'':>6} {'':>4} {sum(1 for w in repeat_window.values() if w == 'no fault'):4d}"
-    )
+        p(f"{f.name:19} {a - t0:5.1f}-{b - t0:5.1f}s {len(during):5d} {len(during) / max(0.1, b - a):5.1f}"
+          f" {delivered_rate(a, b):5.1f} {n_lost:4d} {n_rep:3d} {fmt_ms(pct(lat_d, 50)):>6}"
+          f" {fmt_ms(pct(lat_d, 99)):>6} {fmt_ms(pct(lat_a, 99)):>9} {delivered_rate(b, b + gap):11.1f}")  # fmt: skip
+    no_fault = sum(1 for w in repeat_window.values() if w == "no fault")
+    p(f"{'no fault':19} {'':>13} {'':>5} {'':>5} {'':>5} {'':>4} {no_fault:3d}")
     for f in faults:
         p(f"  {f.name}: {f.what}")
     p("")
@@ -933,6 +974,21 @@ def analyse(
                          f" ms, failed {dict(failed) or 0}")  # fmt: skip
         p(f"  {f.name:18} " + "; ".join(parts))
     p("")
+    p("warnings and errors the pipeline logged while each fault held and the gap after it:")
+    logged = read_warnings(tmp / "logs")
+    for f in faults:
+        a, b = f.applied_at, f.reverted_at or f.applied_at + f.duration
+        seen = Counter(f"{host} {event}" for t, host, event in logged if a <= t < b + gap)
+        p(f"  {f.name:18} " + (", ".join(f"{k} x{n}" for k, n in sorted(seen.items())) or "none"))
+    p("  (the clock-ahead host's own lines carry its clock, 2 min ahead, and may land elsewhere)")
+    p("")
+    if cluster.exits:
+        p(
+            "processes that exited by themselves (the drill did not stop them; nothing restarts them):"
+        )
+        for t, host, name, code in cluster.exits:
+            p(f"  {t:7.1f}s {name} on {host}, exit status {code}")
+        p("")
     if lost:
         p(f"lost events ({len(lost)}): " + ", ".join(
             f"{ev} ({by_event.get(ev, {}).get('status', 'no row')})" for ev in lost[:30]))  # fmt: skip
@@ -958,6 +1014,26 @@ def analyse(
         "windows": windows,
     }
     return outcome, series
+
+
+def read_warnings(logs: Path) -> list[tuple[float, str, str]]:
+    """(time, host, event) of every warning or error line of the pipeline's JSON logs."""
+    from datetime import datetime  # noqa: PLC0415
+
+    out = []
+    for path in sorted(logs.glob("*.log")):
+        host = path.stem
+        if host not in HOSTS or host in ("pg", "redis", "down", "sender"):
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.startswith("{") or '"level":"info"' in line:
+                continue
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                row = json.loads(line)
+                if row.get("level") in ("warning", "error", "critical"):
+                    at = datetime.fromisoformat(row["timestamp"]).timestamp()
+                    out.append((at, host, str(row["event"])))
+    return out
 
 
 def calls_by_event(calls_of: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
@@ -1089,6 +1165,7 @@ def drill(args: argparse.Namespace) -> int:
             for at, action, f in schedule:
                 while now() < at:
                     time.sleep(min(0.2, at - now()))
+                    cluster.check_exits(t0)
                 if action == "apply":
                     if f.when_busy:
                         wait_busy(tmp / "arrivals.log", ip_of(f.host), 5.0)
@@ -1104,6 +1181,7 @@ def drill(args: argparse.Namespace) -> int:
             assert sender.popen is not None
             while sender.popen.poll() is None:
                 time.sleep(0.5)
+                cluster.check_exits(t0)
             print(
                 f"  {now() - t0:6.1f}s sender done; waiting for every delivery to succeed",
                 flush=True,
@@ -1112,6 +1190,7 @@ def drill(args: argparse.Namespace) -> int:
             left = pending_count()
             while now() < deadline and (left is None or left > 0):
                 time.sleep(2)
+                cluster.check_exits(t0)
                 left = pending_count()
             print(
                 f"  {now() - t0:6.1f}s not succeeded: {left}; {args.settle:.0f} s for late calls",
