@@ -61,6 +61,7 @@ SUBNET = "10.231.0"
 HOSTS: dict[str, int] = {
     "pg": 2,
     "redis": 3,
+    "rabbit": 5,
     "down": 4,
     "r1": 11,
     "r2": 12,
@@ -355,11 +356,60 @@ def start_redis(cluster: Cluster) -> None:
     )
 
 
+RABBIT_PORT = 5672
+RABBIT_NODE = "whd@localhost"
+
+
+def rabbit_env(tmp: Path) -> dict[str, str]:
+    """A private RabbitMQ node: its own node name, port, cookie, mnesia and log directories
+    (none of /etc/rabbitmq or /var/lib/rabbitmq is used), listening on the rabbit host only."""
+    home = tmp / "rabbit"
+    return {
+        **os.environ,
+        "HOME": str(home),
+        "RABBITMQ_CONF_ENV_FILE": str(home / "rabbitmq-env.conf"),
+        "RABBITMQ_CONFIG_FILE": str(home / "rabbitmq.conf"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(home / "enabled_plugins"),
+        "RABBITMQ_NODENAME": RABBIT_NODE,
+        "RABBITMQ_NODE_PORT": str(RABBIT_PORT),
+        "RABBITMQ_DIST_PORT": "25672",
+        "RABBITMQ_MNESIA_BASE": str(home / "mnesia"),
+        "RABBITMQ_LOG_BASE": str(home / "log"),
+        "RABBITMQ_PID_FILE": str(home / "rabbit.pid"),
+    }
+
+
+def start_rabbit(cluster: Cluster) -> None:
+    home = cluster.tmp / "rabbit"
+    (home / "mnesia").mkdir(parents=True)
+    (home / "log").mkdir()
+    cookie = home / ".erlang.cookie"
+    cookie.write_text(secrets.token_hex(16))
+    cookie.chmod(0o400)
+    (home / "rabbitmq-env.conf").write_text("")
+    (home / "enabled_plugins").write_text("[].\n")
+    (home / "rabbitmq.conf").write_text(
+        f"listeners.tcp.default = {ip_of('rabbit')}:{RABBIT_PORT}\nloopback_users = none\n"
+    )
+    cmd = ["/usr/lib/rabbitmq/bin/rabbitmq-server"]
+    env = rabbit_env(cluster.tmp)
+    cluster.start(Proc("rabbit", "rabbitmq", cmd, env, cluster.tmp / "logs" / "rabbit.log"))
+    probe = in_ns(
+        "sender", str(PYTHON), "-c",
+        f"import socket; socket.create_connection(('{ip_of('rabbit')}', {RABBIT_PORT}), 1)",
+    )  # fmt: skip
+    wait_for(
+        "rabbitmq",
+        lambda: subprocess.run(probe, check=False, capture_output=True).returncode == 0,
+        90,
+    )
+
+
 def database_url(host: str, port: int) -> str:
     return f"postgresql+psycopg://postgres@{host}:{port}/{DB_NAME}"
 
 
-def pipeline_env(tmp: Path, concurrency: int) -> dict[str, str]:
+def pipeline_env(tmp: Path, concurrency: int, broker: str) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
     empty = tmp / "empty.env"
     empty.touch()
@@ -369,7 +419,11 @@ def pipeline_env(tmp: Path, concurrency: int) -> dict[str, str]:
         "WEBHOOKS_ENVIRONMENT": "development",
         "WEBHOOKS_DATABASE_URL": database_url(ip_of("pg"), PG_PORT),
         "WEBHOOKS_REDIS_URL": f"redis://{ip_of('redis')}:{REDIS_PORT}/1",
-        "WEBHOOKS_BROKER_URL": f"redis://{ip_of('redis')}:{REDIS_PORT}/0",
+        "WEBHOOKS_BROKER_URL": (
+            f"amqp://guest:guest@{ip_of('rabbit')}:{RABBIT_PORT}//"
+            if broker == "rabbitmq"
+            else f"redis://{ip_of('redis')}:{REDIS_PORT}/0"
+        ),
         "WEBHOOKS_SECRET_KEY": secrets.token_urlsafe(48),
         "WEBHOOKS_LOG_JSON": "true",
         "WEBHOOKS_LOG_LEVEL": "INFO",
@@ -487,16 +541,18 @@ class Fault:
 
 
 def blackhole(
-    host: str, target: str
+    host: str, *targets: str
 ) -> tuple[Callable[[Cluster], None], Callable[[Cluster], None]]:
     def apply(_: Cluster) -> None:
-        run(["ip", "-n", ns_of(host), "route", "add", "blackhole", f"{ip_of(target)}/32"])
+        for target in targets:
+            run(["ip", "-n", ns_of(host), "route", "add", "blackhole", f"{ip_of(target)}/32"])
 
     def revert(_: Cluster) -> None:
-        run(
-            ["ip", "-n", ns_of(host), "route", "del", "blackhole", f"{ip_of(target)}/32"],
-            check=False,
-        )
+        for target in targets:
+            run(
+                ["ip", "-n", ns_of(host), "route", "del", "blackhole", f"{ip_of(target)}/32"],
+                check=False,
+            )
 
     return apply, revert
 
@@ -593,7 +649,7 @@ def faketime_env(offset: str) -> dict[str, str]:
     return {**{str(k): str(v) for k, v in env.items()}, "FAKETIME": offset}
 
 
-def make_faults(short: bool) -> dict[str, Fault]:
+def make_faults(short: bool, broker: str = "redis") -> dict[str, Fault]:
     def restart(host: str, extra: dict[str, str] | None) -> Callable[[Cluster], None]:
         return lambda c: c.restart_host(host, extra, graceful=True)
 
@@ -619,8 +675,8 @@ def make_faults(short: bool) -> dict[str, Fault]:
     faults = [
         Fault("pg-cut-worker", "w1", lease_plus, "worker host w1 cut off from Postgres only",
               *blackhole("w1", "pg")),
-        Fault("redis-cut-worker", "w2", 20, "worker host w2 cut off from Redis only (broker and claims)",
-              *blackhole("w2", "redis")),
+        Fault("redis-cut-worker", "w2", 20, "worker host w2 cut off from Redis (claims) and the broker only",
+              *blackhole("w2", "redis", *(["rabbit"] if broker == "rabbitmq" else []))),
         Fault("pg-cut-receiver", "r1", 15, "receiver host r1 cut off from Postgres",
               *blackhole("r1", "pg")),
         Fault("slow-link-worker-pg", "w3", 30, "100 ms +- 20 ms each way and 2% of segments held"
@@ -890,7 +946,7 @@ def analyse(
     p = lines.append
     p(f"multi-host drill, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(t0))}")
     p(f"hosts: pg, redis, down, r1 r2 (receivers), w1 w2 w3 (workers, {args.concurrency} threads),"
-      f" beat, sender; broker and claim tier redis")  # fmt: skip
+      f" beat, sender; claim tier redis, broker {args.broker}")  # fmt: skip
     p(f"lease {LEASE:.0f} s (hard limit {HARD_LIMIT:.0f} s), sender {args.rate:g} events/s for"
       f" {args.duration:.0f} s, timeout {SENDER_TIMEOUT:.0f} s, retries with backoff")  # fmt: skip
     p("")
@@ -1110,7 +1166,7 @@ def drill(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("the drill makes network namespaces: run it as root", file=sys.stderr)
         return 2
-    faults_all = make_faults(args.short)
+    faults_all = make_faults(args.short, args.broker)
     if args.faults is None:
         chosen = list(SHORT_FAULTS) if args.short else list(faults_all)
     else:
@@ -1134,7 +1190,7 @@ def drill(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="whd-drill-"))
     tmp.chmod(0o755)
     (tmp / "logs").mkdir()
-    cluster = Cluster(tmp, pipeline_env(tmp, args.concurrency))
+    cluster = Cluster(tmp, pipeline_env(tmp, args.concurrency, args.broker))
     applied: list[Fault] = []
     t_begin = now()
     status = 1
@@ -1144,6 +1200,8 @@ def drill(args: argparse.Namespace) -> int:
             setup_network()
             start_postgres(cluster)
             start_redis(cluster)
+            if args.broker == "rabbitmq":
+                start_rabbit(cluster)
             setup_database(cluster)
             start_pipeline(cluster, args.concurrency)
             t0 = now() + 3
@@ -1251,6 +1309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--settle", type=float, default=5.0, help="seconds for late calls after the drain"
     )
+    parser.add_argument(
+        "--broker", choices=("redis", "rabbitmq"), default="redis",
+        help="the broker: redis (the claim tier's server) or a private rabbitmq-server",
+    )  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=16, help="threads per worker")
     parser.add_argument("--results", default=str(ROOT / "bench" / "results_drill_hosts.txt"))
     parser.add_argument("--png", default=str(ROOT / "bench" / "drill_hosts.png"))
