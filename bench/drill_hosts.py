@@ -207,6 +207,8 @@ class Cluster:
     host_of_pid: dict[int, str] = field(default_factory=dict)
     ended_by_drill: set[int] = field(default_factory=set)
     exits: list[tuple[float, str, str, int]] = field(default_factory=list)
+    # Start a process that exited by itself again, as a supervisor would (compose's restart:).
+    supervise: bool = True
     source_path: str = ""
     secret: str = ""
     route_id: int = 0
@@ -247,7 +249,12 @@ class Cluster:
             if code is not None:
                 self.ended_by_drill.add(proc.popen.pid)
                 self.exits.append((now() - t0, proc.host, proc.name, code))
-                print(f"  {now() - t0:6.1f}s {proc.name} on {proc.host} exited by itself ({code})")
+                again = " (started again)" if self.supervise else ""
+                print(
+                    f"  {now() - t0:6.1f}s {proc.name} on {proc.host} exited by itself ({code}){again}"
+                )
+                if self.supervise:
+                    self.start(proc)
 
     def reap(self, host: str, timeout: float) -> None:
         deadline = now() + timeout
@@ -1040,7 +1047,12 @@ def analyse(
     p("")
     if cluster.exits:
         p(
-            "processes that exited by themselves (the drill did not stop them; nothing restarts them):"
+            "processes that exited by themselves (the drill did not stop them)"
+            + (
+                "; the drill started each again, as a supervisor would:"
+                if cluster.supervise
+                else ":"
+            )
         )
         for t, host, name, code in cluster.exits:
             p(f"  {t:7.1f}s {name} on {host}, exit status {code}")
@@ -1191,6 +1203,7 @@ def drill(args: argparse.Namespace) -> int:
     tmp.chmod(0o755)
     (tmp / "logs").mkdir()
     cluster = Cluster(tmp, pipeline_env(tmp, args.concurrency, args.broker))
+    cluster.supervise = not args.no_supervise
     applied: list[Fault] = []
     t_begin = now()
     status = 1
@@ -1312,6 +1325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--broker", choices=("redis", "rabbitmq"), default="redis",
         help="the broker: redis (the claim tier's server) or a private rabbitmq-server",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-supervise", action="store_true",
+        help="leave a process that exits by itself down (default: start it again, as a supervisor would)",
     )  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=16, help="threads per worker")
     parser.add_argument("--results", default=str(ROOT / "bench" / "results_drill_hosts.txt"))
