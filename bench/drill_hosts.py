@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -1195,6 +1196,14 @@ def drill(args: argparse.Namespace) -> int:
         offset += f.duration + gap
     if args.duration is None:
         args.duration = offset
+    # One drill at a time on a machine: the next one removes the whd- namespaces it finds.
+    lock = Path(tempfile.gettempdir()) / "whd-drill.lock"
+    lock_file = lock.open("w")
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"another drill is running (it holds {lock})", file=sys.stderr)
+        return 2
     leftovers = our_namespaces()
     if leftovers:
         print(f"removing leftovers of an earlier drill: {' '.join(leftovers)}", flush=True)
