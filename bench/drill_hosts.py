@@ -966,6 +966,16 @@ def analyse(
     p(f"downstream calls {len(calls)} for {len(calls_of)} keys; keys called more than once:"
       f" {len(repeats)} ({100 * len(repeats) / max(1, len(accepted)):.2f}% of accepted),"
       f" resets seen by the downstream {sum(1 for c in calls if c['reset'])}")  # fmt: skip
+    # A call that starts after its delivery's success committed: a worker calling for a lease
+    # it has lost (the downstream's clock and the database's are this machine's one clock).
+    late = [
+        c for c in calls
+        if (d := by_event.get(c["event"])) is not None and d["succeeded"] is not None
+        and c["t"] > d["succeeded"] + 0.01
+    ]  # fmt: skip
+    p(f"calls started after their delivery's success was committed: {len(late)}"
+      + "".join(f"; {c['event']} from {HOST_OF_IP.get(c['peer'], c['peer'])} at {c['t'] - t0:.2f}s"
+                for c in late[:10]))  # fmt: skip
     p(f"sender's failed tries: {dict(sender_errors.most_common())}")
     all_lat = list(latency.values())
     p(f"latency receipt -> first downstream call: p50 {fmt_ms(pct(all_lat, 50))} ms,"
