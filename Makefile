@@ -65,6 +65,6 @@ bench-receiver: install
 	$(PY) bench/bench_receiver.py --against $(REV) $(BENCH_ARGS)
 
 # The multi-host drill (docs/reliability.md): hosts as network namespaces, faults between them,
-# about 8 minutes; DRILL_ARGS=--short for a <= 3 minute run. Needs root (ip netns, tc).
+# about 7 minutes; DRILL_ARGS=--short for a <= 3 minute run. Needs root (ip netns).
 drill-hosts: install
 	$(PY) bench/drill_hosts.py $(DRILL_ARGS)

@@ -18,10 +18,13 @@ Faults run on a schedule while events flow (``--faults``), and the report gives,
 window, the events accepted, lost, called downstream more than once (each call's time and the
 commit's), and the latency while the fault held and after. Run as root::
 
-    make drill-hosts                    # every fault, about 8 minutes
+    make drill-hosts                    # every fault, about 7 minutes
     .venv/bin/python bench/drill_hosts.py --short        # a <= 3 minute version
+    .venv/bin/python bench/drill_hosts.py --broker rabbitmq   # a private rabbitmq-server as broker
 
-The script also runs inside the namespaces as its own helpers (``downstream``, ``sender``).
+The script also runs inside the namespaces as its own helpers (``downstream``, ``sender``, and
+``slowlink``, the slow lossy relay between w3 and Postgres: this kernel has no netem).
+docs/reliability.md says what each fault means for an operator.
 """
 
 from __future__ import annotations
