@@ -62,6 +62,13 @@ class Claimed:
         or step can move; or the pinned instant of a test."""
         return pinned(clock) or self.found.at + timedelta(seconds=time.monotonic() - self.started)
 
+    def lease_left(self, clock: Clock) -> float:
+        """Seconds this attempt's lease has left as :meth:`now` reads the time: ``started``
+        was read before the claim statement was sent, so this is never more than the
+        database's own reckoning (the fence of docs/workers.md)."""
+        assert self.found.lease_until is not None  # a claim that holds a lease
+        return (self.found.lease_until - self.now(clock)).total_seconds()
+
 
 def held_of(found: Claim) -> Held:
     """What a watchdog names if it kills this process while ``found`` is in flight."""

@@ -23,14 +23,14 @@ from core.settings import MAX_DELIVERY_BATCH
 from models import transitions
 from models.transitions import IllegalTransition
 from tasks.context import HandlerContext, idempotency_key
-from tasks.errors import RetryableError
+from tasks.errors import LeaseFenced, RetryableError
 from tasks.policy import RetryPolicy
 from tasks.pools import is_green, is_hard_timeout, run_limited
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed, held_of
 from tasks.steps.inputs import Loaded, load
 from tasks.steps.outcome import PublishRetry, Report
-from tasks.steps.record import Done, fail, lost, succeeded
+from tasks.steps.record import Done, fail, fenced, lost, succeeded
 
 log = get_logger(__name__)
 
@@ -73,7 +73,10 @@ def attempt(
             session=session,
             clock=rt.clock,
             io_timeout=rt.settings.handler_io_timeout,
+            lease_left=lambda: claimed.lease_left(rt.clock),
         )
+        # Frozen or starved since the claim, past what a call needs: no handler at all.
+        ctx.fence()
         run_limited(
             handler,
             loaded.event,
@@ -92,6 +95,9 @@ def attempt(
     except IllegalTransition:
         session.rollback()
         return lost(rt, found, fast, claimed.row)
+    except LeaseFenced as exc:  # no call was made: not a failed attempt
+        _discard(session, exc)
+        return fenced(rt, session, claimed, exc, publish_retry)
     except Exception as exc:  # noqa: BLE001 (any handler error is a failed attempt)
         _discard(session, exc)
         policy = loaded.policy if loaded else RetryPolicy.for_route(rt.settings)
