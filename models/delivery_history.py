@@ -35,6 +35,16 @@ class AttemptView:
     outcome: str | None
     error_class: str | None
     error: str | None
+    # When the outcome's statement ran (0020): for a success, how long after the handler
+    # returned (the downstream's 2xx) its effect was recorded.
+    committed_at: datetime | None = None
+
+    @property
+    def unrecorded_ms(self) -> int | None:
+        """Milliseconds from the handler's return to the outcome's commit (None: not known)."""
+        if self.committed_at is None or self.ended_at is None:
+            return None
+        return max(0, int((self.committed_at - self.ended_at).total_seconds() * 1000))
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,7 @@ def delivery_views(session: Session, r: Any, *, only: int | None = None) -> list
                 a.outcome,
                 a.error_class,
                 a.error_message,
+                a.committed_at,
             )
         )
     first_created = min(d.created_at for d, _ in deliveries)

@@ -455,7 +455,7 @@ _SUCCEED_MANY_SQL = """
         RETURNING deliveries.id, deliveries.expires_at, want.attempt, want.generation, want.at
     ), ended AS (
         UPDATE {attempts} SET ended_at = done.at, outcome = 'succeeded',
-            error_class = NULL, error_message = NULL
+            error_class = NULL, error_message = NULL, committed_at = clock_timestamp()
         FROM done
         WHERE attempts.delivery_id = done.id AND attempts.expires_at = done.expires_at
           AND attempts.number = done.attempt AND attempts.generation = done.generation
@@ -504,7 +504,8 @@ def _finish_sql(assignments: str, leaf: str | None = None) -> str:
             RETURNING id
         ), ended AS (
             UPDATE {tables["attempts"]} SET ended_at = :now, outcome = :outcome,
-                error_class = :error_class, error_message = :error
+                error_class = :error_class, error_message = :error,
+                committed_at = clock_timestamp()
             WHERE delivery_id = :id AND expires_at = :expires_at AND number = :attempt
               AND generation = :generation AND ended_at IS NULL
               AND EXISTS (SELECT 1 FROM done)

@@ -7,7 +7,9 @@ Postgres, a real HTTP downstream."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from tasks.handlers.forward import forward
 from tasks.pipeline import deliver_one
 from tasks.runtime import build_runtime
 from tests.factories import accept_event, make_source
+from tests.operators_support import cli
 from tests.workers import (
     Worker,
     attempts,
@@ -40,6 +43,7 @@ from tests.workers import (
     running_worker,
     wait_for,
     wait_status,
+    worker_env,
     worker_settings,
 )
 
@@ -227,3 +231,34 @@ def test_forward_sends_nothing_when_the_lease_cannot_outlive_its_call(
     event, ctx = _forward_context(downstream.url, lease_left=5.0 + COMMIT_MARGIN)
     forward(event, ctx)
     assert downstream.requests == 1
+
+
+def test_a_success_records_when_it_committed_and_deliveries_show_prints_it(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    """Every repeat has a name (issue 32 item 2): each attempt's row says when its handler
+    returned (``ended_at``: the downstream's 2xx) and when its outcome committed
+    (``committed_at``, the database's clock), for a handler that wrote through ``ctx.session``
+    (its writes and the success in one transaction) and one that did not (the batch
+    statement); ``webhooks deliveries show`` prints the time between."""
+    settings = worker_settings()
+    source = make_source(sessions, settings, routes=[{"handler": "effect"}, {"handler": "log"}])
+    ids = accept_event(settings, source)[1].delivery_ids
+    rt = build_runtime(settings, worker="commit-time")
+    try:
+        for delivery_id in ids:
+            assert deliver_one(rt, delivery_id, publish_retry=lambda d, c: None) == "succeeded"
+    finally:
+        rt.close()
+    for delivery_id in ids:
+        (attempt,) = attempts(engine, delivery_id)
+        assert attempt.committed_at is not None
+        lag = (attempt.committed_at - attempt.ended_at).total_seconds()
+        assert -0.05 <= lag < 5, lag  # ended_at is the claim's instant plus elapsed time
+        shown = cli("deliveries", "show", str(delivery_id), "--json", env=worker_env())
+        assert shown.returncode == 0, shown.stderr
+        (logged,) = json.loads(shown.stdout)["delivery"]["attempt_log"]
+        assert logged["committed_at"] is not None
+        human = cli("deliveries", "show", str(delivery_id), env=worker_env()).stdout
+        assert re.search(r"\(committed \d+", human), human  # the table may wrap the cell
+        assert "ms after)" in human, human
