@@ -262,7 +262,8 @@ class Store:
         """Accept one receipt, sharing the round trip and commit with concurrent requests;
         TimeoutError once ``db_answer_timeout`` has passed, the receipt withdrawn if no batch
         has taken it yet."""
-        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Outcome] = loop.create_future()
         entry = (receipt, future)
         self._queue.append(entry)
         if self._in_flight < self.settings.accept_concurrency:
@@ -270,13 +271,26 @@ class Store:
             flusher = asyncio.ensure_future(self._flush())
             self._flushers.add(flusher)
             flusher.add_done_callback(self._flushers.discard)
+        # One timer, not wait_for and shield (a task and two futures a request, on the
+        # receiver's hottest path): the batch that took the receipt finds its future done.
+        timer = loop.call_later(self.settings.db_answer_timeout, self._expire, entry)
         try:
-            return await self.within(future)
-        except TimeoutError:
-            if entry in self._queue:  # not in a batch yet: nothing will be written
-                self._queue.remove(entry)
-                future.cancel()
-            raise
+            return await future
+        finally:
+            timer.cancel()
+
+    def _expire(self, entry: tuple[NewReceipt, asyncio.Future[Outcome]]) -> None:
+        """The database did not answer in time: the request answers 503. A receipt that no
+        batch has taken yet is withdrawn (nothing is written for it); one in a batch may still
+        commit, and the sender's retry then finds it: a duplicate."""
+        future = entry[1]
+        if future.done():
+            return
+        for i, queued in enumerate(self._queue):
+            if queued is entry:
+                del self._queue[i]
+                break
+        future.set_exception(TimeoutError("the database did not answer in time"))
 
     async def accept_all(self, receipts: Sequence[NewReceipt]) -> list[Outcome]:
         """Accept the events of one request (a batch sender) together: one statement, one
@@ -307,7 +321,7 @@ class Store:
         except Exception as exc:  # noqa: BLE001  (handed to every waiting request)
             outcomes = [exc] * len(batch)
         for (_, future), outcome in zip(batch, outcomes, strict=True):
-            if future.done():  # the request was cancelled (client gone): the commit stands
+            if future.done():  # client gone, or answered 503 at its deadline: the commit stands
                 continue
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)
