@@ -12,25 +12,29 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import suppress
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.clock import FrozenClock, SystemClock
 from core.messages import Dispatch
+from models import transitions
 from tasks.context import COMMIT_MARGIN, Event, EventMeta, HandlerContext, RouteInfo
 from tasks.errors import LeaseFenced
 from tasks.handlers.forward import forward
 from tasks.pipeline import deliver_one
 from tasks.runtime import build_runtime
 from tests.factories import accept_event, make_source
+from tests.leakcheck import remember
 from tests.operators_support import cli
 from tests.workers import (
     Worker,
@@ -48,6 +52,8 @@ from tests.workers import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
+
+FORWARD_SECRET = "whsec_" + "RmVuY2luZ1Rlc3RSb3V0ZVNpZ25pbmdTZWNyZXQx"
 
 
 def _signal_all(worker: Worker, sig: signal.Signals) -> None:
@@ -262,3 +268,106 @@ def test_a_success_records_when_it_committed_and_deliveries_show_prints_it(
         human = cli("deliveries", "show", str(delivery_id), env=worker_env()).stdout
         assert re.search(r"\(committed \d+", human), human  # the table may wrap the cell
         assert "ms after)" in human, human
+
+
+def _repeat_windows(cause: str) -> float:
+    return REGISTRY.get_sample_value("webhooks_repeat_windows_total", {"cause": cause}) or 0.0
+
+
+def test_a_claim_that_takes_over_a_lost_workers_lease_names_the_repeat_window(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    """A worker claimed and was lost (its lease runs out, nothing recorded): the claim that
+    takes the lease over counts ``lease_taken_over`` and logs it, and ``deliveries show``
+    names that attempt as one whose call may have reached the downstream too. On a pinned
+    clock: nothing waits for the lease."""
+    settings = worker_settings()
+    source = make_source(sessions, settings, routes=[{"handler": "effect"}])
+    delivery_id = accept_event(settings, source)[1].delivery_ids[0]
+    start = datetime.now(UTC)
+    with sessions() as session, session.begin():  # the lost worker's claim
+        assert transitions.claim(
+            session, delivery_id, now=start, lease=timedelta(seconds=settings.processing_ttl),
+            max_redeliveries=3, worker="lost",
+        ) is not None  # fmt: skip
+    later = start + timedelta(seconds=settings.processing_ttl + 1)
+    rt = build_runtime(settings, clock=FrozenClock(later), worker="taker")
+    before = _repeat_windows("lease_taken_over")
+    try:
+        assert deliver_one(rt, delivery_id, publish_retry=lambda d, c: None) == "succeeded"
+    finally:
+        rt.close()
+    assert _repeat_windows("lease_taken_over") == before + 1
+    assert [(a.number, a.outcome) for a in attempts(engine, delivery_id)] == [
+        (1, "crashed"),
+        (2, "succeeded"),
+    ]
+    shown = cli("deliveries", "show", str(delivery_id), env=worker_env())
+    assert shown.returncode == 0, shown.stderr
+    assert "attempt 1's call may have reached the downstream too: lease taken over" in " ".join(
+        shown.stdout.split()
+    )
+
+
+class _Slow(_Downstream):
+    """Answers 200 after ``delay`` seconds: past the worker's I/O timeout."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.arrived = 0
+        handler = self.server.RequestHandlerClass
+        slow = self
+
+        class Late(handler):  # type: ignore[misc,valid-type]
+            def do_POST(self) -> None:
+                slow.arrived += 1
+                time.sleep(slow.delay)
+                super().do_POST()
+
+        self.server.RequestHandlerClass = Late
+
+
+def test_a_retry_after_a_call_that_timed_out_names_the_repeat_window(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    """A forward whose downstream answers after the I/O timeout: the call was sent, so the
+    retry may repeat it. Counted as ``answer_timeout``, and shown by ``deliveries show``."""
+    slow = _Slow(delay=1.5)  # the suite's WEBHOOKS_HANDLER_IO_TIMEOUT is 1 s
+    slow.thread.start()
+    remember(FORWARD_SECRET)
+    settings = worker_settings()
+    source = make_source(
+        sessions,
+        settings,
+        routes=[
+            {
+                "handler": "forward",
+                "options": {"url": slow.url, "secret": FORWARD_SECRET, "allow_private": "true"},
+            }
+        ],
+    )
+    delivery_id = accept_event(settings, source)[1].delivery_ids[0]
+    rt = build_runtime(settings, worker="timed-out")
+    before = _repeat_windows("answer_timeout")
+    try:
+        assert deliver_one(rt, delivery_id, publish_retry=lambda d, c: None) == "retry"
+    finally:
+        rt.close()
+        slow.server.shutdown()
+        slow.server.server_close()
+    assert _repeat_windows("answer_timeout") == before + 1
+    assert slow.arrived == 1  # it arrived: the downstream may have applied it
+    # The next attempt's claim makes the first one's window visible to the operator.
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE deliveries SET next_attempt_at = now() WHERE id = :id"),
+            {"id": delivery_id},
+        )
+    rt = build_runtime(settings, worker="next")
+    try:
+        deliver_one(rt, delivery_id, publish_retry=lambda d, c: None)
+    finally:
+        rt.close()
+    shown = " ".join(cli("deliveries", "show", str(delivery_id), env=worker_env()).stdout.split())
+    assert "attempt 1's call may have reached the downstream too: answer timed out" in shown

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.orm import Session
 
 from core.clock import pinned
@@ -38,6 +39,7 @@ from core.metrics import (
     DEAD_LETTERS,
     DELIVERIES,
     RECEIPT_TO_SUCCESS,
+    REPEAT_WINDOWS,
     RETRIES,
 )
 from models import breaker, deliveries, transitions
@@ -180,6 +182,15 @@ def _note_change(change: BreakerChange | None, *, via: str) -> None:
 
 
 HOOKS: tuple[Hook, ...] = (BreakerHook(),)
+
+# The reasons of a failed attempt whose call was sent and whose answer never came in time:
+# the downstream may have applied it (forward's I/O timeout, the hard time limit).
+TIMED_OUT = frozenset({"timeout", "hard_time_limit"})
+
+
+def timed_out(exc: BaseException) -> bool:
+    """A failure that ended a call before its answer came: a time limit, or an I/O timeout."""
+    return isinstance(exc, SoftTimeLimitExceeded) or getattr(exc, "reason", None) in TIMED_OUT
 
 
 # -- step 4: the successes ------------------------------------------------------------------
@@ -386,6 +397,8 @@ def fail(
         return Report.of(Outcome.DEAD, found, row, f"{decision.reason}: {error}", finished=True)
     RETRIES.inc()
     DELIVERIES.labels(outcome=Outcome.RETRY).inc()
+    if timed_out(exc):  # its call may have landed: a named window
+        REPEAT_WINDOWS.labels(cause="answer_timeout").inc()
     delay_s = decision.delay.total_seconds()
     via = _next_copy(rt, found, row, delay_s, decision.countdown, publish_retry)
     log.info("delivery.retry", delay_s=delay_s, via=via, **fields)

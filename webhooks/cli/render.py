@@ -142,6 +142,8 @@ def print_delivery(d: delivery_history.DeliveryView) -> None:
         )
     if table.row_count:
         console.print(table)
+    for number, window in d.repeat_windows:
+        say(f"  attempt {number}'s call may have reached the downstream too: {window}")
     for mark in d.replays:
         if mark.first_attempt is None:
             say(_replay_line(mark) + " (no attempt yet)")
