@@ -80,7 +80,7 @@ class LeaseFenced(WebhooksError):
 
     def __init__(self, left: float, needed: float) -> None:
         super().__init__(
-            f"fenced: the lease had {max(left, 0.0):.1f}s left, a call needs {needed:.1f}s;"
+            f"the lease had {max(left, 0.0):.1f}s left, a call needs {needed:.1f}s;"
             " no call was made"
         )
         self.left = left
