@@ -202,6 +202,9 @@ class Sustained:
     p50_ms: float
     p99_ms: float
     count: int
+    # A downstream's 2xx to its success's commit, p99 (attempts.committed_at - ended_at);
+    # None for a tree before 0020, or for bare Celery, which records nothing.
+    commit_p99_ms: float | None = None
 
 
 def downstream_stats() -> dict[str, object]:
@@ -482,7 +485,26 @@ class Bench:
             (WARMUP_S,),
         ).fetchall()
         p50, p99 = percentiles([float(r[0]) for r in rows])  # type: ignore[index]
-        return Sustained(rate, sent / elapsed, p50, p99, len(rows))
+        return Sustained(rate, sent / elapsed, p50, p99, len(rows), commit_p99(conn))
+
+
+def commit_p99(conn: psycopg.Connection[object]) -> float | None:
+    """p99 of the time from a handler's return (its downstream's 2xx) to the commit of its
+    success, in ms, over this run's successes; None where the tree records no commit time."""
+    try:
+        rows = conn.execute(
+            "SELECT extract(epoch FROM committed_at - ended_at) FROM attempts"
+            " WHERE outcome = 'succeeded' AND committed_at IS NOT NULL"
+        ).fetchall()
+    except psycopg.errors.UndefinedColumn:
+        return None
+    if not rows:
+        return None
+    return percentiles([max(0.0, float(r[0])) for r in rows])[1]  # type: ignore[index]
+
+
+def _commit(s: Sustained) -> str:
+    return "n/a" if s.commit_p99_ms is None else f"{s.commit_p99_ms:.1f} ms"
 
 
 def drop(db: str) -> None:
@@ -696,6 +718,7 @@ def compare(
         f" this tree {s['this'].p50_ms:.0f} / {s['this'].p99_ms:.0f} ms"
         f" ({s['this'].done_rate:.0f} done/s), {rev} {s['rev'].p50_ms:.0f} /"
         f" {s['rev'].p99_ms:.0f} ms ({s['rev'].done_rate:.0f} done/s)",
+        f"    2xx->committed p99 this tree {_commit(s['this'])}, {rev} {_commit(s['rev'])}",
         f"    bare publish->answered p50 / p99 {s['bare'].p50_ms:.0f} / {s['bare'].p99_ms:.0f} ms"
         f" ({s['bare'].done_rate:.0f} done/s)",
     ]
@@ -730,7 +753,8 @@ def report(
         f"{best_ours.boot_cpu_s:.2f} CPU s",
         f"  sustained at {s_ours.offered:.0f} events/s offered for the run's seconds: "
         f"ours {s_ours.done_rate:.0f} done/s, receipt->succeeded p50 {s_ours.p50_ms:.0f} ms "
-        f"p99 {s_ours.p99_ms:.0f} ms ({s_ours.count} events)",
+        f"p99 {s_ours.p99_ms:.0f} ms ({s_ours.count} events), 2xx->committed p99 "
+        f"{_commit(s_ours)}",
         f"                 bare {s_bare.done_rate:.0f} done/s, publish->downstream answered "
         f"p50 {s_bare.p50_ms:.0f} ms p99 {s_bare.p99_ms:.0f} ms ({s_bare.count} events)",
         "",

@@ -88,6 +88,16 @@ CLAIMS = Counter(
     ["result"],
 )
 DEGRADED = Counter("webhooks_degraded_claims_total", "Claims made on the durable tier alone")
+# The named windows in which a downstream can see one delivery twice (docs/workers.md): an
+# attempt that follows one whose call may have reached the downstream without its answer
+# being recorded. lease_taken_over: a claim took over the lease of a worker lost holding it
+# (killed, frozen, cut off after its claim); answer_timeout: a retry after a call that was
+# sent and timed out (its own I/O timeout or a time limit) before the answer came.
+REPEAT_WINDOWS = Counter(
+    "webhooks_repeat_windows_total",
+    "Attempts that may repeat a call the downstream already received, by cause",
+    ["cause"],
+)
 OLDEST_PENDING = Gauge(
     "webhooks_oldest_pending_seconds",
     "Age of the oldest unfinished delivery, measured by the sweeper",
@@ -200,6 +210,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     DEAD_LETTERS,
     CLAIMS,
     DEGRADED,
+    REPEAT_WINDOWS,
     OLDEST_PENDING,
     RECEIPT_TO_SUCCESS,
     SWEPT,

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     broker_url: str = "redis://127.0.0.1:6379/0"
     db_pool_size: int = Field(default=10, ge=1, le=200)
     db_connect_timeout: float = Field(default=5.0, gt=0)
+    # The longest a receiver's request waits for the database (the source's lookup, the
+    # accept) before it answers 503 with Retry-After: a receiver cut off from Postgres never
+    # hangs a provider's connection (ingest/store.py).
+    db_answer_timeout: float = Field(default=1.0, gt=0)
     redis_socket_timeout: float = Field(default=0.5, gt=0)
 
     # Secrets.

@@ -9,16 +9,27 @@ element exactly what ``webhooks_accept`` decides, set-based, in one transaction)
 request runs at once as a batch of one (no added latency); under load, one WAL flush and one
 network exchange serve many webhooks. A batch that fails on one element (not a lost
 connection) is run again element by element, so one bad request never fails its neighbours.
+
+A database that does not answer. A request waits for the database at most
+``WEBHOOKS_DB_ANSWER_TIMEOUT`` (1 s), then answers 503 with Retry-After (:func:`within`): the
+statement it waited for goes on in the background (cancelling it would wait for psycopg's
+cancel request, which cannot reach a partitioned server either), and a receipt still queued
+for a batch is withdrawn, so nothing is written for it. Connections to a server that vanished
+without a reset (a partition, a host gone) fail within seconds (:data:`DEAD_PEER`) instead of
+after TCP's minutes, freeing the batches stuck on them. After a lost connection every idle
+pooled connection is checked at once (a Postgres restart closed them all) and the statement is
+run once more on a fresh one, so the first request after the database returns succeeds
+instead of each pooled corpse failing one request of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import TupleRow
@@ -26,6 +37,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from core import metrics
 from core.crypto import SecretBox, source_secret_place
+from core.logs import get_logger
 from core.providers import registry
 from core.settings import Settings
 from core.ttl import TtlOverrides, effective_ttl
@@ -46,6 +58,21 @@ from models.accept import (
 # meanwhile is found once the entry expires (a lookup with ``refresh=True`` skips it).
 NEGATIVE_CACHE_SECONDS = 3.0
 CACHE_MAX_ENTRIES = 10_000
+
+T = TypeVar("T")
+log = get_logger("ingest")
+
+# The receiver's statements take milliseconds: a connection whose sent bytes stay
+# unacknowledged for 5 s (tcp_user_timeout, ms), or whose idle peer answers no keepalive
+# probe within about 9 s, has lost its server (models/db.py's DEAD_PEER allows 30 s for the
+# workers' longer statements).
+DEAD_PEER: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 2,
+    "tcp_user_timeout": 5_000,
+}
 
 SOURCE_SQL = """
 SELECT s.id, s.provider, s.config, s.tolerance_s, s.max_body_bytes,
@@ -112,6 +139,7 @@ class Store:
             kwargs={
                 "autocommit": True,
                 "connect_timeout": max(1, int(settings.db_connect_timeout)),
+                **DEAD_PEER,
             },
             # No per-checkout health check (a round trip per request): a broken connection
             # fails its request with 503, is discarded by the pool, and the provider retries.
@@ -121,6 +149,7 @@ class Store:
         self._queue: list[tuple[NewReceipt, asyncio.Future[Outcome]]] = []
         self._in_flight = 0
         self._flushers: set[asyncio.Task[None]] = set()
+        self._checking: asyncio.Task[None] | None = None  # the pool check after a lost connection
 
     async def open(self) -> None:
         await self.pool.open(wait=False)
@@ -146,9 +175,7 @@ class Store:
             and self._monotonic() - missing_since < NEGATIVE_CACHE_SECONDS
         ):
             return None
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(SOURCE_SQL, (public_id,))
-            row = await cur.fetchone()
+        row = await self.within(self._again_once(lambda: self._source_row(public_id)))
         if row is None:
             self._cache.pop(public_id, None)
             if len(self._missing) >= CACHE_MAX_ENTRIES:
@@ -161,6 +188,41 @@ class Store:
             self._cache.clear()
         self._cache[public_id] = record
         return record
+
+    async def _source_row(self, public_id: str) -> TupleRow | None:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(SOURCE_SQL, (public_id,))
+            return await cur.fetchone()
+
+    async def within(self, work: Awaitable[T]) -> T:
+        """``work``'s result, or TimeoutError once ``db_answer_timeout`` has passed (the
+        request then answers 503): ``work`` itself goes on, shielded, in the background."""
+        return await asyncio.wait_for(asyncio.shield(work), self.settings.db_answer_timeout)
+
+    async def _again_once(self, statement: Callable[[], Awaitable[T]]) -> T:
+        """``statement``, run once more on a fresh connection if its connection was lost
+        (after the idle ones were checked: :meth:`_check_pool`). A retried accept whose first
+        commit did land finds its receipt: a duplicate, never a second row."""
+        try:
+            return await statement()
+        except PoolTimeout:
+            raise  # no connection to be had: nothing to check
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            await self._check_pool()
+            return await statement()
+
+    async def _check_pool(self) -> None:
+        """Check every idle pooled connection at once, discarding the dead (one check at a
+        time per process; a request that arrives meanwhile waits for the running one)."""
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.ensure_future(self._run_check())
+        await asyncio.shield(self._checking)
+
+    async def _run_check(self) -> None:
+        try:
+            await asyncio.wait_for(self.pool.check(), self.settings.db_connect_timeout)
+        except CONNECTION_ERRORS as exc:  # TimeoutError is an OSError
+            log.warning("db.pool_check_failed", error_class=type(exc).__name__)
 
     def forget(self, public_id: str) -> None:
         self._cache.pop(public_id, None)
@@ -197,15 +259,38 @@ class Store:
         )
 
     async def accept(self, receipt: NewReceipt) -> Outcome:
-        """Accept one receipt, sharing the round trip and commit with concurrent requests."""
-        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._queue.append((receipt, future))
+        """Accept one receipt, sharing the round trip and commit with concurrent requests;
+        TimeoutError once ``db_answer_timeout`` has passed, the receipt withdrawn if no batch
+        has taken it yet."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Outcome] = loop.create_future()
+        entry = (receipt, future)
+        self._queue.append(entry)
         if self._in_flight < self.settings.accept_concurrency:
             self._in_flight += 1
             flusher = asyncio.ensure_future(self._flush())
             self._flushers.add(flusher)
             flusher.add_done_callback(self._flushers.discard)
-        return await future
+        # One timer, not wait_for and shield (a task and two futures a request, on the
+        # receiver's hottest path): the batch that took the receipt finds its future done.
+        timer = loop.call_later(self.settings.db_answer_timeout, self._expire, entry)
+        try:
+            return await future
+        finally:
+            timer.cancel()
+
+    def _expire(self, entry: tuple[NewReceipt, asyncio.Future[Outcome]]) -> None:
+        """The database did not answer in time: the request answers 503. A receipt that no
+        batch has taken yet is withdrawn (nothing is written for it); one in a batch may still
+        commit, and the sender's retry then finds it: a duplicate."""
+        future = entry[1]
+        if future.done():
+            return
+        for i, queued in enumerate(self._queue):
+            if queued is entry:
+                del self._queue[i]
+                break
+        future.set_exception(TimeoutError("the database did not answer in time"))
 
     async def accept_all(self, receipts: Sequence[NewReceipt]) -> list[Outcome]:
         """Accept the events of one request (a batch sender) together: one statement, one
@@ -213,7 +298,7 @@ class Store:
         a group that fails is retried element by element, which would split a request."""
         if not receipts:
             return []
-        return await self._accept_many(list(receipts))
+        return await self.within(self._accept_many(list(receipts)))
 
     async def _flush(self) -> None:
         try:
@@ -236,7 +321,7 @@ class Store:
         except Exception as exc:  # noqa: BLE001  (handed to every waiting request)
             outcomes = [exc] * len(batch)
         for (_, future), outcome in zip(batch, outcomes, strict=True):
-            if future.done():  # the request was cancelled (client gone): the commit stands
+            if future.done():  # client gone, or answered 503 at its deadline: the commit stands
                 continue
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)
@@ -254,6 +339,9 @@ class Store:
         return outcomes
 
     async def _accept_many(self, receipts: list[NewReceipt]) -> list[Outcome]:
+        return await self._again_once(lambda: self._accept_statement(receipts))
+
+    async def _accept_statement(self, receipts: list[NewReceipt]) -> list[Outcome]:
         grace = self.settings.publish_grace
         async with self.pool.connection() as conn:
             if len(receipts) == 1:

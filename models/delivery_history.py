@@ -21,6 +21,11 @@ from models.schema import (
     Route,
 )
 
+# The named windows of :attr:`DeliveryView.repeat_windows` (the causes of the
+# ``webhooks_repeat_windows_total`` metric).
+LEASE_TAKEN_OVER = "lease taken over: its worker was lost holding the lease"
+ANSWER_TIMEOUT = "answer timed out: the call was sent, its answer did not come in time"
+
 
 @dataclass(frozen=True)
 class AttemptView:
@@ -35,6 +40,16 @@ class AttemptView:
     outcome: str | None
     error_class: str | None
     error: str | None
+    # When the outcome's statement ran (0020): for a success, how long after the handler
+    # returned (the downstream's 2xx) its effect was recorded.
+    committed_at: datetime | None = None
+
+    @property
+    def unrecorded_ms(self) -> int | None:
+        """Milliseconds from the handler's return to the outcome's commit (None: not known)."""
+        if self.committed_at is None or self.ended_at is None:
+            return None
+        return max(0, int((self.committed_at - self.ended_at).total_seconds() * 1000))
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,23 @@ class DeliveryView:
     attempt_log: list[AttemptView] = field(default_factory=list)
     replays: list[ReplayMark] = field(default_factory=list)
 
+    @property
+    def repeat_windows(self) -> list[tuple[int, str]]:
+        """The attempts whose call may have reached the downstream although another attempt
+        of the same key generation ran after them, each with its named window: the only
+        ways one delivery reaches its downstream twice (docs/workers.md)."""
+        out = []
+        for a, later in zip(self.attempt_log, self.attempt_log[1:], strict=False):
+            if later.generation != a.generation:
+                continue
+            if a.outcome == "crashed":
+                out.append((a.number, LEASE_TAKEN_OVER))
+            elif a.error_class == "SoftTimeLimitExceeded" or (a.error or "").startswith(
+                ("timeout:", "hard_time_limit:")
+            ):
+                out.append((a.number, ANSWER_TIMEOUT))
+        return out
+
 
 def delivery_views(session: Session, r: Any, *, only: int | None = None) -> list[DeliveryView]:
     conds = [Delivery.receipt_id == r.id, Delivery.expires_at == r.expires_at]
@@ -104,6 +136,7 @@ def delivery_views(session: Session, r: Any, *, only: int | None = None) -> list
                 a.outcome,
                 a.error_class,
                 a.error_message,
+                a.committed_at,
             )
         )
     first_created = min(d.created_at for d, _ in deliveries)

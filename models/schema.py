@@ -300,6 +300,9 @@ class Attempt(Base):
     worker: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column()
     ended_at: Mapped[datetime | None] = mapped_column()
+    # When the outcome's statement ran (the database's clock_timestamp()): for a success,
+    # committed_at - ended_at is how long the downstream's 2xx stood unrecorded (0020).
+    committed_at: Mapped[datetime | None] = mapped_column()
     # succeeded | retry | dead | crashed (set by the claim that found the lease expired)
     outcome: Mapped[str | None] = mapped_column(Text)
     error_class: Mapped[str | None] = mapped_column(Text)

@@ -115,7 +115,7 @@ _GATE = """\
                          AND g.probe_delivery IS DISTINCT FROM deliveries.id)))"""
 
 # What the worker's claims return: the claim, its route and source, the receipt's event (the
-# caller adds the receipt join), and the claim's commit made asynchronous (see below).
+# caller adds the receipt join).
 _CLAIMED_EVENT = """\
     SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
            c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
@@ -125,8 +125,7 @@ _CLAIMED_EVENT = """\
            s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s, s.clock_skew_s,
            s.replay_grace_s,
            r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
-           r.content_type, r.payload,
-           set_config('synchronous_commit', 'off', true)
+           r.content_type, r.payload
     FROM claimed c
     LEFT JOIN routes rt ON rt.id = c.route_id
     LEFT JOIN sources s ON s.id = rt.source_id
@@ -165,12 +164,14 @@ _CLAIM_SQL = """
 _SELECT_CLAIM = "SELECT * FROM claimed"
 
 # The worker's variant: the claim and what running the handler needs, in one statement and
-# (in autocommit) one transaction whose commit does not wait for the WAL flush: losing the
-# claim in a Postgres crash only means the delivery is claimed again, and the success commit,
-# which is synchronous, flushes it first. Route and source may be gone (left joins): the
-# caller turns that into a permanent failure. The receipt shares the delivery's expires_at;
-# naming it by the parameter (not the claimed row's column) lets the generic plan prune the
-# receipts partitions when it starts, instead of opening every partition's scan each time.
+# (in autocommit) one transaction. Its commit is synchronous, like every commit of ours: the
+# handler makes its effect right after it (a downstream called), and a claim that a Postgres
+# crash could still undo would let another worker claim the same attempt and call the
+# downstream a second time (issue 32: 7 and 12 repeats at a crash came from the asynchronous
+# claim this once was). Route and source may be gone (left joins): the caller turns that into
+# a permanent failure. The receipt shares the delivery's expires_at; naming it by the
+# parameter (not the claimed row's column) lets the generic plan prune the receipts
+# partitions when it starts, instead of opening every partition's scan each time.
 _SELECT_CLAIM_AND_EVENT = """
 {claimed_event}    LEFT JOIN {receipts} r ON r.id = c.receipt_id AND r.expires_at = :expires_at
     """
@@ -293,7 +294,7 @@ def claim_with_event(
 ) -> tuple[Claim, ClaimedEvent] | None:
     """The worker's claim (the same guarded transition as :func:`claim`, also requiring the
     key generation the worker read), returning the route, source and receipt with it: one
-    statement, one partition. Run it in autocommit: one round trip, its commit asynchronous.
+    statement, one partition. Run it in autocommit: one round trip, one synchronous commit.
     ``leaf``: run it on that day's leaf partitions (:func:`models.partitions.leaf_suffix`);
     psycopg.errors.UndefinedTable if they do not exist (run it again without)."""
     row = fetchone(
@@ -406,8 +407,8 @@ def claim_many_with_event(
     worker: str,
     leaf: str | None = None,
 ) -> list[tuple[Claim, ClaimedEvent]]:
-    """:func:`claim_with_event` for several deliveries in one statement (one round trip, its
-    commit asynchronous, as there): each row is claimed or not on its own guard; the claimed
+    """:func:`claim_with_event` for several deliveries in one statement (one round trip, one
+    synchronous commit, as there): each row is claimed or not on its own guard; the claimed
     ones come back, in id order, each with its route, source and receipt."""
     sql = _claim_many_sql(leaf)
     rows = conn.execute(
@@ -454,7 +455,7 @@ _SUCCEED_MANY_SQL = """
         RETURNING deliveries.id, deliveries.expires_at, want.attempt, want.generation, want.at
     ), ended AS (
         UPDATE {attempts} SET ended_at = done.at, outcome = 'succeeded',
-            error_class = NULL, error_message = NULL
+            error_class = NULL, error_message = NULL, committed_at = clock_timestamp()
         FROM done
         WHERE attempts.delivery_id = done.id AND attempts.expires_at = done.expires_at
           AND attempts.number = done.attempt AND attempts.generation = done.generation
@@ -503,7 +504,8 @@ def _finish_sql(assignments: str, leaf: str | None = None) -> str:
             RETURNING id
         ), ended AS (
             UPDATE {tables["attempts"]} SET ended_at = :now, outcome = :outcome,
-                error_class = :error_class, error_message = :error
+                error_class = :error_class, error_message = :error,
+                committed_at = clock_timestamp()
             WHERE delivery_id = :id AND expires_at = :expires_at AND number = :attempt
               AND generation = :generation AND ended_at IS NULL
               AND EXISTS (SELECT 1 FROM done)

@@ -50,6 +50,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "result_backend_transport_options": transport,
         "broker_connection_retry_on_startup": True,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # The worker's remote-control queue (<name>.celery.pidbox, what Flower's inspect and
+        # rate-limit commands reach) is not exclusive. An exclusive one belongs to the
+        # connection that declared it: after a partition from RabbitMQ heals, the broker may
+        # still hold the worker's old connection while the worker reconnects, its declare is
+        # refused with RESOURCE_LOCKED and the worker exits (issue 32's drill, three times).
+        # Shared, it is redeclared at once; it still goes away 10 s after its last consumer
+        # (auto-delete, control_queue_expires). Redis ignores the flag.
+        "control_queue_exclusive": False,
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "task_track_started": True,

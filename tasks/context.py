@@ -6,13 +6,17 @@ so every retry and every replay of one event carries the same key, a re-run (gen
 gets a new one, and two events about the same resource get different ones (we dedup the
 delivery event, never the business resource). ``ctx.session`` is the open transaction in which
 the worker marks the delivery succeeded: whatever the handler writes through it commits
-atomically with that mark, or not at all.
+atomically with that mark, or not at all. ``ctx.fence()`` raises
+:class:`~tasks.errors.LeaseFenced` when this attempt's lease may end before a call started
+now could finish and be recorded: a handler that calls a service calls it right before each
+call, as ``forward`` does (docs/workers.md, "Fencing at the downstream").
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -23,10 +27,13 @@ import orjson
 from sqlalchemy.orm import Session
 
 from core.clock import Clock
-from tasks.errors import PermanentError
+from tasks.errors import LeaseFenced, PermanentError
 
 KEY_PREFIX = "whk_"
 FORM_TYPE = "application/x-www-form-urlencoded"
+# What a lease must have left beyond a call's I/O timeout for the call to start: the time to
+# record its outcome once it has answered (one synchronous commit).
+COMMIT_MARGIN = 1.0
 
 
 def idempotency_key(source_id: int, event_id: str, route_id: int, generation: int) -> str:
@@ -125,3 +132,13 @@ class HandlerContext:
     clock: Clock = field(repr=False)
     # Connect / read timeout for the handler's own I/O, below the soft time limit.
     io_timeout: float = 10.0
+    # Seconds this attempt's lease has left (tasks.steps.claim.Claimed.lease_left).
+    lease_left: Callable[[], float] = field(default=lambda: math.inf, repr=False)
+
+    def fence(self) -> None:
+        """Raise :class:`~tasks.errors.LeaseFenced` unless this attempt's lease outlives a
+        call started now: its I/O timeout plus :data:`COMMIT_MARGIN`. A monotonic clock read,
+        no round trip."""
+        left, needed = self.lease_left(), self.io_timeout + COMMIT_MARGIN
+        if left < needed:
+            raise LeaseFenced(left, needed)

@@ -65,8 +65,8 @@ def celery_state(report: Report) -> str:
         return Outcome.SUCCEEDED.value
     if report.outcome == Outcome.LOST:
         return f"lost: {report.detail}"
-    if report.outcome == Outcome.UNRECORDED:
-        return f"unrecorded: {report.detail}"
+    if report.outcome in (Outcome.UNRECORDED, Outcome.FENCED):
+        return f"{report.outcome}: {report.detail}"
     return {
         Outcome.DUPLICATE: "duplicate: another copy holds or completed this delivery",
         Outcome.SKIPPED: "skipped: done, dead, not due yet or owned by a live lease",

@@ -68,3 +68,20 @@ class HandlerRegistrationError(WebhooksError):
     """A handler name was registered twice with different callables, or a module failed."""
 
     reason = "handler_registration"
+
+
+class LeaseFenced(WebhooksError):
+    """This attempt's lease may end before a call started now could finish and be recorded
+    (the worker was frozen, partitioned or starved since its claim): no call is made. Raised
+    by ``ctx.fence()`` (:class:`tasks.context.HandlerContext`), never a handler's failure: the
+    attempt ends ``fenced`` and spends nothing of the delivery's ``max_attempts``."""
+
+    reason = "fenced"
+
+    def __init__(self, left: float, needed: float) -> None:
+        super().__init__(
+            f"the lease had {max(left, 0.0):.1f}s left, a call needs {needed:.1f}s;"
+            " no call was made"
+        )
+        self.left = left
+        self.needed = needed

@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_postrun
 from sqlalchemy import text
 
+from core.clock import FrozenClock
 from tasks.context import Event, HandlerContext
 from tasks.errors import PermanentError, RetryableError
 from tasks.handlers import register
@@ -209,3 +211,40 @@ def wedge(event: Event, ctx: HandlerContext) -> None:
     except SoftTimeLimitExceeded:
         (directory / f"{ctx.delivery_id}.{ctx.attempt}.soft").write_text(str(os.getpid()))
     time.sleep(600)
+
+
+@register("fenced_call")
+def fenced_call(event: Event, ctx: HandlerContext) -> None:
+    """A call to a downstream behind the fence: announces its arrival (the marker
+    ``<marker_dir>/<delivery>.<attempt>.arrived``), waits until ``<marker_dir>/open`` exists
+    (the window in which the tests freeze its worker), then ``ctx.fence()`` and the "call":
+    the marker ``<delivery>.<attempt>.called``."""
+    directory = Path(ctx.route.options["marker_dir"])
+    (directory / f"{ctx.delivery_id}.{ctx.attempt}.arrived").write_text("")
+    deadline = time.monotonic() + 60
+    while not (directory / "open").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ctx.fence()
+    (directory / f"{ctx.delivery_id}.{ctx.attempt}.called").write_text(ctx.idempotency_key)
+
+
+@register("pause_once")
+def pause_once(event: Event, ctx: HandlerContext) -> None:
+    """On its first attempt, a pause of ``pause_s`` seconds on a pinned clock (the test's
+    FrozenClock moves; nothing sleeps), then the fence and the effect."""
+    if ctx.attempt == 1 and isinstance(ctx.clock, FrozenClock):
+        ctx.clock.advance(timedelta(seconds=float(ctx.route.options["pause_s"])))
+    ctx.fence()
+    record_effect(event, ctx)
+
+
+@register("crash_postgres")
+def crash_postgres(event: Event, ctx: HandlerContext) -> None:
+    """An effect outside our database (the marker ``<marker_dir>/<delivery>.<attempt>``),
+    then Postgres crashes at once: SIGQUIT to the postmaster named by ``pid_file`` is an
+    immediate shutdown, nothing flushed that was not flushed already (``pg_ctl stop -m
+    immediate``). Milliseconds after the claim: what an asynchronous claim commit loses."""
+    directory = Path(ctx.route.options["marker_dir"])
+    (directory / f"{ctx.delivery_id}.{ctx.attempt}").write_text(ctx.idempotency_key)
+    pid = int(Path(ctx.route.options["pid_file"]).read_text().split()[0])
+    os.kill(pid, signal.SIGQUIT)

@@ -1,4 +1,8 @@
-"""A TCP proxy the tests can cut: makes 'Postgres unreachable' real without stopping Postgres."""
+"""A TCP proxy the tests can cut: makes 'Postgres unreachable' real without stopping Postgres.
+
+:meth:`CuttableProxy.cut` resets every connection and refuses new ones (a server that is
+gone); :meth:`CuttableProxy.hold` keeps every connection open and forwards nothing until
+:meth:`CuttableProxy.release` (a partition: no reset, no answer, bytes held until it heals)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ class CuttableProxy:
         self.port = int(self.listener.getsockname()[1])
         self._open = threading.Event()
         self._open.set()
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -31,6 +37,7 @@ class CuttableProxy:
             if not self._open.is_set():
                 client.close()
                 continue
+            self._flowing.wait()  # held: the connection is made once the partition heals
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
@@ -49,10 +56,10 @@ class CuttableProxy:
             threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
+                self._flowing.wait()
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_RDWR)
@@ -70,7 +77,16 @@ class CuttableProxy:
     def restore(self) -> None:
         self._open.set()
 
+    def hold(self) -> None:
+        """Forward nothing, reset nothing: every byte waits, as across a partition."""
+        self._flowing.clear()
+
+    def release(self) -> None:
+        """The partition heals: what was held flows on."""
+        self._flowing.set()
+
     def close(self) -> None:
         self._closed = True
+        self.release()
         self.cut()
         self.listener.close()

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.clock import FrozenClock
 from core.settings import Settings
 from ingest.console.sessions import SessionStore, digest
-from models import breaker
+from models import breaker, transitions
 from models.catalog import Change
 from tests.factories import MadeSource
 from tests.handlers_for_tests import EFFECTS_DDL
@@ -337,6 +337,34 @@ def test_filter_events_open_an_event_a_delivery_and_its_attempt_history(
     for q in (f"receipt:{receipt}", event_id):
         page.goto(f"{base}?q={q}")
         assert page.url == f"{api.admin_url}/console/events/{receipt}"
+
+
+def test_a_delivery_whose_lease_was_taken_over_names_the_possible_repeat(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """Attempt 1's worker was lost holding the lease (its claim, then nothing); attempt 2 took
+    the lease over and succeeded: the page names attempt 1 as a call that may have reached the
+    downstream too, and why. A delivery with one attempt names none."""
+    source = source_with(sessions, ops, "log")
+    [lost, alone] = accept(ops, source, event_type="lease.lost") + accept(ops, source)
+    start = datetime.now(UTC) - timedelta(hours=1)
+    lease = timedelta(seconds=ops.processing_ttl)
+    for at in (start, start + lease + timedelta(seconds=1)):  # the second finds it crashed
+        with sessions() as session, session.begin():
+            found = transitions.claim(
+                session, lost, now=at, lease=lease, max_redeliveries=3, worker=f"w-{at:%S}"
+            )
+            assert found is not None
+    with sessions() as session, session.begin():
+        transitions.succeed(session, found, now=start + lease + timedelta(seconds=2))
+    page.goto(f"{api.admin_url}/console/deliveries/{lost}")
+    outcomes = page.locator("#attempts tr.attempt td:nth-child(4)").all_inner_texts()
+    assert outcomes == ["crashed", "succeeded"]
+    windows = page.locator("#repeat-windows li").all_inner_texts()
+    assert len(windows) == 1
+    assert windows[0].startswith("attempt 1: lease taken over")
+    page.goto(f"{api.admin_url}/console/deliveries/{alone}")
+    assert page.locator("#repeat-windows").count() == 0
 
 
 def test_events_are_paged_with_a_cursor(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 import uuid
@@ -11,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -24,6 +26,7 @@ from tests.leakcheck import remember
 from tests.netproxy import CuttableProxy
 from tests.processes import Receiver, receiver
 from tests.signing import sign
+from tests.workers import wait_for
 
 # The first seven providers; the newer ones have their own receiver tests
 # (tests/test_providers_*.py), with the attacks that apply to their schemes.
@@ -425,6 +428,74 @@ def test_postgres_unreachable_is_503_and_nothing_acknowledged(
             assert receipts_of(engine, source)[-1][0] == event_id
     finally:
         proxy.close()
+
+
+def test_a_database_that_stops_answering_is_503_within_a_second_and_the_first_request_after_succeeds(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """A partition between the receiver and Postgres (the proxy holds every byte, resets
+    nothing): each request answers 503 with Retry-After at WEBHOOKS_DB_ANSWER_TIMEOUT (1 s)
+    instead of hanging the provider's connection; once it heals, the first request is
+    accepted. An event answered 503 is recorded at most once: its retry is a duplicate if the
+    batch it was in committed after the heal."""
+    source = new_source(sessions, settings, "standard")
+    proxy = CuttableProxy(5432)
+    db = settings.database_name()
+    try:
+        with (
+            receiver(
+                WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{proxy.port}/{db}"
+            ) as rcv,
+            httpx.Client(timeout=4) as client,  # a hang fails the test: ReadTimeout
+        ):
+            _, headers, body = signed(source)
+            assert post(client, rcv, source, headers, body).status_code == 202  # source cached
+            proxy.hold()
+            refused = []
+            for _ in range(3):
+                event_id, headers, body = signed(source)
+                response = post(client, rcv, source, headers, body)
+                assert response.status_code == 503, response.text
+                assert response.headers["retry-after"]
+                refused.append((event_id, headers, body))
+            proxy.release()
+            event_id, headers, body = signed(source)
+            assert post(client, rcv, source, headers, body).status_code == 202  # the first
+            for _, headers, body in refused:  # the provider's retries
+                assert post(client, rcv, source, headers, body).status_code in (200, 202)
+        recorded = [e for e, _ in receipts_of(engine, source)]
+        for event_id, _, _ in refused:
+            assert recorded.count(event_id) == 1
+    finally:
+        proxy.close()
+
+
+# It stops and starts the machine's Postgres: serial.
+@pytest.mark.serial
+def test_the_first_request_after_a_postgres_restart_is_accepted(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """A restart closes every pooled connection. The first request after Postgres is back
+    meets a dead one, the pool's idle connections are checked at once and the accept runs
+    again on a fresh one: 202, where each pooled corpse used to fail a request of its own."""
+    source = new_source(sessions, settings, "standard")
+    with receiver() as rcv, httpx.Client(timeout=10) as client:
+        for _ in range(4):  # several pooled connections
+            _, headers, body = signed(source)
+            assert post(client, rcv, source, headers, body).status_code == 202
+        subprocess.run(["pg_ctlcluster", "15", "main", "restart", "-m", "fast"], check=True)
+        wait_for(_postgres_answers, timeout=60, what="Postgres to accept connections again")
+        event_id, headers, body = signed(source)
+        assert post(client, rcv, source, headers, body).status_code == 202
+    assert event_id in [e for e, _ in receipts_of(engine, source)]
+
+
+def _postgres_answers() -> bool:
+    try:
+        with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", connect_timeout=2):
+            return True
+    except psycopg.OperationalError:
+        return False
 
 
 def test_broker_unreachable_is_202_with_delivery_left_pending(

@@ -3,9 +3,11 @@ flushed Redis, and a stopped Redis (broker on RabbitMQ so that only the claim ti
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
 from models.installation import installation_id
 from tasks.claims import claim_key
+from tasks.config import create_app
 from tests.conftest import REDIS_PORT, free_port
 from tests.factories import accept_event, make_source
 from tests.workers import (
@@ -245,3 +248,35 @@ def test_redis_stopped_events_still_processed_once_on_the_durable_tier(
     assert _sample(metrics, "webhooks_degraded_claims_total") >= 4
     assert 'webhooks_claims_total{result="degraded"}' in metrics
     assert any(line.get("event") == "claim.degraded" for line in worker.json_lines())
+
+
+@pytest.mark.usefixtures("rabbit_queues")
+def test_a_worker_whose_old_connection_still_holds_its_control_queue_starts_and_consumes(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """After a partition from RabbitMQ heals, the broker may still hold the worker's old
+    connection, consuming its remote-control queue, while the worker reconnects. Here that
+    old connection is real: it declared the queue as the worker does and consumes from it.
+    The worker then starts, declares the same queue, and consumes deliveries, where an
+    exclusive control queue made it exit on RESOURCE_LOCKED (issue 32's multi-host drill)."""
+    settings = worker_settings(broker_url=AMQP_URL)
+    source = make_source(sessions, settings, routes=[{"handler": "effect"}])
+    delivery_id = accept_event(settings, source)[1].delivery_ids[0]
+    name = f"stale-{uuid.uuid4().hex[:8]}"
+    app = create_app(settings)
+    queue = app.control.mailbox.get_queue(f"{name}@{socket.gethostname()}")
+    with (
+        Connection(AMQP_URL) as old,
+        old.Consumer(queue, callbacks=[lambda body, msg: None]),  # declared, consuming: held
+        running_worker(name, tmp_path, broker_url=AMQP_URL) as worker,
+    ):
+        broker = Broker(settings)
+        try:
+            broker.publish(delivery_id)
+            wait_status(engine, delivery_id, "succeeded", timeout=60)
+        finally:
+            broker.close()
+        log = worker.output()
+    app.close()
+    assert "RESOURCE_LOCKED" not in log, log[-3000:]
+    assert len(effects(engine, delivery_id)) == 1

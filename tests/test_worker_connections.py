@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
 from models import deliveries
-from tasks.pipeline import FINISH_WINDOW, deliver_one, run
+from tasks.pipeline import COALESCE, deliver_one, run
 from tasks.runtime import Runtime, build_runtime
 from tasks.steps.run import in_waves
 from tests.factories import accept_event, make_source
@@ -435,10 +435,8 @@ def test_a_bare_id_runs_its_handler_in_the_calling_thread_a_list_in_a_handler_th
     def job() -> threading.Thread:
         return threading.current_thread()
 
-    assert list(in_waves(runtime, [job], FINISH_WINDOW, inline=True)) == [
-        [(0, threading.main_thread())]
-    ]
-    ((index, ran_in),) = next(iter(in_waves(runtime, [job], FINISH_WINDOW)))
+    assert list(in_waves(runtime, [job], COALESCE, inline=True)) == [[(0, threading.main_thread())]]
+    ((index, ran_in),) = next(iter(in_waves(runtime, [job], COALESCE)))
     assert index == 0
     assert ran_in is not threading.main_thread()
     assert isinstance(ran_in, threading.Thread)

@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 # is then 100 s: a repeat by lease could not hide inside the test's wait).
 LIMITS = {"soft_time_limit": 20.0, "hard_time_limit": 25.0, "visibility_timeout": 200.0}
 CLUSTER = ["15", "main"]
+PID_FILE = Path("/var/lib/postgresql/15/main/postmaster.pid")
 
 
 def _terminate_all(engine: Engine) -> None:
@@ -111,3 +112,57 @@ def test_postgres_restart_between_effect_and_commit_repeats_nothing(
             subprocess.run(["pg_ctlcluster", *CLUSTER, "start"], check=True)
 
     _run_through_fault(tmp_path, sessions, engine, fault)
+
+
+# It crashes the machine's Postgres: serial, like the restart above.
+@pytest.mark.serial
+def test_a_claim_survives_a_postgres_crash_right_after_it(
+    tmp_path: Path, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """Postgres crashes (immediate shutdown) milliseconds after the claim, right after the
+    handler made its effect: the claim was durable when the handler started, so after crash
+    recovery the row is still this attempt's and its success is recorded, the downstream
+    called once. An asynchronous claim commit came back unclaimed (attempts 0, pending) and
+    the delivery was called a second time (issue 32's repeats at a Postgres crash)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    options = {"marker_dir": str(marks), "pid_file": str(PID_FILE)}
+    (dispatch,) = new_dispatches(sessions, [("crash_postgres", options)], **LIMITS)
+    delivery_id = dispatch.delivery_id
+    publish_one_message([dispatch])
+    with running_worker("crash", tmp_path, **LIMITS) as worker:
+        wait_for(lambda: _calls(marks, delivery_id), timeout=30, what="the effect and the crash")
+        try:
+            wait_for(
+                lambda: "delivery.record_retry" in worker.output(),
+                timeout=30,
+                what="the worker to retry recording while Postgres is down",
+            )
+        finally:
+            subprocess.run(["pg_ctlcluster", *CLUSTER, "start"], check=True)
+        wait_for(
+            lambda: delivery_row(delivery_id) is not None,
+            timeout=60,
+            what="Postgres to accept connections again",
+        )
+        row = delivery_row(delivery_id)
+        # Crash recovery kept the claim: the row is this attempt's (or already succeeded).
+        assert row is not None, "the delivery is gone"
+        assert row[1] == 1, row
+        wait_status(engine, delivery_id, "succeeded", timeout=60)
+        log = worker.output()
+    assert _calls(marks, delivery_id) == [f"{delivery_id}.1"]
+    assert [a.outcome for a in attempts(engine, delivery_id)] == ["succeeded"]
+    assert "Traceback" not in log, log[-4000:]
+
+
+def delivery_row(delivery_id: int) -> tuple[str, int] | None:
+    """(status, attempts) of the delivery, or None while Postgres does not answer."""
+    try:
+        with psycopg.connect(worker_settings().psycopg_dsn, connect_timeout=2) as conn:
+            row = conn.execute(
+                "SELECT status, attempts FROM deliveries WHERE id = %s", (delivery_id,)
+            ).fetchone()
+    except psycopg.OperationalError:
+        return None
+    return None if row is None else (str(row[0]), int(row[1]))

@@ -263,17 +263,16 @@ def forward(event: Event, ctx: HandlerContext) -> None:
     now = ctx.clock.now()
     headers = signed_headers(event, ctx, ctx.route.signing_secret, now)
     try:
-        with (
-            _http(allows_private(options)) as client,
-            client.stream(
+        with _http(allows_private(options)) as client:
+            ctx.fence()  # the last instant before the call: the lease must outlive it
+            with client.stream(
                 "POST",
                 url,
                 content=event.body,
                 headers=headers,
                 timeout=httpx.Timeout(ctx.io_timeout),
-            ) as response,
-        ):
-            _read_at_most(response, MAX_RESPONSE_BYTES)
+            ) as response:
+                _read_at_most(response, MAX_RESPONSE_BYTES)
     except AddressRefused as exc:  # the host resolved to an address the route may not reach
         raise PermanentError(str(exc), reason="address_refused") from None
     except httpx.TimeoutException as exc:

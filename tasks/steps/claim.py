@@ -29,7 +29,7 @@ from core.clock import Clock, pinned
 from core.errors import WebhooksError
 from core.logs import get_logger
 from core.messages import Dispatch
-from core.metrics import DEAD_LETTERS, DELIVERIES
+from core.metrics import DEAD_LETTERS, DELIVERIES, REPEAT_WINDOWS
 from models import deliveries
 from models.breaker import held
 from models.transitions import Claim, ClaimedEvent, Held, Wanted
@@ -61,6 +61,13 @@ class Claimed:
         plus the time elapsed since on this host's monotonic clock, which no wall-clock skew
         or step can move; or the pinned instant of a test."""
         return pinned(clock) or self.found.at + timedelta(seconds=time.monotonic() - self.started)
+
+    def lease_left(self, clock: Clock) -> float:
+        """Seconds this attempt's lease has left as :meth:`now` reads the time: ``started``
+        was read before the claim statement was sent, so this is never more than the
+        database's own reckoning (the fence of docs/workers.md)."""
+        assert self.found.lease_until is not None  # a claim that holds a lease
+        return (self.found.lease_until - self.now(clock)).total_seconds()
 
 
 def held_of(found: Claim) -> Held:
@@ -157,7 +164,18 @@ def _claim(
             )
             for wanted, _ in group:
                 reports[wanted.id] = quiet(wanted.id, Outcome.UNCLAIMED)
+    for c in out:
+        if found[c.found.id].lease_expired:
+            _took_over(c.found)
     return out
+
+
+def _took_over(found: Claim) -> None:
+    """This claim took over the lease of a worker lost holding it: whatever that worker sent
+    the downstream, this attempt may send again (under the same idempotency key). Counted by
+    cause and logged, so that a repeat the downstream sees has a name."""
+    REPEAT_WINDOWS.labels(cause="lease_taken_over").inc()
+    log.warning("delivery.lease_taken_over", delivery_id=found.id, attempt=found.attempt)
 
 
 def isolate(delivery_id: int, publish_retry: PublishRetry) -> Report:

@@ -33,6 +33,7 @@ class Outcome(enum.StrEnum):
     ISOLATED = "isolated"  # its worker died holding it: published again alone
     UNCLAIMED = "unclaimed"  # its partition's claim failed on a lost connection
     UNRECORDED = "unrecorded"  # the database stayed away past WEBHOOKS_RECORD_RETRY_SECONDS
+    FENCED = "fenced"  # its lease could not outlive a call: no call made, the lease handed back
 
 
 @dataclass(frozen=True)

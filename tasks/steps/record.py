@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.orm import Session
 
 from core.clock import pinned
@@ -38,6 +39,7 @@ from core.metrics import (
     DEAD_LETTERS,
     DELIVERIES,
     RECEIPT_TO_SUCCESS,
+    REPEAT_WINDOWS,
     RETRIES,
 )
 from models import breaker, deliveries, transitions
@@ -45,8 +47,14 @@ from models.admission import Admission
 from models.breaker import BreakerChange, Thresholds
 from models.transitions import Claim, ClaimedEvent, IllegalTransition
 from tasks.claims import FastClaim
-from tasks.connections import Unrecorded, on_connection, record
-from tasks.errors import DownstreamError, HandlerError, PermanentError, RetryableError
+from tasks.connections import CONNECTION_ERRORS, Unrecorded, on_connection, record
+from tasks.errors import (
+    DownstreamError,
+    HandlerError,
+    LeaseFenced,
+    PermanentError,
+    RetryableError,
+)
 from tasks.policy import RetryPolicy, decide
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed
@@ -174,6 +182,15 @@ def _note_change(change: BreakerChange | None, *, via: str) -> None:
 
 
 HOOKS: tuple[Hook, ...] = (BreakerHook(),)
+
+# The reasons of a failed attempt whose call was sent and whose answer never came in time:
+# the downstream may have applied it (forward's I/O timeout, the hard time limit).
+TIMED_OUT = frozenset({"timeout", "hard_time_limit"})
+
+
+def timed_out(exc: BaseException) -> bool:
+    """A failure that ended a call before its answer came: a time limit, or an I/O timeout."""
+    return isinstance(exc, SoftTimeLimitExceeded) or getattr(exc, "reason", None) in TIMED_OUT
 
 
 # -- step 4: the successes ------------------------------------------------------------------
@@ -380,31 +397,94 @@ def fail(
         return Report.of(Outcome.DEAD, found, row, f"{decision.reason}: {error}", finished=True)
     RETRIES.inc()
     DELIVERIES.labels(outcome=Outcome.RETRY).inc()
-    via = RetryVia.SWEEPER
-    if rt.settings.admission and _schedule(rt, found.id, decision.delay.total_seconds()):
-        via = RetryVia.ADMISSION
-    elif decision.countdown is not None:
+    if timed_out(exc):  # its call may have landed: a named window
+        REPEAT_WINDOWS.labels(cause="answer_timeout").inc()
+    delay_s = decision.delay.total_seconds()
+    via = _next_copy(rt, found, row, delay_s, decision.countdown, publish_retry)
+    log.info("delivery.retry", delay_s=delay_s, via=via, **fields)
+    return Report.of(
+        Outcome.RETRY,
+        found,
+        row,
+        error,
+        countdown={RetryVia.COUNTDOWN: decision.countdown, RetryVia.ADMISSION: delay_s}.get(via),
+        finished=True,
+    )
+
+
+def _next_copy(
+    rt: Runtime,
+    found: Claim,
+    row: ClaimedEvent,
+    delay_s: float,
+    countdown: float | None,
+    publish_retry: PublishRetry,
+) -> RetryVia:
+    """Schedule the next copy of a delivery whose retry is committed: with admission, else a
+    countdown message (``countdown`` None: too long for one), else the sweeper's."""
+    if rt.settings.admission and _schedule(rt, found.id, delay_s):
+        return RetryVia.ADMISSION
+    if countdown is not None:
         try:
-            publish_retry(Dispatch(found.id, row.event_id, row.public_id), decision.countdown)
-            via = RetryVia.COUNTDOWN
+            publish_retry(Dispatch(found.id, row.event_id, row.public_id), countdown)
         except Exception as publish_exc:  # noqa: BLE001 (the sweeper publishes it later)
             log.warning(
                 "delivery.retry_publish_failed",
                 delivery_id=found.id,
                 error_class=type(publish_exc).__name__,
             )
-    log.info("delivery.retry", delay_s=decision.delay.total_seconds(), via=via, **fields)
-    return Report.of(
-        Outcome.RETRY,
-        found,
-        row,
-        error,
-        countdown={
-            RetryVia.COUNTDOWN: decision.countdown,
-            RetryVia.ADMISSION: decision.delay.total_seconds(),
-        }.get(via),
-        finished=True,
+        else:
+            return RetryVia.COUNTDOWN
+    return RetryVia.SWEEPER
+
+
+def fenced(
+    rt: Runtime,
+    session: Session,
+    claimed: Claimed,
+    exc: LeaseFenced,
+    publish_retry: PublishRetry,
+) -> Report:
+    """The fence refused a call (:meth:`tasks.context.HandlerContext.fence`): nothing was
+    sent. If the lease is still this attempt's, it is handed back at once (retrying, due now,
+    not counted against ``max_attempts`` and not by the breaker); if another attempt took it
+    over, that attempt decides. When the database cannot be reached the lease is left to run
+    out, as after a crash. Never a failed attempt: a worker's own pause is no reason to spend a
+    delivery's attempts."""
+    found, row, fast = claimed.found, claimed.row, claimed.fast
+    now = claimed.now(rt.clock)
+    handed_back = False
+    try:
+        with session.begin():
+            transitions.retry_later(
+                session,
+                found,
+                now=now,
+                next_attempt_at=now,
+                error_class=type(exc).__name__,
+                error=str(exc),
+                uncounted=True,
+            )
+        handed_back = True
+    except IllegalTransition:
+        pass  # taken over: its holder decides
+    except CONNECTION_ERRORS as err:
+        log.warning(
+            "delivery.fence_unrecorded", delivery_id=found.id, error_class=type(err).__name__
+        )
+    rt.claims.release(fast)
+    DELIVERIES.labels(outcome=Outcome.FENCED).inc()
+    log.warning(
+        "delivery.fenced",
+        delivery_id=found.id,
+        attempt=found.attempt,
+        lease_left_s=round(exc.left, 3),
+        needed_s=exc.needed,
+        handed_back=handed_back,
     )
+    if handed_back:
+        _next_copy(rt, found, row, 0.0, 0.0, publish_retry)
+    return Report.of(Outcome.FENCED, found, row, str(exc), finished=handed_back)
 
 
 def age_from(found: Claim, row: ClaimedEvent, *, now: datetime, probe: bool) -> datetime:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -23,14 +23,14 @@ from core.settings import MAX_DELIVERY_BATCH
 from models import transitions
 from models.transitions import IllegalTransition
 from tasks.context import HandlerContext, idempotency_key
-from tasks.errors import RetryableError
+from tasks.errors import LeaseFenced, RetryableError
 from tasks.policy import RetryPolicy
 from tasks.pools import is_green, is_hard_timeout, run_limited
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed, held_of
 from tasks.steps.inputs import Loaded, load
 from tasks.steps.outcome import PublishRetry, Report
-from tasks.steps.record import Done, fail, lost, succeeded
+from tasks.steps.record import Done, fail, fenced, lost, succeeded
 
 log = get_logger(__name__)
 
@@ -73,7 +73,10 @@ def attempt(
             session=session,
             clock=rt.clock,
             io_timeout=rt.settings.handler_io_timeout,
+            lease_left=lambda: claimed.lease_left(rt.clock),
         )
+        # Frozen or starved since the claim, past what a call needs: no handler at all.
+        ctx.fence()
         run_limited(
             handler,
             loaded.event,
@@ -92,6 +95,9 @@ def attempt(
     except IllegalTransition:
         session.rollback()
         return lost(rt, found, fast, claimed.row)
+    except LeaseFenced as exc:  # no call was made: not a failed attempt
+        _discard(session, exc)
+        return fenced(rt, session, claimed, exc, publish_retry)
     except Exception as exc:  # noqa: BLE001 (any handler error is a failed attempt)
         _discard(session, exc)
         policy = loaded.policy if loaded else RetryPolicy.for_route(rt.settings)
@@ -163,14 +169,16 @@ def _executor(rt: Runtime) -> ThreadPoolExecutor:
 
 
 def in_waves(
-    rt: Runtime, jobs: list[Callable[[], T]], window: float, *, inline: bool = False
+    rt: Runtime, jobs: list[Callable[[], T]], coalesce: float, *, inline: bool = False
 ) -> Iterator[list[tuple[int, T | BaseException]]]:
-    """Run ``jobs`` at once; yield what finished, as (index, result or what it raised), when
-    all are done or every ``window`` seconds meanwhile (each job once). Threads under threads
-    and prefork, greenlets under gevent. A lone job runs in the calling thread (or greenlet)
-    when ``inline`` (the message's own Celery limits are its handler's: a bare id), or in a
-    thread-pool thread that is not a prefork child's main thread (there, without ``inline``,
-    the per-handler limits need a thread of their own, see :mod:`tasks.pools`)."""
+    """Run ``jobs`` at once; yield what finished, as (index, result or what it raised), as soon
+    as one finishes, with those that finish within ``coalesce`` seconds after it (each job
+    once): a handler's success is recorded right after its downstream answered, never held
+    for its batch-mates, while a burst of returns still shares one statement. Threads under
+    threads and prefork, greenlets under gevent. A lone job runs in the calling thread (or
+    greenlet) when ``inline`` (the message's own Celery limits are its handler's: a bare id),
+    or in a thread-pool thread that is not a prefork child's main thread (there, without
+    ``inline``, the per-handler limits need a thread of their own, see :mod:`tasks.pools`)."""
 
     def guarded(job: Callable[[], T]) -> T | BaseException:
         try:
@@ -191,14 +199,16 @@ def in_waves(
 
         greenlets = {gevent.spawn(guarded, job): i for i, job in enumerate(jobs)}
         while greenlets:
-            gevent.joinall(list(greenlets), timeout=window)
-            ready = [g for g in greenlets if g.ready()]
-            if ready:
-                yield [(greenlets.pop(g), g.value) for g in ready]
+            gevent.wait(list(greenlets), count=1)
+            pending = [g for g in greenlets if not g.ready()]
+            if pending:
+                gevent.joinall(pending, timeout=coalesce)
+            yield [(greenlets.pop(g), g.value) for g in list(greenlets) if g.ready()]
         return
     pool = _executor(rt)
     futures = {pool.submit(guarded, job): i for i, job in enumerate(jobs)}
     while futures:
-        finished, _ = wait(futures, timeout=window)
-        if finished:
-            yield [(futures.pop(f), f.result()) for f in finished]
+        finished, rest = wait(futures, return_when=FIRST_COMPLETED)
+        if rest:
+            finished |= wait(rest, timeout=coalesce).done
+        yield [(futures.pop(f), f.result()) for f in finished]

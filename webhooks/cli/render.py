@@ -127,6 +127,9 @@ def print_delivery(d: delivery_history.DeliveryView) -> None:
             say(_replay_line(mark))
             table = _attempt_table()
         error = f"{a.error_class}: {a.error or ''}" if a.error_class else ""
+        outcome = a.outcome or "running"
+        if a.outcome == "succeeded" and a.unrecorded_ms is not None:
+            outcome += f" (committed {a.unrecorded_ms} ms after)"  # the 2xx stood unrecorded
         row(
             table,
             a.number,
@@ -134,11 +137,13 @@ def print_delivery(d: delivery_history.DeliveryView) -> None:
             a.worker or "",
             stamp(a.started_at),
             stamp(a.ended_at),
-            a.outcome or "running",
+            outcome,
             error,
         )
     if table.row_count:
         console.print(table)
+    for number, window in d.repeat_windows:
+        say(f"  attempt {number}'s call may have reached the downstream too: {window}")
     for mark in d.replays:
         if mark.first_attempt is None:
             say(_replay_line(mark) + " (no attempt yet)")
