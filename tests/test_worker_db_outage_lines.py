@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.settings import Settings
 from models.db import make_engine
 from tasks.runtime import engine_pool_size
 from tests.conftest import TEST_DB
@@ -159,8 +160,9 @@ def test_a_delivery_without_its_database_is_one_line_and_a_retry_not_a_traceback
 def test_a_worker_connection_gives_up_on_a_silent_peer_within_a_minute() -> None:
     """A peer gone without a reset (a host or network lost) sends nothing a blocked read
     would see: the socket of every engine connection (the worker's, here) has keepalive
-    probes (10 s idle, every 5 s, 3 missed) and a 30 s limit on unacknowledged data, so a
-    sweep stuck on one fails and the next starts, instead of waiting forever."""
+    probes (5 s idle, every 2 s, 3 missed) and a 10 s limit on unacknowledged data, so a
+    sweep stuck on one fails and the next starts, instead of waiting forever, and a success
+    commit caught by one is tried again within WEBHOOKS_RECORD_RETRY_SECONDS."""
     engine = make_engine(worker_settings(), pool_size=engine_pool_size(worker_settings()))
     try:
         with engine.connect() as conn:
@@ -184,8 +186,11 @@ def test_a_worker_connection_gives_up_on_a_silent_peer_within_a_minute() -> None
         engine.dispose()
     assert options == {
         "keepalive": 1,
-        "idle": 10,
-        "interval": 5,
+        "idle": 5,
+        "interval": 2,
         "count": 3,
-        "user_timeout_ms": 30_000,
+        "user_timeout_ms": 10_000,
     }
+    # A success commit caught by a silent partition gets more than one try (issue 32).
+    default_window = Settings.model_fields["record_retry_seconds"].default
+    assert default_window >= 2 * options["user_timeout_ms"] / 1000

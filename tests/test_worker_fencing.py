@@ -371,3 +371,44 @@ def test_a_retry_after_a_call_that_timed_out_names_the_repeat_window(
         rt.close()
     shown = " ".join(cli("deliveries", "show", str(delivery_id), env=worker_env()).stdout.split())
     assert "attempt 1's call may have reached the downstream too: answer timed out" in shown
+
+
+def test_a_worker_frozen_past_its_handlers_limits_carries_on_when_it_thaws(
+    tmp_path: Path, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """The whole worker stopped (SIGSTOP, a frozen host) longer than its handler's hard limit
+    and kill deadline, but not its lease: on the thaw its watchdog sees a pause, not a stuck
+    handler (the process spent no CPU meanwhile), moves the limits by it and logs
+    ``worker.paused``; the handler finishes and its success is committed, one call, the
+    worker alive. It used to kill itself on the thaw (worker.handler_stuck) with the answer in
+    hand, taking a healthy host down."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (dispatch,) = new_dispatches(sessions, [("gate", {"marker_dir": str(marks)})])
+    delivery_id = dispatch.delivery_id
+    settings = worker_settings()
+    publish_one_message([dispatch])
+    with running_worker("thawed", tmp_path) as worker:
+        wait_for(
+            lambda: list(marks.glob(f"{delivery_id}.1.*")), timeout=30, what="the handler's call"
+        )
+        _signal_all(worker, signal.SIGSTOP)
+        try:
+            # Past the kill deadline (1.5 x the hard limit), well within the lease (4 x).
+            time.sleep(1.5 * settings.hard_time_limit + 1)
+        finally:
+            _signal_all(worker, signal.SIGCONT)
+        # The handler still waits: the watchdog looks first (it killed the worker here).
+        paused = wait_for(
+            lambda: [e for e in worker.json_lines() if e.get("event") == "worker.paused"],
+            timeout=10,
+            what="the watchdog to see the pause",
+        )
+        (marks / "open").write_text("")
+        wait_status(engine, delivery_id, "succeeded", timeout=30)
+        assert worker.alive()
+        log = worker.output()
+    assert paused[0]["seconds"] >= 1.5 * settings.hard_time_limit
+    assert "worker.handler_stuck" not in log, log[-3000:]
+    assert len(list(marks.glob(f"{delivery_id}.*"))) == 1  # one call
+    assert [(a.number, a.outcome) for a in attempts(engine, delivery_id)] == [(1, "succeeded")]
