@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     # The longest a receiver's request waits for the database (the source's lookup, the
     # accept) before it answers 503 with Retry-After: a receiver cut off from Postgres never
     # hangs a provider's connection (ingest/store.py).
-    db_answer_timeout: float = Field(default=1.0, gt=0)
+    db_answer_timeout: float = Field(default=0.9, gt=0)
     redis_socket_timeout: float = Field(default=0.5, gt=0)
 
     # Secrets.

@@ -11,7 +11,7 @@ network exchange serve many webhooks. A batch that fails on one element (not a l
 connection) is run again element by element, so one bad request never fails its neighbours.
 
 A database that does not answer. A request waits for the database at most
-``WEBHOOKS_DB_ANSWER_TIMEOUT`` (1 s), then answers 503 with Retry-After (:func:`within`): the
+``WEBHOOKS_DB_ANSWER_TIMEOUT`` (0.9 s), then answers 503 with Retry-After (:func:`within`): the
 statement it waited for goes on in the background (cancelling it would wait for psycopg's
 cancel request, which cannot reach a partitioned server either), and a receipt still queued
 for a batch is withdrawn, so nothing is written for it. Connections to a server that vanished

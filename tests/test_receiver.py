@@ -434,7 +434,7 @@ def test_a_database_that_stops_answering_is_503_within_a_second_and_the_first_re
     sessions: sessionmaker[Session], settings: Settings, engine: Engine
 ) -> None:
     """A partition between the receiver and Postgres (the proxy holds every byte, resets
-    nothing): each request answers 503 with Retry-After at WEBHOOKS_DB_ANSWER_TIMEOUT (1 s)
+    nothing): each request answers 503 with Retry-After at WEBHOOKS_DB_ANSWER_TIMEOUT (0.9 s)
     instead of hanging the provider's connection; once it heals, the first request is
     accepted. An event answered 503 is recorded at most once: its retry is a duplicate if the
     batch it was in committed after the heal."""
