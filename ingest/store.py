@@ -199,16 +199,22 @@ class Store:
         request then answers 503): ``work`` itself goes on, shielded, in the background."""
         return await asyncio.wait_for(asyncio.shield(work), self.settings.db_answer_timeout)
 
-    async def _again_once(self, statement: Callable[[], Awaitable[T]]) -> T:
+    async def _again_once(
+        self, statement: Callable[[], Awaitable[T]], wanted: Callable[[], bool] = lambda: True
+    ) -> T:
         """``statement``, run once more on a fresh connection if its connection was lost
-        (after the idle ones were checked: :meth:`_check_pool`). A retried accept whose first
-        commit did land finds its receipt: a duplicate, never a second row."""
+        (after the idle ones were checked: :meth:`_check_pool`) and ``wanted()`` still (a
+        request waits for it: one answered 503 meanwhile must not be recorded after all). A
+        retried accept whose first commit did land finds its receipt: a duplicate, never a
+        second row."""
         try:
             return await statement()
         except PoolTimeout:
             raise  # no connection to be had: nothing to check
         except (psycopg.OperationalError, psycopg.InterfaceError):
             await self._check_pool()
+            if not wanted():
+                raise
             return await statement()
 
     async def _check_pool(self) -> None:
@@ -313,7 +319,9 @@ class Store:
         receipts = [receipt for receipt, _ in batch]
         metrics.ACCEPT_BATCH.observe(len(batch))
         try:
-            outcomes: Sequence[Outcome | BaseException] = await self._accept_many(receipts)
+            outcomes: Sequence[Outcome | BaseException] = await self._accept_many(
+                receipts, lambda: not all(future.done() for _, future in batch)
+            )
         except CONNECTION_ERRORS as exc:
             outcomes = [exc] * len(batch)
         except psycopg.Error as exc:
@@ -338,8 +346,10 @@ class Store:
                 outcomes.append(exc)
         return outcomes
 
-    async def _accept_many(self, receipts: list[NewReceipt]) -> list[Outcome]:
-        return await self._again_once(lambda: self._accept_statement(receipts))
+    async def _accept_many(
+        self, receipts: list[NewReceipt], wanted: Callable[[], bool] = lambda: True
+    ) -> list[Outcome]:
+        return await self._again_once(lambda: self._accept_statement(receipts), wanted)
 
     async def _accept_statement(self, receipts: list[NewReceipt]) -> list[Outcome]:
         grace = self.settings.publish_grace

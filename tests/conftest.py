@@ -233,12 +233,3 @@ def count_rows(engine: Engine, *tables: str) -> dict[str, int]:
         return {
             t: int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()) for t in tables
         }
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files that run real worker processes (any test marked ``slow``) first, each file's
-    tests kept together and in order. ``make test`` hands whole files to its processes in
-    collection order (``--dist loadfile``); alphabetically the longest files (test_worker_*)
-    came last, and one process ran them alone while the other sat idle."""
-    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -266,7 +265,7 @@ def test_a_success_records_when_it_committed_and_deliveries_show_prints_it(
         (logged,) = json.loads(shown.stdout)["delivery"]["attempt_log"]
         assert logged["committed_at"] is not None
         human = cli("deliveries", "show", str(delivery_id), env=worker_env()).stdout
-        assert re.search(r"\(committed \d+", human), human  # the table may wrap the cell
+        assert "(committed" in human, human  # the table may wrap the cell anywhere
         assert "ms after)" in human, human
 
 

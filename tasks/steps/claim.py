@@ -89,7 +89,13 @@ def claim(
             with rt.engine.connect() as conn:
                 raw = conn.connection.driver_connection
                 assert raw is not None
-                claimed = _claim(rt, conn, raw, ids, fresh, reports, publish_retry)
+                try:
+                    claimed = _claim(rt, conn, raw, ids, fresh, reports, publish_retry)
+                except CONNECTION_ERRORS:
+                    # Lost after the probe (cut mid-message): never handed back to the pool,
+                    # whose reset would fail on it and log a traceback.
+                    conn.invalidate()
+                    raise
         except _StaleConnection:
             discard_pooled(rt.engine)  # a restart killed them all: replace every one
             log.warning("delivery.stale_connection", delivery_ids=ids)
