@@ -11,7 +11,7 @@ network exchange serve many webhooks. A batch that fails on one element (not a l
 connection) is run again element by element, so one bad request never fails its neighbours.
 
 A database that does not answer. A request waits for the database at most
-``WEBHOOKS_DB_ANSWER_TIMEOUT`` (0.9 s), then answers 503 with Retry-After (:func:`within`): the
+``WEBHOOKS_DB_ANSWER_TIMEOUT`` (0.9 s), then answers 503 with Retry-After (``Store.accept``): the
 statement it waited for goes on in the background (cancelling it would wait for psycopg's
 cancel request, which cannot reach a partitioned server either), and a receipt still queued
 for a batch is withdrawn, so nothing is written for it. Connections to a server that vanished
@@ -64,8 +64,8 @@ log = get_logger("ingest")
 
 # The receiver's statements take milliseconds: a connection whose sent bytes stay
 # unacknowledged for 5 s (tcp_user_timeout, ms), or whose idle peer answers no keepalive
-# probe within about 9 s, has lost its server (models/db.py's DEAD_PEER allows 30 s for the
-# workers' longer statements).
+# probe within about 9 s, has lost its server (models/db.py's DEAD_PEER, the workers' and the
+# tools', allows 10 s).
 DEAD_PEER: dict[str, int] = {
     "keepalives": 1,
     "keepalives_idle": 5,
@@ -304,7 +304,10 @@ class Store:
         a group that fails is retried element by element, which would split a request."""
         if not receipts:
             return []
-        return await self.within(self._accept_many(list(receipts)))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.db_answer_timeout
+        # Past the deadline the request has answered 503: no retry records it after all.
+        return await self.within(self._accept_many(list(receipts), lambda: loop.time() < deadline))
 
     async def _flush(self) -> None:
         try:
@@ -349,11 +352,17 @@ class Store:
     async def _accept_many(
         self, receipts: list[NewReceipt], wanted: Callable[[], bool] = lambda: True
     ) -> list[Outcome]:
-        return await self._again_once(lambda: self._accept_statement(receipts), wanted)
+        return await self._again_once(lambda: self._accept_statement(receipts, wanted), wanted)
 
-    async def _accept_statement(self, receipts: list[NewReceipt]) -> list[Outcome]:
+    async def _accept_statement(
+        self, receipts: list[NewReceipt], wanted: Callable[[], bool]
+    ) -> list[Outcome]:
         grace = self.settings.publish_grace
         async with self.pool.connection() as conn:
+            # The wait for a connection may outlast every request's deadline: those answered
+            # 503, so their receipts are not written after all.
+            if not wanted():
+                raise TimeoutError("every request of this batch has been answered 503")
             if len(receipts) == 1:
                 cur = await conn.execute(ACCEPT_SQL, accept_params(receipts[0], grace))
                 row = await cur.fetchone()
