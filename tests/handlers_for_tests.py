@@ -248,3 +248,14 @@ def crash_postgres(event: Event, ctx: HandlerContext) -> None:
     (directory / f"{ctx.delivery_id}.{ctx.attempt}").write_text(ctx.idempotency_key)
     pid = int(Path(ctx.route.options["pid_file"]).read_text().split()[0])
     os.kill(pid, signal.SIGQUIT)
+    # Returns once the postmaster is gone: the success's commit must meet the crash, not
+    # race it (a backend still alive for a few milliseconds would commit it first).
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":  # exited, not yet reaped by its parent
+            return
+        time.sleep(0.01)

@@ -138,6 +138,8 @@ def test_a_claim_survives_a_postgres_crash_right_after_it(
                 timeout=30,
                 what="the worker to retry recording while Postgres is down",
             )
+        except TimeoutError as exc:
+            raise AssertionError(worker.output()[-3000:]) from exc
         finally:
             subprocess.run(["pg_ctlcluster", *CLUSTER, "start"], check=True)
         wait_for(

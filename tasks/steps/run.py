@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import TypeVar
 
+import redis
 from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.orm import Session
 
 from core.logs import get_logger
 from core.settings import MAX_DELIVERY_BATCH
 from models import transitions
+from models.admission import Admission, Rate
 from models.transitions import IllegalTransition
 from tasks.context import HandlerContext, idempotency_key
 from tasks.errors import LeaseFenced, RetryableError
@@ -75,7 +78,9 @@ def attempt(
             io_timeout=rt.settings.handler_io_timeout,
             lease_left=lambda: claimed.lease_left(rt.clock),
         )
-        # Frozen or starved since the claim, past what a call needs: no handler at all.
+        if claimed.row.rate_count and claimed.row.rate_period_s:
+            pace(rt, found.route_id, Rate(claimed.row.rate_count, claimed.row.rate_period_s))
+        # Frozen or starved since the claim (or paced), past what a call needs: no handler.
         ctx.fence()
         run_limited(
             handler,
@@ -135,6 +140,20 @@ def attempt(
     if loaded.dedup_ttl is not None:
         rt.claims.confirm(fast, loaded.dedup_ttl)
     return succeeded(rt, Done(claimed, loaded, done_at))
+
+
+def pace(rt: Runtime, route_id: int, rate: Rate) -> None:
+    """Wait for the route's next call slot (:meth:`models.admission.Admission.pace`), so
+    that the downstream sees the route's calls at most at its rate, however the broker and
+    the workers bunched them after admission. At most the soft time limit (past it the lease
+    is the fence's to judge). Redis unreachable: the call goes ahead, as admission fails open."""
+    try:
+        wait = Admission(rt.redis).pace(route_id, rate)
+    except redis.RedisError as exc:
+        log.warning("delivery.pace_unavailable", route_id=route_id, error_class=type(exc).__name__)
+        return
+    if wait > 0:
+        time.sleep(min(wait, rt.settings.soft_time_limit))
 
 
 def _discard(session: Session, exc: BaseException) -> None:
