@@ -25,6 +25,7 @@ from models.admission import Admission
 from models.db import DatabaseUnavailable
 from tasks import dispatcher
 from tasks.connections import CONNECTION_ERRORS
+from tasks.pause import request_pause
 from tasks.pipeline import run
 from tasks.runtime import Runtime
 from tasks.steps.outcome import Outcome, Report
@@ -138,15 +139,45 @@ def deliver_message(
         rt = runtime()  # a worker started during an outage builds it on its first task
         reports = run(rt, ids, publish_retry=publish_retry, alone=alone)
     except CONNECTION_ERRORS as exc:
-        # A handled condition (a lost connection, a restarted database): one line, and a
-        # RETRY state that says so, never a traceback. The message is acknowledged; the
-        # sweeper's pick is what brings the deliveries back.
+        # A handled condition (a lost connection, a restarted database, a host cut off from
+        # it): one line, never a traceback. The message goes back to the broker for another
+        # worker, and this worker pauses until its database answers (tasks.pause), instead of
+        # taking its share of the queue into the same failure.
         reason = type(exc).__name__
         log.warning("delivery.database_unavailable", delivery_ids=ids, error_class=reason)
-        text = f"deliveries {ids}: database unavailable ({reason}); the sweeper republishes them"
+        request_pause(task.app, task.request.hostname, reason)
+        then = (
+            "requeued for another worker; this one pauses until its database answers"
+            if requeue(task, delivery_id)
+            else "the sweeper republishes them"
+        )
+        text = f"deliveries {ids}: database unavailable ({reason}); {then}"
         raise Retry(text, exc=DatabaseUnavailable(text)) from None
     release_slots(rt, reports)
     return celery_state(reports[0]) if alone else celery_batch_state(reports)
+
+
+def requeue(task: Task[Any, Any], argument: int | list[int]) -> bool:
+    """Publish a copy of this task's message (its argument, what Flower shows of it, its time
+    limits) for another worker to take now; the original is then acknowledged. False, logged,
+    when the broker refuses it too: the sweeper's pick brings the deliveries back."""
+    request = task.request
+    options: dict[str, Any] = {
+        name: value
+        for name in ("argsrepr", "kwargsrepr")
+        if (value := getattr(request, name, None)) is not None
+    }
+    hard, soft = request.timelimit or (None, None)
+    if hard:
+        options["time_limit"] = hard
+    if soft:
+        options["soft_time_limit"] = soft
+    try:
+        task.apply_async(args=(argument,), **options)
+    except Exception as exc:  # noqa: BLE001 (the sweeper is the fallback, as before)
+        log.warning("delivery.requeue_failed", error_class=type(exc).__name__)
+        return False
+    return True
 
 
 def release_slots(rt: Runtime, reports: list[Report]) -> None:

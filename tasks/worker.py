@@ -31,7 +31,7 @@ from models.catalog import report_raised_ttls
 from models.db import make_engine
 from models.route_catalog import active_routes
 from models.transitions import Held
-from tasks import crashes, deliver, dispatcher, sweeper
+from tasks import crashes, deliver, dispatcher, pause, sweeper
 from tasks.config import create_app
 from tasks.handlers.registry import load_registry
 from tasks.observability import is_worker_command
@@ -81,6 +81,7 @@ def build_app(settings: Settings) -> Celery:
     if is_worker_command(sys.argv):
         check_pool(settings.worker_pool, sys.argv)
     process = WorkerProcess(settings)
+    pause.register(app, settings)
     delivery = deliver.register(app, process.runtime)
     sweeper.register(app, process.runtime, delivery)
     schedule.register(app, process.runtime)
