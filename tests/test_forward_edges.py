@@ -23,7 +23,7 @@ import pytest
 from core.clock import SystemClock
 from core.metrics import RETRY_AFTER_IGNORED
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo
-from tasks.errors import PermanentError, RetryableError
+from tasks.errors import LeaseFenced, PermanentError, RetryableError
 from tasks.handlers import forward as forward_module
 from tasks.handlers.forward import (
     MAX_RESPONSE_BYTES,
@@ -279,6 +279,21 @@ def test_loopback_is_reached_only_when_the_route_allows_it(downstream: Recorder)
     assert downstream.requests == []
     event, ctx = context(url, allow_private="true")
     forward(event, ctx)
+    assert len(downstream.requests) == 1
+
+
+def test_a_lease_lost_while_the_connection_opens_sends_nothing(downstream: Recorder) -> None:
+    """The lease is checked again at the request's first write, after the connection was
+    found or opened: a worker frozen between the handler's check and the send (issue 32's
+    drill: it woke and called after another worker had committed the success) sends nothing.
+    Here the lease reads 60 s at the handler's check and 0.5 s at the write."""
+    url = f"http://127.0.0.1:{downstream.port}/hook"
+    event, ctx = context(url, allow_private="true")
+    reads = iter([60.0, 0.5])
+    with pytest.raises(LeaseFenced):
+        forward(event, dataclasses.replace(ctx, lease_left=lambda: next(reads)))
+    assert downstream.requests == []
+    forward(event, ctx)  # the same pooled clients, a live lease: the call goes
     assert len(downstream.requests) == 1
 
 

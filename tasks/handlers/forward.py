@@ -39,10 +39,12 @@ import os
 import re
 import socket
 import ssl
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
 from email.utils import parsedate_to_datetime
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 import httpcore
@@ -117,12 +119,63 @@ class _CheckedBackend(httpcore.SyncBackend):
         failure: Exception = httpcore.ConnectError("no address")
         for address in addresses:
             try:
-                return super().connect_tcp(
-                    str(address), port, timeout, local_address, socket_options
+                return _FencedStream(
+                    super().connect_tcp(str(address), port, timeout, local_address, socket_options)
                 )
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 failure = exc
         raise failure
+
+
+# The fence of the call this thread (or greenlet) is about to make: checked once, by the
+# connection's first write of the request, then dropped.
+_pending_fence = threading.local()
+
+
+@contextmanager
+def _fenced_at_send(fence: Callable[[], None]) -> Iterator[None]:
+    """Check ``fence`` at the last instant before the request's first byte is written:
+    after the pooled connection was found or a new one opened (DNS, TCP, TLS), where a worker
+    frozen or starved in between would otherwise wake up and send (issue 32's drill: a thread
+    frozen right after an earlier check called the downstream 1.3 s after another worker had
+    committed the delivery's success). What is left is the interpreter's few steps between
+    the check and the socket's send."""
+    _pending_fence.check = fence
+    try:
+        yield
+    finally:
+        _pending_fence.check = None
+
+
+class _FencedStream(httpcore.NetworkStream):
+    """A connection that runs the pending fence (:func:`_fenced_at_send`) before a write."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        fence = getattr(_pending_fence, "check", None)
+        if fence is not None:
+            _pending_fence.check = None
+            fence()  # LeaseFenced: nothing of this request was sent
+        self._inner.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        return _FencedStream(self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
 
 
 class _CheckedTransport(httpx.HTTPTransport):
@@ -263,8 +316,8 @@ def forward(event: Event, ctx: HandlerContext) -> None:
     now = ctx.clock.now()
     headers = signed_headers(event, ctx, ctx.route.signing_secret, now)
     try:
-        with _http(allows_private(options)) as client:
-            ctx.fence()  # the last instant before the call: the lease must outlive it
+        with _http(allows_private(options)) as client, _fenced_at_send(ctx.fence):
+            ctx.fence()  # before a connection is opened for a call that will not be made
             with client.stream(
                 "POST",
                 url,
