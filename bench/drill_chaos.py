@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import itertools
 import json
 import math
 import os
@@ -223,7 +224,11 @@ class ChaosCluster(Cluster):
             return
         if sig in (signal.SIGKILL, signal.SIGTERM):
             self.ended_by_drill.add(proc.popen.pid)
-        for pid in descendants(proc.popen.pid):
+        # The process itself at once (a worker is killed with a call in flight: its answer
+        # comes 20 ms later), then anything under it (a scan of /proc takes a while).
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.popen.pid, sig)
+        for pid in descendants(proc.popen.pid)[1:]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
@@ -647,7 +652,9 @@ def analyse(
     deliveries, attempts, receipts = db_dump()
     logs = read_logs(tmp / "logs")
     windows_metric = read_counters(tmp / "metrics", "webhooks_repeat_windows_total", "cause")
-    duplicates_metric = read_counters(tmp / "metrics", "webhooks_duplicates_total", "source")
+    duplicates_logged = sum(
+        1 for r in logs if r["event"] == "webhook" and r.get("outcome") == "duplicate"
+    )
 
     accepted: dict[str, float] = {}
     offered: set[str] = set()
@@ -664,6 +671,11 @@ def analyse(
             resends[f"{tr['status']} {tr['answer']}"] += 1
         if not tr["ok"]:
             failed_tries[tr["error"] or str(tr["status"])] += 1
+    # A try the sender saw fail (a 503, a receiver killed before it answered) whose receipt was
+    # committed: its next try is answered from the record.
+    first_dup = sum(
+        1 for tr in tries if tr["kind"] == "send" and tr["ok"] and tr["answer"] == "duplicate"
+    )
     resends_unanswered = len({tr["event"] for tr in tries if tr["kind"] == "resend"} - set(resent))
     by_event = {d["event"]: d for d in deliveries}
     attempts_of: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -733,7 +745,8 @@ def analyse(
       f" deliveries not succeeded at the end: {sum(1 for d in deliveries if d['status'] != 'succeeded')}")  # fmt: skip
     p(f"re-sends of acknowledged events: {sum(resends.values())} answered"
       f" ({', '.join(f'{k}: {n}' for k, n in sorted(resends.items()))}), {resends_unanswered} never"
-      f" answered; webhooks_duplicates_total {sum(duplicates_metric.values())}; events with more"
+      f" answered; first sends answered 200 duplicate after a failed try (its receipt had committed):"
+      f" {first_dup}; the receiver's duplicate answers (log) {duplicates_logged}; events with more"
       f" than one receipt: {len(multi_receipt)}; events called under more than one key: {len(multi_key)}")  # fmt: skip
     p(f"downstream calls {len(calls)} for {len(calls_of)} keys; keys called more than once:"
       f" {len(repeats)} = {100 * len(repeats) / n_acc:.3f}% of accepted events"
@@ -769,8 +782,19 @@ def analyse(
     p("per fault (times from the sender's start; during: events accepted from 1 s before the"
       " fault to its end, at least 1 s; after: from its end to the next fault, at most 10 s;"
       " latency: receipt -> first downstream call)")  # fmt: skip
+    p(
+        "(no-2xx gap / no-call gap: the longest time without a 2xx to the sender / without a"
+        " downstream call, from the fault to 10 s after its end)"
+    )
     p(f"{'fault':22} {'at':>6} {'held':>5} {'acc':>4} {'failed':>6} {'lost':>4} {'rep':>3}"
-      f" {'p50 ms':>7} {'p99 ms':>7} {'after p50':>9} {'after p99':>9}")  # fmt: skip
+      f" {'p50 ms':>7} {'p99 ms':>7} {'after p50':>9} {'after p99':>9} {'no-2xx gap':>10} {'no-call gap':>11}")  # fmt: skip
+    ok_times = sorted(tr["t1"] for tr in tries if tr["ok"])
+    call_times = sorted(x["t"] for x in calls)
+
+    def longest_gap(times: list[float], a: float, b: float) -> float:
+        inside = [a, *(t for t in times if a <= t <= b), b]
+        return max(y - x for x, y in itertools.pairwise(inside))
+
     starts = sorted(f.applied_at for f in faults)
     rep_of_fault = Counter(row[6] for row in repeat_rows)
     per_fault_rows = []
@@ -787,7 +811,8 @@ def analyse(
         p(f"{f.name:22} {a - t0:6.1f} {f.reverted_at - f.applied_at if f.reverted_at else 0:5.1f}"
           f" {len(during):4d} {failed:6d} {n_lost:4d} {rep_of_fault.get(f.name, 0):3d}"
           f" {fmt_ms(pct(lat_d, 50)):>7} {fmt_ms(pct(lat_d, 99)):>7} {fmt_ms(pct(lat_a, 50)):>9}"
-          f" {fmt_ms(pct(lat_a, 99)):>9}")  # fmt: skip
+          f" {fmt_ms(pct(lat_a, 99)):>9} {longest_gap(ok_times, a, b + 10):9.1f}s"
+          f" {longest_gap(call_times, a, b + 10):10.1f}s")  # fmt: skip
     p(
         f"{'no fault':22} {'':>6} {'':>5} {'':>4} {'':>6} {'':>4} {rep_of_fault.get('no fault', 0):3d}"
     )
