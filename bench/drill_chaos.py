@@ -249,7 +249,9 @@ def postmaster_pid(c: ChaosCluster) -> int:
 
 
 def pg_ready() -> bool:
-    probe = in_ns(HOST, str(PG_BIN / "pg_isready"), "-h", LOOPBACK, "-p", str(PG_PORT))
+    probe = in_ns(
+        HOST, str(PG_BIN / "pg_isready"), "-h", LOOPBACK, "-p", str(PG_PORT), "-U", "postgres"
+    )
     return subprocess.run(probe, check=False, capture_output=True).returncode == 0
 
 
@@ -717,7 +719,10 @@ def analyse(
         won = [a for a in attempts_of.get(d["id"], []) if a["outcome"] == "succeeded"]
         answered = [x["t_resp"] for k in keys_of_event.get(ev, ()) for x in calls_of[k]]
         if won and won[-1]["committed"] and answered:
-            before = [t for t in answered if t <= won[-1]["committed"] + 0.05]
+            # The winning attempt's own call (a lost worker's earlier answer is not its 2xx).
+            before = [
+                t for t in answered if won[-1]["started"] - 0.05 <= t <= won[-1]["committed"] + 0.05
+            ]
             if before:
                 lag.append(max(0.0, won[-1]["committed"] - max(before)))
 
@@ -796,7 +801,7 @@ def analyse(
     )
     p("")
     p("per fault (times from the sender's start; during: events accepted from 1 s before the"
-      " fault to its end, at least 1 s; after: from its end to the next fault, at most 10 s;"
+      " fault to its end, at least 1 s; after: from its end to 1 s before the next fault, at most 10 s;"
       " latency: receipt -> first downstream call)")  # fmt: skip
     p(
         "(no-2xx gap / no-call gap: the longest time without a 2xx to the sender / without a"
@@ -818,7 +823,7 @@ def analyse(
         a, b = f.applied_at, max(f.reverted_at, f.applied_at + 1.0)
         nxt = min([s for s in starts if s > f.applied_at] + [b + 10.0])
         during = [ev for ev, t in accepted.items() if a - 1 <= t < b]
-        after = [ev for ev, t in accepted.items() if b <= t < max(b, min(nxt, b + 10.0))]
+        after = [ev for ev, t in accepted.items() if b <= t < max(b, min(nxt - 1, b + 10.0))]
         lat_d = [latency[ev] for ev in during if ev in latency]
         lat_a = [latency[ev] for ev in after if ev in latency]
         failed = sum(1 for tr in tries if a <= tr["t0"] < b and not tr["ok"])
