@@ -665,6 +665,12 @@ def analyse(
 
     tries = read_jsonl(tmp / "sender.jsonl")
     calls = sorted(read_jsonl(tmp / "downstream.jsonl"), key=lambda x: x["t"])
+    # A call whose body was cut off (its worker killed while sending it) has no readable event
+    # id: its key names the event (another call of the key carries it).
+    event_of_key = {x["key"]: x["event"] for x in calls if x["event"]}
+    for x in calls:
+        x["cut"] = not x["event"]
+        x["event"] = x["event"] or event_of_key.get(x["key"], "")
     deliveries, attempts, receipts = db_dump()
     logs = read_logs(tmp / "logs")
     windows_metric = read_counters(tmp / "metrics", "webhooks_repeat_windows_total", "cause")
@@ -871,7 +877,7 @@ def analyse(
     for _key, key_calls, d, atts, window, evidence, fault in repeat_rows:
         p(f"- {key_calls[0]['event']} (delivery {d.get('id')}): {window}; fault {fault}")
         p("    calls: " + ", ".join(
-            f"{rel(x['t'])} by {caller(x)} (2xx sent {rel(x['t_resp'])}{', reset' if x['reset'] else ''})"
+            f"{rel(x['t'])} by {caller(x)} (2xx sent {rel(x['t_resp'])}{', reset' if x['reset'] else ''}{', body cut off' if x['cut'] else ''})"
             for x in key_calls) + f"; success committed {rel(d.get('succeeded'))}")  # fmt: skip
         for att in atts:
             p(f"    attempt {att['number']} on {proc_of(att['worker'])}: started {rel(att['started'])},"
