@@ -3,13 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install chromium run test lint bench bench-receiver drill-hosts
+.PHONY: install chromium run test lint bench bench-receiver drill-hosts drill-chaos
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make run   - install, migrate, run receiver + worker + beat + Flower (Ctrl-C stops)"
 	@echo "make test  - install, lint (ruff), type-check (mypy --strict), run the test suite"
 	@echo "make drill-hosts - (root) the multi-host drill: hosts as network namespaces, faults between them"
+	@echo "make drill-chaos - (root) the single-host chaos drill: kill -9, SIGSTOP, FLUSHDB, a Postgres crash"
 	@echo "make bench-receiver [REV=rev] - the receiver against REV (default: the merge base with main)"
 
 install: $(VENV)/.installed
@@ -68,3 +69,9 @@ bench-receiver: install
 # about 7 minutes; DRILL_ARGS=--short for a <= 3 minute run. Needs root (ip netns).
 drill-hosts: install
 	$(PY) bench/drill_hosts.py $(DRILL_ARGS)
+
+# The single-host chaos drill (docs/reliability.md): every process on one host (a network
+# namespace), kill -9, SIGSTOP, FLUSHDB, pg_terminate_backend and a Postgres crash while 2,200
+# events flow, about 2.5 minutes; DRILL_ARGS=--short for a <= 3 minute run. Needs root.
+drill-chaos: install
+	$(PY) bench/drill_chaos.py $(DRILL_ARGS)

@@ -316,18 +316,22 @@ def wait_for(what: str, probe: Callable[[], bool], timeout: float) -> None:
     raise RuntimeError(f"{what} did not come up within {timeout:.0f} s")
 
 
-def psql(sql: str) -> str:
-    """One statement on the private cluster, run from the pg host (tuples only)."""
+def psql(sql: str, host: str = "pg", addr: str | None = None) -> str:
+    """One statement on the private cluster, run from ``host`` (tuples only); ``addr``: the
+    cluster's address (default: ``host``'s)."""
     return run(
         in_ns(
-            "pg", "runuser", "-u", "postgres", "--", "psql", "-h", ip_of("pg"),
+            host, "runuser", "-u", "postgres", "--", "psql", "-h", addr or ip_of(host),
             "-p", str(PG_PORT), "-U", "postgres", "-d", DB_NAME, "-At", "-c", sql,
         ),
         quiet=True,
     )  # fmt: skip
 
 
-def start_postgres(cluster: Cluster) -> None:
+def start_postgres(cluster: Cluster, host: str = "pg", addr: str | None = None) -> Proc:
+    """A private cluster on ``host`` (a namespace), listening on ``addr`` (default: the
+    host's address); its process, which the single-host drill crashes and starts again."""
+    addr = addr or ip_of(host)
     data = cluster.tmp / "pgdata"
     sock = cluster.tmp / "pgsock"
     for path in (data, sock):
@@ -337,34 +341,38 @@ def start_postgres(cluster: Cluster) -> None:
          "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])  # fmt: skip
     with (data / "postgresql.conf").open("a") as conf:
         conf.write(
-            f"listen_addresses = '{ip_of('pg')}'\nport = {PG_PORT}\n"
+            f"listen_addresses = '{addr}'\nport = {PG_PORT}\n"
             f"unix_socket_directories = '{sock}'\nmax_connections = 300\n"
             "shared_buffers = 128MB\nlog_min_messages = warning\n"
         )
     with (data / "pg_hba.conf").open("a") as hba:
         hba.write(f"host all all {SUBNET}.0/24 trust\n")
-    proc = Proc("pg", "postgres", ["runuser", "-u", "postgres", "--",
+    proc = Proc(host, "postgres", ["runuser", "-u", "postgres", "--",
                 str(PG_BIN / "postgres"), "-D", str(data)], dict(os.environ),
                 cluster.tmp / "logs" / "pg.log")  # fmt: skip
     cluster.start(proc)
-    isready = in_ns("pg", str(PG_BIN / "pg_isready"), "-h", ip_of("pg"), "-p", str(PG_PORT))
+    isready = in_ns(host, str(PG_BIN / "pg_isready"), "-h", addr, "-p", str(PG_PORT))
     wait_for(
         "postgres",
         lambda: subprocess.run(isready, check=False, capture_output=True).returncode == 0,
         30,
     )
+    return proc
 
 
-def start_redis(cluster: Cluster) -> None:
-    cmd = ["redis-server", "--bind", ip_of("redis"), "--port", str(REDIS_PORT), "--save", "",
+def start_redis(cluster: Cluster, host: str = "redis", addr: str | None = None) -> Proc:
+    addr = addr or ip_of(host)
+    cmd = ["redis-server", "--bind", addr, "--port", str(REDIS_PORT), "--save", "",
            "--appendonly", "no", "--protected-mode", "no", "--dir", str(cluster.tmp)]  # fmt: skip
-    cluster.start(Proc("redis", "redis", cmd, dict(os.environ), cluster.tmp / "logs" / "redis.log"))
-    ping = in_ns("redis", "redis-cli", "-h", ip_of("redis"), "-p", str(REDIS_PORT), "ping")
+    proc = Proc(host, "redis", cmd, dict(os.environ), cluster.tmp / "logs" / "redis.log")
+    cluster.start(proc)
+    ping = in_ns(host, "redis-cli", "-h", addr, "-p", str(REDIS_PORT), "ping")
     wait_for(
         "redis",
         lambda: b"PONG" in subprocess.run(ping, check=False, capture_output=True).stdout,
         15,
     )
+    return proc
 
 
 RABBIT_PORT = 5672
@@ -709,10 +717,16 @@ SHORT_FAULTS = ("pg-cut-worker", "freeze-host", "kill-host")
 # The downstream (runs inside the down namespace).
 
 
-def serve_downstream(bind: str, port: int, out: Path, delay: float) -> None:
+def serve_downstream(
+    bind: str,
+    port: int,
+    out: Path,
+    delay: float,
+    peer_of: Callable[[tuple[str, int]], str] | None = None,
+) -> None:
     """Every call recorded twice: its arrival at once (``arrivals.log`` beside ``out``, which
     the drill watches to freeze or kill a host while it has a call in flight), and the whole
-    record once answered."""
+    record once answered. ``peer_of`` names the caller (default: its address)."""
     lock = threading.Lock()
     sink = out.open("a", buffering=1)
     live = (out.parent / "arrivals.log").open("a", buffering=1)
@@ -730,8 +744,9 @@ def serve_downstream(bind: str, port: int, out: Path, delay: float) -> None:
 
         def do_POST(self) -> None:
             arrived = now()
+            peer = peer_of(self.client_address) if peer_of else self.client_address[0]
             with lock:
-                live.write(f"{arrived:.6f} {self.client_address[0]}\n")
+                live.write(f"{arrived:.6f} {peer}\n")
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length)
             key = self.headers.get("Idempotency-Key") or ""
@@ -749,7 +764,7 @@ def serve_downstream(bind: str, port: int, out: Path, delay: float) -> None:
             except OSError:
                 reset = True
             record = {"key": key, "event": event, "t": arrived, "t_resp": now(),
-                      "peer": self.client_address[0], "reset": reset}  # fmt: skip
+                      "peer": peer, "reset": reset}  # fmt: skip
             with lock:
                 sink.write(json.dumps(record) + "\n")
 
