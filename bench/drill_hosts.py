@@ -907,6 +907,26 @@ class Outcome:
     lost: int
     accepted: int
     repeats: int
+    # What a test asserts (``--json``): repeats outside the named window, calls that started
+    # after their delivery's success committed, processes that exited by themselves, and per
+    # fault the delivered/s while it held and in the gap after, against the baseline's.
+    unnamed: list[str] = field(default_factory=list)
+    late: int = 0
+    exits: int = 0
+    baseline_delivered: float = 0.0
+    delivered: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted,
+            "lost": self.lost,
+            "repeats": self.repeats,
+            "unnamed": self.unnamed,
+            "late": self.late,
+            "exits": self.exits,
+            "baseline_delivered": self.baseline_delivered,
+            "delivered": self.delivered,
+        }
 
 
 def analyse(
@@ -1102,7 +1122,38 @@ def analyse(
             p(f"    attempt {att['number']} on {worker_host(att['worker'])}: started {rel(att['started'])},"
               f" ended {rel(att['ended'])}, {att['outcome'] or 'open'}"
               f"{' ' + att['error'] if att['error'] else ''}")  # fmt: skip
-    outcome = Outcome("\n".join(lines) + "\n", len(lost), len(accepted), len(repeats))
+    # The named window (issue 32): each call but the last belongs to an attempt whose worker
+    # lost its lease with the call made (killed, frozen, cut off: ``crashed`` when the next
+    # claim took the lease over) and the last attempt succeeded.
+    unnamed = []
+    for key_calls in repeats.values():
+        d = by_event.get(key_calls[0]["event"], {})
+        tries_of = sorted(attempts_of.get(int(d.get("id") or 0), []), key=lambda x: x["number"])
+        named = (
+            len(tries_of) >= len(key_calls)
+            and all(att["outcome"] == "crashed" for att in tries_of[:-1])
+            and tries_of[-1]["outcome"] == "succeeded"
+        )
+        if not named:
+            unnamed.append(key_calls[0]["event"])
+    outcome = Outcome(
+        "\n".join(lines) + "\n",
+        len(lost),
+        len(accepted),
+        len(repeats),
+        unnamed=sorted(unnamed),
+        late=len(late),
+        exits=len(cluster.exits),
+        baseline_delivered=round(delivered_rate(t0 + 3, baseline_end), 2),
+        delivered={
+            f.name: (
+                round(delivered_rate(a, b), 2),
+                round(delivered_rate(b, b + gap), 2),
+            )
+            for f in faults
+            for a, b in [(f.applied_at, f.reverted_at or f.applied_at + f.duration)]
+        },
+    )
     series = {
         "accepted": accepted,
         "first_call": first_call,
@@ -1310,6 +1361,8 @@ def drill(args: argparse.Namespace) -> int:
             out_png = Path(args.png)
             header = f"$ {' '.join(['bench/drill_hosts.py', *sys.argv[1:]])}\n"
             out_txt.write_text(header + outcome.text)
+            if args.json:
+                Path(args.json).write_text(json.dumps(outcome.summary(), indent=1) + "\n")
             plot(series, out_png, f"multi-host drill: {args.rate:g} events/s, lease {LEASE:.0f} s, "
                  f"accepted {outcome.accepted}, lost {outcome.lost}, repeated {outcome.repeats}")  # fmt: skip
             print(outcome.text)
@@ -1370,6 +1423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="threads per worker")
     parser.add_argument("--results", default=str(ROOT / "bench" / "results_drill_hosts.txt"))
     parser.add_argument("--png", default=str(ROOT / "bench" / "drill_hosts.png"))
+    parser.add_argument("--json", help="also write the figures a test checks to this file")
     down = sub.add_parser("downstream", help="(internal) the recording downstream")
     down.add_argument("--bind", required=True)
     down.add_argument("--port", type=int, required=True)
