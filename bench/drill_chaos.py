@@ -81,6 +81,7 @@ from drill_hosts import (
     Fault,
     Proc,
     database_url,
+    drain,
     fmt_ms,
     http_ok,
     in_ns,
@@ -98,6 +99,9 @@ from drill_hosts import (
     stripe_headers,
     teardown_network,
     wait_for,
+)
+from drill_hosts import (
+    setup_database as setup_pipeline_database,
 )
 
 HOST = "chaos"  # the one host: network namespace whd-chaos
@@ -333,33 +337,7 @@ def chaos_env(tmp: Path, concurrency: int) -> dict[str, str]:
 
 
 def setup_database(c: ChaosCluster) -> None:
-    def webhooks(*args: str) -> str:
-        proc = subprocess.run(
-            in_ns(HOST, str(VENV_BIN / "webhooks"), *args),
-            env=c.env,
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=ROOT,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"webhooks {args[0]} {args[1]} failed: {proc.stderr.strip()[-400:]}")
-        return proc.stdout
-
-    webhooks("db", "upgrade")
-    source = json.loads(
-        webhooks("sources", "add", "drill", "--provider", "stripe", "--json", "--as", "drill")
-    )
-    c.secret = str(source["secret"])
-    c.source_path = str(source["url_path"])
-    route = json.loads(
-        webhooks(
-            "routes", "add", "drill", "--handler", "forward", "--json", "--as", "drill",
-            "--option", f"url=http://{LOOPBACK}:{DOWN_PORT}/hook",
-            "--option", "allow_http=true", "--option", "allow_private=true",
-        )
-    )  # fmt: skip
-    c.route_id = int(route["id"])
+    setup_pipeline_database(c, HOST, f"http://{LOOPBACK}:{DOWN_PORT}/hook")
 
 
 def start_pipeline(c: ChaosCluster, concurrency: int) -> None:
@@ -1032,25 +1010,7 @@ def drill(args: argparse.Namespace) -> int:
                   f" {args.rate:g}/s; faults: {', '.join(chosen) or 'none'}", flush=True)  # fmt: skip
             owners.thread.start()
             run_faults(c, faults, t0, owners)
-            assert sender.popen is not None
-            while sender.popen.poll() is None:
-                time.sleep(0.5)
-                c.check_exits(t0)
-            print(
-                f"  {now() - t0:6.1f}s sender done; waiting for every delivery to succeed",
-                flush=True,
-            )
-            deadline = now() + args.drain
-            left = not_succeeded()
-            while now() < deadline and (left is None or left > 0):
-                time.sleep(1)
-                c.check_exits(t0)
-                left = not_succeeded()
-            print(
-                f"  {now() - t0:6.1f}s not succeeded: {left}; {args.settle:.0f} s for late calls",
-                flush=True,
-            )
-            time.sleep(args.settle)
+            drain(c, sender, t0, args.drain, args.settle, not_succeeded, poll=1.0)
             owners.stop.set()
             outcome = analyse(t0, faults, c, args, owners)
             out_txt, out_png = Path(args.results), Path(args.png)

@@ -465,10 +465,13 @@ def http_ok(host: str, url: str) -> bool:
     return out.startswith("2")
 
 
-def setup_database(cluster: Cluster) -> None:
+def setup_database(cluster: Cluster, host: str = "beat", downstream: str | None = None) -> None:
+    """The schema, the drill's source and its forward route to ``downstream`` (default: the
+    down host), through the project's CLI run on ``host``."""
+
     def webhooks(*args: str) -> str:
         proc = subprocess.run(
-            in_ns("beat", str(VENV_BIN / "webhooks"), *args),
+            in_ns(host, str(VENV_BIN / "webhooks"), *args),
             env=cluster.env,
             capture_output=True,
             text=True,
@@ -485,11 +488,11 @@ def setup_database(cluster: Cluster) -> None:
     )
     cluster.secret = str(source["secret"])
     cluster.source_path = str(source["url_path"])
+    url = downstream or f"http://{ip_of('down')}:{DOWN_PORT}/hook"
     route = json.loads(
         webhooks(
             "routes", "add", "drill", "--handler", "forward", "--json", "--as", "drill",
-            "--option", f"url=http://{ip_of('down')}:{DOWN_PORT}/hook",
-            "--option", "allow_http=true", "--option", "allow_private=true",
+            "--option", f"url={url}", "--option", "allow_http=true", "--option", "allow_private=true",
         )
     )  # fmt: skip
     cluster.route_id = int(route["id"])
@@ -1254,6 +1257,34 @@ def interrupts_as_exceptions() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def drain(
+    cluster: Cluster,
+    sender: Proc,
+    t0: float,
+    most: float,
+    settle: float,
+    left_of: Callable[[], int | None],
+    *,
+    poll: float,
+) -> None:
+    """Wait for the sender to finish, then up to ``most`` seconds for every delivery to
+    succeed (``left_of``: how many have not, None while that cannot be read), then ``settle``
+    seconds for late calls; processes that exit meanwhile are reported (and started again)."""
+    assert sender.popen is not None
+    while sender.popen.poll() is None:
+        time.sleep(0.5)
+        cluster.check_exits(t0)
+    print(f"  {now() - t0:6.1f}s sender done; waiting for every delivery to succeed", flush=True)
+    deadline = now() + most
+    left = left_of()
+    while now() < deadline and (left is None or left > 0):
+        time.sleep(poll)
+        cluster.check_exits(t0)
+        left = left_of()
+    print(f"  {now() - t0:6.1f}s not succeeded: {left}; {settle:.0f} s for late calls", flush=True)
+    time.sleep(settle)
+
+
 def drill(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("the drill makes network namespaces: run it as root", file=sys.stderr)
@@ -1337,25 +1368,7 @@ def drill(args: argparse.Namespace) -> int:
                     f.reverted_at = now()
                     applied.remove(f)
                     print(f"  {now() - t0:6.1f}s {f.name} over", flush=True)
-            assert sender.popen is not None
-            while sender.popen.poll() is None:
-                time.sleep(0.5)
-                cluster.check_exits(t0)
-            print(
-                f"  {now() - t0:6.1f}s sender done; waiting for every delivery to succeed",
-                flush=True,
-            )
-            deadline = now() + args.drain
-            left = pending_count()
-            while now() < deadline and (left is None or left > 0):
-                time.sleep(2)
-                cluster.check_exits(t0)
-                left = pending_count()
-            print(
-                f"  {now() - t0:6.1f}s not succeeded: {left}; {args.settle:.0f} s for late calls",
-                flush=True,
-            )
-            time.sleep(args.settle)
+            drain(cluster, sender, t0, args.drain, args.settle, pending_count, poll=2.0)
             outcome, series = analyse(t0, faults, cluster, gap, args)
             out_txt = Path(args.results)
             out_png = Path(args.png)

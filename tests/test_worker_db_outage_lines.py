@@ -248,14 +248,7 @@ def test_a_worker_cut_off_from_postgres_leaves_the_deliveries_to_the_others(
             with running_worker("whole", tmp_path) as whole:
                 proxy.cut()
                 first = new_dispatches(sessions, route * 24)
-                broker = Broker(worker_settings())
-                try:
-                    for dispatch in first:
-                        broker.publish(dispatch.delivery_id)
-                finally:
-                    broker.close()
-                for dispatch in first:
-                    wait_status(engine, dispatch.delivery_id, "succeeded", timeout=60)
+                _publish_and_wait(engine, first, timeout=60)
                 assert "worker.deliveries_paused" in cut.output(), cut.output()[-3000:]
                 whole_log = whole.output()
                 whole_pids = {whole.pid, *whole.pool_pids()}
@@ -267,14 +260,7 @@ def test_a_worker_cut_off_from_postgres_leaves_the_deliveries_to_the_others(
                 what="the cut worker to resume once its database answers",
             )
             later = new_dispatches(sessions, route * 3)
-            broker = Broker(worker_settings())
-            try:
-                for dispatch in later:
-                    broker.publish(dispatch.delivery_id)
-            finally:
-                broker.close()
-            for dispatch in later:
-                wait_status(engine, dispatch.delivery_id, "succeeded", timeout=30)
+            _publish_and_wait(engine, later, timeout=30)
             cut_log = cut.output()
             cut_pids = {cut.pid, *cut.pool_pids()}
     finally:
@@ -294,3 +280,15 @@ def test_a_worker_cut_off_from_postgres_leaves_the_deliveries_to_the_others(
     assert pids(later) <= cut_pids, (pids(later), cut_pids)
     assert cut_log.count("worker.deliveries_paused") == 1
     assert "Traceback" not in cut_log + whole_log, cut_log[-3000:]
+
+
+def _publish_and_wait(engine: Engine, dispatches: list[Dispatch], *, timeout: float) -> None:
+    """One message per delivery to the running workers, then each one succeeded."""
+    broker = Broker(worker_settings())
+    try:
+        for dispatch in dispatches:
+            broker.publish(dispatch.delivery_id)
+    finally:
+        broker.close()
+    for dispatch in dispatches:
+        wait_status(engine, dispatch.delivery_id, "succeeded", timeout=timeout)
