@@ -17,8 +17,8 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q uv
+	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
 	@$(MAKE) --no-print-directory chromium
 	touch $@
 
