@@ -7,13 +7,11 @@ three hosts, a third of the traffic stalled for the length of the cut (issue 32'
 other hosts at 0.55x their throughput before it).
 
 Now the task that meets an unreachable database (:func:`tasks.deliver.deliver_message`)
-publishes a copy of its message for another worker to take at once
-(:func:`tasks.deliver.requeue`; not ``Reject(requeue=True)``, which Celery logs with a
-traceback) and asks its own worker, through the broker's control channel, to pause
-(:data:`PAUSE_COMMAND`). The worker's main process stops consuming the deliveries queue, and
-the maintenance queue (its sweeps need the database as much), and probes the database
-(``SELECT 1``) every :data:`PROBE_EVERY_S`; once it answers, the worker consumes both again.
-One line each way: ``worker.deliveries_paused`` (with the error's class) and
+hands its message back to the broker (``Reject(requeue=True)``: another worker takes it at
+once) and asks its own worker, through the broker's control channel, to pause
+(:data:`PAUSE_COMMAND`). The worker's main process stops consuming the deliveries queue and
+probes the database (``SELECT 1``) every :data:`PROBE_EVERY_S`; once it answers, the worker
+consumes again. One line each way: ``worker.deliveries_paused`` (with the error's class) and
 ``worker.deliveries_resumed`` (with how long). Under every pool: a prefork child cannot reach
 its parent's consumer, the control channel can.
 
@@ -33,14 +31,12 @@ from celery import Celery
 from celery.worker.control import control_command
 
 from core.logs import get_logger
-from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
+from core.messages import DELIVERIES_QUEUE
 from core.settings import Settings
 
 log = get_logger(__name__)
 
 PAUSE_COMMAND = "webhooks_pause_deliveries"
-# What a paused worker stops taking: both need the database.
-PAUSED_QUEUES = (DELIVERIES_QUEUE, MAINTENANCE_QUEUE)
 # How often a paused worker tries the database, and how long one try may take.
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 2
@@ -74,7 +70,6 @@ class DeliveriesGate:
         self.settings = settings
         self._lock = threading.Lock()
         self._paused = False
-        self._queues: list[str] = []  # what this pause took from the consumer
 
     @property
     def paused(self) -> bool:
@@ -85,16 +80,13 @@ class DeliveriesGate:
         deliveries queue (messages already taken finish) and probe until the database
         answers."""
         with self._lock:
-            if self._paused or not _consuming(consumer, DELIVERIES_QUEUE):
+            if self._paused or not _consuming(consumer):
                 return  # paused already, or a worker that does not take deliveries
             self._paused = True
-            self._queues = [q for q in PAUSED_QUEUES if _consuming(consumer, q)]
-        for queue in self._queues:
-            consumer.cancel_task_queue(queue)
+        consumer.cancel_task_queue(DELIVERIES_QUEUE)
         log.warning(
             "worker.deliveries_paused",
             error_class=error_class,
-            queues=self._queues,
             probe_every_s=PROBE_EVERY_S,
         )
         threading.Thread(
@@ -121,25 +113,24 @@ class DeliveriesGate:
             time.sleep(PROBE_EVERY_S)
         # Through the control channel, so that the consumer changes in its own thread;
         # sent again until it takes effect.
-        for queue in self._queues:
-            while not _consuming(consumer, queue):
-                try:
-                    self.app.control.add_consumer(
-                        queue, destination=[consumer.hostname], reply=False
-                    )
-                except Exception as exc:  # noqa: BLE001 (the broker is away: try again)
-                    log.warning("worker.resume_not_sent", error_class=type(exc).__name__)
-                deadline = time.monotonic() + RESUME_CHECK_S
-                while not _consuming(consumer, queue) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+        while not _consuming(consumer):
+            try:
+                self.app.control.add_consumer(
+                    DELIVERIES_QUEUE, destination=[consumer.hostname], reply=False
+                )
+            except Exception as exc:  # noqa: BLE001 (the broker is away: try again)
+                log.warning("worker.resume_not_sent", error_class=type(exc).__name__)
+            deadline = time.monotonic() + RESUME_CHECK_S
+            while not _consuming(consumer) and time.monotonic() < deadline:
+                time.sleep(0.05)
         with self._lock:
             self._paused = False
         log.info("worker.deliveries_resumed", paused_s=round(time.monotonic() - started, 1))
 
 
-def _consuming(consumer: Any, queue: str) -> bool:
+def _consuming(consumer: Any) -> bool:
     tasks = consumer.task_consumer
-    return bool(tasks is not None and tasks.consuming_from(queue))
+    return bool(tasks is not None and tasks.consuming_from(DELIVERIES_QUEUE))
 
 
 def register(app: Celery, settings: Settings) -> DeliveriesGate:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from celery import Celery
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE, Dispatch
+from core.messages import DELIVERIES_QUEUE, Dispatch
 from core.settings import Settings
 from models.db import make_engine
 from tasks.runtime import engine_pool_size
@@ -251,8 +250,6 @@ def test_a_worker_cut_off_from_postgres_leaves_the_deliveries_to_the_others(
                 first = new_dispatches(sessions, route * 24)
                 _publish_and_wait(engine, first, timeout=60)
                 assert "worker.deliveries_paused" in cut.output(), cut.output()[-3000:]
-                # Neither deliveries nor the sweeps (which need the database as much).
-                assert _active_queues(CUT_NODE) == [], cut.output()[-3000:]
                 whole_log = whole.output()
                 whole_pids = {whole.pid, *whole.pool_pids()}
             # Only the cut worker is left: once restored it takes these by itself.
@@ -262,7 +259,6 @@ def test_a_worker_cut_off_from_postgres_leaves_the_deliveries_to_the_others(
                 timeout=30,
                 what="the cut worker to resume once its database answers",
             )
-            assert _active_queues(CUT_NODE) == sorted([DELIVERIES_QUEUE, MAINTENANCE_QUEUE])
             later = new_dispatches(sessions, route * 3)
             _publish_and_wait(engine, later, timeout=30)
             cut_log = cut.output()
@@ -296,16 +292,3 @@ def _publish_and_wait(engine: Engine, dispatches: list[Dispatch], *, timeout: fl
         broker.close()
     for dispatch in dispatches:
         wait_status(engine, dispatch.delivery_id, "succeeded", timeout=timeout)
-
-
-CUT_NODE = f"cut@{socket.gethostname()}"
-
-
-def _active_queues(node: str) -> list[str] | None:
-    """The queues the worker ``node`` consumes now, as it answers a control request."""
-    app = Celery(broker=BROKER_URL)
-    try:
-        answer = app.control.inspect(destination=[node], timeout=5).active_queues() or {}
-    finally:
-        app.close()
-    return sorted(q["name"] for q in answer[node]) if node in answer else None
