@@ -7,8 +7,9 @@ three hosts, a third of the traffic stalled for the length of the cut (issue 32'
 other hosts at 0.55x their throughput before it).
 
 Now the task that meets an unreachable database (:func:`tasks.deliver.deliver_message`)
-hands its message back to the broker (``Reject(requeue=True)``: another worker takes it at
-once) and asks its own worker, through the broker's control channel, to pause
+publishes a copy of its message for another worker to take at once
+(:func:`tasks.deliver.requeue`; not ``Reject(requeue=True)``, which Celery logs with a
+traceback) and asks its own worker, through the broker's control channel, to pause
 (:data:`PAUSE_COMMAND`). The worker's main process stops consuming the deliveries queue and
 probes the database (``SELECT 1``) every :data:`PROBE_EVERY_S`; once it answers, the worker
 consumes again. One line each way: ``worker.deliveries_paused`` (with the error's class) and
