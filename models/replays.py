@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.clock import Clock, pinned
 from core.errors import WebhooksError
 from core.logs import get_logger
+from core.messages import Dispatch
 from core.settings import Settings
 from core.states import REPLAYABLE, DeliveryStatus, ReplayStatus
 from models import queries, replay_rates, requeue
@@ -60,8 +61,9 @@ MAX_PLAN = 100_000  # candidates in one replay; narrow the filter beyond that
 SAMPLE_SIZE = 10
 
 Via = Literal["cli", "api", "console"]
-# Publishes one delivery: (delivery id, event id, source public id) -> published?
-Publish = Callable[[int, str, str], bool]
+# Publishes a chunk's moved deliveries (in messages of several ids: a worker's cost is per
+# message) -> all published? (tasks.publisher.CeleryPublisher)
+Publish = Callable[[Sequence[Dispatch]], bool]
 
 
 class ReplayError(WebhooksError, ValueError):
@@ -384,12 +386,14 @@ def execute(
                     session, chunk, replay_id, now=pinned(clock), settings=settings
                 )
             skipped = {s.delivery_id for s in skips}
-            for c in chunk:
-                if c.delivery_id in skipped:
-                    continue
-                result.replayed += 1
-                if not publish(c.delivery_id, c.event_id, c.source):
-                    result.publish_failed += 1
+            moved_now = [
+                Dispatch(c.delivery_id, c.event_id, c.source)
+                for c in chunk
+                if c.delivery_id not in skipped
+            ]
+            result.replayed += len(moved_now)
+            if moved_now and not publish(moved_now):
+                result.publish_failed += len(moved_now)
             result.skipped += len(skips)
             result.skips += skips
             if on_progress is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
@@ -127,6 +128,17 @@ def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) 
     return sorted(int(r[0]) for r in rows)
 
 
+class Due(NamedTuple):
+    """A delivery the sweeper picked."""
+
+    delivery_id: int
+    event_id: str | None
+    source: str | None
+    # A processing row whose worker died holding it: published alone (one id per message),
+    # so that a handler that kills its worker takes no batch-mate with it next time.
+    lease_expired: bool
+
+
 def due_for_publish(
     session: Session,
     *,
@@ -134,7 +146,7 @@ def due_for_publish(
     grace: timedelta,
     limit: int,
     admitted: Sequence[int] = (),
-) -> list[tuple[int, str | None, str | None]]:
+) -> list[Due]:
     """The sweeper's pick, claimed with SKIP LOCKED so two sweepers never take the same rows:
 
     - pending deliveries whose publish grace passed (never published, or the message was lost);
@@ -150,8 +162,8 @@ def due_for_publish(
     ``admitted``: deliveries admission holds (waiting for their route's limits, or in
     flight: models/admission.py). They are not lost and are left alone.
 
-    The caller publishes after committing. Returns (delivery id, event id, source public id)
-    for each, so the message shows what it carries.
+    The caller publishes after committing. Returns each one's delivery id, event id and source
+    public id (so the message shows what it carries), and whether its lease expired.
     """
     rows = session.execute(
         sql_text(
@@ -178,9 +190,9 @@ def due_for_publish(
                     republished = d.republished + 1,
                     updated_at = :now
                 FROM due WHERE d.id = due.id AND d.expires_at = due.expires_at
-                RETURNING d.id, d.receipt_id, d.expires_at, d.source_id
+                RETURNING d.id, d.receipt_id, d.expires_at, d.source_id, d.status
             )
-            SELECT p.id, r.event_id, s.public_id FROM picked p
+            SELECT p.id, r.event_id, s.public_id, p.status = 'processing' FROM picked p
             LEFT JOIN receipts r ON r.id = p.receipt_id AND r.expires_at = p.expires_at
             LEFT JOIN sources s ON s.id = p.source_id
             ORDER BY p.id
@@ -188,4 +200,4 @@ def due_for_publish(
         ),
         {"now": now, "grace": grace, "limit": limit, "admitted": list(admitted)},
     ).all()
-    return [(int(r[0]), r[1], r[2]) for r in rows]
+    return [Due(int(r[0]), r[1], r[2], bool(r[3])) for r in rows]

@@ -344,27 +344,38 @@ class Publisher:
 
 
 class CeleryPublisher:
-    """Replays' publisher (:data:`models.replays.Publish`): ``webhooks.deliver`` per delivery,
-    without blocking on a dead broker.
+    """Replays' and reconciliation's publisher: ``webhooks.deliver`` messages, without
+    blocking on a dead broker.
 
-    Reuses the receiver's fail-fast Celery configuration; a failure returns False (the
-    delivery is pending in Postgres and the sweeper publishes it after ``publish_grace``).
+    A replay hands it each chunk's moved deliveries at once (:data:`models.replays.Publish`),
+    published in messages of up to ``WEBHOOKS_DELIVERY_BATCH`` ids, as the receiver's are: a
+    worker pays its per-message cost once per message, not once per delivery. Reuses the
+    receiver's fail-fast Celery configuration; a failure returns False (the deliveries are
+    pending in Postgres and the sweeper publishes them after ``publish_grace``).
     """
 
     def __init__(self, settings: Settings) -> None:
         self._publisher = Publisher(settings)
 
-    def __call__(self, delivery_id: int, event_id: str, source: str) -> bool:
+    def __call__(self, dispatches: Sequence[Dispatch]) -> bool:
+        if not dispatches:
+            return True
         try:
-            dispatches = self._publisher.admitted([Dispatch(delivery_id, event_id, source)])
-            if dispatches:  # else it waits for the dispatcher, at its route's limits
-                self._publisher.publish_sync(dispatches)
+            admitted = self._publisher.admitted(dispatches)
+            if admitted:  # the others wait for the dispatcher, at their routes' limits
+                self._publisher.publish_sync(admitted)
         except Exception as exc:  # noqa: BLE001  (any broker failure: the sweeper recovers)
             log.warning(
-                "replay.publish_failed", delivery_id=delivery_id, error=exc.__class__.__name__
+                "replay.publish_failed",
+                delivery_ids=[d.delivery_id for d in dispatches],
+                error=exc.__class__.__name__,
             )
             return False
         return True
+
+    def one(self, delivery_id: int, event_id: str, source: str) -> bool:
+        """One delivery (reconciliation's :data:`tasks.reconcile.run.Publish`)."""
+        return self([Dispatch(delivery_id, event_id, source)])
 
     def close(self) -> None:
         self._publisher.close()

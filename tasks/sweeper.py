@@ -20,7 +20,7 @@ worker's engine, so they run on any worker that consumes the maintenance queue.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery, Task
@@ -28,7 +28,7 @@ from sqlalchemy import text
 
 from core.clock import pinned
 from core.logs import get_logger
-from core.messages import MAINTENANCE_TASK, SWEEP_TASK, Dispatch
+from core.messages import MAINTENANCE_TASK, SWEEP_TASK, Dispatch, batches, message
 from core.metrics import ADMISSIONS, BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
 from models import admission, breaker, requeue, retention
 from models.admission import Admission
@@ -54,8 +54,8 @@ _OLDEST_UNFINISHED = text(
 )
 
 
-def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
-    """One sweep: returns the delivery ids published."""
+def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> list[int]:
+    """One sweep: returns the delivery ids published (``publish`` sends one message)."""
     now = pinned(rt.clock)
     held = holding(rt)
     with session_scope(rt.sessions) as session:
@@ -73,18 +73,25 @@ def sweep_once(rt: Runtime, publish: Callable[[Dispatch], None]) -> list[int]:
             grace=rt.settings.publish_grace,
         )
         oldest = session.execute(_OLDEST_UNFINISHED, {"now": now}).scalar_one_or_none()
-    picked = admitted(rt, picked) + probed(probes)
+    alone = {due.delivery_id for due in picked if due.lease_expired}
+    out = admitted(rt, [Dispatch(*due[:3]) for due in picked])
     OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, float(oldest)))
-    published = []
-    for delivery_id, event_id, source in picked:
+    # In messages of several ids, as the receiver and the dispatcher publish (a worker's cost
+    # is per message, and a sweep after an outage picks hundreds); alone, a delivery whose
+    # worker died holding it (tasks.steps.claim.isolate), and each breaker probe.
+    groups = batches(
+        [d for d in out if d.delivery_id not in alone], rt.settings.deliveries_per_message
+    )
+    groups += [[d] for d in out if d.delivery_id in alone] + [[d] for d in probed(probes)]
+    published: list[int] = []
+    for group in groups:
+        ids = [d.delivery_id for d in group]
         try:
-            publish(Dispatch(delivery_id, event_id, source))
-        except Exception as exc:  # noqa: BLE001 (next sweep retries it after the grace)
-            log.warning(
-                "sweep.publish_failed", delivery_id=delivery_id, error_class=type(exc).__name__
-            )
+            publish(group)
+        except Exception as exc:  # noqa: BLE001 (next sweep retries them after the grace)
+            log.warning("sweep.publish_failed", delivery_ids=ids, error_class=type(exc).__name__)
             continue
-        published.append(delivery_id)
+        published += ids
     SWEPT.inc(len(published))
     if picked:
         log.info("sweep.published", count=len(published), picked=len(picked))
@@ -104,29 +111,25 @@ def holding(rt: Runtime) -> list[int]:
         return []
 
 
-def admitted(
-    rt: Runtime, picked: list[tuple[int, str | None, str | None]]
-) -> list[tuple[int, str | None, str | None]]:
+def admitted(rt: Runtime, picked: list[Dispatch]) -> list[Dispatch]:
     """The picked deliveries admission lets out now (models/admission.py); the others wait
     for the dispatcher. Redis or Postgres failing here fails open: all are published."""
     if not picked or not rt.settings.admission:
         return picked
-    dispatches = [Dispatch(*p) for p in picked]
     try:
-        out = on_connection(
+        return on_connection(
             rt.engine,
             lambda raw: admission.offer(
-                rt.redis, lambda: raw, dispatches, rt.settings.route_max_in_flight
+                rt.redis, lambda: raw, picked, rt.settings.route_max_in_flight
             ),
         )
     except Exception as exc:  # noqa: BLE001 (see the docstring)
         ADMISSIONS.labels("failed_open").inc(len(picked))
         log.warning("sweep.admission_failed_open", error_class=type(exc).__name__)
         return picked
-    return [(d.delivery_id, d.event_id, d.source) for d in out]
 
 
-def probed(probes: list[breaker.Probe]) -> list[tuple[int, str | None, str | None]]:
+def probed(probes: list[breaker.Probe]) -> list[Dispatch]:
     """The probe deliveries to publish (one per open route whose probe is due, at most one
     per probe interval: :func:`models.breaker.pick_probes`), each change logged and counted."""
     out = []
@@ -136,7 +139,7 @@ def probed(probes: list[breaker.Probe]) -> list[tuple[int, str | None, str | Non
         BREAKER_STATE.labels(route=str(probe.route_id)).set(breaker.STATE_VALUES[state])
         log.info("route.breaker_probe", route_id=probe.route_id, delivery_id=probe.delivery_id)
         if probe.delivery_id is not None:
-            out.append((probe.delivery_id, probe.event_id, probe.source))
+            out.append(Dispatch(probe.delivery_id, probe.event_id, probe.source))
     return out
 
 
@@ -158,11 +161,12 @@ def register(
 
 
 def sweep_task(runtime: Callable[[], Runtime], deliver: Task[Any, Any]) -> int:
-    def publish(dispatch: Dispatch) -> None:
-        options: dict[str, Any] = dispatch.reprs()
-        deliver.apply_async(args=(dispatch.delivery_id,), **options)
-
     rt = periodic_runtime(runtime, "sweep.failed")
+
+    def publish(group: Sequence[Dispatch]) -> None:
+        args, options = message(group, rt.settings)
+        deliver.apply_async(args=args, **options)
+
     try:
         return len(sweep_once(rt, publish))
     except CONNECTION_ERRORS as exc:

@@ -126,8 +126,9 @@ def queue_length(settings: Settings) -> int:
         client.close()
 
 
-def queued_ids(settings: Settings) -> list[int]:
-    """Delivery ids in the queued messages (kombu's JSON envelope; Celery protocol 2 body)."""
+def queued_messages(settings: Settings) -> list[list[int]]:
+    """The delivery ids of each queued message (kombu's JSON envelope; Celery protocol 2
+    body): one id, or a list of them (a message of several deliveries)."""
     import base64  # noqa: PLC0415
     import json  # noqa: PLC0415
 
@@ -136,12 +137,17 @@ def queued_ids(settings: Settings) -> list[int]:
         raw = client.lrange(DELIVERIES_QUEUE, 0, -1)
     finally:
         client.close()
-    ids = []
+    messages: list[list[int]] = []
     for item in raw:
         envelope = json.loads(item)
         args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
-        ids.append(int(args[0]))
-    return ids
+        messages.append([int(i) for i in args[0]] if isinstance(args[0], list) else [int(args[0])])
+    return messages
+
+
+def queued_ids(settings: Settings) -> list[int]:
+    """Delivery ids in the queued messages, every message's in turn."""
+    return [i for message in queued_messages(settings) for i in message]
 
 
 def flush(settings: Settings) -> None:

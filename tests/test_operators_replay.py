@@ -4,7 +4,7 @@ real Redis and the real ``webhooks`` console script. Workers are in test_operato
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -13,6 +13,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.clock import FrozenClock
+from core.messages import Dispatch
 from core.settings import Settings
 from models import admission, queries, replays
 from models.candidates import ReplayFilter
@@ -28,6 +29,7 @@ from tests.operators_support import (
     ops_settings,
     queue_length,
     queued_ids,
+    queued_messages,
     replay_rows,
     source_with,
     status_of,
@@ -68,10 +70,12 @@ class Recorder:
 
     def __init__(self, fail: bool = False) -> None:
         self.ids: list[int] = []
+        self.calls: list[list[int]] = []
         self.fail = fail
 
-    def __call__(self, delivery_id: int, event_id: str, source: str) -> bool:
-        self.ids.append(delivery_id)
+    def __call__(self, dispatches: Sequence[Dispatch]) -> bool:
+        self.calls.append([d.delivery_id for d in dispatches])
+        self.ids += self.calls[-1]
         return not self.fail
 
 
@@ -211,7 +215,7 @@ def test_replay_of_a_dead_delivery_keeps_the_key_generation_and_is_audited(
     published = Recorder()
     result = _execute(sessions, ops, plan, published)
     assert (result.status, result.replayed, result.skipped) == ("done", 1, 0)
-    assert published.ids == dead
+    assert published.calls == [dead]
     with engine.connect() as conn:
         row = conn.execute(text("SELECT * FROM deliveries WHERE id = :i"), {"i": dead[0]}).one()
     assert (row.status, row.generation, row.dead_reason, row.dead_at) == ("pending", 0, None, None)
@@ -339,7 +343,12 @@ def test_filtered_replay_of_1000_dead_deliveries_honours_the_rate_cap(
     )
     assert result.publish_failed == 0
     queued = queued_ids(ops)
-    assert queue_length(ops) == len(queued) == 10 * ops.route_max_in_flight
+    assert len(queued) == 10 * ops.route_max_in_flight
+    # A chunk's admitted deliveries go out together: messages of several ids (a worker's
+    # cost is per message), never more than a message may carry.
+    messages = queued_messages(ops)
+    assert len(messages) < len(queued)
+    assert max(len(m) for m in messages) <= ops.deliveries_per_message
     gate = redis.Redis.from_url(ops.redis_url)
     try:
         waiting = [
@@ -410,6 +419,11 @@ def test_a_large_replay_by_filter_requeues_every_dead_letter_once_and_audits_it(
     # in-flight budget, of each of the ten routes), the rest waiting for a dispatcher.
     queued = queued_ids(ops)
     assert len(queued) == 10 * ops.route_max_in_flight
+    # In messages of up to a full batch (500 moved per chunk at MAX_RATE, 200 admitted), and
+    # not one more message from the runs that came after.
+    messages = queued_messages(ops)
+    assert max(len(m) for m in messages) == ops.deliveries_per_message
+    assert len(messages) == -(-len(queued) // ops.deliveries_per_message)
     gate = redis.Redis.from_url(ops.redis_url)
     try:
         waiting = [
@@ -433,7 +447,6 @@ def test_a_large_replay_by_filter_requeues_every_dead_letter_once_and_audits_it(
     assert {s.reason for s in late.skips} == {
         "now pending, no longer dead: another replay or the pipeline moved it first"
     }
-    assert queue_length(ops) == len(queued)  # not one more message
     [late_audit] = replay_rows(engine, id=late.replay_id)
     assert (late_audit.planned, late_audit.replayed, late_audit.skipped) == (3000, 0, 3000)
     kill(sessions, wanted)  # leave them dead, so no sweeper of a later module picks them up

@@ -679,7 +679,7 @@ def test_the_sweeper_leaves_deliveries_waiting_for_admission_alone_and_takes_the
                 {"ids": [*held, lost]},
             )  # fmt: skip
         published: list[int] = []
-        sweep_once(rt, lambda d: published.append(d.delivery_id))
+        sweep_once(rt, lambda group: published.extend(d.delivery_id for d in group))
         assert not set(held) & set(published)
         with engine.connect() as conn:
             counts = dict(
@@ -698,7 +698,7 @@ def test_the_sweeper_leaves_deliveries_waiting_for_admission_alone_and_takes_the
                 {"ids": held},
             )  # fmt: skip
         again: list[int] = []
-        sweep_once(rt, lambda d: again.append(d.delivery_id))
+        sweep_once(rt, lambda group: again.extend(d.delivery_id for d in group))
         assert set(held) <= set(again) | set(gate.members())
         with engine.connect() as conn:
             picked = conn.execute(

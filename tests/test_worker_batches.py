@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 import redis
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import DELIVERIES_QUEUE
+from tasks.runtime import build_runtime
+from tasks.sweeper import sweep_once
+from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import KILL_AFTER_COMMIT_DIR
 from tests.workers import (
     BROKER_URL,
@@ -27,6 +30,7 @@ from tests.workers import (
     running_worker,
     wait_for,
     wait_status,
+    worker_settings,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
@@ -211,3 +215,39 @@ def test_two_workers_racing_copies_of_a_batch_with_redis_down_give_one_success_e
         assert len(effects(engine, i)) == 1
         assert row.attempts == 1
         assert [a.outcome for a in attempts(engine, i)] == ["succeeded"]
+
+
+def test_the_sweeper_publishes_its_pick_in_messages_of_several_ids_a_lost_lease_alone(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    """The sweeper's pick (messages lost, retries due) goes out as the receiver's does: in
+    messages of up to WEBHOOKS_DELIVERY_BATCH ids, so a worker pays its per-message cost once
+    per message. A delivery whose worker died holding its lease goes alone, so that a handler
+    that kills its worker takes no batch-mate with it next time."""
+    settings = worker_settings(admission=False)  # the pick is published whole
+    source = make_source(sessions, settings, routes=[{"handler": "effect"}])
+    ids = [accept_event(settings, source)[1].delivery_ids[0] for _ in range(40)]
+    crashed = ids.pop()
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE deliveries SET next_attempt_at = now() - interval '1 minute'"
+                 " WHERE id = ANY(:ids)"),
+            {"ids": [*ids, crashed]},
+        )  # fmt: skip
+        conn.execute(
+            text("UPDATE deliveries SET status = 'processing',"
+                 " lease_until = now() - interval '1 second' WHERE id = :id"),
+            {"id": crashed},
+        )  # fmt: skip
+    rt = build_runtime(settings)
+    messages: list[list[int]] = []
+    try:
+        sweep_once(rt, lambda group: messages.append([d.delivery_id for d in group]))
+    finally:
+        rt.close()
+    assert messages.count([crashed]) == 1
+    grouped = [m for m in messages if m != [crashed]]
+    assert sorted(i for m in grouped for i in m) == sorted(ids)  # each once
+    batch = settings.deliveries_per_message
+    assert len(grouped) == -(-len(ids) // batch)  # 39 ids at 16: 13, 13, 13
+    assert max(len(m) for m in grouped) <= batch

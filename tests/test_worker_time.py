@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -206,8 +206,8 @@ def test_a_held_key_yields_to_postgres_from_the_sweepers_second_republish(
     )
     published: list[int] = []
 
-    def publish(dispatch: Dispatch) -> None:
-        published.append(dispatch.delivery_id)
+    def publish(group: Sequence[Dispatch]) -> None:
+        published.extend(d.delivery_id for d in group)
 
     client = redis.Redis.from_url(CLAIMS_URL)
     try:

@@ -66,7 +66,7 @@ def reconcile_command(
             dry_run=dry_run,
             max_pages=max_pages,
             sleep=time.sleep,
-            publish=publisher,
+            publish=publisher.one if publisher is not None else None,
         )
     except ReconcileError as exc:
         raise CliError(str(exc)) from None
