@@ -10,7 +10,9 @@ events) and the same log level:
   bare   ``celery -A bench.noop_app worker``: a task that returns at once
 
 Throughput: N events are queued before the worker starts (ours: published by the receiver's
-publisher, ``--batch`` delivery ids per message, and again one per message); the clock runs
+publisher, ``--batch`` delivery ids per message, and again one per message; and a third time
+as the sweeper publishes a backlog whose messages were lost, with the code's own
+``sweep_once``, as retries, sweeps and replays are the sources of messages of one id); the clock runs
 from the first message taken to the last one done (``succeeded`` rows for ours; an empty queue with nothing
 unacknowledged for bare). Rounds alternate between the targets; the best round counts.
 Latency: events are then accepted at half of our measured rate (every 2 ms what has come due,
@@ -58,6 +60,7 @@ from celery import Celery
 from compat import (
     ACCEPT_MANY_SQL,
     CODE,
+    DELIVER_TASK,
     DELIVERIES_QUEUE,
     ROOT,
     Dispatch,
@@ -67,12 +70,15 @@ from compat import (
     Settings,
     accept_many_params,
     add_route,
+    build_runtime,
     create_app,
     create_source,
     decide_many,
     expires_at,
     make_engine,
     make_sessionmaker,
+    message,
+    sweep_once,
     target,
     upgrade,
 )
@@ -268,6 +274,48 @@ def ours_round(
         worker.stop()
 
 
+def swept_round(
+    s: Settings, app: Celery, client: redis.Redis, conn: psycopg.Connection[object],
+    source: tuple[int, str], n: int, logdir: Path,
+) -> Drain:  # fmt: skip
+    """Deliveries whose messages were lost (pending past the publish grace), published as
+    the sweeper publishes them: the code's own ``sweep_once`` (this tree's groups them, in
+    messages of up to WEBHOOKS_DELIVERY_BATCH ids; before, one id per message), sent with
+    ``send_task`` as the sweep task's ``apply_async`` does. Admission off for the pick, so
+    that the whole backlog is published at once (with it, the dispatcher publishes what the
+    routes' budgets hold back, in groups)."""
+    client.flushdb()
+    redis.Redis.from_url(CLAIMS).flushdb()
+    ids = [i for k in range(0, n, 100) for i in accept(s, conn, source, min(100, n - k))]
+    conn.execute(
+        "UPDATE deliveries SET next_attempt_at = now() - interval '1 minute' "
+        "WHERE id BETWEEN %s AND %s",
+        (min(ids), max(ids)),
+    )
+
+    def publish(picked: Any) -> None:  # this tree: a group; before: one Dispatch
+        group = [picked] if isinstance(picked, Dispatch) else list(picked)
+        args, options = message(group, s)
+        app.send_task(DELIVER_TASK, args=args, queue=DELIVERIES_QUEUE, **options)
+
+    rt = build_runtime(s.model_copy(update={"admission": False}))
+    try:
+        while sweep_once(rt, publish):
+            pass
+    finally:
+        rt.close()
+    worker = Worker(target("worker"), logdir)
+    try:
+        clock = wait_first_taken(client, queue_length(client), worker)
+        while succeeded(conn, ids) < n:
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: see {worker.log}")
+            time.sleep(0.05)
+        return clock.stop(n)
+    finally:
+        worker.stop()
+
+
 def latency(
     s: Settings, conn: psycopg.Connection[object], source: tuple[int, str],
     rate: float, seconds: float, logdir: Path,
@@ -339,12 +387,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     client = redis.Redis.from_url(BROKER)
     logdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
     batch = args.batch or s.deliveries_per_message
-    drains: dict[str, list[Drain]] = {"ours": [], "single": [], "bare": []}
+    drains: dict[str, list[Drain]] = {"ours": [], "single": [], "swept": [], "bare": []}
     with psycopg.connect(s.psycopg_dsn, autocommit=True) as conn:
         for _ in range(args.rounds):
             drains["bare"].append(bare_round(app, client, args.events, logdir))
             drains["ours"].append(ours_round(s, client, conn, source, args.events, logdir, batch))
             drains["single"].append(ours_round(s, client, conn, source, args.events, logdir, 1))
+            drains["swept"].append(swept_round(s, app, client, conn, source, args.events, logdir))
         best = {k: max(v) for k, v in drains.items()}
         p50, p99, count = latency(s, conn, source, best["ours"].rate / 2, args.seconds, logdir)
     client.flushdb()
@@ -361,7 +410,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
     drains = {k: [Drain(*d) for d in v] for k, v in result["drains"].items()}
-    ours, single, bare = (max(drains[k]) for k in ("ours", "single", "bare"))
+    ours, single, swept, bare = (max(drains[k]) for k in ("ours", "single", "swept", "bare"))
     batch = result["batch"]
     p50, p99, count = result["latency"]
 
@@ -377,9 +426,11 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
             "target                 events/s (best)  CPU ms/event: worker machine  rounds",
             row(f"ours, {batch:3d} ids/message", "ours", ours),
             row("ours,   1 id/message ", "single", single),
+            row("ours, as swept       ", "swept", swept),
             row("bare                 ", "bare", bare),
             f"ratio ours/bare: {ours.rate / bare.rate:.2f} at {batch} ids/message (floor 1.0), "
-            f"{single.rate / bare.rate:.2f} at 1",
+            f"{single.rate / bare.rate:.2f} at 1, {swept.rate / bare.rate:.2f} as the sweeper "
+            "publishes a lost backlog",
             f"latency receipt->succeeded at {ours.rate / 2:.0f} events/s offered for "
             f"{args.seconds:.0f} s after {WARMUP_S:.0f} s of warm-up ({count} events, published "
             f"as they came, linger {result['linger_ms']:.0f} ms): "
@@ -411,7 +462,7 @@ def against(args: argparse.Namespace) -> str:
         f"bench_workers against {args.against} ({rev}): {args.events} events per drain, "
         f"{args.rounds} runs each, alternating, -P {args.pool} -c {args.concurrency}, "
         f"{os.cpu_count()} CPUs, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
-        "run      ours batch/1 id ev/s   bare ev/s   ratio batch / 1   "
+        "run      ours batch/1 id/swept ev/s   bare ev/s   ratio batch / 1 / swept   "
         "CPU ms/event at the batch: worker machine",
     ]
     try:
@@ -422,8 +473,10 @@ def against(args: argparse.Namespace) -> str:
                 runs[name].append(d)
                 lines.append(
                     f"{name:5s} {k + 1:2d}  {d['ours'].rate:7.0f} {d['single'].rate:5.0f}"
-                    f"   {d['bare'].rate:9.0f}   {d['ours'].rate / d['bare'].rate:5.2f} / "
-                    f"{d['single'].rate / d['bare'].rate:4.2f}   "
+                    f" {d['swept'].rate:5.0f}   {d['bare'].rate:9.0f}   "
+                    f"{d['ours'].rate / d['bare'].rate:5.2f} / "
+                    f"{d['single'].rate / d['bare'].rate:4.2f} / "
+                    f"{d['swept'].rate / d['bare'].rate:4.2f}   "
                     f"{d['ours'].worker_ms:17.3f} {d['ours'].machine_ms:7.3f}"
                 )
                 print(lines[-1], flush=True)
@@ -437,6 +490,7 @@ def against(args: argparse.Namespace) -> str:
     measures = {
         "ours/bare at the batch": lambda d: d["ours"].rate / d["bare"].rate,
         "ours/bare at 1 id": lambda d: d["single"].rate / d["bare"].rate,
+        "ours/bare as swept": lambda d: d["swept"].rate / d["bare"].rate,
         "ours events/s at the batch": lambda d: d["ours"].rate,
         "ours events/s at 1 id": lambda d: d["single"].rate,
         "bare events/s": lambda d: d["bare"].rate,
@@ -449,6 +503,7 @@ def against(args: argparse.Namespace) -> str:
         "machine CPU ms/event at the batch": lambda d: d["ours"].machine_ms,
         "worker CPU ms/event at 1 id": lambda d: d["single"].worker_ms,
         "machine CPU ms/event at 1 id": lambda d: d["single"].machine_ms,
+        "worker CPU ms/event as swept": lambda d: d["swept"].worker_ms,
     }
     for label, f in costs.items():
         this, other = mean("this", f), mean("rev", f)

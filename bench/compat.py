@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the types: this tree's paths
     from core.crypto import SecretBox
-    from core.messages import DELIVERIES_QUEUE, Dispatch
+    from core.messages import DELIVER_TASK, DELIVERIES_QUEUE, Dispatch, message
     from core.settings import Settings, load_settings
     from core.ttl import expires_at
     from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many
@@ -33,11 +33,14 @@ if TYPE_CHECKING:  # the types: this tree's paths
     from models.route_catalog import add_route
     from tasks.config import create_app
     from tasks.publisher import Publisher
+    from tasks.runtime import build_runtime
+    from tasks.sweeper import sweep_once
 
 __all__ = [
     "ACCEPT_MANY_SQL",
     "CODE",
     "DELIVERIES_QUEUE",
+    "DELIVER_TASK",
     "ROOT",
     "Dispatch",
     "NewReceipt",
@@ -46,6 +49,7 @@ __all__ = [
     "Settings",
     "accept_many_params",
     "add_route",
+    "build_runtime",
     "cli",
     "create_app",
     "create_source",
@@ -54,6 +58,8 @@ __all__ = [
     "load_settings",
     "make_engine",
     "make_sessionmaker",
+    "message",
+    "sweep_once",
     "target",
     "upgrade",
 ]
@@ -71,6 +77,10 @@ PATHS: dict[str, tuple[str, ...]] = {
     "expires_at": ("core.ttl", "webhooks.ttl"),
     "DELIVERIES_QUEUE": ("core.messages", "tasks.config"),
     "Dispatch": ("core.messages", "tasks.config"),
+    "DELIVER_TASK": ("core.messages", "tasks.config"),
+    "message": ("core.messages", "tasks.config"),
+    "build_runtime": ("tasks.runtime",),
+    "sweep_once": ("tasks.sweeper",),
     "create_app": ("tasks.config",),
     "Publisher": ("tasks.publisher", "ingest.publisher"),
     "ACCEPT_MANY_SQL": ("models.accept", "ingest.store"),
