@@ -136,6 +136,13 @@ def cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def machine_cpu() -> float:
+    """Busy CPU seconds of every core since boot (/proc/stat: all but idle and iowait): the
+    worker, Postgres, Redis, the receiver, the downstream and the load generator together."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mib(pid: int) -> float:
     total = 0
     for p in tree(pid):
@@ -185,6 +192,9 @@ class Drain:
     boot_s: float = 0.0
     boot_cpu_s: float = 0.0
     n: int = 0
+    # The whole machine's busy CPU per event over the same span (every process: the worker's
+    # own is cpu_ms); steadier than events/s on a shared machine.
+    machine_ms: float = 0.0
 
     @property
     def rate_with_boot(self) -> float:
@@ -335,14 +345,17 @@ def drain(worker: Worker, n: int, taken: Callable[[], bool], done: object) -> Dr
     while not taken():
         worker.check()
         time.sleep(0.002)
-    start, cpu0 = time.perf_counter(), cpu_seconds(worker.proc.pid)
+    start, cpu0, machine0 = time.perf_counter(), cpu_seconds(worker.proc.pid), machine_cpu()
     while done() < n:  # type: ignore[operator]
         worker.check()
         time.sleep(0.02)
     elapsed = time.perf_counter() - start
     cpu, rss = cpu_seconds(worker.proc.pid) - cpu0, rss_mib(worker.proc.pid)
+    machine = machine_cpu() - machine0
     progress(f"drained {n} in {elapsed:.1f} s")
-    return Drain(n / elapsed, 1000 * cpu / n, rss, start - launched, cpu0 - boot_cpu0, n)
+    return Drain(
+        n / elapsed, 1000 * cpu / n, rss, start - launched, cpu0 - boot_cpu0, n, 1000 * machine / n
+    )
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -651,7 +664,7 @@ def against(args: argparse.Namespace, env: dict[str, str]) -> str:
             for i, delay in enumerate(int(d) for d in args.delays.split(",")):
                 lines += ["", f"downstream delay {delay} ms",
                           "  run      ours ev/s  bare ev/s  ours/bare  worker CPU ms/event: ours"
-                          " bare  ours RSS MiB"]  # fmt: skip
+                          " bare  ours RSS MiB  machine CPU ms/event: ours bare"]  # fmt: skip
                 print("\n".join(lines[-3:]), flush=True)
                 downstream = uvicorn(
                     "bench.downstream_app:app", DOWNSTREAM_PORT,
@@ -669,7 +682,7 @@ def against(args: argparse.Namespace, env: dict[str, str]) -> str:
                             lines.append(
                                 f"  {name:5s} {k + 1:2d} {d.rate:9.0f} {bare.rate:10.0f}"
                                 f" {d.rate / bare.rate:10.2f} {d.cpu_ms:26.2f} {bare.cpu_ms:5.2f}"
-                                f" {d.rss:13.0f}"
+                                f" {d.rss:13.0f} {d.machine_ms:27.2f} {bare.machine_ms:5.2f}"
                             )
                             print(lines[-1], flush=True)
                     slowest = min(max(d.rate for d, _ in runs[n]) for n in runs)
@@ -707,6 +720,8 @@ def compare(
         ("ours/bare events/s", lambda d, b: d.rate / b.rate, ""),
         ("ours events/s", lambda d, b: d.rate, ""),
         ("worker CPU ms/event", lambda d, b: d.cpu_ms, ": below 1 is cheaper"),
+        ("machine CPU ms/event", lambda d, b: d.machine_ms, ": below 1 is cheaper"),
+        ("ours/bare worker CPU per event", lambda d, b: d.cpu_ms / b.cpu_ms, ""),
     ):
         this, other = mean("this", f), mean("rev", f)
         lines.append(
@@ -740,11 +755,11 @@ def report(
     return [
         "",
         f"downstream delay {delay} ms",
-        "  drain      events/s (best; rounds)   CPU ms/event   worker RSS MiB",
+        "  drain      events/s (best; rounds)   CPU ms/event   worker RSS MiB   machine CPU ms/event",
         f"  ours       {best_ours.rate:8.0f} ({rounds(ours)})"
-        f"{best_ours.cpu_ms:>18.2f}{best_ours.rss:>17.0f}",
+        f"{best_ours.cpu_ms:>18.2f}{best_ours.rss:>17.0f}{best_ours.machine_ms:>23.2f}",
         f"  bare       {best_bare.rate:8.0f} ({rounds(bare)})"
-        f"{best_bare.cpu_ms:>18.2f}{best_bare.rss:>17.0f}",
+        f"{best_bare.cpu_ms:>18.2f}{best_bare.rss:>17.0f}{best_bare.machine_ms:>23.2f}",
         f"  ratio ours/bare: {best_ours.rate / best_bare.rate:.2f} events/s, "
         f"{best_ours.cpu_ms / best_bare.cpu_ms:.2f} CPU per event",
         f"  ours with its worker's boot counted (the measure before session 9): "
