@@ -331,8 +331,17 @@ class Store:
             outcomes = [exc] if len(batch) == 1 else await self._one_by_one(receipts)
         except Exception as exc:  # noqa: BLE001  (handed to every waiting request)
             outcomes = [exc] * len(batch)
-        for (_, future), outcome in zip(batch, outcomes, strict=True):
+        for (receipt, future), outcome in zip(batch, outcomes, strict=True):
             if future.done():  # client gone, or answered 503 at its deadline: the commit stands
+                if isinstance(outcome, Outcome) and outcome.status == "accepted":
+                    # Recorded although its request was refused: the sender's retry is a
+                    # duplicate (200) and the sweeper publishes its deliveries. One line,
+                    # so an operator can tell that 200 from a double send.
+                    log.warning(
+                        "webhook.recorded_after_answer",
+                        source_id=receipt.source_id,
+                        event_id=receipt.event_id,
+                    )
                 continue
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)

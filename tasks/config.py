@@ -22,8 +22,27 @@ from core.messages import (
     RECONCILE_TASK,
     RECONCILE_TICK,
     SWEEP_TASK,
+    batch_time_limits,
 )
 from core.settings import Settings
+
+
+def deliver_annotations(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The delivery task's own Celery limits, where they differ from every task's.
+
+    Under gevent, Celery's limits on a message of one delivery are a backstop, as on a
+    batch's message (:func:`core.messages.batch_time_limits`): there every handler already
+    runs under a soft and a hard ``gevent.Timeout`` of its own, both counted from the
+    handler's start (:func:`tasks.pools.time_limits`), as the thread pool's watchdog counts
+    them. Celery's hard ``gevent.Timeout`` at the hard limit itself was counted from the
+    task's start, before the claim: a claim slower than the gap between the two limits (a
+    loaded host) had it fire first, so that handler never got its soft limit and was stopped
+    before it had run for the hard limit. Prefork keeps Celery's limits (they are its only
+    ones, the soft and the hard counted from the same start); threads ignore them."""
+    if settings.worker_pool != "gevent":
+        return {}
+    hard, soft = batch_time_limits(settings)
+    return {DELIVER_TASK: {"time_limit": hard, "soft_time_limit": soft}}
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -46,6 +65,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "task_soft_time_limit": settings.soft_time_limit,
         "task_time_limit": settings.hard_time_limit,
+        "task_annotations": deliver_annotations(settings),
         "broker_transport_options": transport,
         "result_backend_transport_options": transport,
         "broker_connection_retry_on_startup": True,

@@ -8,16 +8,18 @@ prefork
     runs out after the processing TTL and the sweeper republishes the delivery). Stops any
     handler, even one spinning on the CPU.
 gevent
-    Celery runs each task in a greenlet under ``gevent.Timeout(hard limit)``; it has no soft
-    limit. :func:`soft_limit` adds one (the same ``SoftTimeLimitExceeded``, the same
-    retryable failure); at the hard limit the ``Timeout`` is raised in the task's greenlet
-    and :mod:`tasks.steps.run` fails the attempt (retry now) before Celery records the
-    timeout. Both need the handler to yield (any socket, ``time.sleep``, a query): a handler
-    that spins on the CPU freezes every greenlet of the process, so :func:`start_watchdog`
-    kills the process once its event loop has not run for the hard limit, which is then
-    exactly prefork's crash path (lease, sweeper, ``max_redeliveries``). Each handler of a
-    batch (:mod:`tasks.pipeline`) runs in a greenlet of its own under the same soft limit and a
-    hard ``Timeout`` of its own.
+    Celery runs each task in a greenlet under a ``gevent.Timeout``, counted from the task's
+    start; it has no soft limit. :func:`time_limits` puts each handler under a soft limit
+    (:func:`soft_limit`: the same ``SoftTimeLimitExceeded``, the same retryable failure) and
+    a hard ``Timeout`` of its own, both counted from the handler's start; Celery's is set to
+    a backstop above them (:func:`tasks.config.deliver_annotations`), or a slow claim would
+    let it fire before the soft limit. At the hard limit the ``Timeout`` is raised in the
+    handler's greenlet and :mod:`tasks.steps.run` fails the attempt (retry now). Both need
+    the handler to yield (any socket, ``time.sleep``, a query): a handler that spins on the
+    CPU freezes every greenlet of the process, so :func:`start_watchdog` kills the process
+    once its event loop has not run for the hard limit, which is then exactly prefork's
+    crash path (lease, sweeper, ``max_redeliveries``). Each handler of a batch
+    (:mod:`tasks.pipeline`) runs in a greenlet of its own under the same two limits.
 threads
     Celery's thread pool enforces neither limit (``celery.concurrency.thread`` takes no
     timeout). :func:`time_limits` does: a watchdog thread raises ``SoftTimeLimitExceeded``
@@ -33,7 +35,7 @@ A message carrying several deliveries (:mod:`tasks.pipeline`) runs each handler 
 its own (a greenlet under gevent), under every pool, prefork included: each handler gets the
 soft and hard limits above and a stuck one fails its own delivery, not its batch-mates.
 Celery's limits on such a message are a backstop at twice the hard limit
-(:func:`tasks.config.batch_time_limits`), under the processing TTL (4 x hard).
+(:func:`core.messages.batch_time_limits`), under the processing TTL (4 x hard).
 
 A small blast radius: killing the process re-runs every delivery it had in flight (up to
 every slot's message), and each such redelivery counts as a crash (``max_redeliveries``).
@@ -310,8 +312,9 @@ def time_limits(soft: float, hard: float, held: Held | None = None) -> Iterator[
         if held is not None:
             _Green.running[me] = held
         try:
-            # Celery's own Timeout covers a lone delivery's greenlet only; this one covers
-            # each handler of a batch too (the first to fire is a hard limit either way).
+            # The handler's hard limit, a lone delivery's as each of a batch's: Celery's own
+            # Timeout, counted from the task's start, is only a backstop above it
+            # (tasks.config.deliver_annotations).
             with Timeout(hard), soft_limit(soft):
                 yield
         finally:

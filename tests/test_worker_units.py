@@ -15,7 +15,13 @@ import redis
 from celery.exceptions import SoftTimeLimitExceeded
 from prometheus_client import REGISTRY
 
-from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE, SWEEP_TASK
+from core.messages import (
+    DELIVER_TASK,
+    DELIVERIES_QUEUE,
+    MAINTENANCE_QUEUE,
+    SWEEP_TASK,
+    batch_time_limits,
+)
 from tasks.claims import ClaimStore, claim_key, make_client
 from tasks.config import celery_config
 from tasks.context import idempotency_key
@@ -395,6 +401,15 @@ def test_prefork_and_gevent_settings() -> None:
     check_pool("prefork", ["celery", "-A", "tasks", "worker", "-c", "2"])
     gevent = make_settings(worker_pool="gevent", worker_concurrency=300)
     assert celery_config(gevent)["worker_concurrency"] == 300
+    # Under gevent each handler has its own soft and hard limits (tasks.pools.time_limits),
+    # counted from its start: Celery's on the delivery task, counted from the task's start
+    # (before the claim), are a backstop above them and under the lease, as on a batch.
+    limits = celery_config(gevent)["task_annotations"][DELIVER_TASK]
+    assert (limits["time_limit"], limits["soft_time_limit"]) == batch_time_limits(gevent)
+    assert gevent.hard_time_limit < limits["time_limit"] < gevent.processing_ttl
+    for other in (make_settings(), prefork):  # prefork: Celery's limits are the only ones
+        assert celery_config(other)["task_annotations"] == {}
+        assert celery_config(other)["task_time_limit"] == other.hard_time_limit
     with pytest.raises(PoolMismatchError, match="needs `celery worker -P gevent`"):
         check_pool("gevent", ["celery", "worker", "-Pgevent"])  # this process is not patched
 

@@ -179,7 +179,8 @@ class Worker(Process):
     def pool_pids(self) -> list[int]:
         return children(self.pid)
 
-    def wait_ready(self, timeout: float = 30) -> None:
+    def wait_ready(self, timeout: float = 120) -> None:
+        # Generous: a worker starting beside a loaded suite took over 30 s to be ready.
         def ready() -> bool:
             if not self.alive():
                 raise RuntimeError(f"worker {self.name} exited early:\n{self.output()[-3000:]}")
