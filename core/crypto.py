@@ -42,12 +42,14 @@ import hashlib
 import secrets as _secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
 from core.errors import WebhooksError
-from core.providers import registry
+
+if TYPE_CHECKING:
+    from core.providers.base import Provider
 
 # A fixed, purpose-bound salt: the key itself is the secret; the salt keeps these derived keys
 # apart from any other use of the same key material.
@@ -312,21 +314,29 @@ def check_keys(box: SecretBox, ciphertexts: Iterable[bytes]) -> int:
     return checked
 
 
+def _provider(name: str) -> Provider:
+    """The registry's provider ``name`` (UnknownProvider, a ValueError, if nobody registered it)."""
+    # The SecretBox alone (every CLI command's key check, the workers) needs no provider.
+    from core.providers import registry  # noqa: PLC0415 (the provider package imports every built-in provider module, ~40 ms of a CLI run that names no provider)
+
+    return registry.get(name)
+
+
 def key_format(provider: str) -> str:
     """``whsec`` (``whsec_`` + base64 of the key) or ``text`` (the string is the key), from
     the provider registry; UnknownProvider (a ValueError) for a name nobody registered."""
-    return registry.get(provider).key_format
+    return _provider(provider).key_format
 
 
 def key_prefix(provider: str) -> str:
     """What the provider's own keys start with (Stripe: ``whsec_``, its whole string being the
     key), from the provider registry."""
-    return registry.get(provider).key_prefix
+    return _provider(provider).key_prefix
 
 
 def generate_secret(provider: str) -> str:
     """A new random signing secret in the provider's format (its registry entry says which)."""
-    found = registry.get(provider)
+    found = _provider(provider)
     if found.key_format == "whsec":
         return "whsec_" + base64.b64encode(_secrets.token_bytes(32)).decode()
     if found.key_format in SUPPLIED_KEY_FORMATS:
@@ -349,7 +359,7 @@ SUPPLIED_KEY_FORMATS = {
 def check_key(provider: str, secret: str) -> None:
     """ValueError (saying what the key should be) when ``secret`` is not in the format the
     provider's keys have (Discord: 64 hex; SendGrid: base64 P-256; Adyen: hex)."""
-    check = registry.get(provider).check_secret
+    check = _provider(provider).check_secret
     if check is not None:
         check(secret)
 

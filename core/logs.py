@@ -12,11 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import structlog
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 FORBIDDEN_KEYS = frozenset(
     {"secret", "secrets", "payload", "body", "data", "signature", "token", "password"}
@@ -62,29 +65,78 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
+def configure_logging(level: str = "INFO", *, json: bool | None = None, lazy: bool = False) -> None:
+    """Log records at ``level`` and above to stderr, as JSON lines or for a person.
+
+    ``lazy`` (the CLI): structlog, with the rich tracebacks its console renderer loads (~60 ms),
+    is imported and configured when the first line is logged, not now; most commands log
+    nothing. The choices (JSON, colours, the stream) are made now either way."""
     # JSON carries a formatted traceback in a field; the console renderer formats it itself.
-    tail: list[Any] = (
-        [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(_dumps)]
-        if wants_json(json)
-        else [structlog.dev.ConsoleRenderer(colors=wants_colour())]
-    )
+    as_json, colours, stream = wants_json(json), wants_colour(), sys.stderr
     logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s", force=False)
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            _drop_sensitive,
-            *tail,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        # One write per line (print() writes the line and its newline apart, and another
-        # thread, Celery's logging, could land between them: tests/test_log_lines.py).
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+
+    def apply(structlog: ModuleType) -> None:
+        tail: list[Any] = (
+            [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(_dumps)]
+            if as_json
+            else [structlog.dev.ConsoleRenderer(colors=colours)]
+        )
+        structlog.configure(
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                _drop_sensitive,
+                *tail,
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+            # One write per line (print() writes the line and its newline apart, and another
+            # thread, Celery's logging, could land between them: tests/test_log_lines.py).
+            logger_factory=structlog.WriteLoggerFactory(file=stream),
+            cache_logger_on_first_use=True,
+        )
+
+    global _pending  # noqa: PLW0603 (one configuration per process)
+    with _lock:
+        _pending = apply if lazy else None
+    if not lazy:
+        apply(_structlog())
+
+
+# A lazy configuration not applied yet (configure_logging(lazy=True)), and its guard.
+_pending: Any = None
+_lock = threading.Lock()
+
+
+def _structlog() -> ModuleType:
+    """structlog, configured by a pending lazy :func:`configure_logging` first if any."""
+    global _pending  # noqa: PLW0603 (applied once, then cleared)
+    import structlog  # noqa: PLC0415 (structlog loads rich's tracebacks: ~60 ms of a CLI run that logs nothing)
+
+    if _pending is not None:
+        with _lock:
+            apply, _pending = _pending, None
+        if apply is not None:
+            apply(structlog)
+    return structlog
+
+
+class _Logger:
+    """structlog's logger ``name``, made when it first logs (so importing a module that has
+    a logger does not import structlog)."""
+
+    __slots__ = ("_logger", "_name")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._logger: Any = None
+
+    def __getattr__(self, attr: str) -> Any:
+        logger = self._logger
+        if logger is None:
+            logger = self._logger = _structlog().get_logger(self._name)
+        return getattr(logger, attr)
 
 
 def get_logger(name: str) -> Any:
-    return structlog.get_logger(name)
+    return _Logger(name)

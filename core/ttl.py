@@ -19,24 +19,29 @@ from datetime import datetime, timedelta
 
 from core.durations import format_duration
 from core.errors import WebhooksError
-from core.providers import registry
 from core.settings import Settings
 
 
 def provider_retry_window(provider: str) -> tuple[timedelta, str]:
     """A provider's documented retry window and where it is documented, from the provider
     registry (each provider module cites its own). UnknownProvider (a ValueError) otherwise."""
+    from core.providers import registry  # noqa: PLC0415 (the provider package imports every built-in provider module, ~40 ms of a CLI run that names no provider)
+
     found = registry.get(provider)
     return found.retry_window, found.citation
 
 
 def unknown_provider(name: str) -> str:
     """The refusal of a provider name nobody registered, with the likely one if any."""
+    from core.providers import registry  # noqa: PLC0415 (the provider package imports every built-in provider module, ~40 ms of a CLI run that names no provider)
+
     return registry.unknown_provider_message(name, registry.names())
 
 
 def known_providers() -> tuple[str, ...]:
     """Every registered provider (built-ins and plug-ins)."""
+    from core.providers import registry  # noqa: PLC0415 (the provider package imports every built-in provider module, ~40 ms of a CLI run that names no provider)
+
     return registry.names()
 
 
@@ -114,6 +119,8 @@ def dedup_terms(
 ) -> DedupTtl:
     """The four terms and where each came from, without the coverage check (``ttl explain``
     shows a refused configuration too; maintenance sizes partitions from it)."""
+    from core.providers import registry  # noqa: PLC0415 (the provider package imports every built-in provider module, ~40 ms of a CLI run that names no provider)
+
     try:
         window, citation = provider_retry_window(provider)
     except registry.UnknownProvider:

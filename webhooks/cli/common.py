@@ -180,7 +180,8 @@ def env() -> Env:
         message = str(exc).replace("Field required", "required, not set")
         raise CliError(f"{message}; {source.describe()}") from None
     # Commands print their results on stdout (--json must stay parseable): logs go to stderr.
-    configure_logging("WARNING", json=settings.log_json)
+    # Lazily: structlog is loaded by the first line logged, and most commands log none.
+    configure_logging("WARNING", json=settings.log_json, lazy=True)
     OPTIONS.database_url = settings.database_url
     return Env(settings, config=source, from_file=frozenset(k.upper() for k in exported))
 

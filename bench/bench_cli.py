@@ -1,0 +1,156 @@
+"""CLI start-up benchmark: the median wall time and user CPU of a few ``webhooks`` commands,
+each run as a new process (as an operator, and the test suite, run them).
+
+Commands: ``--help``; ``events show 5``, ``dead list``, ``sources list`` (settings, the key
+check, one query; 5 is no event, so it ends with its one-line error); a bad input
+(``events list --since`` a time that does not parse). They run against a database of their
+own, migrated, with one source (and so one stored secret: the key check derives the key).
+Python's bytecode cache is on (a directory of its own, filled by a first, uncounted run), as
+in the suite's subprocesses.
+
+Against a revision (``--against REV``): the same commands from a git worktree of REV
+(``bench/revisions.py``), run alternately with this tree's, each ``--runs`` times. User CPU is
+the steadier figure on a shared machine.
+
+Usage: .venv/bin/python bench/bench_cli.py [--runs 7] [--against REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+from revisions import remove_worktree, worktree
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_DSN = os.environ.get("BENCH_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+COMMANDS = [
+    ["--help"],
+    ["events", "show", "5"],
+    ["dead", "list"],
+    ["sources", "list"],
+    ["events", "list", "--since", "not-a-time"],
+]
+PROGRAM = "import sys; sys.argv[0] = 'webhooks'; from webhooks.cli import main; main()"
+
+
+def environment(code: Path, database: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.update(
+        PYTHONPATH=str(code),
+        PYTHONPYCACHEPREFIX=str(Path("/tmp") / "bench-cli-pycache"),
+        WEBHOOKS_ENV_FILE=str(ROOT / "tests" / "empty.env"),
+        WEBHOOKS_ENVIRONMENT="test",
+        WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{database}",
+        WEBHOOKS_BROKER_URL="redis://127.0.0.1:6379/14",
+        WEBHOOKS_REDIS_URL="redis://127.0.0.1:6379/15",
+        WEBHOOKS_SECRET_KEY="bench-secret-key-" + "k" * 32,
+        WEBHOOKS_LOG_JSON="true",
+        COLUMNS="120",
+    )
+    return env
+
+
+def run(code: Path, args: list[str], env: dict[str, str]) -> tuple[float, float, int]:
+    """Wall seconds, user CPU seconds and exit code of one ``webhooks`` process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(  # noqa: S603
+        [sys.executable, "-c", PROGRAM, *args],
+        cwd=code,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return wall, usage.ru_utime, proc.returncode
+
+
+def measure(trees: dict[str, Path], database: str, runs: int) -> dict[tuple[str, str], list]:
+    results: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+    envs = {label: environment(code, database) for label, code in trees.items()}
+    for label, code in trees.items():  # fill the bytecode cache, uncounted
+        for args in COMMANDS:
+            run(code, args, envs[label])
+    for i in range(runs):
+        order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]
+        for args in COMMANDS:
+            for label, code in order:
+                results.setdefault((label, " ".join(args)), []).append(run(code, args, envs[label]))
+    return results
+
+
+def report(results: dict[tuple[str, str], list], labels: list[str], runs: int) -> str:
+    lines = [f"webhooks CLI, median of {runs} runs each (wall s / user CPU s, exit code)"]
+    head = f"{'command':<34}" + "".join(f"{label:>24}" for label in labels)
+    if len(labels) == 2:
+        head += f"{'user CPU ratio':>16}"
+    lines.append(head)
+    for args in COMMANDS:
+        name = " ".join(args)
+        line = f"{name:<34}"
+        users = []
+        for label in labels:
+            rows = results[(label, name)]
+            wall = statistics.median(r[0] for r in rows)
+            user = statistics.median(r[1] for r in rows)
+            codes = sorted({r[2] for r in rows})
+            users.append(user)
+            cell = f"{wall:.3f} / {user:.3f} ({','.join(map(str, codes))})"
+            line += f"{cell:>24}"
+        if len(users) == 2:
+            line += f"{users[0] / users[1]:>15.2f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--against", metavar="REV", help="also run REV's code, alternating")
+    args = parser.parse_args()
+    trees = {"this tree": ROOT}
+    made = None
+    if args.against:
+        path, fresh = worktree(args.against)
+        made = path if fresh else None
+        trees[args.against] = path
+    database = f"webhooks_bench_cli_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{database}"')
+    try:
+        env = environment(ROOT, database)
+        for setup in (["db", "upgrade"], ["sources", "add", "bench", "--provider", "standard"]):
+            subprocess.run(  # noqa: S603
+                [sys.executable, "-c", PROGRAM, *setup],
+                cwd=ROOT, env=env, check=True, capture_output=True,
+            )  # fmt: skip
+        results = measure(trees, database, args.runs)
+    finally:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        if made is not None:
+            remove_worktree(made)
+    revision = ""
+    if args.against:
+        sha = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", args.against],  # noqa: S607
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()  # fmt: skip
+        revision = f" against {args.against} ({sha})"
+    load = os.getloadavg()[0]
+    print(f"bench_cli{revision}: {len(COMMANDS)} commands, load average {load:.1f}")
+    print(report(results, list(trees), args.runs))
+
+
+if __name__ == "__main__":
+    main()
