@@ -252,7 +252,11 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
     monkeypatch.setattr(retention_holds, "log", recorder)  # where the expiry is logged
     before = sample("webhooks_dead_letters_discarded_total", via="retention")
 
-    for day in range(1, 11):
+    # A run on each day something changes for these two (a run on another day only drops and
+    # lays out days that hold neither): day 3, before they expire; day 4, they expire (at the
+    # run's instant) and move to the end of their retention; day 5, the day they expired
+    # from is past and dropped; day 10, they are listed.
+    for day in (3, 4, 5, 10):
         run_maintenance(engine, settings, T0 + day * DAY)
     # Day 10: both listed as dead letters, with their receipts and payloads.
     with sessions() as session:
@@ -269,7 +273,9 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
     with sessions() as session, session.begin():
         transitions.succeed(session, again, now=day10 + 2 * SEC)
 
-    for day in range(11, 31):
+    # Day 11, the first run after the replay; day 20, midway; day 29, the eve of the day it
+    # moved to; day 30, that day (today for the run), an hour before its retention ends.
+    for day in (11, 20, 29, 30):
         run_maintenance(engine, settings, T0 + day * DAY)
         assert "evt_dead" in rows_of(engine, source), day  # within its retention
     assert recorder.events("dead_letters_expired") == []
