@@ -149,14 +149,21 @@ DELETE_DB = f"{TEST_DB}_holds_delete"
 RETENTION_DB = f"{TEST_DB}_retention"
 
 
+def database_url(name: str) -> str:
+    return f"postgresql://postgres@127.0.0.1:5432/{name}"
+
+
+# The retention modules' own database (:func:`retention_database`), for settings made there.
+RETENTION_URL = database_url(RETENTION_DB)
+
+
 @contextmanager
 def own_database(
     name: str, pool_size: int = 2, **overrides: object
 ) -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
     """A database of its own, laid out by upgrade (``overrides``: the settings'), dropped
     after."""
-    url = f"postgresql://postgres@127.0.0.1:5432/{name}"
-    settings = make_settings(database_url=url, **overrides)
+    settings = make_settings(database_url=database_url(name), **overrides)
     drop_database(name)
     upgrade(settings)
     engine = make_engine(settings, pool_size=pool_size)
