@@ -1,15 +1,16 @@
 """Helpers of the retention tests (tests/test_retention_holds.py, test_retention_moves.py and
 test_retention.py): sources removed after each test, accepting and moving deliveries on an
-injected clock, each receipt's rows, and a second database in retention's delete mode.
+injected clock, each receipt's rows, a partition-mode database of their own and a second
+one in retention's delete mode.
 
-Its fixtures (``made``, ``delete_mode``) reach the test modules as a plugin registered in
-``tests/conftest.py``.
+Its fixtures (``made``, ``delete_mode``, ``retention_database``) reach the test modules as a
+plugin registered in ``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from models import transitions
 from models.db import make_engine, make_sessionmaker, upgrade
 from models.transitions import Claim
 from tests.conftest import ADMIN_DSN, TEST_DB, make_settings
+from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, accept_event, make_source
 from tests.leakcheck import remember
 
@@ -144,23 +146,59 @@ def rows_of(engine: Engine, source: MadeSource) -> dict[str, Row]:
 
 
 DELETE_DB = f"{TEST_DB}_holds_delete"
+RETENTION_DB = f"{TEST_DB}_retention"
+
+
+def database_url(name: str) -> str:
+    return f"postgresql://postgres@127.0.0.1:5432/{name}"
+
+
+# The retention modules' own database (:func:`retention_database`), for settings made there.
+RETENTION_URL = database_url(RETENTION_DB)
 
 
 @contextmanager
-def delete_mode_database(
-    name: str, batch: int
+def own_database(
+    name: str, pool_size: int = 2, **overrides: object
 ) -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
-    """A database of its own laid out by upgrade in delete retention mode, dropped after."""
-    url = f"postgresql://postgres@127.0.0.1:5432/{name}"
-    settings = make_settings(database_url=url, retention_mode="delete", delete_batch_size=batch)
+    """A database of its own, laid out by upgrade (``overrides``: the settings'), dropped
+    after."""
+    settings = make_settings(database_url=database_url(name), **overrides)
     drop_database(name)
     upgrade(settings)
-    engine = make_engine(settings, pool_size=2)
+    engine = make_engine(settings, pool_size=pool_size)
     try:
         yield settings, engine, make_sessionmaker(engine)
     finally:
         engine.dispose()
         drop_database(name)
+
+
+def delete_mode_database(
+    name: str, batch: int
+) -> AbstractContextManager[tuple[Settings, Engine, sessionmaker[Session]]]:
+    """A database of its own laid out by upgrade in delete retention mode, dropped after."""
+    return own_database(name, retention_mode="delete", delete_batch_size=batch)
+
+
+@pytest.fixture(scope="session")
+def retention_database() -> Iterator[tuple[Settings, Engine, sessionmaker[Session]]]:
+    """The partition-mode database of the retention modules that ask for it (in place of the
+    suite's shared one, through module fixtures named ``settings``, ``engine`` and
+    ``sessions``), made once per test process.
+
+    Their maintenance runs decide on every day and row of the database they run on: on the
+    shared one, with the real clock (or a pinned one), they also moved and dropped what the
+    process's other test modules had left (their sources' longest TTL sized every layout;
+    a delivery of theirs still under a lease made a run wait for it in real time, up to
+    ``processing_ttl``). Here they see only their own."""
+    with own_database(RETENTION_DB, pool_size=5) as made:
+        yield made
+
+
+def env_for(settings: Settings, **overrides: str) -> dict[str, str]:
+    """The environment of a pipeline subprocess working on ``settings``' database."""
+    return subprocess_env(WEBHOOKS_DATABASE_URL=settings.psycopg_dsn, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Retention (issue 5): dedup boundary, partitions ahead and behind, batched delete, payloads.
 
-Every time is injected. Partition-mode tests work in February-March 2024, days no other test
+Every time is injected. Partition-mode tests run on the retention modules' own database
+(tests/retention_support.py), and work in February-March 2024, days no other retention test
 writes to, so dropping "the past" there never touches another test's live rows. Delete-mode
 tests get their own database, laid out by ``upgrade`` in delete mode. Receivers started here
 publish to Redis DB 12, so flushing it (and parallel suites) disturbs nobody's broker.
@@ -44,7 +45,7 @@ from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, accept_event, make_source, source_ttl
 from tests.leakcheck import remember
 from tests.processes import receiver
-from tests.retention_support import delete_mode_database, forget
+from tests.retention_support import RETENTION_URL, delete_mode_database, forget
 from tests.signing import sign
 
 D = datetime(2024, 2, 10, tzinfo=UTC)  # a midnight
@@ -52,6 +53,25 @@ US = timedelta(microseconds=1)
 SEC = timedelta(seconds=1)
 PRIVATE_BROKER = f"{REDIS}/12"
 LEASE = timedelta(minutes=5)
+
+
+# This module's database: the retention modules' own (tests/retention_support.py), not the
+# suite's shared one, whose other modules' days and leases a run would otherwise act on.
+@pytest.fixture(scope="session", name="settings")
+def retention_settings(retention_database: tuple[Settings, Engine, Any]) -> Settings:
+    return retention_database[0]
+
+
+@pytest.fixture(scope="session", name="engine")
+def retention_engine(retention_database: tuple[Settings, Engine, Any]) -> Engine:
+    return retention_database[1]
+
+
+@pytest.fixture(scope="session", name="sessions")
+def retention_sessions(
+    retention_database: tuple[Settings, Engine, sessionmaker[Session]],
+) -> sessionmaker[Session]:
+    return retention_database[2]
 
 
 # ------------------------------------------------------------------------------------------
@@ -363,7 +383,7 @@ def test_expiry_never_removes_unfinished_or_dead_work_partition_mode(
 ) -> None:
     """Partition mode: the expired day is dropped, but nothing unfinished, no dead letter
     within its retention, nor their receipts and attempts go with it."""
-    settings = make_settings(dead_letter_retention=timedelta(hours=1))
+    settings = make_settings(database_url=RETENTION_URL, dead_letter_retention=timedelta(hours=1))
     source = new_source(sessions, settings, made, routes=HOLD_ROUTES)
     received = D + timedelta(days=4, hours=6)  # expires on day 5; dropped at day 7
     now = D + timedelta(days=7, hours=1)
@@ -530,7 +550,9 @@ def test_redis_flush_postgres_still_deduplicates_within_the_window(
     engine: Engine, sessions: sessionmaker[Session], made: list[MadeSource]
 ) -> None:
     """The real receiver (ASGI app, injected clock) publishing to a real Redis broker."""
-    settings = make_settings(broker_url=PRIVATE_BROKER, redis_url=f"{REDIS}/13")
+    settings = make_settings(
+        database_url=RETENTION_URL, broker_url=PRIVATE_BROKER, redis_url=f"{REDIS}/13"
+    )
     source = new_source(sessions, settings, made)
     ttl = source_ttl(sessions, settings, source.id)
     clock = FrozenClock(D + timedelta(days=40, hours=9))
@@ -575,7 +597,7 @@ def test_a_source_with_a_longer_ttl_gets_its_partitions_on_first_receipt(
     engine: Engine, sessions: sessionmaker[Session], made: list[MadeSource]
 ) -> None:
     """The receiver, finding no partition for a far expires_at, lays them out and retries."""
-    settings = make_settings(broker_url=PRIVATE_BROKER)
+    settings = make_settings(database_url=RETENTION_URL, broker_url=PRIVATE_BROKER)
     clock = FrozenClock(D + timedelta(days=45))
     ensure_partitions(engine, settings, clock.now())  # laid out before the long source exists
     source = new_source(sessions, settings, made, ttl=TtlOverrides(retry_window=timedelta(days=90)))
@@ -644,7 +666,9 @@ def test_concurrent_retries_with_different_delivery_timestamps_make_one_receipt(
     own ``t`` (as every Stripe attempt is) but the same ``created``, sent at once."""
     source = new_source(sessions, settings, made)
     copies = 8
-    with receiver(WEBHOOKS_BROKER_URL=PRIVATE_BROKER) as rcv:
+    with receiver(
+        WEBHOOKS_BROKER_URL=PRIVATE_BROKER, WEBHOOKS_DATABASE_URL=settings.psycopg_dsn
+    ) as rcv:
         try:
             for round_ in range(3):
                 event_id = f"evt_race_{round_}_{uuid.uuid4().hex[:8]}"
@@ -912,7 +936,7 @@ def test_payload_retention_drops_exactly_the_bodies_it_should(
     engine: Engine, sessions: sessionmaker[Session], made: list[MadeSource]
 ) -> None:
     # Batches of two, so the walk crosses batches and passes bodies it must keep.
-    settings = make_settings(delete_batch_size=2)
+    settings = make_settings(database_url=RETENTION_URL, delete_batch_size=2)
     source = new_source(
         sessions,
         settings,
@@ -1025,12 +1049,12 @@ def test_payload_retention_drops_exactly_the_bodies_it_should(
 def test_maintenance_run_cli_reports_counts_in_both_modes(
     delete_mode: tuple[Settings, Engine, sessionmaker[Session]], settings: Settings, engine: Engine
 ) -> None:
-    done = run_cli("maintenance", "run", "--json")
+    done = run_cli("maintenance", "run", "--json", WEBHOOKS_DATABASE_URL=settings.psycopg_dsn)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["mode"] == "partition"
     through = date.fromisoformat(report["partitions_through"])
-    longest = longest_ttl(engine, settings)  # the existing sources' (the shared database's)
+    longest = longest_ttl(engine, settings)  # the existing sources' (this database's)
     assert (
         through
         >= (datetime.now(UTC) + longest + timedelta(days=settings.partition_ahead_days)).date()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import libfaketime  # type: ignore[import-untyped]
@@ -26,8 +27,7 @@ from models.partitions import leaf_suffix
 from models.retention import run_maintenance
 from models.retention_holds import hold_end
 from models.retention_layout import ensure_partitions
-from tests.conftest import BIN
-from tests.conftest import test_env as subprocess_env
+from tests.conftest import BIN, run_each
 from tests.factories import MadeSource, make_source
 from tests.retention_support import (
     DAY,
@@ -36,6 +36,7 @@ from tests.retention_support import (
     TTL,
     accept,
     claim,
+    env_for,
     kill,
     new_source,
     retry_later,
@@ -44,6 +45,25 @@ from tests.retention_support import (
 )
 
 T0 = datetime(2025, 3, 1, 9, tzinfo=UTC)
+
+
+# This module's database: the retention modules' own (tests/retention_support.py), not the
+# suite's shared one, whose other modules' days and leases a run would otherwise act on.
+@pytest.fixture(scope="session", name="settings")
+def retention_settings(retention_database: tuple[Settings, Engine, Any]) -> Settings:
+    return retention_database[0]
+
+
+@pytest.fixture(scope="session", name="engine")
+def retention_engine(retention_database: tuple[Settings, Engine, Any]) -> Engine:
+    return retention_database[1]
+
+
+@pytest.fixture(scope="session", name="sessions")
+def retention_sessions(
+    retention_database: tuple[Settings, Engine, sessionmaker[Session]],
+) -> sessionmaker[Session]:
+    return retention_database[2]
 
 
 # ------------------------------------------------------------------------------------------
@@ -83,10 +103,12 @@ def database_now(engine: Engine) -> datetime:
     return now
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    settings: Settings, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "webhooks"), *args],
-        env=env or subprocess_env(),
+        env=env or env_for(settings),
         capture_output=True,
         text=True,
         timeout=120,
@@ -230,7 +252,11 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
     monkeypatch.setattr(retention_holds, "log", recorder)  # where the expiry is logged
     before = sample("webhooks_dead_letters_discarded_total", via="retention")
 
-    for day in range(1, 11):
+    # A run on each day something changes for these two (a run on another day only drops and
+    # lays out days that hold neither): day 3, before they expire; day 4, they expire (at the
+    # run's instant) and move to the end of their retention; day 5, the day they expired
+    # from is past and dropped; day 10, they are listed.
+    for day in (3, 4, 5, 10):
         run_maintenance(engine, settings, T0 + day * DAY)
     # Day 10: both listed as dead letters, with their receipts and payloads.
     with sessions() as session:
@@ -247,7 +273,9 @@ def test_dead_letter_is_kept_for_its_retention_then_expired_logged_and_counted(
     with sessions() as session, session.begin():
         transitions.succeed(session, again, now=day10 + 2 * SEC)
 
-    for day in range(11, 31):
+    # Day 11, the first run after the replay; day 20, midway; day 29, the eve of the day it
+    # moved to; day 30, that day (today for the run), an hour before its retention ends.
+    for day in (11, 20, 29, 30):
         run_maintenance(engine, settings, T0 + day * DAY)
         assert "evt_dead" in rows_of(engine, source), day  # within its retention
     assert recorder.events("dead_letters_expired") == []
@@ -329,63 +357,38 @@ def test_dead_discard_cli_previews_then_discards_with_an_audit_row(
     for delivery in [*dead, elsewhere]:
         kill(sessions, delivery, now)
 
-    listed = run_cli("dead", "list", "--source", source.public_id, "--json")
+    # The calls that change nothing run two at a time (tests/conftest.py's run_each).
+    by_source = ("--source", source.public_id)
+    listed, preview, reversed_range, narrowed, elsewhere_type, refused, no_reason = run_each(
+        partial(run_cli, settings, "dead", *args)
+        for args in [
+            ("list", *by_source, "--json"),
+            ("discard", *by_source, "--dry-run", "--json"),
+            ("discard", *by_source, "--type", "test.*", "--since", "1h", "--until",
+             "2000-01-01", "--dry-run", "--json"),
+            ("discard", *by_source, "--type", "test.*", "--since", "1h", "--dry-run", "--json"),
+            ("discard", *by_source, "--type", "other.*", "--since", "1h", "--dry-run"),
+            ("discard", str(pending), "--reason", "x", "--yes"),
+            ("discard", *by_source, "--yes"),
+        ]
+    )  # fmt: skip
     assert listed.returncode == 0, listed.stderr
     assert sum(g["count"] for g in json.loads(listed.stdout)) == 3
-    preview = run_cli("dead", "discard", "--source", source.public_id, "--dry-run", "--json")
     assert preview.returncode == 0, preview.stderr
     assert json.loads(preview.stdout)["preview"]["count"] == 3
-    narrowed = run_cli(
-        "dead",
-        "discard",
-        "--source",
-        source.public_id,
-        "--type",
-        "test.*",
-        "--since",
-        "1h",
-        "--until",
-        "2000-01-01",
-        "--dry-run",
-        "--json",
-    )
-    assert narrowed.returncode == 1  # --since after --until: refused, nothing read
-    narrowed = run_cli(
-        "dead",
-        "discard",
-        "--source",
-        source.public_id,
-        "--type",
-        "test.*",
-        "--since",
-        "1h",
-        "--dry-run",
-        "--json",
-    )
+    assert reversed_range.returncode == 1  # --since after --until: refused, nothing read
     assert json.loads(narrowed.stdout)["preview"]["count"] == 3
-    narrowed = run_cli(
-        "dead",
-        "discard",
-        "--source",
-        source.public_id,
-        "--type",
-        "other.*",
-        "--since",
-        "1h",
-        "--dry-run",
-    )
-    assert narrowed.returncode == 0, narrowed.stderr
-    assert "nothing to discard" in narrowed.stdout
+    assert elsewhere_type.returncode == 0, elsewhere_type.stderr
+    assert "nothing to discard" in elsewhere_type.stdout
     # A pending delivery is not a dead letter: refused by id, nothing changed.
-    refused = run_cli("dead", "discard", str(pending), "--reason", "x", "--yes")
     assert refused.returncode == 1
     assert "not a dead letter" in refused.stderr
-    no_reason = run_cli("dead", "discard", "--source", source.public_id, "--yes")
     assert no_reason.returncode == 1
     assert "--reason is required" in no_reason.stderr
     assert _statuses(engine, [*dead, pending, elsewhere]) == (["dead"] * 3 + ["pending", "dead"])
 
     done = run_cli(
+        settings,
         "dead",
         "discard",
         "--source",
@@ -426,7 +429,9 @@ def test_dead_discard_cli_previews_then_discards_with_an_audit_row(
     assert (line["count"], line["via"]) == (3, "cli")
     assert not any(f"evt_d{n}" in done.stderr for n in range(3))
     # Nothing left to discard: a second run changes nothing and says so.
-    again = run_cli("dead", "discard", "--source", source.public_id, "--reason", "again", "--yes")
+    again = run_cli(
+        settings, "dead", "discard", "--source", source.public_id, "--reason", "again", "--yes"
+    )
     assert again.returncode == 0
     assert "nothing to discard" in again.stdout
 
@@ -477,7 +482,7 @@ def test_ensure_partitions_on_the_database_clock_never_creates_a_past_day(
     """A process whose clock lags three days (libfaketime) lays out partitions with
     ``now=None``: the database's clock decides, so no day it creates is already past."""
     run_maintenance(engine, settings, None)  # past days dropped: one re-created would show
-    env = lagging_env("-3d")
+    env = lagging_env(settings, "-3d")
     assert _process_clock(env) < database_now(engine) - timedelta(days=2)
     script = (
         "from models.db import make_engine; from models.retention_layout import ensure_partitions;"
@@ -502,9 +507,9 @@ def test_ensure_partitions_on_the_database_clock_never_creates_a_past_day(
     assert partitions.partition_name("receipts", yesterday) not in {p.name for p in layout}
 
 
-def lagging_env(offset: str) -> dict[str, str]:
+def lagging_env(settings: Settings, offset: str) -> dict[str, str]:
     """The test environment with the process clock moved by ``offset`` (libfaketime)."""
-    env = subprocess_env()
+    env = env_for(settings)
     env.update(libfaketime.get_reload_information()[1])
     env["FAKETIME"] = offset
     return env
@@ -557,9 +562,9 @@ def test_maintenance_run_ten_days_ahead_removes_only_finished_work(
     before = rows_of(engine, source)
     assert all(before[n].expires_at <= db_now for n in before if not n.startswith("current"))
 
-    env = lagging_env("+10d")
+    env = lagging_env(settings, "+10d")
     assert _process_clock(env) > database_now(engine) + timedelta(days=9)
-    done = run_cli("maintenance", "run", "--json", env=env)
+    done = run_cli(settings, "maintenance", "run", "--json", env=env)
 
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)

@@ -45,6 +45,25 @@ AFTER = partitions.day_bounds(EXPIRY_DAY)[1] + timedelta(minutes=10)
 TABLES = ("receipts", "deliveries", "attempts")
 
 
+# This module's database: the retention modules' own (tests/retention_support.py), not the
+# suite's shared one, whose other modules' days and leases a run would otherwise act on.
+@pytest.fixture(scope="session", name="settings")
+def retention_settings(retention_database: tuple[Settings, Engine, Any]) -> Settings:
+    return retention_database[0]
+
+
+@pytest.fixture(scope="session", name="engine")
+def retention_engine(retention_database: tuple[Settings, Engine, Any]) -> Engine:
+    return retention_database[1]
+
+
+@pytest.fixture(scope="session", name="sessions")
+def retention_sessions(
+    retention_database: tuple[Settings, Engine, sessionmaker[Session]],
+) -> sessionmaker[Session]:
+    return retention_database[2]
+
+
 def end_of_day(at: datetime) -> datetime:
     return partitions.day_bounds(at.astimezone(UTC).date())[1] - timedelta.resolution
 
