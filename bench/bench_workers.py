@@ -243,6 +243,23 @@ def succeeded(conn: psycopg.Connection[object], ids: list[int]) -> int:
     return int(row[0])  # type: ignore[index]
 
 
+def drain_queued(
+    client: redis.Redis, conn: psycopg.Connection[object], ids: list[int], messages: int,
+    logdir: Path,
+) -> Drain:  # fmt: skip
+    """Start ours' worker on the ``messages`` queued and time it until every id succeeded."""
+    worker = Worker(target("worker"), logdir)
+    try:
+        clock = wait_first_taken(client, messages, worker)
+        while succeeded(conn, ids) < len(ids):
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: see {worker.log}")
+            time.sleep(0.05)
+        return clock.stop(len(ids))
+    finally:
+        worker.stop()
+
+
 def ours_round(
     s: Settings, client: redis.Redis, conn: psycopg.Connection[object],
     source: tuple[int, str], n: int, logdir: Path, batch: int,
@@ -262,16 +279,7 @@ def ours_round(
     messages = -(-n // batch)
     while queue_length(client) < messages:
         time.sleep(0.01)
-    worker = Worker(target("worker"), logdir)
-    try:
-        clock = wait_first_taken(client, messages, worker)
-        while succeeded(conn, ids) < n:
-            if worker.proc.poll() is not None:
-                raise RuntimeError(f"worker exited: see {worker.log}")
-            time.sleep(0.05)
-        return clock.stop(n)
-    finally:
-        worker.stop()
+    return drain_queued(client, conn, ids, messages, logdir)
 
 
 def swept_round(
@@ -304,16 +312,7 @@ def swept_round(
             pass
     finally:
         rt.close()
-    worker = Worker(target("worker"), logdir)
-    try:
-        clock = wait_first_taken(client, queue_length(client), worker)
-        while succeeded(conn, ids) < n:
-            if worker.proc.poll() is not None:
-                raise RuntimeError(f"worker exited: see {worker.log}")
-            time.sleep(0.05)
-        return clock.stop(n)
-    finally:
-        worker.stop()
+    return drain_queued(client, conn, ids, queue_length(client), logdir)
 
 
 def latency(

@@ -26,7 +26,7 @@ from tests.leakcheck import remember
 from tests.netproxy import CuttableProxy
 from tests.processes import Receiver, receiver
 from tests.signing import sign
-from tests.workers import wait_for
+from tests.workers import json_log_lines, wait_for
 
 # The first seven providers; the newer ones have their own receiver tests
 # (tests/test_providers_*.py), with the attacks that apply to their schemes.
@@ -470,14 +470,7 @@ def test_postgres_unreachable_is_503_and_nothing_acknowledged(
 
 def json_lines(rcv: Receiver) -> list[dict[str, Any]]:
     """The receiver's log lines that are JSON objects (its own, not psycopg's)."""
-    lines = []
-    for line in rcv.log_path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                continue
-    return lines
+    return json_log_lines(rcv.log_path)
 
 
 def received_at(engine: Engine, source: MadeSource, event_id: str) -> list[datetime]:

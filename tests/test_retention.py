@@ -45,6 +45,11 @@ from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, accept_event, make_source, source_ttl
 from tests.leakcheck import remember
 from tests.processes import receiver
+from tests.retention_fixtures import (  # noqa: F401 (fixtures: this module's own database)
+    retention_engine,
+    retention_sessions,
+    retention_settings,
+)
 from tests.retention_support import RETENTION_URL, delete_mode_database, forget
 from tests.signing import sign
 
@@ -53,25 +58,6 @@ US = timedelta(microseconds=1)
 SEC = timedelta(seconds=1)
 PRIVATE_BROKER = f"{REDIS}/12"
 LEASE = timedelta(minutes=5)
-
-
-# This module's database: the retention modules' own (tests/retention_support.py), not the
-# suite's shared one, whose other modules' days and leases a run would otherwise act on.
-@pytest.fixture(scope="session", name="settings")
-def retention_settings(retention_database: tuple[Settings, Engine, Any]) -> Settings:
-    return retention_database[0]
-
-
-@pytest.fixture(scope="session", name="engine")
-def retention_engine(retention_database: tuple[Settings, Engine, Any]) -> Engine:
-    return retention_database[1]
-
-
-@pytest.fixture(scope="session", name="sessions")
-def retention_sessions(
-    retention_database: tuple[Settings, Engine, sessionmaker[Session]],
-) -> sessionmaker[Session]:
-    return retention_database[2]
 
 
 # ------------------------------------------------------------------------------------------

@@ -29,6 +29,11 @@ from models.retention_holds import hold_end
 from models.retention_layout import ensure_partitions
 from tests.conftest import BIN, run_each
 from tests.factories import MadeSource, make_source
+from tests.retention_fixtures import (  # noqa: F401 (fixtures: this module's own database)
+    retention_engine,
+    retention_sessions,
+    retention_settings,
+)
 from tests.retention_support import (
     DAY,
     LEASE,
@@ -45,25 +50,6 @@ from tests.retention_support import (
 )
 
 T0 = datetime(2025, 3, 1, 9, tzinfo=UTC)
-
-
-# This module's database: the retention modules' own (tests/retention_support.py), not the
-# suite's shared one, whose other modules' days and leases a run would otherwise act on.
-@pytest.fixture(scope="session", name="settings")
-def retention_settings(retention_database: tuple[Settings, Engine, Any]) -> Settings:
-    return retention_database[0]
-
-
-@pytest.fixture(scope="session", name="engine")
-def retention_engine(retention_database: tuple[Settings, Engine, Any]) -> Engine:
-    return retention_database[1]
-
-
-@pytest.fixture(scope="session", name="sessions")
-def retention_sessions(
-    retention_database: tuple[Settings, Engine, sessionmaker[Session]],
-) -> sessionmaker[Session]:
-    return retention_database[2]
 
 
 # ------------------------------------------------------------------------------------------

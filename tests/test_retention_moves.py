@@ -24,6 +24,11 @@ from models.retention import run_maintenance
 from models.retention_expiry import LeaseWait, expire_partitions
 from models.retention_layout import ensure_partitions
 from tests.factories import MadeSource, make_source
+from tests.retention_fixtures import (  # noqa: F401 (fixtures: this module's own database)
+    retention_engine,
+    retention_sessions,
+    retention_settings,
+)
 from tests.retention_support import (
     DAY,
     LEASE,
@@ -43,25 +48,6 @@ EXPIRY_DAY = (T0 + TTL).date()
 # Ten minutes into the day after the expiry's: that day is past, the first run drops it.
 AFTER = partitions.day_bounds(EXPIRY_DAY)[1] + timedelta(minutes=10)
 TABLES = ("receipts", "deliveries", "attempts")
-
-
-# This module's database: the retention modules' own (tests/retention_support.py), not the
-# suite's shared one, whose other modules' days and leases a run would otherwise act on.
-@pytest.fixture(scope="session", name="settings")
-def retention_settings(retention_database: tuple[Settings, Engine, Any]) -> Settings:
-    return retention_database[0]
-
-
-@pytest.fixture(scope="session", name="engine")
-def retention_engine(retention_database: tuple[Settings, Engine, Any]) -> Engine:
-    return retention_database[1]
-
-
-@pytest.fixture(scope="session", name="sessions")
-def retention_sessions(
-    retention_database: tuple[Settings, Engine, sessionmaker[Session]],
-) -> sessionmaker[Session]:
-    return retention_database[2]
 
 
 def end_of_day(at: datetime) -> datetime:

@@ -127,6 +127,18 @@ def wait_for(check: Callable[[], Any], *, timeout: float, what: str, interval: f
         time.sleep(interval)
 
 
+def json_log_lines(path: Path) -> list[dict[str, Any]]:
+    """A process's log lines that are JSON objects (its own, not a library's plain lines)."""
+    lines = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+    return lines
+
+
 class Process:
     """A pipeline subprocess whose output goes to the suite's leak-checked log directory."""
 
@@ -146,14 +158,7 @@ class Process:
         return self.log_path.read_text(errors="replace")
 
     def json_lines(self) -> list[dict[str, Any]]:
-        lines = []
-        for line in self.output().splitlines():
-            if line.startswith("{"):
-                try:
-                    lines.append(json.loads(line))
-                except ValueError:
-                    continue
-        return lines
+        return json_log_lines(self.log_path)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
