@@ -224,13 +224,15 @@ def test_the_sweeper_publishes_its_pick_in_messages_of_several_ids_a_lost_lease_
     messages of up to WEBHOOKS_DELIVERY_BATCH ids, so a worker pays its per-message cost once
     per message. A delivery whose worker died holding its lease goes alone, so that a handler
     that kills its worker takes no batch-mate with it next time."""
-    settings = worker_settings(admission=False)  # the pick is published whole
+    # Admission off: the pick is published whole. The pick is exactly these 40 rows: the
+    # oldest due first (rows earlier tests of this process left due come after them).
+    settings = worker_settings(admission=False, sweep_batch=40)
     source = make_source(sessions, settings, routes=[{"handler": "effect"}])
     ids = [accept_event(settings, source)[1].delivery_ids[0] for _ in range(40)]
     crashed = ids.pop()
     with engine.begin() as conn:
         conn.execute(
-            text("UPDATE deliveries SET next_attempt_at = now() - interval '1 minute'"
+            text("UPDATE deliveries SET next_attempt_at = now() - interval '10 years'"
                  " WHERE id = ANY(:ids)"),
             {"ids": [*ids, crashed]},
         )  # fmt: skip
@@ -246,7 +248,8 @@ def test_the_sweeper_publishes_its_pick_in_messages_of_several_ids_a_lost_lease_
     finally:
         rt.close()
     assert messages.count([crashed]) == 1
-    grouped = [m for m in messages if m != [crashed]]
+    # (A breaker probe of a route an earlier test left open would be a message of its own.)
+    grouped = [m for m in messages if set(m) & set(ids)]
     assert sorted(i for m in grouped for i in m) == sorted(ids)  # each once
     batch = settings.deliveries_per_message
     assert len(grouped) == -(-len(ids) // batch)  # 39 ids at 16: 13, 13, 13
