@@ -5,6 +5,7 @@ receiver answers 503 with Retry-After for a source it cannot decrypt, never 500.
 from __future__ import annotations
 
 import subprocess
+import tomllib
 import uuid
 from collections.abc import Iterator
 from functools import partial
@@ -20,6 +21,7 @@ from core.settings import Settings
 from tests.conftest import (
     ADMIN_DSN,
     BIN,
+    ROOT,
     free_port,
     make_settings,
     run_each,
@@ -236,3 +238,16 @@ def test_a_source_the_receiver_cannot_decrypt_gets_503_with_retry_after(
     assert "source.secret_undecryptable" in log
     assert "Traceback" not in log
     assert other.secret not in log
+
+
+def test_version_prints_the_installed_version_and_reads_no_setting() -> None:
+    """``webhooks --version``: the project's version from pyproject.toml, exit 0, even with a
+    database that does not answer and a secret key too short to pass validation."""
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        expected = tomllib.load(f)["project"]["version"]
+    result = webhooks(
+        "--version",
+        WEBHOOKS_DATABASE_URL="postgresql://postgres@127.0.0.1:1/nowhere",
+        WEBHOOKS_SECRET_KEY="short",
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"webhooks {expected}\n", "")

@@ -31,8 +31,27 @@ app = typer.Typer(
 )
 
 
+def _version(wanted: bool) -> None:
+    """``--version``: the installed distribution's version, then exit (before any setting is
+    read: it works without a database or a .env)."""
+    if wanted:
+        from importlib.metadata import version  # noqa: PLC0415 (only for --version)
+
+        typer.echo(f"webhooks {version('webhook-pipeline')}")
+        raise typer.Exit
+
+
 @app.callback()
 def _options(
+    _version_flag: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the version and exit.",
+            callback=_version,
+            is_eager=True,
+        ),
+    ] = False,
     env_file: Annotated[
         Path | None,
         typer.Option(
