@@ -60,7 +60,22 @@ def test_a_handler_failing_three_times_succeeds_on_the_fourth_attempt_with_jitte
     assert all(a.error_class == "RetryableError" for a in tries[:3])
     assert len(effects(engine, delivery_id)) == 1
 
-    delays = [line["delay_s"] for line in retry_logs(worker, delivery_id)]
+    retries = retry_logs(worker, delivery_id)
+    delays = [line["delay_s"] for line in retries]
+    # Each transition's line carries its scope and its event's age (seed 004), the same
+    # source and route every time, the age growing with the attempts.
+    [success] = [
+        line
+        for line in worker.json_lines()
+        if line.get("event") == "delivery.succeeded" and line.get("delivery_id") == delivery_id
+    ]
+    lines = [*retries, success]
+    assert [line["attempt"] for line in lines] == [1, 2, 3, 4]
+    assert {(line["source"], line["route_id"]) for line in lines} == {
+        (source.public_id, source.route_ids[0])
+    }
+    ages = [line["event_age_s"] for line in lines]
+    assert 0 <= ages[0] < ages[1] < ages[2] < ages[3]
     policy = RetryPolicy.for_route(settings)
     bounds = [backoff_bound(policy, n).total_seconds() for n in (1, 2, 3)]
     assert bounds == [0.5, 1.0, 2.0]

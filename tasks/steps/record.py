@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.orm import Session
@@ -297,8 +298,17 @@ def succeeded(rt: Runtime, done: Done) -> Report:
         handler=loaded.route.handler,
         attempt=found.attempt,
         degraded=fast.degraded,
+        **scope(found, row, done.at),
     )
     return Report.of(Outcome.SUCCEEDED, found, row, finished=True)
+
+
+def scope(found: Claim, row: ClaimedEvent, at: datetime) -> dict[str, Any]:
+    """What a transition's log line says of where the delivery belongs and how old its event
+    is (seed 004: attempt, age, scope, transition): the source's public id, the route, and the
+    seconds since the event was received (the database's clock), never a payload."""
+    age = None if row.received_at is None else round((at - row.received_at).total_seconds(), 3)
+    return {"source": row.public_id, "route_id": found.route_id, "event_age_s": age}
 
 
 def lost(rt: Runtime, found: Claim, fast: FastClaim, row: ClaimedEvent) -> Report:
@@ -389,6 +399,7 @@ def fail(
         "attempt": found.attempt,
         "error_class": error_class,
         "error_reason": getattr(exc, "reason", None),
+        **scope(found, row, now),
     }
     if not decision.retry:
         DEAD_LETTERS.labels(reason=decision.reason).inc()
