@@ -284,6 +284,11 @@ def test_duplicate_and_conflict(
     assert conflicts == 1
     metrics = client.get(f"{receivers[0].admin_url}/metrics").text
     assert f'webhooks_conflicts_total{{source="{source.public_id}"}} 1.0' in metrics
+    # The duplicate, answered by the other receiver (a process of its own), counted once for
+    # its source: the duplicate-rate alert (deploy/alerts.yml, WebhookDuplicateRateCollapsed)
+    # reads it.
+    other = client.get(f"{receivers[1].admin_url}/metrics").text
+    assert f'webhooks_duplicates_total{{source="{source.public_id}"}} 1.0' in other
 
 
 def test_fifty_concurrent_copies_make_one_receipt(
