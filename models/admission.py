@@ -32,6 +32,10 @@ receiver, worker and host):
   worker right before a rate-limited route's handler). Admissions are spaced, but the broker,
   the claim and a busy worker between an admission and its call move calls closer together
   (22 calls in one second at 20/s, seen under load): the downstream sees the calls' spacing.
+- ``adm:g:<route>``: when the route's last call passed the gate (:meth:`Admission.gate`, ms,
+  Redis clock). A reservation is taken before a sleep, and a worker can wake late (a busy
+  host, its reply in flight) while the next one wakes on time: the gate, taken right before
+  the call, holds the later one back until the interval since the last pass is over.
 
 Admitting an id that is already in flight answers "duplicate" (published once, whoever
 admitted it first): a receiver and a dispatcher, or two dispatchers, never admit one
@@ -353,6 +357,20 @@ return tostring(tat - now)
 """
 
 
+# The gate right before a call (ARGV 1 = the key, 2 = the interval in ms): passes (answers
+# 0 and records the pass) when the route's last pass is at least the interval ago on Redis'
+# clock, else answers the ms left.
+_GATE = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+local interval = tonumber(ARGV[2])
+local last = tonumber(redis.call('GET', ARGV[1]) or '0')
+if now - last < interval then return tostring(interval - (now - last)) end
+redis.call('SET', ARGV[1], tostring(now), 'PX', math.ceil(interval) + 1000)
+return '0'
+"""
+
+
 class Admission:
     """The Redis side of admission (one client; the clock is Redis' own ``TIME``, shared by
     every host: the scripts read it themselves)."""
@@ -364,6 +382,7 @@ class Admission:
         self._drain = client.register_script(_DRAIN)
         self._round = client.register_script(_ROUND)
         self._pace = client.register_script(_PACE)
+        self._gate = client.register_script(_GATE)
 
     def now_ms(self) -> float:
         seconds, micros = self.client.time()
@@ -374,6 +393,12 @@ class Admission:
         route's calls are at least ``rate.interval_ms`` apart on Redis' clock, across every
         worker and host (one round trip)."""
         answer = self._pace(keys=[], args=[f"{self.prefix}p:{route_id}", rate.interval_ms])
+        return max(0.0, float(answer)) / 1000.0
+
+    def gate(self, route_id: int, rate: Rate) -> float:
+        """Pass the route's gate right before a call: 0 when the route's last pass is at least
+        ``rate.interval_ms`` ago (this pass is recorded), else the seconds left to wait."""
+        answer = self._gate(keys=[], args=[f"{self.prefix}g:{route_id}", rate.interval_ms])
         return max(0.0, float(answer)) / 1000.0
 
     def offer(self, ids: Sequence[int], routes: dict[int, RouteLimits]) -> Offer:

@@ -42,10 +42,19 @@ TEST_DB = os.environ.get("WEBHOOKS_TEST_DATABASE", f"webhooks_test_{os.getpid()}
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now, and never one this process was given before: the kernel can hand the
+    same free port to two calls in a row (a pipeline's four ports once had two the same)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 # The Redis server the suite uses (its databases 4-15). Every pytest process (each

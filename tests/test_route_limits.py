@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -56,8 +57,25 @@ from tests.workers import (
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 
+def _arrival(conn: socket.socket) -> float:
+    """When the request's first bytes reached this host (the kernel's receive timestamp, on the
+    monotonic clock): the downstream's own scheduling on a busy test machine (its accept
+    thread, the handler's thread) is not the sender's spacing. The request is only peeked."""
+    _, ancillary, _, _ = conn.recvmsg(1, socket.CMSG_SPACE(16), socket.MSG_PEEK)
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+            seconds, nanos = struct.unpack("qq", data)
+            return seconds + nanos / 1e9 - (time.time() - time.monotonic())
+    return time.monotonic()  # no stamp (never seen on Linux): when the handler ran
+
+
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+
+
 class Downstream:
-    """Answers 200 after ``delay[path]`` seconds; records each call's (path, start, end)."""
+    """Answers 200 after ``delay[path]`` seconds; records each call's (path, start, end), its
+    start as its arrival at this host (:func:`_arrival`). One request per connection
+    (HTTP/1.0)."""
 
     def __init__(self, delays: dict[str, float], fail_first: frozenset[str] = frozenset()) -> None:
         self.delays = delays
@@ -70,7 +88,7 @@ class Downstream:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                start = time.monotonic()
+                start = server.arrivals.pop(id(self), time.monotonic())
                 self.rfile.read(int(self.headers["content-length"]))
                 key = f"{self.path} {self.headers.get('idempotency-key')}"
                 with server._lock:
@@ -90,10 +108,17 @@ class Downstream:
                 with server._lock:
                     server.calls.append((self.path, start, time.monotonic()))
 
+            def setup(self) -> None:
+                server.arrivals[id(self)] = _arrival(self.request)
+                super().setup()
+
             def log_message(self, *args: Any) -> None:
                 pass
 
+        self.arrivals: dict[int, float] = {}
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # Stamped on arrival by the kernel; accepted connections inherit the option.
+        self.httpd.socket.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
         self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
@@ -408,6 +433,23 @@ def test_finished_tasks_hand_their_slots_to_this_process_dispatcher_or_free_them
 
 
 # -- limits, measured at the downstream ------------------------------------------------------
+
+
+def test_the_gate_before_a_call_holds_the_next_caller_for_what_is_left_of_the_interval() -> None:
+    """A worker that woke late from its slot passes the gate; one that woke on time right
+    after it waits the rest of the interval (the calls' spacing as taken, not as reserved)."""
+    client = redis.Redis.from_url(CLAIMS_URL)
+    gate = admission.Admission(client, prefix=f"gate-test-{os.getpid()}:")
+    rate = admission.Rate(20, 1)
+    try:
+        assert gate.gate(7, rate) == 0  # nobody passed: at once
+        left = gate.gate(7, rate)
+        assert 0 < left <= rate.interval_ms / 1000.0
+        assert gate.gate(8, rate) == 0  # another route's gate is its own
+        assert 0 < gate.gate(7, rate) <= left  # still waiting: the failed try recorded nothing
+    finally:
+        client.delete(*client.keys(f"gate-test-{os.getpid()}:*"))
+        client.close()
 
 
 def test_calls_bunched_after_admission_reach_the_downstream_at_the_rate(

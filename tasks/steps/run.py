@@ -143,17 +143,27 @@ def attempt(
 
 
 def pace(rt: Runtime, route_id: int, rate: Rate) -> None:
-    """Wait for the route's next call slot (:meth:`models.admission.Admission.pace`), so
-    that the downstream sees the route's calls at most at its rate, however the broker and
-    the workers bunched them after admission. At most the soft time limit (past it the lease
-    is the fence's to judge). Redis unreachable: the call goes ahead, as admission fails open."""
+    """Wait for the route's next call slot (:meth:`models.admission.Admission.pace`), then
+    pass its gate (:meth:`~models.admission.Admission.gate`: a late wake-up does not bunch
+    with the next caller's), so that the downstream sees the route's calls at most at its
+    rate, however the broker and the workers bunched them after admission. At most the soft
+    time limit in all (past it the lease is the fence's to judge). Redis unreachable: the call
+    goes ahead, as admission fails open."""
+    gate = Admission(rt.redis)
+    left = float(rt.settings.soft_time_limit)
     try:
-        wait = Admission(rt.redis).pace(route_id, rate)
+        wait = gate.pace(route_id, rate)
+        while True:
+            if wait > 0:
+                if left <= 0:
+                    return
+                time.sleep(min(wait, left))
+                left -= wait
+            wait = gate.gate(route_id, rate)
+            if wait == 0:
+                return
     except redis.RedisError as exc:
         log.warning("delivery.pace_unavailable", route_id=route_id, error_class=type(exc).__name__)
-        return
-    if wait > 0:
-        time.sleep(min(wait, rt.settings.soft_time_limit))
 
 
 def _discard(session: Session, exc: BaseException) -> None:
