@@ -8,6 +8,7 @@ literally (guards, partial indexes); ``models.schema`` checks the column against
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 
 
@@ -53,3 +54,27 @@ class ReplayStatus(StrEnum):
     CANCELLED = "cancelled"
     INTERRUPTED = "interrupted"
     FAILED = "failed"
+
+
+#: A receipt's work in the order its answer names it: unfinished work first (the sender's
+#: event is still being handled), then how finished work ended.
+_OUTCOME_ORDER = (
+    DeliveryStatus.PROCESSING,
+    DeliveryStatus.RETRYING,
+    DeliveryStatus.PENDING,
+    DeliveryStatus.DEAD,
+    DeliveryStatus.SUCCEEDED,
+    DeliveryStatus.DISCARDED,
+)
+#: The outcome of a receipt no route matched: recorded, nothing to deliver.
+NO_ROUTES = "no_routes"
+
+
+def receipt_outcome(counts: Mapping[str, int]) -> str:
+    """One word for where a receipt's deliveries stand, from their statuses counted: the
+    first of processing, retrying, pending (still in flight), dead, succeeded, discarded that
+    any of them holds, or ``no_routes`` when it has none (pure)."""
+    for status in _OUTCOME_ORDER:
+        if counts.get(status, 0) > 0:
+            return status.value
+    return NO_ROUTES

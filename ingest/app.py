@@ -265,13 +265,10 @@ class Receiver:
             self.store.forget(source.public_id)
             return self._answer(label, "unauthenticated:revoked", 401, {"error": "unauthenticated"})
         if _counted_repeat(label, outcome.status):  # a duplicate or a conflict: recorded
-            return self._answer(
-                label,
-                outcome.status,
-                200,
-                {"status": outcome.status, "event_id": meta.event_id},
-                meta.event_id,
-            )
+            answer: dict[str, Any] = {"status": outcome.status, "event_id": meta.event_id}
+            if outcome.status == "duplicate":  # with the recorded outcome (seed 004)
+                answer |= (await self._recorded(source, [meta.event_id]))[meta.event_id]
+            return self._answer(label, outcome.status, 200, answer, meta.event_id)
 
         if source.ttl_raised:
             metrics.TTL_RAISED.labels(label).inc()
@@ -359,11 +356,17 @@ class Receiver:
             self.store.forget(source.public_id)
             return self._answer(label, "unauthenticated:revoked", 401, {"error": "unauthenticated"})
         dispatches = []
-        results = []
+        results: list[dict[str, Any]] = []
         for event, outcome in zip(events, outcomes, strict=True):
             results.append({"event_id": event.event_id, "status": outcome.status})
             if not _counted_repeat(label, outcome.status):
                 dispatches += outcome.dispatches(event.event_id, source.public_id)
+        duplicates = [r["event_id"] for r in results if r["status"] == "duplicate"]
+        if duplicates:  # each with its recorded outcome (seed 004), in one read
+            recorded = await self._recorded(source, duplicates)
+            for r in results:
+                if r["status"] == "duplicate":
+                    r.update(recorded[r["event_id"]])
         if source.ttl_raised:
             metrics.TTL_RAISED.labels(label).inc()
         if dispatches:
@@ -381,6 +384,24 @@ class Receiver:
             status = 202 if accepted and answer.status == 200 else answer.status
             return Response(answer.body, status, media_type=answer.content_type)
         return _json(202 if accepted else 200, {"status": outcome_label, "events": results})
+
+    async def _recorded(
+        self, source: SourceRecord, event_ids: list[str]
+    ) -> dict[str, dict[str, Any]]:
+        """What a duplicate's answer adds, by event id: its receipt's recorded outcome
+        (:class:`models.accept.ReceiptState`), or ``{"outcome": "unknown"}`` when it cannot be
+        read in time (the duplicate is still answered 200: its receipt is durable)."""
+        unknown: dict[str, Any] = {"outcome": "unknown"}
+        try:
+            states = await self.store.receipt_states(source.id, event_ids)
+        except (*DB_ERRORS, TimeoutError) as exc:
+            log.warning(
+                "webhook.duplicate_outcome_unavailable",
+                source=source.public_id,
+                error=type(exc).__name__,
+            )
+            states = {}
+        return {e: states[e].answer() if e in states else unknown for e in event_ids}
 
     async def verify_get(self, request: Request) -> Response:
         """``GET /webhooks/{source_id}``: a provider's GET handshake (Meta's ``hub.challenge``),

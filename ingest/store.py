@@ -44,12 +44,15 @@ from core.ttl import TtlOverrides, effective_ttl
 from models.accept import (
     ACCEPT_MANY_SQL,
     ACCEPT_SQL,
+    RECEIPT_STATES_SQL,
     NewReceipt,
     Outcome,
+    ReceiptState,
     accept_many_params,
     accept_params,
     decide,
     decide_many,
+    receipt_states,
     with_conflict,
 )
 
@@ -378,6 +381,20 @@ class Store:
                 return [with_conflict(decide(row), row, receipts[0].digest)]
             cur = await conn.execute(ACCEPT_MANY_SQL, accept_many_params(receipts, grace))
             return decide_many(receipts, await cur.fetchall())
+
+    async def receipt_states(
+        self, source_id: int, event_ids: Sequence[str]
+    ) -> dict[str, ReceiptState]:
+        """Where these recorded events of one source stand (a duplicate's answer): one read,
+        TimeoutError once ``db_answer_timeout`` has passed."""
+
+        async def read() -> dict[str, ReceiptState]:
+            async with self.pool.connection() as conn:
+                params = {"source_id": source_id, "event_ids": list(event_ids)}
+                cur = await conn.execute(RECEIPT_STATES_SQL, params)
+                return receipt_states(await cur.fetchall())
+
+        return await self.within(read())
 
     async def ping(self) -> None:
         async with self.pool.connection() as conn:

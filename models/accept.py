@@ -29,6 +29,7 @@ import psycopg
 from psycopg.rows import TupleRow
 
 from core.messages import Dispatch, RouteRow
+from core.states import receipt_outcome
 
 # One statement, one round trip, autocommit: the function (migration 0003) takes the
 # per-event advisory lock, then inserts the receipt unless a live one exists, one delivery per
@@ -185,3 +186,60 @@ def with_conflict(outcome: Outcome, row: TupleRow | None, digest: bytes) -> Outc
     ):
         return Outcome("conflict", None, ())
     return outcome
+
+
+# -- a duplicate's answer: the recorded outcome ---------------------------------------------
+# Read only for duplicates (the first delivery of an event never runs it): the live receipt
+# of each event id (the newest by expiry, the one that deduplicated), and its deliveries'
+# statuses and result references. Index-only on both sides' keys: the receipts' primary key
+# (source_id, event_id, expires_at) and deliveries' unique (receipt_id, route_id, expires_at).
+RECEIPT_STATES_SQL = """
+SELECT r.event_id, r.received_at, d.status, d.result_ref
+FROM (SELECT DISTINCT ON (event_id) id, event_id, expires_at, received_at
+      FROM receipts WHERE source_id = %(source_id)s AND event_id = ANY(%(event_ids)s)
+      ORDER BY event_id, expires_at DESC) AS r
+LEFT JOIN deliveries d ON d.receipt_id = r.id AND d.expires_at = r.expires_at
+ORDER BY r.event_id, d.id
+"""
+
+
+@dataclass(frozen=True)
+class ReceiptState:
+    """Where a recorded event stands, as a duplicate of it is answered: when it was first
+    accepted, its deliveries' statuses counted, and the result references its handlers
+    returned. Never its payload, never a secret."""
+
+    first_accepted_at: datetime
+    counts: dict[str, int]
+    results: tuple[str, ...]
+
+    @property
+    def outcome(self) -> str:
+        return receipt_outcome(self.counts)
+
+    def answer(self) -> dict[str, Any]:
+        """The fields a duplicate's JSON answer carries."""
+        out: dict[str, Any] = {
+            "outcome": self.outcome,
+            "first_accepted_at": self.first_accepted_at.isoformat(),
+            "deliveries": dict(sorted(self.counts.items())),
+        }
+        if self.results:
+            out["results"] = list(self.results)
+        return out
+
+
+def receipt_states(rows: Sequence[TupleRow]) -> dict[str, ReceiptState]:
+    """RECEIPT_STATES_SQL's rows by event id (pure): one row per delivery, or one with a NULL
+    status for a receipt without deliveries."""
+    found: dict[str, tuple[datetime, dict[str, int], list[str]]] = {}
+    for event_id, received_at, status, ref in rows:
+        _, counts, refs = found.setdefault(event_id, (received_at, {}, []))
+        if status is not None:
+            counts[status] = counts.get(status, 0) + 1
+        if ref is not None:
+            refs.append(ref)
+    return {
+        event_id: ReceiptState(at, counts, tuple(refs))
+        for event_id, (at, counts, refs) in found.items()
+    }

@@ -112,19 +112,24 @@ def claim(
 
 
 def succeed(
-    raw: psycopg.Connection[Any], pairs: list[tuple[Claim, datetime]], *, leaf: str | None
+    raw: psycopg.Connection[Any],
+    pairs: list[tuple[Claim, datetime]],
+    *,
+    leaf: str | None,
+    refs: Sequence[str | None] | None = None,
 ) -> set[int]:
-    """The guarded success of these attempts of one partition (one synchronous commit). The
-    ids that moved; one missing lost its lease, or this is a retry of a commit whose answer
-    was lost (:func:`recorded` tells)."""
+    """The guarded success of these attempts of one partition (one synchronous commit), each
+    with its handler's result reference (``refs``, in order; none by default). The ids that
+    moved; one missing lost its lease, or this is a retry of a commit whose answer was lost
+    (:func:`recorded` tells)."""
     if len(pairs) == 1:  # the one-row plan (the module's docstring)
         found, at = pairs[0]
         try:
-            transitions.succeed(raw, found, now=at, leaf=leaf)
+            transitions.succeed(raw, found, now=at, leaf=leaf, result_ref=refs[0] if refs else None)
         except IllegalTransition:
             return set()
         return {found.id}
-    return transitions.succeed_many(raw, pairs, leaf=leaf)
+    return transitions.succeed_many(raw, pairs, leaf=leaf, refs=refs)
 
 
 def recorded(raw: psycopg.Connection[Any], found: Sequence[Claim]) -> set[int]:

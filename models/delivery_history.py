@@ -86,6 +86,7 @@ class DeliveryView:
     created_at: datetime
     updated_at: datetime
     succeeded_at: datetime | None
+    result_ref: str | None = None  # what its handler returned with the success (0021)
     attempt_log: list[AttemptView] = field(default_factory=list)
     replays: list[ReplayMark] = field(default_factory=list)
 
@@ -157,6 +158,7 @@ def delivery_views(session: Session, r: Any, *, only: int | None = None) -> list
             created_at=d.created_at,
             updated_at=d.updated_at,
             succeeded_at=d.succeeded_at,
+            result_ref=d.result_ref,
             attempt_log=attempts[d.id],
             replays=replay_marks(
                 attempts[d.id],

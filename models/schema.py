@@ -278,6 +278,9 @@ class Delivery(Base):
     updated_at: Mapped[datetime] = mapped_column()
     first_attempt_at: Mapped[datetime | None] = mapped_column()
     succeeded_at: Mapped[datetime | None] = mapped_column()
+    # What the handler returned on success, when a short text (0021): a duplicate's answer,
+    # ``events show`` and the console show it.
+    result_ref: Mapped[str | None] = mapped_column(Text)
 
 
 class Attempt(Base):

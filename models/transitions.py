@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
@@ -444,11 +445,12 @@ _SUCCEED_MANY_SQL = """
     WITH want AS (
         SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:expiries AS timestamptz[]),
                              CAST(:attempts AS integer[]), CAST(:generations AS integer[]),
-                             CAST(:ats AS timestamptz[]))
-                 AS w(id, expires_at, attempt, generation, at)
+                             CAST(:ats AS timestamptz[]), CAST(:refs AS text[]))
+                 AS w(id, expires_at, attempt, generation, at, ref)
         ORDER BY id
     ), done AS (
         UPDATE {deliveries} SET status = 'succeeded', succeeded_at = want.at,
+            result_ref = want.ref,
             next_attempt_at = NULL, last_error = NULL, last_error_class = NULL,
             lease_until = NULL, updated_at = want.at
         FROM want
@@ -474,12 +476,17 @@ def _succeed_many_sql(leaf: str | None) -> str:
 
 
 def succeed_many(
-    conn: psycopg.Connection[Any], done: list[tuple[Claim, datetime]], *, leaf: str | None = None
+    conn: psycopg.Connection[Any],
+    done: list[tuple[Claim, datetime]],
+    *,
+    leaf: str | None = None,
+    refs: Sequence[str | None] | None = None,
 ) -> set[int]:
     """processing (each one's attempt) -> succeeded, for several deliveries in one statement
-    (run it in autocommit: one round trip, one synchronous commit). Returns the ids that
-    moved; a delivery missing from it lost its lease (the caller's :class:`IllegalTransition`
-    of :func:`succeed`)."""
+    (run it in autocommit: one round trip, one synchronous commit), each with its result
+    reference (``refs`` in order; none by default). Returns the ids that moved; a delivery
+    missing from it lost its lease (the caller's :class:`IllegalTransition` of
+    :func:`succeed`)."""
     rows = conn.execute(
         _succeed_many_sql(leaf),
         {
@@ -488,6 +495,7 @@ def succeed_many(
             "attempts": [found.attempt for found, _ in done],
             "generations": [found.generation for found, _ in done],
             "ats": [at for _, at in done],
+            "refs": list(refs) if refs is not None else [None] * len(done),
         },
     ).fetchall()
     return {int(row[0]) for row in rows}
@@ -552,8 +560,16 @@ def _guarded_finish(
         raise IllegalTransition(found.id, transition, "processing with this attempt")
 
 
-def succeed(session: Target, found: Claim, *, now: datetime, leaf: str | None = None) -> None:
-    """processing (this attempt) -> succeeded. Raises IllegalTransition if the lease was lost.
+def succeed(
+    session: Target,
+    found: Claim,
+    *,
+    now: datetime,
+    leaf: str | None = None,
+    result_ref: str | None = None,
+) -> None:
+    """processing (this attempt) -> succeeded, with the handler's result reference (None:
+    none). Raises IllegalTransition if the lease was lost.
 
     On a session it commits with the handler's writes; on a psycopg connection in autocommit
     (a handler that wrote nothing through ``ctx.session``) it is one synchronous commit.
@@ -563,9 +579,10 @@ def succeed(session: Target, found: Claim, *, now: datetime, leaf: str | None = 
         found,
         "succeed",
         "status = 'succeeded', succeeded_at = :now, next_attempt_at = NULL, "
-        "last_error = NULL, last_error_class = NULL",
+        "last_error = NULL, last_error_class = NULL, result_ref = :result_ref",
         now=now,
         outcome=AttemptOutcome.SUCCEEDED,
+        params={"result_ref": result_ref},
         leaf=leaf,
     )
 

@@ -10,6 +10,12 @@ atomically with that mark, or not at all. ``ctx.fence()`` raises
 :class:`~tasks.errors.LeaseFenced` when this attempt's lease may end before a call started
 now could finish and be recorded: a handler that calls a service calls it right before each
 call, as ``forward`` does (docs/workers.md, "Fencing at the downstream").
+
+A handler may return a **result reference**: a short text naming what it made (the id of the
+row it wrote, the downstream's order number), at most :data:`MAX_RESULT_REF` printable
+characters. It is stored with the success (``deliveries.result_ref``), and a duplicate of the
+event is answered with it, as ``webhooks events show`` and the console show it. Anything else
+it returns is not stored (:func:`result_reference`): the success stands either way.
 """
 
 from __future__ import annotations
@@ -34,6 +40,23 @@ FORM_TYPE = "application/x-www-form-urlencoded"
 # What a lease must have left beyond a call's I/O timeout for the call to start: the time to
 # record its outcome once it has answered (one synchronous commit).
 COMMIT_MARGIN = 1.0
+# The longest result reference a handler may return (stored, answered to duplicates).
+MAX_RESULT_REF = 200
+
+
+def result_reference(returned: object) -> tuple[str | None, str | None]:
+    """(the result reference to store, why what the handler returned is not stored): a
+    non-empty ``str`` of at most :data:`MAX_RESULT_REF` printable characters is stored; None is
+    nothing to store; anything else is refused with its reason, never stored (pure)."""
+    if returned is None:
+        return None, None
+    if not isinstance(returned, str):
+        return None, f"not text ({type(returned).__name__})"
+    if not returned or len(returned) > MAX_RESULT_REF:
+        return None, f"{len(returned)} characters (1 to {MAX_RESULT_REF})"
+    if not returned.isprintable():
+        return None, "not printable"
+    return returned, None
 
 
 def idempotency_key(source_id: int, event_id: str, route_id: int, generation: int) -> str:

@@ -341,14 +341,16 @@ def run_limited(
     soft: float,
     hard: float,
     held: Held | None = None,
-) -> None:
-    """``handler(*args)`` under :func:`time_limits`, with two guarantees a ``with`` block
+) -> object:
+    """``handler(*args)`` under :func:`time_limits`, returning what it returned, with two
+    guarantees a ``with`` block
     cannot give under the thread pool, where a limit is an exception another thread raises
     into this one at its next bytecode:
 
     - **A handler's return is final.** A limit signalled at the instant the handler returned
       lands here, after it, and is absorbed: the success stands (a retry would repeat an
-      effect already made).
+      effect already made); if it landed before the returned value was kept, the value is
+      None (a result reference is best-effort, the success is not).
     - **No limit fires in the pipeline's own code.** When this returns or raises, the limits
       are disarmed and none is pending, so none lands in the success commit or the rollback.
 
@@ -361,13 +363,13 @@ def run_limited(
     all there is."""
     if is_green() or threading.current_thread() is threading.main_thread():
         with time_limits(soft, hard, held):
-            handler(*args)
-        return
+            return handler(*args)
     ident = _ThreadLimits.enter(soft, hard, held)
     failure: BaseException | None = None
+    returned: object = None
     try:
         try:
-            handler(*args)
+            returned = handler(*args)
         except BaseException as exc:  # noqa: BLE001 (the handler's own outcome, raised below)
             # A limit whose traceback ends in this frame landed after the handler returned
             # (the check that follows a call); one raised in the handler has its frames. No
@@ -386,6 +388,7 @@ def run_limited(
                 _ThreadLimits.leave(ident)
     if failure is not None:
         raise failure
+    return returned
 
 
 def _blocking_greenlets() -> list[Held]:

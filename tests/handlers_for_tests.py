@@ -259,3 +259,21 @@ def crash_postgres(event: Event, ctx: HandlerContext) -> None:
         if state == "Z":  # exited, not yet reaped by its parent
             return
         time.sleep(0.01)
+
+
+@register("result_ref")
+def result_ref(event: Event, ctx: HandlerContext) -> object:
+    """Returns what its route's options say: ``ref`` (formatted with the event id) as the
+    result reference, or ``returns`` = ``dict`` / ``long`` / ``newline`` for one the worker
+    must refuse; with ``session`` it also writes its effect through ``ctx.session`` (the
+    success commits with it), else it writes nothing (the grouped success statement)."""
+    if ctx.route.options.get("session"):
+        record_effect(event, ctx)
+    bad = ctx.route.options.get("returns")
+    if bad == "dict":
+        return {"id": event.event_id}
+    if bad == "long":
+        return "r" * 201
+    if bad == "newline":
+        return "line one\nline two"
+    return str(ctx.route.options.get("ref", "ref-{event_id}")).format(event_id=event.event_id)

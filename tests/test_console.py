@@ -367,6 +367,28 @@ def test_a_delivery_whose_lease_was_taken_over_names_the_possible_repeat(
     assert page.locator("#repeat-windows").count() == 0
 
 
+def test_a_delivery_shows_the_result_reference_its_handler_returned(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """A success recorded with a result reference (issue 35 item 1) shows it on the delivery's
+    page and in its event's deliveries, as text (escaped: a handler's text is not markup)."""
+    source = source_with(sessions, ops, "log")
+    [done] = accept(ops, source)
+    at = datetime.now(UTC) - timedelta(minutes=5)
+    lease = timedelta(seconds=ops.processing_ttl)
+    with sessions() as session, session.begin():
+        found = transitions.claim(
+            session, done, now=at, lease=lease, max_redeliveries=3, worker="w-ref"
+        )
+        assert found is not None
+        transitions.succeed(session, found, now=at, result_ref="<b>ord_42</b>")
+    page.goto(f"{api.admin_url}/console/deliveries/{done}")
+    expect(page.locator("#result-ref")).to_have_text("<b>ord_42</b>")
+    assert page.locator("#result-ref b").count() == 0
+    page.locator("dl.facts a").first.click()
+    expect(page.locator("#deliveries .result-ref")).to_have_text("<b>ord_42</b>")
+
+
 def test_events_are_paged_with_a_cursor(
     page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
 ) -> None:

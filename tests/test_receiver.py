@@ -255,7 +255,21 @@ def test_duplicate_and_conflict(
     before = count_rows(engine)
     again = post(client, receivers[1], source, headers2, body2)
     assert again.status_code == 200
-    assert again.json() == {"status": "duplicate", "event_id": event_id}
+    # Answered with the recorded outcome (seed 004): no worker runs here, so its delivery is
+    # still pending; when it was first accepted; no payload, no secret.
+    with engine.connect() as conn:
+        first = conn.execute(
+            text("SELECT received_at FROM receipts WHERE source_id = :s AND event_id = :e"),
+            {"s": source.id, "e": event_id},
+        ).scalar_one()
+    answer = again.json()
+    assert datetime.fromisoformat(answer.pop("first_accepted_at")) == first
+    assert answer == {
+        "status": "duplicate",
+        "event_id": event_id,
+        "outcome": "pending",
+        "deliveries": {"pending": 1},
+    }
     assert count_rows(engine) == before
     # Same id, different body: 200, conflict recorded, original untouched.
     _, headers3, body3 = signed(

@@ -6,8 +6,9 @@ listed in ``WEBHOOKS_HANDLER_MODULES`` that register with :func:`register`.
     @register("crm_sync")
     def crm_sync(event, ctx): ...
 
-A handler is a callable ``(event, ctx) -> None``; it raises ``RetryableError`` or
-``PermanentError`` (any other exception counts as retryable).
+A handler is a callable ``(event, ctx) -> None``, or ``-> str`` to return a result reference
+(``tasks.context``: stored with the success, answered to duplicates); it raises
+``RetryableError`` or ``PermanentError`` (any other exception counts as retryable).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from core.logs import get_logger
 from tasks.context import Event, HandlerContext
 from tasks.errors import HandlerRegistrationError, UnknownHandlerError
 
-Handler = Callable[[Event, HandlerContext], None]
+Handler = Callable[[Event, HandlerContext], str | None]
 
 ENTRY_POINT_GROUP = "webhooks.handlers"
 BUILTIN_MODULES = (

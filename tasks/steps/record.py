@@ -81,6 +81,7 @@ class Done:
     claimed: Claimed
     loaded: Loaded
     at: datetime
+    result_ref: str | None = None  # what the handler returned to be stored (tasks.context)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -209,15 +210,18 @@ def finish(rt: Runtime, done: list[Done], publish_retry: PublishRetry) -> list[R
     confirmed: list[tuple[FastClaim, timedelta]] = []
     for leaf, group in by_leaf.items():
         pairs = [(d.claimed.found, d.at) for d in group]
+        refs = [d.result_ref for d in group]
         ids = [found.id for found, _ in pairs]
 
         def succeed(
-            leaf: str | None = leaf, pairs: list[tuple[Claim, datetime]] = pairs
+            leaf: str | None = leaf,
+            pairs: list[tuple[Claim, datetime]] = pairs,
+            refs: list[str | None] = refs,
         ) -> set[int]:
             return on_connection(
                 rt.engine,
                 lambda raw: deliveries.on_leaf(
-                    leaf, lambda on: deliveries.succeed(raw, pairs, leaf=on)
+                    leaf, lambda on: deliveries.succeed(raw, pairs, leaf=on, refs=refs)
                 ),
             )
 

@@ -25,7 +25,7 @@ from core.settings import MAX_DELIVERY_BATCH
 from models import transitions
 from models.admission import Admission, Rate
 from models.transitions import IllegalTransition
-from tasks.context import HandlerContext, idempotency_key
+from tasks.context import HandlerContext, idempotency_key, result_reference
 from tasks.errors import LeaseFenced, RetryableError
 from tasks.policy import RetryPolicy
 from tasks.pools import is_green, is_hard_timeout, run_limited
@@ -82,7 +82,7 @@ def attempt(
             pace(rt, found.route_id, Rate(claimed.row.rate_count, claimed.row.rate_period_s))
         # Frozen or starved since the claim (or paced), past what a call needs: no handler.
         ctx.fence()
-        run_limited(
+        returned = run_limited(
             handler,
             loaded.event,
             ctx,
@@ -90,12 +90,13 @@ def attempt(
             hard=rt.settings.hard_time_limit,
             held=held_of(found),
         )
+        ref = _result_ref(found.id, returned)
         session.flush()
         done_at = claimed.now(rt.clock)
         if not session.in_transaction():
-            return Done(claimed, loaded, done_at)
+            return Done(claimed, loaded, done_at, ref)
         # The handler used ctx.session: its writes and the success commit together.
-        transitions.succeed(session, found, now=done_at)
+        transitions.succeed(session, found, now=done_at, result_ref=ref)
         session.commit()
     except IllegalTransition:
         session.rollback()
@@ -164,6 +165,15 @@ def pace(rt: Runtime, route_id: int, rate: Rate) -> None:
                 return
     except redis.RedisError as exc:
         log.warning("delivery.pace_unavailable", route_id=route_id, error_class=type(exc).__name__)
+
+
+def _result_ref(delivery_id: int, returned: object) -> str | None:
+    """The result reference to store of what a handler returned; one line when it returned
+    something that is not one (never its value: it may quote the payload)."""
+    ref, refused = result_reference(returned)
+    if refused is not None:
+        log.warning("delivery.result_ref_refused", delivery_id=delivery_id, reason=refused)
+    return ref
 
 
 def _discard(session: Session, exc: BaseException) -> None:

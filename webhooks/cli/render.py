@@ -112,6 +112,8 @@ def print_delivery(d: delivery_history.DeliveryView) -> None:
     line += f", key generation {d.generation}"
     if d.dead_reason:
         line += f", dead: {escape(d.dead_reason)}"
+    if d.result_ref:
+        line += f", result {escape(d.result_ref)}"
     if d.next_attempt_at is not None:
         line += f", next attempt {when(d.next_attempt_at)}"
     say(line)
