@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install chromium run test lint bench bench-receiver drill-hosts drill-chaos
+.PHONY: install chromium promtool run test lint bench bench-receiver drill-hosts drill-chaos
 .DEFAULT_GOAL := help
 
 help:
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv
 	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
-	@$(MAKE) --no-print-directory chromium
+	@$(MAKE) --no-print-directory chromium promtool
 	touch $@
 
 # The console's browser tests (tests/test_console.py) drive Debian's chromium through
@@ -30,6 +30,15 @@ chromium:
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
 	else echo "$(CHROMIUM) is missing: the console's browser tests need it." \
 	  "Install it as root: apt-get install -y chromium (they are skipped until then)"; fi
+
+# deploy/alerts.yml's unit tests (deploy/alerts_test.yml, run by tests/test_operators_alerts.py)
+# use Prometheus' promtool, from Debian's prometheus package (its service is not started).
+promtool:
+	@if command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q --no-install-recommends prometheus; \
+	else echo "promtool is missing: the alert rules' unit tests need it." \
+	  "Install it as root: apt-get install -y prometheus (they are skipped until then)"; fi
 
 # Local secrets for a development machine, generated once (never committed).
 # umask 077: the file is written readable by its owner only (mode 0600).

@@ -162,6 +162,25 @@ PARTITION_DAYS = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+# The periodic jobs (beat's schedule, run on workers): when each last finished without an
+# error, and how often beat schedules it, so an alert sees a job that stopped (beat down, no
+# worker on the maintenance queue, every run failing) by time passing, not by a value the
+# stopped job would have had to write (deploy/alerts.yml, WebhookPeriodicJobStale). "max":
+# the latest success over every process, including exited pool children.
+JOB_LAST_SUCCESS = Gauge(
+    "webhooks_job_last_success_timestamp_seconds",
+    "When each periodic job (sweep, maintenance, reconcile) last finished without an error,"
+    " Unix time",
+    ["job"],
+    multiprocess_mode="max",
+)
+JOB_PERIOD = Gauge(
+    "webhooks_job_period_seconds",
+    "How often beat schedules each periodic job (sweep, maintenance, reconcile), seconds",
+    ["job"],
+    multiprocess_mode="max",
+)
+
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
     "webhooks_dead_letters_discarded_total",
@@ -221,6 +240,8 @@ WORKER_ONLY: tuple[Any, ...] = (
     PARTITION_DAYS,
     BREAKER_CHANGES,
     BREAKER_STATE,
+    JOB_LAST_SUCCESS,
+    JOB_PERIOD,
 )
 
 

@@ -40,7 +40,7 @@ from sqlalchemy import Engine
 
 from core.errors import WebhooksError
 from core.logs import get_logger
-from core.metrics import RECORD_RETRIES
+from core.metrics import JOB_LAST_SUCCESS, RECORD_RETRIES
 from models.db import DatabaseUnavailable
 from tasks.runtime import Runtime
 
@@ -153,6 +153,12 @@ def periodic_runtime(runtime: Callable[[], Runtime], failed: str) -> Runtime:
         return runtime()
     except CONNECTION_ERRORS as exc:
         raise periodic_failed(failed, exc) from None
+
+
+def periodic_done(rt: Runtime, job: str) -> None:
+    """A periodic task's run finished without an error: ``job``'s last-success gauge, the
+    runtime's clock (deploy/alerts.yml alerts when it falls two periods behind)."""
+    JOB_LAST_SUCCESS.labels(job).set(rt.clock.now().timestamp())
 
 
 def periodic_failed(failed: str, exc: BaseException) -> DatabaseUnavailable:

@@ -32,6 +32,7 @@ from celery.signals import worker_process_shutdown, worker_ready, worker_shutdow
 
 from core.errors import WebhooksError
 from core.logs import get_logger
+from core.messages import RECONCILE_TICK
 from core.settings import Settings
 
 log = get_logger(__name__)
@@ -122,7 +123,15 @@ def _serve_metrics(**_: Any) -> None:
     from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415 (likewise)
 
     # Imported now, not at the top: prepare() must run before core.metrics is imported.
-    from core.metrics import exposed  # noqa: PLC0415 (see above)
+    from core.metrics import JOB_PERIOD, exposed  # noqa: PLC0415 (see above)
+
+    # The periodic jobs' periods, beside their last successes (the stale-job alert).
+    for job, period in (
+        ("sweep", settings.sweep_interval.total_seconds()),
+        ("maintenance", settings.maintenance_interval.total_seconds()),
+        ("reconcile", RECONCILE_TICK),
+    ):
+        JOB_PERIOD.labels(job).set(period)
 
     summed = MultiProcessCollector(None, path=str(directory))  # type: ignore[no-untyped-call]
     # The workers' own families only: the receiver's are defined in every process, at zero.

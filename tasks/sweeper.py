@@ -38,6 +38,7 @@ from tasks.connections import (
     CONNECTION_ERRORS,
     discard_pooled,
     on_connection,
+    periodic_done,
     periodic_failed,
     periodic_runtime,
 )
@@ -168,13 +169,15 @@ def sweep_task(runtime: Callable[[], Runtime], deliver: Task[Any, Any]) -> int:
         deliver.apply_async(args=args, **options)
 
     try:
-        return len(sweep_once(rt, publish))
+        published = len(sweep_once(rt, publish))
     except CONNECTION_ERRORS as exc:
         # Postgres restarting or unreachable: a handled condition, one line; the next sweep
         # (WEBHOOKS_SWEEP_INTERVAL) picks up where this one could not. The pool is renewed so
         # that sweep does not meet the same dead connections.
         discard_pooled(rt.engine)
         raise periodic_failed("sweep.failed", exc) from None
+    periodic_done(rt, "sweep")
+    return published
 
 
 def maintenance_task(runtime: Callable[[], Runtime]) -> str:
@@ -201,4 +204,5 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
         rows_deleted=sum(report.rows_deleted.values()),
         payloads_dropped=report.payloads_dropped,
     )
+    periodic_done(rt, "maintenance")
     return "done"

@@ -4,6 +4,7 @@ Redis and Postgres, and exported by a real worker's metrics server after mainten
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -152,15 +153,16 @@ def test_a_worker_exports_the_capacity_gauges_after_maintenance(tmp_path: Path) 
             admission=False,
         ) as worker:
             wait_for_port(port, worker.proc)
+            before = time.time()
             broker.maintenance()
 
             def measured() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
                 samples = _scrape(port)
-                return (
-                    samples
-                    if ("webhooks_partition_days", (("state", "ahead"),)) in samples
-                    else None
+                wanted = (
+                    ("webhooks_partition_days", (("state", "ahead"),)),
+                    ("webhooks_job_last_success_timestamp_seconds", (("job", "maintenance"),)),
                 )
+                return samples if all(key in samples for key in wanted) else None
 
             samples = wait_for(measured, timeout=60, what="the maintenance run's gauges")
     finally:
@@ -176,3 +178,16 @@ def test_a_worker_exports_the_capacity_gauges_after_maintenance(tmp_path: Path) 
     assert samples[("webhooks_fast_tier_keys", ())] == 7
     assert samples[("webhooks_fast_tier_used_memory_bytes", ())] > 0
     assert ("webhooks_fast_tier_maxmemory_bytes", ()) in samples
+    # The run's success and the jobs' periods (issue 35 item 5: the stale-job alert).
+    maintained = samples[("webhooks_job_last_success_timestamp_seconds", (("job", "maintenance"),))]
+    assert before <= maintained <= time.time()
+    periods = {
+        job: samples[("webhooks_job_period_seconds", (("job", job),))]
+        for job in ("sweep", "maintenance", "reconcile")
+    }
+    interval = worker_settings().maintenance_interval.total_seconds()
+    assert periods == {
+        "sweep": worker_settings().sweep_interval.total_seconds(),
+        "maintenance": interval,
+        "reconcile": 60.0,
+    }

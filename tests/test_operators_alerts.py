@@ -4,15 +4,21 @@ labels) that core/metrics.py declares."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml  # type: ignore[import-untyped]
 from prometheus_client.metrics import MetricWrapperBase
 
 from core import metrics
 
 ALERTS = Path(__file__).resolve().parent.parent / "deploy" / "alerts.yml"
+# promtool's unit tests of the rules (series in, alerts out at set times).
+ALERTS_TEST = ALERTS.with_name("alerts_test.yml")
+PROMTOOL = shutil.which("promtool")
 REQUIRED = {
     "WebhookDeadLetters": "webhooks_dead_letters_total",
     "WebhookOldestPendingTooOld": "webhooks_oldest_pending_seconds",
@@ -23,6 +29,9 @@ REQUIRED = {
     "WebhookPartitionsNotDropped": 'webhooks_partition_days{state="past"}',
     # Issue 22: reconciliation found events the provider sent that never arrived.
     "WebhookReconcileMissingEvents": "webhooks_reconcile_missing_total",
+    # Issue 35 item 5: a periodic job that stopped (beat down, its queue not consumed).
+    "WebhookPeriodicJobStale": "webhooks_job_last_success_timestamp_seconds",
+    "WebhookPeriodicJobNeverRan": "webhooks_job_last_success_timestamp_seconds",
 }
 SUFFIXES = {
     "counter": ("_total",),
@@ -79,3 +88,35 @@ def test_every_metric_and_label_in_the_rules_is_declared() -> None:
                 assert label in labels_of_rule, f"{rule['alert']}: no metric has label {label!r}"
         for label in re.findall(r"\$labels\.(\w+)", str(rule["annotations"])):
             assert label in labels_of_rule, f"{rule['alert']}: annotation label {label!r}"
+
+
+@pytest.mark.skipif(
+    PROMTOOL is None,
+    reason="promtool is missing: `make install` installs it as root (Debian's prometheus)",
+)
+def test_the_rules_load_in_promtool_and_its_unit_tests_pass() -> None:
+    """Prometheus' own tool parses every rule, and evaluates deploy/alerts_test.yml: among
+    others, a maintenance job that stopped fires WebhookPeriodicJobStale two periods (and
+    the rule's minute) after its last success, not before; beat never started fires
+    WebhookPeriodicJobNeverRan (issue 35 item 5)."""
+    assert PROMTOOL is not None
+    checked = subprocess.run(  # noqa: S603
+        [PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = subprocess.run(  # noqa: S603
+        [PROMTOOL, "test", "rules", str(ALERTS_TEST)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ALERTS.parent,
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert "SUCCESS" in tested.stdout
+    stale = yaml.safe_load(ALERTS_TEST.read_text())["tests"][0]
+    firing = [
+        case
+        for case in stale["alert_rule_test"]
+        if case["alertname"] == "WebhookPeriodicJobStale" and case["exp_alerts"]
+    ]
+    assert [case["eval_time"] for case in firing] == ["42m"]

@@ -24,7 +24,13 @@ from sqlalchemy import text
 from core.logs import get_logger
 from core.messages import RECONCILE_TASK, RECONCILE_TICK
 from models.db import DatabaseUnavailable
-from tasks.connections import CONNECTION_ERRORS, discard_pooled, periodic_failed, periodic_runtime
+from tasks.connections import (
+    CONNECTION_ERRORS,
+    discard_pooled,
+    periodic_done,
+    periodic_failed,
+    periodic_runtime,
+)
 from tasks.reconcile.run import ReconcileError, reconcile
 from tasks.runtime import Runtime
 
@@ -107,7 +113,9 @@ def register(app: Celery, runtime: Callable[[], Runtime]) -> Task[Any, Any]:
 def reconcile_task(runtime: Callable[[], Runtime]) -> int:
     rt = periodic_runtime(runtime, "reconcile.failed")
     try:
-        return len(run_due(rt))
+        ran = len(run_due(rt))
     except CONNECTION_ERRORS as exc:
         discard_pooled(rt.engine)
         raise periodic_failed("reconcile.failed", exc) from None
+    periodic_done(rt, "reconcile")
+    return ran
