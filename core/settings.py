@@ -197,7 +197,10 @@ class Settings(BaseSettings):
     retention_mode: Literal["partition", "delete"] = "partition"
     partition_ahead_days: int = Field(default=7, ge=1, le=366)
     delete_batch_size: int = Field(default=10_000, ge=1, le=10_000)
-    payload_retention: timedelta = timedelta(days=7)
+    # A body is dropped once every delivery of its event succeeded this long ago: by default
+    # the manual replay grace, the window an operator is expected to re-run a success in
+    # (seed 004: bodies are not kept in the ledger once dispatch is done). docs/retention.md.
+    payload_retention: timedelta = timedelta(days=2)
     # Dead letters are kept this long after they went dead, whatever their receipt's TTL.
     dead_letter_retention: timedelta = timedelta(days=30)
 

@@ -918,6 +918,42 @@ def test_delete_mode_dedup_boundary_and_acceptance_after_maintenance(
 # ------------------------------------------------------------------------------------------
 
 
+def test_by_default_a_body_goes_once_the_replay_grace_has_passed_since_its_success(
+    engine: Engine, sessions: sessionmaker[Session], made: list[MadeSource]
+) -> None:
+    """Issue 35 item 7 (seed 004: bodies are not kept once dispatch is done): with the
+    default settings a body whose deliveries all succeeded is dropped once the manual replay
+    grace (2 d) has passed since the last success, not the 7 d it used to be."""
+    settings = make_settings(database_url=RETENTION_URL)
+    assert settings.payload_retention == settings.manual_replay_grace == timedelta(days=2)
+    source = new_source(
+        sessions,
+        settings,
+        made,
+        "hmac",
+        config={},
+        ttl=TtlOverrides(retry_window=timedelta(days=30)),  # receipts outlive the bodies
+        routes=[{"handler": "log"}],
+    )
+    ttl = source_ttl(sessions, settings, source.id)
+    now = D + timedelta(days=130)
+    received = now - timedelta(days=3)
+    ensure_partitions(engine, settings, received)
+    for name in ("past_grace", "within_grace"):
+        assert accept_at(settings, source, name, received, ttl=ttl, body={"id": name}) == "accepted"
+    first = received + timedelta(minutes=1)
+    grace = settings.manual_replay_grace
+    (past,) = delivery_ids(engine, source, "past_grace")
+    (within,) = delivery_ids(engine, source, "within_grace")
+    succeed(sessions, past, first, now - grace - SEC)
+    succeed(sessions, within, first, now - grace + SEC)
+
+    assert drop_payloads(engine, settings, now) == 1
+    rows = {r.event_id: r for r in receipts_of(engine, source)}
+    assert rows["past_grace"].payload is None
+    assert json.loads(bytes(rows["within_grace"].payload)) == {"id": "within_grace"}
+
+
 def test_payload_retention_drops_exactly_the_bodies_it_should(
     engine: Engine, sessions: sessionmaker[Session], made: list[MadeSource]
 ) -> None:
