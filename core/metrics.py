@@ -77,6 +77,15 @@ RECEIVER_LIMITS = Counter(
 CLIENT_DISCONNECTS = Counter(
     "webhooks_client_disconnects_total", "Senders that went away before their body arrived"
 )
+# The admin plane (in the receiver's process, or the supervisor of several: its /metrics adds
+# the supervisor's own registry to the workers' files, ingest.admin.server.metrics_endpoint).
+LOGINS_THROTTLED = Counter(
+    "webhooks_logins_throttled_total",
+    "Admin logins refused by the login throttle before their token was compared, by the budget "
+    "that was used up (client: the address's; global: every address's) and where (console, "
+    "api, docs)",
+    ["scope", "via"],
+)
 
 # Workers.
 DELIVERIES = Counter("webhooks_deliveries_total", "Delivery attempts by outcome", ["outcome"])
@@ -200,6 +209,7 @@ RECEIVER_ONLY: tuple[Any, ...] = (
     TTL_RAISED,
     RECEIVER_LIMITS,
     CLIENT_DISCONNECTS,
+    LOGINS_THROTTLED,
 )
 WORKER_ONLY: tuple[Any, ...] = (
     RECONCILE_MISSING,

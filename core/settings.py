@@ -218,6 +218,12 @@ class Settings(BaseSettings):
     console_idle_timeout: timedelta = timedelta(minutes=30)
     console_secure_cookies: bool = False
     console_flower_url: str | None = None
+    # The login throttle (models/login_throttle.py), over the console's login form, the admin
+    # API's bearer token and the docs' password alike: failed logins one client address may
+    # make at once, then that many a minute; and the same for every address together. A
+    # throttled attempt is answered 429 with Retry-After, its token never compared.
+    console_login_failures: int = Field(default=5, ge=1, le=1000)
+    console_login_global_failures: int = Field(default=60, ge=1, le=100_000)
 
     # Extra modules imported by workers so their handlers register (besides entry points).
     handler_modules: list[str] = Field(default_factory=list)

@@ -66,11 +66,18 @@ def create_admin_app(
     routes: list[Route | Mount] = [
         Route("/metrics", metrics_endpoint(multiprocess_dir), methods=["GET"])
     ]
+    state = None
     if tokens:
         state = PlaneState(settings, clock or SystemClock(), tokens)
         routes.append(Mount("/admin", app=create_api(state)))
         routes.append(Mount(CONSOLE_PREFIX, app=create_console(state)))
-    return AdminGuard(Starlette(routes=routes), tokens, clock=clock)
+    return AdminGuard(
+        Starlette(routes=routes),
+        tokens,
+        clock=clock,
+        settings=settings,
+        throttle=None if state is None else state.throttle,
+    )
 
 
 class AdminServer:
@@ -90,10 +97,11 @@ class AdminServer:
         host: str,
         port: int,
         multiprocess_dir: str | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.sock = _bind(host, port)
         config = uvicorn.Config(
-            create_admin_app(settings, multiprocess_dir=multiprocess_dir),
+            create_admin_app(settings, clock=clock, multiprocess_dir=multiprocess_dir),
             log_config=None,  # the receiver's logging stays as it is
             log_level="warning",
             access_log=False,
