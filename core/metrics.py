@@ -77,8 +77,9 @@ RECEIVER_LIMITS = Counter(
 CLIENT_DISCONNECTS = Counter(
     "webhooks_client_disconnects_total", "Senders that went away before their body arrived"
 )
-# The admin plane (in the receiver's process, or the supervisor of several: its /metrics adds
-# the supervisor's own registry to the workers' files, ingest.admin.server.metrics_endpoint).
+# The admin plane's, counted where it runs: the receiver's process, or the supervisor of several
+# receiver processes, which is in multiprocess mode like them (``webhooks serve`` sets the
+# directory before prometheus_client is imported), so /metrics adds its counts up with theirs.
 LOGINS_THROTTLED = Counter(
     "webhooks_logins_throttled_total",
     "Admin logins refused by the login throttle before their token was compared, by the budget "

@@ -8,16 +8,20 @@ Two token buckets (GCRA), both counting failures only:
   then one more every minute / 5 (12 s); an IPv6 address counts as its /64, which one host
   usually holds whole;
 - **global** (``WEBHOOKS_CONSOLE_LOGIN_GLOBAL_FAILURES``, 60): failures from every address
-  together, that many at once, then one a second. Only attempts the client's own bucket let
-  through reach it, so one address alone cannot use it up, and once an attack from many
-  addresses stops a slot is free again within one interval (1 s): the operator gets in at
-  once.
+  together, that many at once, then one a second. An attempt its address's bucket refuses
+  is no failure (its token is not compared), so one address alone cannot use it up; once an
+  attack from many addresses stops, a slot is free again within one interval (1 s, a second
+  more for each failure charged past a full bucket: see below) and the operator gets in.
 
-An attempt **reserves** a failure in both buckets before its token is compared (one atomic
-step), and a success gives it back (:meth:`LoginThrottle.refund`): concurrent attempts cannot
-slip past a bucket between a check and a charge, and a successful login costs nothing. An
-attempt either bucket refuses is answered 429 with the seconds until a slot is free, and its
-token is never compared (so guessing and timing gain nothing from it).
+Before its token is compared an attempt is **checked** against both buckets (one atomic
+read); refused, it is answered 429 with the seconds until a slot is free, and its token is
+never compared (so guessing and timing gain nothing from it). Only a failure is then
+**charged** to both (:meth:`LoginThrottle.failed`): a success costs nothing, however many
+requests a client makes at once. Attempts checked at the same moment can all pass before
+their failures are charged (at most the requests in flight: the admin port takes 64
+connections per process), but each failure is charged in full, so the bucket's arrival time
+moves past them and the address (or everyone) waits that much longer: over any longer span
+the rates hold exactly.
 
 Where the state lives: Redis (``WEBHOOKS_REDIS_URL``, which the admin plane reaches already),
 ``login:c:<address>`` and ``login:g``, each bucket's theoretical arrival time in ms on
@@ -50,15 +54,14 @@ Scope = Literal["client", "global"]
 Store = Literal["redis", "process"]
 
 # KEYS: the buckets (client, global); ARGV 1: now in ms, or -1 for Redis' TIME; then per key
-# its interval (ms) and size. Answers {0, 0} (reserved in every bucket) or {i, wait ms} for
-# the first bucket that is full (nothing reserved anywhere).
-_TAKE = """
+# its interval (ms) and size. Answers {0, 0} (room in every bucket) or {i, wait ms} for the
+# first bucket that is full. Writes nothing.
+_CHECK = """
 local now = tonumber(ARGV[1])
 if now < 0 then
     local clock = redis.call('TIME')
     now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
 end
-local tats = {}
 for i = 1, #KEYS do
     local interval = tonumber(ARGV[2 * i])
     local size = tonumber(ARGV[2 * i + 1])
@@ -66,29 +69,22 @@ for i = 1, #KEYS do
     if tat < now then tat = now end
     local wait = tat - now - (size - 1) * interval
     if wait > 0 then return {i, tostring(wait)} end
-    tats[i] = tat + interval
-end
-for i = 1, #KEYS do
-    redis.call('SET', KEYS[i], tostring(tats[i]), 'PX', math.ceil(tats[i] - now) + 1000)
 end
 return {0, '0'}
 """
 
-# A success gives its reservation back: KEYS as above, ARGV 1 now (or -1), then each
-# bucket's interval (ms).
-_REFUND = """
+# A failure, charged to every bucket: KEYS and ARGV as above.
+_CHARGE = """
 local now = tonumber(ARGV[1])
 if now < 0 then
     local clock = redis.call('TIME')
     now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
 end
 for i = 1, #KEYS do
-    local tat = tonumber(redis.call('GET', KEYS[i]) or '0') - tonumber(ARGV[i + 1])
-    if tat <= now then
-        redis.call('DEL', KEYS[i])
-    else
-        redis.call('SET', KEYS[i], tostring(tat), 'PX', math.ceil(tat - now) + 1000)
-    end
+    local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+    if tat < now then tat = now end
+    tat = tat + tonumber(ARGV[2 * i])
+    redis.call('SET', KEYS[i], tostring(tat), 'PX', math.ceil(tat - now) + 1000)
 end
 return 0
 """
@@ -150,75 +146,59 @@ class LoginThrottle:
         self.clock = clock
         self.buckets = (Bucket(per_client), Bucket(overall))
         self.prefix = prefix
-        self._take = client.register_script(_TAKE) if client is not None else None
-        self._refund = client.register_script(_REFUND) if client is not None else None
+        self._check = client.register_script(_CHECK) if client is not None else None
+        self._charge = client.register_script(_CHARGE) if client is not None else None
         self._lock = threading.Lock()
         self._local: dict[str, float] = {}  # bucket key -> its theoretical arrival time (ms)
 
     def _keys(self, address: str) -> list[str]:
         return [f"{self.prefix}c:{address}", f"{self.prefix}g"]
 
-    def _now_arg(self) -> float:
+    def _args(self) -> list[float]:
         at = pinned(self.clock)
-        return -1.0 if at is None else at.timestamp() * 1000.0
+        args = [-1.0 if at is None else at.timestamp() * 1000.0]
+        for bucket in self.buckets:
+            args += [bucket.interval_ms, bucket.size]
+        return args
 
-    def take(self, address: str) -> Decision:
-        """Reserve one failure for an attempt from ``address`` (a :func:`client_key`), or
-        refuse it. Raises nothing: Redis unreachable, this process's buckets decide."""
-        if self._take is not None:
-            args: list[float] = [self._now_arg()]
-            for bucket in self.buckets:
-                args += [bucket.interval_ms, bucket.size]
+    def check(self, address: str) -> Decision:
+        """May an attempt from ``address`` (a :func:`client_key`) have its token compared?
+        Raises nothing: Redis unreachable, this process's buckets decide."""
+        if self._check is not None:
             try:
-                which, wait = self._take(keys=self._keys(address), args=args)
+                which, wait = self._check(keys=self._keys(address), args=self._args())
             except redis.RedisError:
                 pass
             else:
-                return self._decision("redis", int(which), float(wait))
-        which, wait = self._take_local(address)
-        return self._decision("process", which, wait)
+                return _decision("redis", int(which), float(wait))
+        return _decision("process", *self._check_local(address))
 
-    def refund(self, address: str, decision: Decision) -> None:
-        """Give back an allowed attempt's reservation: it was no failure."""
-        if not decision.allowed:
-            return
-        if decision.store == "redis" and self._refund is not None:
-            args = [self._now_arg(), *(b.interval_ms for b in self.buckets)]
+    def failed(self, address: str, decision: Decision) -> None:
+        """Charge a failed attempt to the buckets of the store that checked it."""
+        if decision.store == "redis" and self._charge is not None:
             try:
-                self._refund(keys=self._keys(address), args=args)
+                self._charge(keys=self._keys(address), args=self._args())
             except redis.RedisError:
-                pass  # the reservation stays: one failure counted too many, until it drains
+                pass  # gone since the check: this failure is not counted
             return
         now = self.clock.now().timestamp() * 1000.0
         with self._lock:
+            if len(self._local) >= MAX_LOCAL_CLIENTS:
+                self._prune(now)
             for key, bucket in zip(self._keys(address), self.buckets, strict=True):
-                tat = self._local.get(key, 0.0) - bucket.interval_ms
-                if tat <= now:
-                    self._local.pop(key, None)
-                else:
-                    self._local[key] = tat
+                self._local[key] = max(self._local.get(key, 0.0), now) + bucket.interval_ms
 
-    def _decision(self, store: Store, which: int, wait_ms: float) -> Decision:
-        if which == 0:
-            return Decision(True, store)
-        scope: Scope = "client" if which == 1 else "global"
-        return Decision(False, store, scope, _retry_after(wait_ms))
-
-    def _take_local(self, address: str) -> tuple[int, float]:
-        """:data:`_TAKE` in this process's memory, on the plane's clock."""
+    def _check_local(self, address: str) -> tuple[int, float]:
+        """:data:`_CHECK` in this process's memory, on the plane's clock."""
         now = self.clock.now().timestamp() * 1000.0
-        keys = self._keys(address)
         with self._lock:
-            tats = []
-            for i, (key, bucket) in enumerate(zip(keys, self.buckets, strict=True), start=1):
+            for i, (key, bucket) in enumerate(
+                zip(self._keys(address), self.buckets, strict=True), start=1
+            ):
                 tat = max(self._local.get(key, 0.0), now)
                 wait = tat - now - (bucket.size - 1) * bucket.interval_ms
                 if wait > 0:
                     return i, wait
-                tats.append(tat + bucket.interval_ms)
-            if len(self._local) >= MAX_LOCAL_CLIENTS:
-                self._prune(now)
-            self._local.update(zip(keys, tats, strict=True))
         return 0, 0.0
 
     def _prune(self, now: float) -> None:
@@ -227,6 +207,14 @@ class LoginThrottle:
         for key in [k for k, tat in self._local.items() if tat <= now]:
             del self._local[key]
         if len(self._local) >= MAX_LOCAL_CLIENTS:
-            clients = sorted((tat, k) for k, tat in self._local.items() if k != self._keys("")[1])
+            overall = f"{self.prefix}g"
+            clients = sorted((tat, k) for k, tat in self._local.items() if k != overall)
             for _, key in clients[: len(clients) // 2]:
                 del self._local[key]
+
+
+def _decision(store: Store, which: int, wait_ms: float) -> Decision:
+    if which == 0:
+        return Decision(True, store)
+    scope: Scope = "client" if which == 1 else "global"
+    return Decision(False, store, scope, _retry_after(wait_ms))

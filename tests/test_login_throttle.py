@@ -149,8 +149,9 @@ def test_failed_console_logins_are_throttled_per_address_and_the_page_says_how_l
         logged_in = console_login(attacker, url, TOKEN)
         assert logged_in.status_code == 303
         assert logged_in.headers["location"] == "/console/"
-        # A success gave its reservation back: the next failure is still allowed at once.
+        # A success costs nothing: the slot it used is still there for a failure.
         assert console_login(attacker, url, TOKEN + "x").status_code == 401
+        assert console_login(attacker, url, TOKEN + "x").status_code == 429
 
 
 def test_the_global_budget_stops_many_addresses_and_frees_a_slot_soon_after(
@@ -174,7 +175,7 @@ def test_the_global_budget_stops_many_addresses_and_frees_a_slot_soon_after(
             assert "from all addresses" in held.text
             assert compared.calls == 10
             # The attack stops: within one interval there is a slot, and the right token
-            # gives it back (the operator's next attempt is as free as before).
+            # costs nothing (the operator's next attempt is as free as before).
             clock.advance(timedelta(seconds=6))
             assert console_login(operator, url, TOKEN).status_code == 303
             assert console_login(operator, url, TOKEN).status_code == 303
@@ -247,26 +248,26 @@ def test_redis_unreachable_the_process_keeps_the_budgets(
 
 
 def test_the_buckets_in_memory_follow_the_same_rules() -> None:
-    """The fallback alone (no Redis at all): reservation, refund, the global bucket, IPv6."""
+    """The fallback alone (no Redis at all): failures only, the global bucket, IPv6."""
     clock = FrozenClock(datetime(2026, 1, 1, tzinfo=UTC))
     throttle = LoginThrottle(None, clock, per_client=2, overall=3)
     a, b = client_key("2001:db8::1"), client_key("2001:db8::2")
     assert a == b == "2001:db8::/64"  # one host's /64
     assert client_key("::ffff:10.0.0.1") == "10.0.0.1"
     assert client_key(None) == "unknown"
-    first = throttle.take(a)
-    assert first.allowed
+    for _ in range(5):  # successes: checked, never charged
+        assert throttle.check(a).allowed
+    first = throttle.check(a)
     assert first.store == "process"
-    throttle.refund(a, first)  # a success
-    assert throttle.take(a).allowed
-    assert throttle.take(a).allowed
-    held = throttle.take(b)
+    throttle.failed(a, first)
+    throttle.failed(a, throttle.check(a))
+    held = throttle.check(b)
     assert (held.allowed, held.scope, held.retry_after) == (False, "client", 30)
-    assert throttle.take("10.0.0.9").allowed  # the third failure in all
-    full = throttle.take("10.0.0.8")
+    throttle.failed("10.0.0.9", throttle.check("10.0.0.9"))  # the third failure in all
+    full = throttle.check("10.0.0.8")
     assert (full.allowed, full.scope, full.retry_after) == (False, "global", 20)
     clock.advance(timedelta(seconds=20))
-    assert throttle.take("10.0.0.8").allowed
+    assert throttle.check("10.0.0.8").allowed
 
 
 def test_a_throttled_login_is_counted_and_logged_by_webhooks_serve() -> None:

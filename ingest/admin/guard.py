@@ -94,15 +94,15 @@ class AdminGuard:
         decision = None
         client = client_key((scope.get("client") or (None,))[0])
         if given is not None and self.throttle is not None:
-            decision = await run_in_threadpool(self.throttle.take, client)
+            decision = await run_in_threadpool(self.throttle.check, client)
             if not decision.allowed:  # the token is not even compared
                 message = throttled(decision, client, "docs" if docs else "api")
                 await _answer(send, 429, message, "throttled", retry_after=decision.retry_after)
                 return
         found = self.tokens.match(given)
         name = None if found is None else found[0]
-        if name is not None and decision is not None and self.throttle is not None:
-            await run_in_threadpool(self.throttle.refund, client, decision)
+        if name is None and decision is not None and self.throttle is not None:
+            await run_in_threadpool(self.throttle.failed, client, decision)
         if name is None and docs:
             name = self._session(scope)
         elif name is not None and path == "/admin/docs":

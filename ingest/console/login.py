@@ -67,16 +67,16 @@ async def _login(c: Console, request: Request) -> Response:
     if expected is None or not sess.same(one(form, "csrf"), expected):
         return Response("missing or wrong CSRF token", 403)
     client = client_key(request.client.host if request.client else None)
-    decision = await run_in_threadpool(c.state.throttle.take, client)
+    decision = await run_in_threadpool(c.state.throttle.check, client)
     if not decision.allowed:  # the token is not even compared
         response = _login_form(c, request, throttled(decision, client, "console"), 429)
         response.headers["Retry-After"] = str(decision.retry_after)
         return response
     found = c.match(one(form, "token") or "")
-    if found is None:  # the reservation stays: a failure
+    if found is None:
+        await run_in_threadpool(c.state.throttle.failed, client, decision)
         log.info("console.login_refused", client=client)
         return _login_form(c, request, "wrong token", 401)
-    await run_in_threadpool(c.state.throttle.refund, client, decision)
     name, digest = found
     sid, _ = c.store.create(name, digest)
     log.info("console.login", operator=name)
