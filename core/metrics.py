@@ -77,9 +77,10 @@ RECEIVER_LIMITS = Counter(
 CLIENT_DISCONNECTS = Counter(
     "webhooks_client_disconnects_total", "Senders that went away before their body arrived"
 )
-# The admin plane's, counted where it runs: the receiver's process, or the supervisor of several
-# receiver processes, which is in multiprocess mode like them (``webhooks serve`` sets the
-# directory before prometheus_client is imported), so /metrics adds its counts up with theirs.
+# The admin plane's (ADMIN_PLANE below), counted where it runs: the receiver's process, or the
+# supervisor of several receiver processes, which imported prometheus_client before it set the
+# multiprocess directory, so it counts in its own memory: its /metrics adds these families
+# from its own registry to the receivers' files (ingest.admin.server.metrics_endpoint).
 LOGINS_THROTTLED = Counter(
     "webhooks_logins_throttled_total",
     "Admin logins refused by the login throttle before their token was compared, by the budget "
@@ -235,6 +236,10 @@ WORKER_ONLY: tuple[Any, ...] = (
 )
 
 
+# The admin plane's own families (see LOGINS_THROTTLED).
+ADMIN_PLANE: tuple[Any, ...] = (LOGINS_THROTTLED,)
+
+
 def family_names(metrics: Iterable[Any]) -> frozenset[str]:
     return frozenset(family.name for metric in metrics for family in metric.describe())
 
@@ -253,6 +258,22 @@ class _Without:
 
     def collect(self) -> Iterator[Any]:
         return (f for f in self._source.collect() if f.name not in self._hidden)
+
+
+class _Only:
+    """``source``'s families of the given names (exposition time only)."""
+
+    def __init__(self, source: Any, names: frozenset[str]) -> None:
+        self._source = source
+        self._names = names
+
+    def collect(self) -> Iterator[Any]:
+        return (f for f in self._source.collect() if f.name in self._names)
+
+
+def only(source: Any, metrics: Iterable[Any]) -> Any:
+    """A collector of ``source``'s families of ``metrics`` alone."""
+    return _Only(source, family_names(metrics))
 
 
 def exposed(process: Process, source: Any) -> Any:

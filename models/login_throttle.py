@@ -46,7 +46,7 @@ import redis
 from core.clock import Clock, pinned
 
 PREFIX = "login:"
-PERIOD_MS = 60_000.0  # the budgets are per minute
+PERIOD_MS = 60_000  # the budgets are per minute
 # The most client buckets kept in memory while Redis is away (the emptiest are dropped).
 MAX_LOCAL_CLIENTS = 10_000
 
@@ -60,7 +60,7 @@ _CHECK = """
 local now = tonumber(ARGV[1])
 if now < 0 then
     local clock = redis.call('TIME')
-    now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+    now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 end
 for i = 1, #KEYS do
     local interval = tonumber(ARGV[2 * i])
@@ -78,7 +78,7 @@ _CHARGE = """
 local now = tonumber(ARGV[1])
 if now < 0 then
     local clock = redis.call('TIME')
-    now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+    now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 end
 for i = 1, #KEYS do
     local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
@@ -92,13 +92,14 @@ return 0
 
 @dataclass(frozen=True)
 class Bucket:
-    """``size`` failures at once, refilled at ``size`` a minute."""
+    """``size`` failures at once, refilled at ``size`` a minute. Times are whole
+    milliseconds, so the arrival times Redis keeps as text are exact."""
 
     size: int
 
     @property
-    def interval_ms(self) -> float:
-        return PERIOD_MS / self.size
+    def interval_ms(self) -> int:
+        return math.ceil(PERIOD_MS / self.size)
 
 
 @dataclass(frozen=True)
@@ -149,14 +150,16 @@ class LoginThrottle:
         self._check = client.register_script(_CHECK) if client is not None else None
         self._charge = client.register_script(_CHARGE) if client is not None else None
         self._lock = threading.Lock()
-        self._local: dict[str, float] = {}  # bucket key -> its theoretical arrival time (ms)
+        self._local: dict[str, int] = {}  # bucket key -> its theoretical arrival time (ms)
 
     def _keys(self, address: str) -> list[str]:
         return [f"{self.prefix}c:{address}", f"{self.prefix}g"]
 
-    def _args(self) -> list[float]:
-        at = pinned(self.clock)
-        args = [-1.0 if at is None else at.timestamp() * 1000.0]
+    def _now_ms(self) -> int:
+        return math.floor(self.clock.now().timestamp() * 1000)
+
+    def _args(self) -> list[int]:
+        args = [-1 if pinned(self.clock) is None else self._now_ms()]
         for bucket in self.buckets:
             args += [bucket.interval_ms, bucket.size]
         return args
@@ -179,29 +182,30 @@ class LoginThrottle:
             try:
                 self._charge(keys=self._keys(address), args=self._args())
             except redis.RedisError:
-                pass  # gone since the check: this failure is not counted
-            return
-        now = self.clock.now().timestamp() * 1000.0
+                pass  # gone since the check: counted in this process's buckets instead
+            else:
+                return
+        now = self._now_ms()
         with self._lock:
             if len(self._local) >= MAX_LOCAL_CLIENTS:
                 self._prune(now)
             for key, bucket in zip(self._keys(address), self.buckets, strict=True):
-                self._local[key] = max(self._local.get(key, 0.0), now) + bucket.interval_ms
+                self._local[key] = max(self._local.get(key, 0), now) + bucket.interval_ms
 
-    def _check_local(self, address: str) -> tuple[int, float]:
+    def _check_local(self, address: str) -> tuple[int, int]:
         """:data:`_CHECK` in this process's memory, on the plane's clock."""
-        now = self.clock.now().timestamp() * 1000.0
+        now = self._now_ms()
         with self._lock:
             for i, (key, bucket) in enumerate(
                 zip(self._keys(address), self.buckets, strict=True), start=1
             ):
-                tat = max(self._local.get(key, 0.0), now)
+                tat = max(self._local.get(key, 0), now)
                 wait = tat - now - (bucket.size - 1) * bucket.interval_ms
                 if wait > 0:
                     return i, wait
-        return 0, 0.0
+        return 0, 0
 
-    def _prune(self, now: float) -> None:
+    def _prune(self, now: int) -> None:
         """Drop the buckets that are empty again, then (still too many) the emptiest half
         of the clients' (the global one stays)."""
         for key in [k for k, tat in self._local.items() if tat <= now]:

@@ -188,10 +188,10 @@ def wait_for_port(
 def _database() -> Iterator[None]:
     for key, value in BASE_ENV.items():
         os.environ[key] = value
-    # The suite's Redis databases (4-15) start empty: they outlive a run's Postgres database,
+    # The suite's Redis databases (3-15) start empty: they outlive a run's Postgres database,
     # and an earlier run's keys (admission's in-flight sets, claim keys) name route and
     # delivery ids that this run's fresh database hands out again.
-    for number in range(4, 16):
+    for number in range(3, 16):
         client = redis.Redis(port=REDIS_PORT, db=number)
         try:
             client.flushdb()

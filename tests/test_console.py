@@ -216,7 +216,10 @@ def test_a_throttled_login_says_how_long_to_wait_then_lets_the_operator_in(
     buckets = redis.Redis.from_url(THROTTLE_REDIS)
     buckets.flushdb()
     settings = make_settings(
-        admin_tokens=f"dora:{TOKEN}", redis_url=THROTTLE_REDIS, console_login_failures=2
+        admin_tokens=f"dora:{TOKEN}",
+        redis_url=THROTTLE_REDIS,
+        console_login_failures=2,
+        console_login_global_failures=60,
     )
     port = free_port()
     server = AdminServer(settings, host="127.0.0.1", port=port, clock=clock)

@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 from core.clock import Clock, FrozenClock
+from core.settings import Settings
 from ingest.admin import AdminServer
 from ingest.plane import OperatorTokens
 from models.login_throttle import LoginThrottle, client_key
@@ -38,6 +39,12 @@ TOKEN = "ops_" + secrets.token_urlsafe(32)
 CI_TOKEN = "ci_" + secrets.token_urlsafe(32)
 remember(TOKEN, CI_TOKEN)
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+DEFAULT_PER_CLIENT = Settings.model_fields["console_login_failures"].default
+DEFAULT_GLOBAL = Settings.model_fields["console_login_global_failures"].default
+
+
+def test_the_defaults_are_five_per_address_and_sixty_in_all() -> None:
+    assert (DEFAULT_PER_CLIENT, DEFAULT_GLOBAL) == (5, 60)  # what the tests below count on
 
 
 def sample(name: str, **labels: str) -> float:
@@ -65,6 +72,9 @@ def plane(clock: Clock | None = None, **overrides: Any) -> Iterator[str]:
     values: dict[str, Any] = {
         "admin_tokens": f"ops:{TOKEN},ci:{CI_TOKEN}",
         "redis_url": THROTTLE_REDIS,
+        # The production defaults (the suite's environment raises them: tests/conftest.py).
+        "console_login_failures": DEFAULT_PER_CLIENT,
+        "console_login_global_failures": DEFAULT_GLOBAL,
         **overrides,
     }
     port = free_port()

@@ -177,7 +177,8 @@ class AdminGuard:
             if key == b"authorization":
                 scheme, _, credentials = value.partition(b" ")
                 if scheme.lower() == b"bearer":
-                    return credentials.strip()
+                    given: bytes = credentials.strip()
+                    return given
                 if scheme.lower() == b"basic" and docs:
                     return _basic_password(credentials)
                 return None

@@ -40,15 +40,20 @@ def metrics_endpoint(
     multiprocess_dir: str | None = None,
 ) -> Callable[[Request], Awaitable[Response]]:
     """``GET /metrics``: the receiver's families. With ``multiprocess_dir`` (several receiver
-    processes, this one their supervisor) the sum of every process's files there; otherwise
-    this process's own registry, or its multiprocess directory when it runs in that mode."""
+    processes, this one their supervisor) the sum of every process's files there, and the
+    admin plane's own families (:data:`core.metrics.ADMIN_PLANE`) from this process's
+    registry when it counts in memory; otherwise this process's own registry, or its
+    multiprocess directory when it runs in that mode."""
 
     async def endpoint(request: Request) -> Response:
         # Multiprocess mode is fixed when prometheus_client is first imported: ask it.
+        in_memory = values.ValueClass is values.MutexValue
         source: Any = REGISTRY
-        if multiprocess_dir is not None or values.ValueClass is not values.MutexValue:
+        if multiprocess_dir is not None or not in_memory:
             source = CollectorRegistry()
             multiprocess.MultiProcessCollector(source, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+            if in_memory:  # the supervisor's admin plane: its counts are in no file
+                source.register(metrics.only(REGISTRY, metrics.ADMIN_PLANE))
         # The receiver's own families only: the workers' are defined here too, at zero.
         body = generate_latest(metrics.exposed("receiver", source))
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
