@@ -77,6 +77,17 @@ RECEIVER_LIMITS = Counter(
 CLIENT_DISCONNECTS = Counter(
     "webhooks_client_disconnects_total", "Senders that went away before their body arrived"
 )
+# The admin plane's (ADMIN_PLANE below), counted where it runs: the receiver's process, or the
+# supervisor of several receiver processes, which imported prometheus_client before it set the
+# multiprocess directory, so it counts in its own memory: its /metrics adds these families
+# from its own registry to the receivers' files (ingest.admin.server.metrics_endpoint).
+LOGINS_THROTTLED = Counter(
+    "webhooks_logins_throttled_total",
+    "Admin logins refused by the login throttle before their token was compared, by the budget "
+    "that was used up (client: the address's; global: every address's) and where (console, "
+    "api, docs)",
+    ["scope", "via"],
+)
 
 # Workers.
 DELIVERIES = Counter("webhooks_deliveries_total", "Delivery attempts by outcome", ["outcome"])
@@ -219,6 +230,7 @@ RECEIVER_ONLY: tuple[Any, ...] = (
     TTL_RAISED,
     RECEIVER_LIMITS,
     CLIENT_DISCONNECTS,
+    LOGINS_THROTTLED,
 )
 WORKER_ONLY: tuple[Any, ...] = (
     RECONCILE_MISSING,
@@ -245,6 +257,10 @@ WORKER_ONLY: tuple[Any, ...] = (
 )
 
 
+# The admin plane's own families (see LOGINS_THROTTLED).
+ADMIN_PLANE: tuple[Any, ...] = (LOGINS_THROTTLED,)
+
+
 def family_names(metrics: Iterable[Any]) -> frozenset[str]:
     return frozenset(family.name for metric in metrics for family in metric.describe())
 
@@ -263,6 +279,22 @@ class _Without:
 
     def collect(self) -> Iterator[Any]:
         return (f for f in self._source.collect() if f.name not in self._hidden)
+
+
+class _Only:
+    """``source``'s families of the given names (exposition time only)."""
+
+    def __init__(self, source: Any, names: frozenset[str]) -> None:
+        self._source = source
+        self._names = names
+
+    def collect(self) -> Iterator[Any]:
+        return (f for f in self._source.collect() if f.name in self._names)
+
+
+def only(source: Any, metrics: Iterable[Any]) -> Any:
+    """A collector of ``source``'s families of ``metrics`` alone."""
+    return _Only(source, family_names(metrics))
 
 
 def exposed(process: Process, source: Any) -> Any:

@@ -28,6 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.durations import DurationError, parse_duration
 from core.errors import WebhooksError
+from core.token_strength import weakness
 
 MIN_ADMIN_TOKEN_LENGTH = 32
 # Threads or greenlets per worker when WEBHOOKS_WORKER_CONCURRENCY is unset (bench_forward.py).
@@ -220,6 +221,12 @@ class Settings(BaseSettings):
     console_idle_timeout: timedelta = timedelta(minutes=30)
     console_secure_cookies: bool = False
     console_flower_url: str | None = None
+    # The login throttle (models/login_throttle.py), over the console's login form, the admin
+    # API's bearer token and the docs' password alike: failed logins one client address may
+    # make at once, then that many a minute; and the same for every address together. A
+    # throttled attempt is answered 429 with Retry-After, its token never compared.
+    console_login_failures: int = Field(default=5, ge=1, le=1000)
+    console_login_global_failures: int = Field(default=60, ge=1, le=100_000)
 
     # Extra modules imported by workers so their handlers register (besides entry points).
     handler_modules: list[str] = Field(default_factory=list)
@@ -235,13 +242,17 @@ class Settings(BaseSettings):
     @field_validator("admin_token")
     @classmethod
     def _check_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
-        """Empty (or unset) turns the admin API off; a set token is at least 32 characters."""
+        """Empty (or unset) turns the admin API off; a set token is at least 32 characters and
+        not predictable (:mod:`core.token_strength`)."""
         token = "" if value is None else value.get_secret_value()
         if token and len(token) < MIN_ADMIN_TOKEN_LENGTH:
             raise ValueError(
                 f"WEBHOOKS_ADMIN_TOKEN must be at least {MIN_ADMIN_TOKEN_LENGTH} characters "
                 f"(this one has {len(token)}); leave it empty to turn the admin API off"
             )
+        weak = weakness(token) if token else None
+        if weak is not None:
+            raise ValueError(f"WEBHOOKS_ADMIN_TOKEN {weak}")
         return value
 
     @field_validator("admin_tokens")
@@ -393,7 +404,8 @@ class Settings(BaseSettings):
 
 
 def parse_admin_tokens(text: str) -> dict[str, SecretStr]:
-    """``name:token,name2:token2`` by name. Errors name the entry by position and name, never
+    """``name:token,name2:token2`` by name. Each token is at least 32 characters and not
+    predictable (:mod:`core.token_strength`). Errors name the entry by position and name, never
     quote a token: the value is a secret even when it is refused."""
     tokens: dict[str, SecretStr] = {}
     seen: set[str] = set()
@@ -412,6 +424,9 @@ def parse_admin_tokens(text: str) -> dict[str, SecretStr]:
                 f"the token named {name!r} must be at least {MIN_ADMIN_TOKEN_LENGTH} "
                 f"characters (it has {len(token)})"
             )
+        weak = weakness(token)
+        if weak is not None:
+            raise ValueError(f"the token named {name!r} {weak}")
         if name in tokens:
             raise ValueError(f"the name {name!r} is given twice")
         if token in seen:

@@ -15,11 +15,14 @@ from pydantic import SecretStr
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core import metrics
 from core.clock import Clock
 from core.logs import get_logger
 from core.settings import Settings
 from models import replays
 from models.db import make_engine, make_sessionmaker
+from models.login_throttle import Decision, LoginThrottle
+from tasks.claims import make_client
 from tasks.publisher import CeleryPublisher
 
 log = get_logger("admin")
@@ -30,6 +33,16 @@ MAX_RUNNING_REPLAYS = 2  # per process; more are refused (429)
 def digest(token: bytes) -> bytes:
     """A token's SHA-256: what is kept and compared, 32 bytes whatever the token's length."""
     return hashlib.sha256(token).digest()
+
+
+def secure_cookie(settings: Settings, scheme: str) -> bool:
+    """Whether a cookie of the admin plane (the console's session and login cookies, the API
+    docs' session) is ``Secure``: when the request came over https, or always with
+    ``WEBHOOKS_CONSOLE_SECURE_COOKIES`` (behind a TLS-terminating proxy). ``scheme`` is the
+    ASGI scope's: ``webhooks serve`` never rewrites it from ``X-Forwarded-Proto``
+    (``proxy_headers=False``), and uvicorn run with ``--proxy-headers`` does only for the
+    proxies ``--forwarded-allow-ips`` trusts, so a client cannot claim https itself."""
+    return settings.console_secure_cookies or scheme == "https"
 
 
 class OperatorTokens:
@@ -54,6 +67,32 @@ class OperatorTokens:
         return found
 
 
+def login_throttle(settings: Settings, clock: Clock) -> LoginThrottle:
+    """The plane's login throttle (:mod:`models.login_throttle`), its budgets in Redis."""
+    return LoginThrottle(
+        make_client(settings.redis_url, settings.redis_socket_timeout),
+        clock,
+        per_client=settings.console_login_failures,
+        overall=settings.console_login_global_failures,
+    )
+
+
+def throttled(decision: Decision, client: str, via: str) -> str:
+    """Count and log (one line) an attempt the throttle refused; the operator's message."""
+    metrics.LOGINS_THROTTLED.labels(scope=decision.scope, via=via).inc()
+    log.warning(
+        "login.throttled",
+        client=client,
+        scope=decision.scope,
+        retry_after=decision.retry_after,
+        store=decision.store,
+        via=via,
+    )
+    seconds = "1 second" if decision.retry_after == 1 else f"{decision.retry_after} seconds"
+    where = "from this address" if decision.scope == "client" else "from all addresses"
+    return f"too many failed logins {where}: wait {seconds} before trying again"
+
+
 class PlaneState:
     """Lazily built per-process resources (the mounted apps have no lifespan of their own)."""
 
@@ -61,6 +100,7 @@ class PlaneState:
         self.settings = settings
         self.clock = clock
         self.tokens = tokens
+        self.throttle = login_throttle(settings, clock)
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None

@@ -12,16 +12,23 @@ from __future__ import annotations
 import hashlib
 import hmac
 import shutil
+import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
+from ingest.admin import create_admin_app
 from ingest.admin.guard import DOCS_COOKIE, DOCS_SESSION_SECONDS
+from tests.conftest import make_settings
 from tests.leakcheck import remember
 from tests.operators_support import ops_receiver
 from tests.processes import Receiver
@@ -130,3 +137,75 @@ def test_a_forged_expired_or_foreign_session_opens_nothing(plane: Receiver) -> N
         cookies={DOCS_COOKIE: _session("ops", TOKEN, later)},
     )
     assert good.status_code == 200  # the forms above differ from a valid one in one part
+
+
+# --- Secure (issue 34 item 7) ------------------------------------------------------------------
+
+
+def _attributes(set_cookie: str) -> list[str]:
+    return [part.strip().lower() for part in set_cookie.split(";")[1:]]
+
+
+@contextmanager
+def _served(**config: Any) -> Iterator[str]:
+    """The admin plane (ops's token, no login budgets in the way) in a uvicorn server of this
+    process, on a real socket, with ``config`` (and ``console_secure_cookies`` in it for the
+    settings); its base URL."""
+    secure = config.pop("console_secure_cookies", False)
+    settings = make_settings(
+        admin_tokens=f"ops:{TOKEN}", console_secure_cookies=secure, console_login_failures=1000
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(
+        uvicorn.Config(create_admin_app(settings), log_config=None, lifespan="off", **config)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            thread.join(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def _docs_cookie(url: str, address: str = "127.0.0.1", **headers: str) -> list[str]:
+    transport = httpx.HTTPTransport(local_address=address)
+    with httpx.Client(transport=transport, timeout=10) as http:
+        page = http.get(f"{url}/admin/docs", auth=("any", TOKEN), headers=headers)
+    assert page.status_code == 200
+    return _attributes(page.headers["set-cookie"])
+
+
+def test_the_docs_cookie_is_not_secure_on_plain_http_whatever_the_client_claims(
+    plane: Receiver,
+) -> None:
+    """``webhooks serve`` trusts no X-Forwarded-Proto: a client cannot make it believe https
+    (the console's session cookie follows the same rule)."""
+    for headers in ({}, {"X-Forwarded-Proto": "https"}):
+        attributes = _docs_cookie(plane.admin_url, **headers)
+        assert "httponly" in attributes
+        assert "secure" not in attributes, headers
+
+
+def test_the_docs_cookie_is_secure_with_the_consoles_setting() -> None:
+    with _served(console_secure_cookies=True) as url:
+        assert "secure" in _docs_cookie(url)
+        login = httpx.get(f"{url}/console/login", timeout=10)  # the console's, the same rule
+        assert "secure" in _attributes(login.headers["set-cookie"])
+
+
+def test_the_docs_cookie_is_secure_behind_a_trusted_proxy_that_says_https() -> None:
+    """uvicorn with --proxy-headers sets the request's scheme from X-Forwarded-Proto only for
+    the proxy addresses --forwarded-allow-ips trusts; the cookie follows that scheme."""
+    with _served(proxy_headers=True, forwarded_allow_ips="127.0.0.1") as url:
+        assert "secure" in _docs_cookie(url, **{"X-Forwarded-Proto": "https"})
+        assert "secure" not in _docs_cookie(url)  # the proxy says http
+        # From an address the server does not trust, the header is ignored.
+        assert "secure" not in _docs_cookie(url, "127.0.0.2", **{"X-Forwarded-Proto": "https"})

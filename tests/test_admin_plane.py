@@ -337,15 +337,20 @@ def test_the_audit_records_the_tokens_name(
     assert replay_rows(engine, operator="root") == []
 
 
+# Random tokens (a repeated character is refused as predictable: test_secret_strength.py).
+S40 = "s-" + (uuid.uuid4().hex + uuid.uuid4().hex)[:38]
+T40 = "t-" + (uuid.uuid4().hex + uuid.uuid4().hex)[:38]
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("ops:" + "s" * 31, "the token named 'ops' must be at least 32 characters"),
-        ("Ops:" + "s" * 40, "entry 1 is not name:token"),
-        ("s" * 40, "entry 1 is not name:token"),
-        ("a:" + "s" * 40 + ",a:" + "t" * 40, "the name 'a' is given twice"),
-        ("a:" + "s" * 40 + ",b:" + "s" * 40, "the token named 'b' is also given another name"),
-        ("x" * 33 + ":" + "s" * 40, "entry 1 is not name:token"),
+        ("ops:" + S40[:31], "the token named 'ops' must be at least 32 characters"),
+        ("Ops:" + S40, "entry 1 is not name:token"),
+        (S40, "entry 1 is not name:token"),
+        ("a:" + S40 + ",a:" + T40, "the name 'a' is given twice"),
+        ("a:" + S40 + ",b:" + S40, "the token named 'b' is also given another name"),
+        ("x" * 33 + ":" + S40, "entry 1 is not name:token"),
     ],
 )
 def test_bad_named_tokens_are_refused_without_quoting_them(value: str, message: str) -> None:
@@ -357,16 +362,16 @@ def test_bad_named_tokens_are_refused_without_quoting_them(value: str, message: 
     text = str(refused.value)
     assert "WEBHOOKS_ADMIN_TOKENS" in text
     assert message in text
-    assert "s" * 31 not in text
-    assert "t" * 31 not in text
+    assert S40[:31] not in text
+    assert T40[:31] not in text
 
 
 def test_admin_token_is_one_more_token_named_admin() -> None:
-    single = "a" * 40
-    settings = make_settings(admin_token=single, admin_tokens="ops:" + "o" * 40)
+    single, ops, other = ("a-" + uuid.uuid4().hex + uuid.uuid4().hex for _ in range(3))
+    settings = make_settings(admin_token=single, admin_tokens="ops:" + ops)
     named = {k: v.get_secret_value() for k, v in settings.admin_tokens_by_name().items()}
-    assert named == {"ops": "o" * 40, "admin": single}
-    for clash in ("admin:" + "b" * 40, "ops:" + single):
+    assert named == {"ops": ops, "admin": single}
+    for clash in ("admin:" + other, "ops:" + single):
         with pytest.raises(ValueError, match="WEBHOOKS_ADMIN_TOKEN") as refused:
             make_settings(admin_token=single, admin_tokens=clash)
         assert single not in str(refused.value)

@@ -4,7 +4,8 @@ Floors, from the ground up (docs/architecture.md says what each holds):
 
 0. ``core``     settings, clock, durations, crypto, TTL arithmetic, logs, metrics, the
                 provider contracts and the message contract;
-1. ``models``   storage: Postgres (and the Redis state admission keeps), every statement;
+1. ``models``   storage: Postgres (and the Redis state admission and the login throttle
+                keep), every statement;
 2. ``tasks``    the workers: Celery app, dispatcher, publisher, delivery steps, handlers,
                 reconciliation;
 3. ``ingest``   the receiver, the admin API and the console;

@@ -19,15 +19,18 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.clock import FrozenClock
 from core.settings import Settings
+from ingest.admin import AdminServer
 from ingest.console.sessions import SessionStore, digest
 from models import breaker, transitions
 from models.catalog import Change
+from tests.conftest import REDIS, free_port, make_settings
 from tests.factories import MadeSource
 from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
@@ -54,6 +57,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+THROTTLE_REDIS = f"{REDIS}/3"  # the login buckets (tests/test_login_throttle.py's too)
 TOKEN = "adm_console_" + secrets.token_urlsafe(24)
 OTHER_TOKEN = "adm_console_other_" + secrets.token_urlsafe(24)
 remember(TOKEN, OTHER_TOKEN)
@@ -201,6 +205,54 @@ def test_a_session_expires_after_its_idle_timeout_and_with_its_token() -> None:
     assert store.get(sid2, set()) is None  # its token was removed from the configuration
     assert store.get(sid2, valid) is None
     assert store.get("not-a-session", valid) is None
+
+
+def test_a_throttled_login_says_how_long_to_wait_then_lets_the_operator_in(
+    browser: Browser,
+) -> None:
+    """Issue 34 item 7, in the browser: the admin server ``webhooks serve`` runs (in this
+    process, its clock frozen: the login buckets' scripts take it as Redis' clock)."""
+    clock = FrozenClock(datetime.now(UTC))
+    buckets = redis.Redis.from_url(THROTTLE_REDIS)
+    buckets.flushdb()
+    settings = make_settings(
+        admin_tokens=f"dora:{TOKEN}",
+        redis_url=THROTTLE_REDIS,
+        console_login_failures=2,
+        console_login_global_failures=60,
+    )
+    port = free_port()
+    server = AdminServer(settings, host="127.0.0.1", port=port, clock=clock)
+    server.start()
+    ctx = browser.new_context()
+    try:
+        for _ in range(200):
+            if server.server.started:
+                break
+            server.thread.join(0.05)
+        url = f"http://127.0.0.1:{port}"
+        page = ctx.new_page()
+        page.goto(f"{url}/console/login")
+        for token, status in ((TOKEN + "x", 401), (TOKEN + "y", 401), (TOKEN, 429)):
+            page.fill("#token", token)
+            with page.expect_response(lambda r: r.url.endswith("/console/login")) as answer:
+                page.click("button[type=submit]")
+            assert answer.value.status == status
+        assert answer.value.headers["retry-after"] == "30"  # a minute / 2
+        assert page.inner_text("#message") == (
+            "too many failed logins from this address: wait 30 seconds before trying again"
+        )
+        assert not [c for c in ctx.cookies() if c["name"] == "wh_console"]
+        clock.advance(timedelta(seconds=30))
+        page.fill("#token", TOKEN)
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{url}/console/")
+        assert page.inner_text("header .who") == "dora"
+    finally:
+        ctx.close()
+        server.stop()
+        buckets.flushdb()
+        buckets.close()
 
 
 def test_security_headers_on_every_page(context: BrowserContext, api: Receiver) -> None:

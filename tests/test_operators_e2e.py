@@ -5,6 +5,7 @@ delivery, and ``--rerun-succeeded`` giving the downstream a new idempotency key.
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import time
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from tests.workers import Broker, Worker, attempts, effects, running_worker, wai
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-TOKEN = "adm_e2e_" + "t" * 24
+TOKEN = "adm_e2e_" + secrets.token_urlsafe(24)  # random: a repeated one is refused
 remember(TOKEN)
 
 

@@ -8,6 +8,7 @@ import base64
 import getpass
 import json
 import os
+import secrets
 import stat
 import subprocess
 import uuid
@@ -22,6 +23,7 @@ from core.crypto import SUPPLIED_KEY_FORMATS, SecretBox, generate_secret
 from core.providers import BUILTIN_PROVIDERS as PROVIDERS
 from core.providers import get_provider
 from core.settings import Settings, SettingsError, load_settings
+from core.token_strength import MIN_ADMIN_TOKEN_BITS, estimate_bits
 from models import catalog
 from models.catalog import CatalogError
 from models.schema import Source, SourceSecret
@@ -242,10 +244,12 @@ def test_a_short_admin_token_is_refused_naming_the_variable(
     assert "WEBHOOKS_ADMIN_TOKEN" in str(direct.value)
     assert "32" in str(direct.value)
 
-    # 32 characters is enough; empty or unset means no admin API, as before.
-    token = make_settings(admin_token="t" * 32).admin_token
+    # 32 random characters are enough; empty or unset means no admin API, as before.
+    random32 = secrets.token_urlsafe(24)
+    assert len(random32) == 32
+    token = make_settings(admin_token=random32).admin_token
     assert token is not None
-    assert token.get_secret_value() == "t" * 32
+    assert token.get_secret_value() == random32
     empty = make_settings(admin_token="").admin_token
     assert empty is not None
     assert empty.get_secret_value() == ""
@@ -285,6 +289,10 @@ def test_make_env_writes_a_file_only_its_owner_can_read(tmp_path: Path) -> None:
     name, token = values["WEBHOOKS_ADMIN_TOKENS"].split(":", 1)  # a named token: ops
     assert name == "ops"
     assert len(token) >= 32
+    # The settings take it, its entropy estimate well above the floor.
+    made = make_settings(admin_tokens=values["WEBHOOKS_ADMIN_TOKENS"])
+    assert list(made.admin_tokens_by_name()) == ["ops"]
+    assert estimate_bits(token) >= 1.5 * MIN_ADMIN_TOKEN_BITS
     assert len(values["WEBHOOKS_SECRET_KEY"]) >= 32
 
 
@@ -302,3 +310,53 @@ def test_a_refused_setting_is_never_quoted_in_the_error() -> None:
     with pytest.raises(pydantic.ValidationError) as refused_key:
         Settings(secret_key=short)  # type: ignore[arg-type]
     assert short not in str(refused_key.value)
+
+
+# Issue 34 item 7: length alone let these through (each has 32+ characters).
+PREDICTABLE = (
+    "a" * 40,
+    "passwordpasswordpassword12345678",
+    "abcdefghijklmnopqrstuvwxyz0123456789",
+    "Tr0ub4dor&3Tr0ub4dor&3Tr0ub4dor&3",
+    "adm_e2e_" + "t" * 24,
+)
+
+
+@pytest.mark.parametrize("token", PREDICTABLE)
+def test_a_predictable_admin_token_is_refused_by_name_never_quoted(token: str) -> None:
+    assert len(token) >= 32
+    base = {k: getattr(make_settings(), k) for k in ("database_url", "secret_key")}
+    with pytest.raises(SettingsError) as single:
+        load_settings(**base, admin_token=token)
+    with pytest.raises(SettingsError) as named:
+        load_settings(**base, admin_tokens=f"ci:{secrets.token_urlsafe(32)},ops:{token}")
+    for refused, who in ((single, "WEBHOOKS_ADMIN_TOKEN:"), (named, "the token named 'ops'")):
+        text = str(refused.value)
+        assert who in text, text
+        assert "too predictable" in text
+        assert f"at least {MIN_ADMIN_TOKEN_BITS} expected" in text
+        assert "secrets.token_urlsafe(32)" in text  # how to make a good one
+        assert token not in text
+        assert token[:12] not in text
+        assert "'ci'" not in text  # the good one is not blamed
+
+
+def test_a_predictable_admin_token_stops_the_cli_at_start() -> None:
+    result = webhooks("sources", "list", WEBHOOKS_ADMIN_TOKENS="ops:" + "a" * 40)
+    assert result.returncode == 1
+    assert "the token named 'ops'" in result.stderr
+    assert "too predictable" in result.stderr
+    assert "a" * 40 not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_random_tokens_pass_the_estimate_with_margin() -> None:
+    """What ``make .env`` generates (``secrets.token_urlsafe(32)``) and the forms the suite and
+    the docs use pass with room to spare; the predictable ones score far below."""
+    generated = [estimate_bits(secrets.token_urlsafe(32)) for _ in range(2000)]
+    assert min(generated) >= 1.5 * MIN_ADMIN_TOKEN_BITS, min(generated)
+    hexes = [estimate_bits(uuid.uuid4().hex + uuid.uuid4().hex) for _ in range(200)]
+    assert min(hexes) >= 1.5 * MIN_ADMIN_TOKEN_BITS
+    for token in PREDICTABLE:
+        assert estimate_bits(token) < MIN_ADMIN_TOKEN_BITS / 1.5, token
+    make_settings(admin_tokens=f"ops:{secrets.token_urlsafe(32)}")  # accepted

@@ -4,7 +4,11 @@
 session cookie), compared in constant time with every configured one, else 401; then the body
 is capped at :data:`MAX_BODY_BYTES` (a larger ``Content-Length``: 413 at once, unread; a
 chunked body: 413 where it passes the cap). The matched token's name goes on the request
-(:data:`TOKEN_NAME`): the operator every audit row records.
+(:data:`TOKEN_NAME`): the operator every audit row records. A request that offers a token
+goes through the login throttle first (:mod:`models.login_throttle`, shared with the
+console's login form): refused, it is answered 429 with ``Retry-After`` and its token is
+never compared. Its session cookie, like the console's, is ``Secure`` on https or with
+``WEBHOOKS_CONSOLE_SECURE_COOKIES`` (:func:`ingest.plane.secure_cookie`).
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import hashlib
 import hmac
 
 import orjson
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.clock import Clock, SystemClock
-from ingest.plane import OperatorTokens
+from core.settings import Settings
+from ingest.plane import OperatorTokens, secure_cookie, throttled
+from models.login_throttle import LoginThrottle, client_key
 
 # The largest admin request body: a replay request is a few hundred bytes.
 MAX_BODY_BYTES = 64 * 1024
@@ -57,11 +64,15 @@ class AdminGuard:
         *,
         max_body: int = MAX_BODY_BYTES,
         clock: Clock | None = None,
+        settings: Settings | None = None,
+        throttle: LoginThrottle | None = None,
     ) -> None:
         self.app = app
         self.max_body = max_body
         self.clock = clock or SystemClock()
         self.tokens = tokens
+        self.settings = settings
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] == "/metrics":
@@ -79,11 +90,23 @@ class AdminGuard:
                 await self.app(scope, _replay(body, receive), send)
             return
         docs = path in DOCS_PATHS or path.startswith("/admin/docs/")
-        name = self._match(scope, docs=docs)
+        given = self._credentials(scope, docs=docs)
+        decision = None
+        client = client_key((scope.get("client") or (None,))[0])
+        if given is not None and self.throttle is not None:
+            decision = await run_in_threadpool(self.throttle.check, client)
+            if not decision.allowed:  # the token is not even compared
+                message = throttled(decision, client, "docs" if docs else "api")
+                await _answer(send, 429, message, "throttled", retry_after=decision.retry_after)
+                return
+        found = self.tokens.match(given)
+        name = None if found is None else found[0]
+        if name is None and decision is not None and self.throttle is not None:
+            await run_in_threadpool(self.throttle.failed, client, decision)
         if name is None and docs:
             name = self._session(scope)
         elif name is not None and path == "/admin/docs":
-            send = self._start_session(send, name)
+            send = self._start_session(send, name, secure=self._secure(scope))
         if name is None:
             challenge = BASIC_CHALLENGE if docs else "Bearer"
             await _answer(send, 401, "missing or wrong bearer token", "unauthenticated", challenge)
@@ -97,14 +120,20 @@ class AdminGuard:
     def _session_mac(self, key: bytes, name: str, expires: int) -> str:
         return hmac.new(key, f"docs:{name}:{expires}".encode(), hashlib.sha256).hexdigest()
 
-    def _start_session(self, send: Send, name: str) -> Send:
-        """``send`` that adds the docs' session cookie to a successful answer."""
+    def _secure(self, scope: Scope) -> bool:
+        """The console's rule for its cookies (:func:`ingest.plane.secure_cookie`)."""
+        scheme = str(scope.get("scheme", "http"))
+        return scheme == "https" if self.settings is None else secure_cookie(self.settings, scheme)
+
+    def _start_session(self, send: Send, name: str, *, secure: bool) -> Send:
+        """``send`` that adds the docs' session cookie to a successful answer (``Secure`` by
+        the console's rule: https, or ``WEBHOOKS_CONSOLE_SECURE_COOKIES``)."""
         [key] = [digest for n, digest in self.tokens.named if n == name]
         expires = int(self.clock.now().timestamp()) + DOCS_SESSION_SECONDS
         value = f"{name}.{expires}.{self._session_mac(key, name, expires)}"
         cookie = (
             f"{DOCS_COOKIE}={value}; Path=/admin/; Max-Age={DOCS_SESSION_SECONDS}; "
-            "HttpOnly; SameSite=Strict"
+            "HttpOnly; SameSite=Strict" + ("; Secure" if secure else "")
         )
 
         async def with_cookie(message: Message) -> None:
@@ -141,18 +170,19 @@ class AdminGuard:
                 found = token_name
         return found
 
-    def _match(self, scope: Scope, *, docs: bool) -> str | None:
-        given: bytes | None = None
+    def _credentials(self, scope: Scope, *, docs: bool) -> bytes | None:
+        """The token the request offers (a bearer token; on the docs' paths also a Basic
+        password), None when it offers none."""
         for key, value in scope["headers"]:
             if key == b"authorization":
                 scheme, _, credentials = value.partition(b" ")
                 if scheme.lower() == b"bearer":
-                    given = credentials.strip()
-                elif scheme.lower() == b"basic" and docs:
-                    given = _basic_password(credentials)
-                break
-        found = self.tokens.match(given)
-        return None if found is None else found[0]
+                    given: bytes = credentials.strip()
+                    return given
+                if scheme.lower() == b"basic" and docs:
+                    return _basic_password(credentials)
+                return None
+        return None
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, at most ``max_body`` bytes; None once an answer has been sent."""
@@ -194,7 +224,13 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def _answer(
-    send: Send, status: int, detail: str, reason: str, challenge: str | None = None
+    send: Send,
+    status: int,
+    detail: str,
+    reason: str,
+    challenge: str | None = None,
+    *,
+    retry_after: int | None = None,
 ) -> None:
     """A refusal, sent before the body was read: the connection closes after it, so a client
     still sending a large body is not read to its end."""
@@ -206,5 +242,7 @@ async def _answer(
     ]
     if challenge is not None:
         headers.append((b"www-authenticate", challenge.encode()))
+    if retry_after is not None:
+        headers.append((b"retry-after", b"%d" % retry_after))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

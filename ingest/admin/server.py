@@ -40,15 +40,20 @@ def metrics_endpoint(
     multiprocess_dir: str | None = None,
 ) -> Callable[[Request], Awaitable[Response]]:
     """``GET /metrics``: the receiver's families. With ``multiprocess_dir`` (several receiver
-    processes, this one their supervisor) the sum of every process's files there; otherwise
-    this process's own registry, or its multiprocess directory when it runs in that mode."""
+    processes, this one their supervisor) the sum of every process's files there, and the
+    admin plane's own families (:data:`core.metrics.ADMIN_PLANE`) from this process's
+    registry when it counts in memory; otherwise this process's own registry, or its
+    multiprocess directory when it runs in that mode."""
 
     async def endpoint(request: Request) -> Response:
         # Multiprocess mode is fixed when prometheus_client is first imported: ask it.
+        in_memory = values.ValueClass is values.MutexValue
         source: Any = REGISTRY
-        if multiprocess_dir is not None or values.ValueClass is not values.MutexValue:
+        if multiprocess_dir is not None or not in_memory:
             source = CollectorRegistry()
             multiprocess.MultiProcessCollector(source, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+            if in_memory:  # the supervisor's admin plane: its counts are in no file
+                source.register(metrics.only(REGISTRY, metrics.ADMIN_PLANE))
         # The receiver's own families only: the workers' are defined here too, at zero.
         body = generate_latest(metrics.exposed("receiver", source))
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
@@ -66,11 +71,18 @@ def create_admin_app(
     routes: list[Route | Mount] = [
         Route("/metrics", metrics_endpoint(multiprocess_dir), methods=["GET"])
     ]
+    state = None
     if tokens:
         state = PlaneState(settings, clock or SystemClock(), tokens)
         routes.append(Mount("/admin", app=create_api(state)))
         routes.append(Mount(CONSOLE_PREFIX, app=create_console(state)))
-    return AdminGuard(Starlette(routes=routes), tokens, clock=clock)
+    return AdminGuard(
+        Starlette(routes=routes),
+        tokens,
+        clock=clock,
+        settings=settings,
+        throttle=None if state is None else state.throttle,
+    )
 
 
 class AdminServer:
@@ -90,10 +102,11 @@ class AdminServer:
         host: str,
         port: int,
         multiprocess_dir: str | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.sock = _bind(host, port)
         config = uvicorn.Config(
-            create_admin_app(settings, multiprocess_dir=multiprocess_dir),
+            create_admin_app(settings, clock=clock, multiprocess_dir=multiprocess_dir),
             log_config=None,  # the receiver's logging stays as it is
             log_level="warning",
             access_log=False,

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from core.logs import get_logger
 from ingest.console import sessions as sess
 from ingest.console.plans import PlanStore
-from ingest.plane import PlaneState
+from ingest.plane import PlaneState, secure_cookie
 from models import queries
 
 log = get_logger("console")
@@ -109,7 +109,7 @@ class Console:
         return self.tokens.match(token.encode())
 
     def secure(self, request: Request) -> bool:
-        return self.settings.console_secure_cookies or request.url.scheme == "https"
+        return secure_cookie(self.settings, request.url.scheme)
 
     def session(self, request: Request) -> sess.ConsoleSession | None:
         return self.store.get(request.cookies.get(COOKIE), self.tokens.digests)

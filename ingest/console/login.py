@@ -2,12 +2,15 @@
 constant time with every configured one; a match starts a server-side session
 (:mod:`ingest.console.sessions`) whose id goes in an HttpOnly, SameSite=Strict cookie (Secure
 on https, or with ``WEBHOOKS_CONSOLE_SECURE_COOKIES``). The login form carries a CSRF token
-of its own cookie."""
+of its own cookie. Failed logins are limited per client address and in all
+(:mod:`models.login_throttle`): a throttled attempt is answered 429 with ``Retry-After`` and a
+page that says how long to wait, its token never compared."""
 
 from __future__ import annotations
 
 import secrets
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -24,6 +27,8 @@ from ingest.console.base import (
     read_form,
     redirect,
 )
+from ingest.plane import throttled
+from models.login_throttle import client_key
 
 
 def routes(c: Console) -> list[Route]:
@@ -61,9 +66,16 @@ async def _login(c: Console, request: Request) -> Response:
     expected = request.cookies.get(LOGIN_COOKIE)
     if expected is None or not sess.same(one(form, "csrf"), expected):
         return Response("missing or wrong CSRF token", 403)
+    client = client_key(request.client.host if request.client else None)
+    decision = await run_in_threadpool(c.state.throttle.check, client)
+    if not decision.allowed:  # the token is not even compared
+        response = _login_form(c, request, throttled(decision, client, "console"), 429)
+        response.headers["Retry-After"] = str(decision.retry_after)
+        return response
     found = c.match(one(form, "token") or "")
     if found is None:
-        log.info("console.login_refused")
+        await run_in_threadpool(c.state.throttle.failed, client, decision)
+        log.info("console.login_refused", client=client)
         return _login_form(c, request, "wrong token", 401)
     name, digest = found
     sid, _ = c.store.create(name, digest)
