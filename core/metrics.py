@@ -200,6 +200,13 @@ JOB_PERIOD = Gauge(
     ["job"],
     multiprocess_mode="max",
 )
+EXPIRED_ROWS = Gauge(
+    "webhooks_expired_rows",
+    "Delete mode: rows expired at the last maintenance run's instant that its batched delete"
+    " would remove, still there after it (up to 10,000 per table; normally 0)",
+    ["table"],
+    multiprocess_mode="mostrecent",
+)
 
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
@@ -263,6 +270,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     BREAKER_STATE,
     JOB_LAST_SUCCESS,
     JOB_PERIOD,
+    EXPIRED_ROWS,
 )
 
 

@@ -212,5 +212,6 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
         rows_deleted=sum(report.rows_deleted.values()),
         payloads_dropped=report.payloads_dropped,
     )
+    capacity.record_expired(rt.engine, rt.settings, report.now)
     periodic_done(rt, "maintenance")
     return "done"
