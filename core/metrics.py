@@ -208,6 +208,25 @@ EXPIRED_ROWS = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+# The horizon, re-checked (core/horizon.py): each provider's retry window, how many days ago it
+# was last verified against its cited page (+Inf: never) and whether that makes it due for
+# review (1) under WEBHOOKS_HORIZON_REVIEW_AFTER, set by each maintenance run on a worker from
+# the registry alone. The alert reads "due", so the threshold lives in one place, the setting.
+PROVIDER_WINDOW_AGE = Gauge(
+    "webhooks_provider_window_verified_age_days",
+    "Days since each provider's retry window was last verified against its documentation"
+    " (+Inf: never verified)",
+    ["provider"],
+    multiprocess_mode="mostrecent",
+)
+PROVIDER_WINDOW_DUE = Gauge(
+    "webhooks_provider_window_review_due",
+    "1 when a provider's retry window is due for review: verified longer ago than"
+    " WEBHOOKS_HORIZON_REVIEW_AFTER, never, or dated after today; else 0",
+    ["provider"],
+    multiprocess_mode="mostrecent",
+)
+
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
     "webhooks_dead_letters_discarded_total",
@@ -271,6 +290,9 @@ WORKER_ONLY: tuple[Any, ...] = (
     JOB_LAST_SUCCESS,
     JOB_PERIOD,
     EXPIRED_ROWS,
+    # The horizon, re-checked.
+    PROVIDER_WINDOW_AGE,
+    PROVIDER_WINDOW_DUE,
 )
 
 

@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from core.durations import DurationError, parse_duration
+from core.durations import DurationError, format_duration, parse_duration
 from core.errors import WebhooksError
 from core.token_strength import weakness
 
@@ -204,6 +204,10 @@ class Settings(BaseSettings):
     payload_retention: timedelta = timedelta(days=2)
     # Dead letters are kept this long after they went dead, whatever their receipt's TTL.
     dead_letter_retention: timedelta = timedelta(days=30)
+    # The providers' retry windows are re-checked (core/horizon.py): one last verified against
+    # its cited page longer ago than this (or never) is due for review, reported by
+    # `webhooks ttl check` and maintenance's gauges. Whole days (180d), at least 1d.
+    horizon_review_after: timedelta = timedelta(days=180)
 
     # Observability.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -308,6 +312,16 @@ class Settings(BaseSettings):
                 raise ValueError(f"WEBHOOKS_{name.upper()} must be positive")
         if self.breaker_streak_span < timedelta():
             raise ValueError("WEBHOOKS_BREAKER_STREAK_SPAN must not be negative")
+        return self
+
+    @model_validator(mode="after")
+    def _check_horizon(self) -> Settings:
+        after = self.horizon_review_after
+        if after < timedelta(days=1) or after % timedelta(days=1):
+            raise ValueError(
+                "WEBHOOKS_HORIZON_REVIEW_AFTER must be a whole number of days, at least 1d "
+                f"(e.g. 180d), not {format_duration(after)}"
+            )
         return self
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from celery import Celery, Task
 from sqlalchemy import text
 
 from core.clock import pinned
+from core.horizon import utc_day
 from core.logs import get_logger
 from core.messages import MAINTENANCE_TASK, SWEEP_TASK, Dispatch, batches, message
 from core.metrics import (
@@ -40,7 +41,7 @@ from core.metrics import (
 from models import admission, breaker, requeue, retention
 from models.admission import Admission
 from models.db import DatabaseUnavailable, session_scope
-from tasks import capacity
+from tasks import capacity, horizon
 from tasks.connections import (
     CONNECTION_ERRORS,
     discard_pooled,
@@ -192,8 +193,12 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
     """Retention (:func:`models.retention.run_maintenance`): partitions laid out ahead,
     expired ones dropped (or a batched delete), payloads past their retention cleared. Then
     the capacity gauges (:mod:`tasks.capacity`), read even when retention failed: a failing
-    drop is what the past-days gauge is there to show."""
+    drop is what the past-days gauge is there to show. Before all of it, the providers'
+    retry windows due for review (:mod:`tasks.horizon`)."""
     rt = periodic_runtime(runtime, "maintenance.failed")
+    # The horizon, re-checked (issue 35 item 3): pure arithmetic over the provider registry,
+    # on this worker's clock (a UTC day), first, so no database or Redis fault skips it.
+    horizon.record(rt.settings, utc_day(rt.clock.now()))
     capacity.record_fast_tier(rt.redis)
     try:
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
@@ -261,7 +261,10 @@ class Provider:
     ``tolerance`` is how far a signed timestamp may be from now, either way (None: the scheme
     signs none); ``tolerance_rule`` replaces it when it depends on the source's options.
     ``retry_window`` is the sender's documented retry horizon, ``citation`` where it is
-    documented; the dedup TTL is derived from it (``core.ttl``).
+    documented; the dedup TTL is derived from it (``core.ttl``). ``verified_on`` is the day the
+    window was last checked against that page (None: never, so always due for review:
+    ``core.horizon``, ``webhooks ttl check``); keyword-only, so it sits beside them without
+    moving any positional field.
     """
 
     name: str
@@ -269,6 +272,7 @@ class Provider:
     extract: ExtractFn
     retry_window: timedelta
     citation: str
+    verified_on: date | None = field(default=None, kw_only=True)
     signed: str
     tolerance: timedelta | None = FIVE_MINUTES
     tolerance_rule: Callable[[Config], timedelta | None] | None = None

@@ -4,10 +4,10 @@ joins one to a module's code.
 A built-in module holds its whole contract in code (how a request is verified, where the id,
 type and time come from, the tolerance, the options, the key format) and states
 ``PROVIDER = described(name, authenticate, extract, ...)``. What is only said about the sender
-(the retry window and where it is documented, what a capture replays, the handshake, which
-fields are signed, the one-line summary) is data, kept in one table beside the modules and read
-once per process. A plug-in declares a :class:`~core.providers.base.Provider` with every field
-instead; both give the same object.
+(the retry window, where it is documented and the day that was last checked, what a capture
+replays, the handshake, which fields are signed, the one-line summary) is data, kept in one
+table beside the modules and read once per process. A plug-in declares a
+:class:`~core.providers.base.Provider` with every field instead; both give the same object.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import tomllib
 from collections.abc import Callable, Mapping
-from datetime import timedelta
+from datetime import date, datetime, timedelta
 from importlib import resources
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypedDict
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # typing only: Unpack for **kwargs is in typing from Python 3
     from typing_extensions import Unpack
 
 DESCRIPTIONS: Final = "descriptions.toml"
-_REQUIRED: Final = frozenset({"retry_window", "citation", "signed", "summary"})
+_REQUIRED: Final = frozenset({"retry_window", "citation", "verified_on", "signed", "summary"})
 _OPTIONAL: Final = frozenset({"handshake", "fields"})
 
 
@@ -78,12 +78,19 @@ def described(
         raise ValueError(
             f"{DESCRIPTIONS} [{name}]: missing {sorted(missing)}, unknown {sorted(unknown)}"
         )
+    verified_on = row["verified_on"]
+    if not isinstance(verified_on, date) or isinstance(verified_on, datetime):
+        raise ValueError(
+            f"{DESCRIPTIONS} [{name}]: verified_on must be a date (verified_on = 2026-11-30), "
+            f"not {verified_on!r}"
+        )
     return Provider(
         name=name,
         authenticate=authenticate,
         extract=extract,
         retry_window=parse_duration(row["retry_window"]),
         citation=row["citation"],
+        verified_on=verified_on,
         signed=row["signed"],
         handshake=row.get("handshake"),
         summary=row["summary"],

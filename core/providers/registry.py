@@ -14,7 +14,7 @@ import difflib
 import importlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from datetime import date, datetime, timedelta
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 from typing import Any, Final
@@ -129,6 +129,14 @@ def _plugin(ep: EntryPoint) -> Provider:
     if obj.retry_window <= timedelta(0) or not obj.citation.strip() or not obj.signed.strip():
         raise ProviderPluginError(
             f"{_describe(ep)} must state a positive retry_window, its citation and what is signed"
+        )
+    verified_on = obj.verified_on
+    if verified_on is not None and (
+        not isinstance(verified_on, date) or isinstance(verified_on, datetime)
+    ):
+        raise ProviderPluginError(
+            f"{_describe(ep)}: verified_on must be a datetime.date (the day its retry window was "
+            f"last checked against its citation) or None (never), not {verified_on!r}"
         )
     return obj
 
