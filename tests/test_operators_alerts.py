@@ -33,6 +33,8 @@ REQUIRED = {
     "WebhookPeriodicJobStale": "webhooks_job_last_success_timestamp_seconds",
     "WebhookPeriodicJobNeverRan": "webhooks_job_last_success_timestamp_seconds",
     "WebhookExpiredRowsNotDeleted": "webhooks_expired_rows",
+    # Issue 35 item 3: a provider's retry window not verified against its page for too long.
+    "WebhookProviderWindowReviewDue": "webhooks_provider_window_review_due",
 }
 SUFFIXES = {
     "counter": ("_total",),

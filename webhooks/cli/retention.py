@@ -1,17 +1,22 @@
-"""``webhooks ttl explain SOURCE`` and ``webhooks maintenance run``."""
+"""``webhooks ttl explain SOURCE``, ``webhooks ttl check`` and ``webhooks maintenance run``."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from datetime import date
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from core.durations import format_duration
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
-from webhooks.cli.render import JsonOpt
+from webhooks.cli.render import JsonOpt, say
+
+if TYPE_CHECKING:
+    from core.horizon import WindowReview
 
 ttl_app = typer.Typer(
     help="Deduplication TTLs derived from each sender's contract.", no_args_is_help=True
@@ -94,6 +99,130 @@ def ttl_explain(
             f"by {format_duration(ttl.total - ttl.retry_window)}",
             highlight=False,
         )
+
+
+# `webhooks ttl check` (issue 35 item 3): the providers' retry windows due for review. ------
+
+# Its exit status when some window is due: neither an error (1) nor bad usage (2), so that a
+# CI job or a cron can tell "someone must read a provider's page" from "the check broke".
+DUE_EXIT = 3
+
+
+def _as_of(text: str | None) -> date | None:
+    if text is None:
+        return None
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r} is not a day (YYYY-MM-DD)", param_hint="'--as-of'"
+        ) from None
+
+
+def _window_view(r: WindowReview, builtin: bool) -> dict[str, Any]:
+    return {
+        "provider": r.provider,
+        "builtin": builtin,
+        "retry_window": format_duration(r.retry_window),
+        "retry_window_s": int(r.retry_window.total_seconds()),
+        "citation": r.citation,
+        "verified_on": r.verified_on,
+        "age_days": r.age_days,
+        "due": r.due,
+        "reason": r.reason,
+    }
+
+
+def _print_windows(views: list[dict[str, Any]], mark_due: bool) -> None:
+    """One line per window (provider, window, verified on, age), its citation on the next,
+    indented and never cut: a URL stays whole for the terminal to open, whatever the width."""
+    rows = [
+        (
+            v["provider"] if v["builtin"] else f"{v['provider']} (plug-in)",
+            v["retry_window"],
+            "never" if v["verified_on"] is None else str(v["verified_on"]),
+            "-" if v["age_days"] is None else f"{v['age_days']}d",
+            " due" if mark_due and v["due"] else "",
+        )
+        for v in views
+    ]
+    name_w = max(len("provider"), *(len(r[0]) for r in rows))
+    window_w = max(len("window"), *(len(r[1]) for r in rows))
+    say(escape(f"{'provider':<{name_w}}  {'window':<{window_w}}  {'verified on':<11}  age"))
+    for (name, window, verified, age, mark), v in zip(rows, views, strict=True):
+        say(escape(f"{name:<{name_w}}  {window:<{window_w}}  {verified:<11}  {age}{mark}"))
+        say("  " + escape(v["citation"]))
+
+
+def _prose(text: str) -> None:
+    """A sentence, wrapped at the terminal's width between words."""
+    console.print(escape(text), highlight=False)
+
+
+@ttl_app.command("check")
+@handle_errors
+def ttl_check(
+    as_json: JsonOpt = False,
+    every: Annotated[
+        bool, typer.Option("--all", help="List every provider's window, not only those due.")
+    ] = False,
+    as_of: Annotated[
+        str | None,
+        typer.Option(
+            "--as-of",
+            metavar="YYYY-MM-DD",
+            help="Check as of this day (what will be due by then). Default: today, in UTC.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """The providers' retry windows due for review: last verified against their cited page
+    longer ago than WEBHOOKS_HORIZON_REVIEW_AFTER (default 180d), never, or on a day after
+    today. Each is the provider term of every dedup TTL of its sources; a sender may have
+    changed its policy since.
+
+    Exit status: 0 when none is due, 3 when some are (the list is printed, or the JSON
+    written, either way), 1 on an error such as an invalid setting, 2 on bad usage such as an
+    --as-of that is not a day. Reads no database."""
+    from core.horizon import due, review, utc_day
+    from core.providers import registry
+
+    day = _as_of(as_of)
+    e = env()
+    today = day if day is not None else utc_day(e.clock.now())
+    after = e.settings.horizon_review_after
+    builtin = set(registry.builtin_names())
+    reviews = review(registry.providers().values(), today, after)
+    late = due(reviews)
+    views = [_window_view(r, r.provider in builtin) for r in (reviews if every else late)]
+    if as_json:
+        print_json(
+            {
+                "as_of": today,
+                "review_after_days": after.days,
+                "checked": len(reviews),
+                "due": [r.provider for r in late],
+                "windows": views,
+            }
+        )
+    elif late or every:
+        _prose(
+            f"{len(late)} of {len(reviews)} retry windows due for review on {today} "
+            f"(verified over {after.days} days before, never, or after it):"
+        )
+        _print_windows(views, mark_due=every)
+    else:
+        oldest = max(reviews, key=lambda r: r.age_days or 0, default=None)
+        since = "" if oldest is None else f"; the oldest, {oldest.provider}'s, {oldest.reason}"
+        _prose(f"None of {len(reviews)} retry windows is due for review on {today}{since}.")
+    if late and not as_json:
+        _prose(
+            "Read each cited page, then in one commit correct the window or citation if the "
+            "sender changed them and set verified_on to that day (built-ins: "
+            "core/providers/descriptions.toml; a plug-in: its Provider). See docs/providers.md."
+        )
+    if late:
+        raise typer.Exit(DUE_EXIT)
 
 
 @maintenance_app.command("run")
