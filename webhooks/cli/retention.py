@@ -208,7 +208,7 @@ def ttl_check(
     elif late or every:
         _prose(
             f"{len(late)} of {len(reviews)} retry windows due for review on {today} "
-            f"(verified over {after.days} days before, never, or after it):"
+            f"(review after {after.days} days):"
         )
         _print_windows(views, mark_due=every)
     else:
