@@ -425,3 +425,21 @@ def test_a_worker_exports_the_windows_due_after_maintenance(tmp_path: Path) -> N
     if before == end:
         assert samples["webhooks_provider_window_review_due", "stripe"] == 1
         assert samples["webhooks_provider_window_review_due", "resend"] == 0
+
+
+def test_providers_show_says_when_the_window_was_verified(tmp_path: Path) -> None:
+    site = str(_never_verified_plugin(tmp_path))
+
+    def show(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(BIN / "webhooks"), "providers", "show", name, *args],
+            env=test_env(COLUMNS="80", PYTHONPATH=site),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    assert json.loads(show("stripe", "--json").stdout)["verified_on"] == "2026-11-30"
+    assert json.loads(show("acme", "--json").stdout)["verified_on"] is None
+    assert "verified:   2026-11-30 (webhooks ttl check)" in show("stripe").stdout.splitlines()
+    assert "verified:   never (webhooks ttl check)" in show("acme").stdout.splitlines()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import date, timedelta
 
 import pytest
 
@@ -32,7 +32,13 @@ def test_a_missing_or_incomplete_row_stops_the_import(monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match=r"has no \[nobody\] table"):
         descriptions.described("nobody", _auth, extract)
     rows = dict(descriptions.table())
-    rows["broken"] = {"retry_window": "1d", "citation": "x", "signed": "body", "typo": "x"}
+    rows["broken"] = {
+        "retry_window": "1d",
+        "citation": "x",
+        "verified_on": date(2026, 12, 1),
+        "signed": "body",
+        "typo": "x",
+    }
     monkeypatch.setattr(descriptions, "table", lambda: rows)
     with pytest.raises(ValueError, match=r"missing \['summary'\], unknown \['typo'\]"):
         descriptions.described("broken", _auth, extract, validate_config=no_options)

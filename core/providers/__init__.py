@@ -8,8 +8,9 @@ How to add a provider (here, or in a package of your own):
    parse safely is refused before any signature work with ``UnsafeBody(reason)`` (400). Use
    the helpers in :mod:`core.providers.base` (``first_match`` compares in constant time).
 2. Define ``PROVIDER = Provider(name=..., authenticate=..., extract=..., retry_window=...,
-   citation=<URL of the documented retry window>, signed=<what the signature covers and what a
-   capture replays>, tolerance=<None if no timestamp is signed>, ...)``. Beyond a signature:
+   citation=<URL of the documented retry window>, verified_on=<the day you read it: a date;
+   unset, it is always due for review>, signed=<what the signature covers and what a capture
+   replays>, tolerance=<None if no timestamp is signed>, ...)``. Beyond a signature:
    ``extract`` may return a ``Batch`` (several events, one receipt each, one transaction;
    ``batched=True``) or a ``Challenge`` whose ``sign(secret)`` computes the answer with the
    verifying secret (Zoom); ``verify_get`` answers a GET handshake (Meta); ``check_secret``
@@ -17,7 +18,8 @@ How to add a provider (here, or in a package of your own):
    ``signs_url=True`` takes the signed ``public_url`` (:mod:`core.providers.urlsigned`).
 3. Built in: the module states ``PROVIDER = described(name, authenticate, extract, ...)``
    with only what is code (:mod:`core.providers.descriptions`); the retry window, citation,
-   ``signed``, handshake, fields and summary go in its table in ``descriptions.toml``. Add the
+   ``verified_on``, ``signed``, handshake, fields and summary go in its table in
+   ``descriptions.toml``. Add the
    module name to ``registry.BUILTIN_MODULES``, a signer to ``tests/signing.py``, tests, and a
    row in the table of docs/providers.md. Your own
    package: declare

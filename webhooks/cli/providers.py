@@ -48,6 +48,8 @@ def provider_views() -> list[dict[str, Any]]:
                 "dedup_ttl_s": int(ttl.total.total_seconds()),
                 "dedup_ttl": format_duration(ttl.total),
                 "citation": provider.citation,
+                # The day the window was last checked against its citation (None: never).
+                "verified_on": provider.verified_on,
                 "handshake": provider.handshake,
                 "signs_url": provider.signs_url,
                 "key_format": provider.key_format,
@@ -123,7 +125,8 @@ def providers_show(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """One provider: what its signature covers and what a capture replays, which fields are
-    signed, tolerance, retry window and its citation, dedup TTL, key format."""
+    signed, tolerance, retry window, its citation and the day that was last verified, dedup
+    TTL, key format."""
     views = {v["name"]: v for v in provider_views()}
     if name not in views:
         from difflib import get_close_matches
@@ -142,6 +145,7 @@ def providers_show(
         ("fields", fields_text(v["signed_fields"])),
         ("tolerance", v["tolerance"]),
         ("retry", f"{v['retry_window']} ({v['citation']})"),
+        ("verified", str(v["verified_on"] or "never") + " (webhooks ttl check)"),
         ("dedup ttl", v["dedup_ttl"]),
         ("key format", v["key_format"]),
         ("handshake", v["handshake"] or "none"),
