@@ -141,6 +141,12 @@ BREAKER_STATE = Gauge(
     ["route"],
     multiprocess_mode="mostrecent",
 )
+ROUTES_DISABLED = Counter(
+    "webhooks_routes_disabled_total",
+    "Routes the sweep disabled because their circuit breaker stayed open longer than"
+    " WEBHOOKS_ROUTE_DISABLE_AFTER (models/route_ends.py)",
+    ["route"],
+)
 ADMISSIONS = Counter(
     "webhooks_admissions_total",
     "Deliveries offered to admission (models/admission.py) by outcome: admitted, waiting,"
@@ -254,6 +260,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     BREAKER_STATE,
     JOB_LAST_SUCCESS,
     JOB_PERIOD,
+    ROUTES_DISABLED,
 )
 
 

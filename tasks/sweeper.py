@@ -6,7 +6,10 @@ publish) pending deliveries never published or whose message was lost, retries t
 but whose countdown message did not come (or that were too long for a countdown), and
 processing deliveries whose lease expired (the worker died), skipping deliveries their route
 holds (paused, breaker open), and one probe delivery per open route whose probe is due
-(:func:`models.breaker.pick_probes`); then publishes each id the route's admission lets out
+(:func:`models.breaker.pick_probes`). Before the probes, in the same transaction, what an
+open breaker must not keep forever (:mod:`models.route_ends`): routes open longer than
+``WEBHOOKS_ROUTE_DISABLE_AFTER`` disabled (their waiting deliveries dead, ``route_disabled``),
+and held deliveries past their ``max_age`` dead (``expired``). Then it publishes each id the route's admission lets out
 (models/admission.py; the others wait for the dispatcher) and each probe. A
 published id that turns out not to be claimable is dropped quietly by the delivery task.
 Each pick counts in the row's ``republished`` (reset by a claim): from the second, a pending
@@ -29,8 +32,17 @@ from sqlalchemy import text
 from core.clock import pinned
 from core.logs import get_logger
 from core.messages import MAINTENANCE_TASK, SWEEP_TASK, Dispatch, batches, message
-from core.metrics import ADMISSIONS, BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
-from models import admission, breaker, requeue, retention
+from core.metrics import (
+    ADMISSIONS,
+    BREAKER_CHANGES,
+    BREAKER_STATE,
+    DEAD_LETTERS,
+    OLDEST_PENDING,
+    ROUTES_DISABLED,
+    SWEPT,
+)
+from core.states import DeadReason
+from models import admission, breaker, requeue, retention, route_ends
 from models.admission import Admission
 from models.db import DatabaseUnavailable, session_scope
 from tasks import capacity
@@ -60,6 +72,12 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
     now = pinned(rt.clock)
     held = holding(rt)
     with session_scope(rt.sessions) as session:
+        disabled = route_ends.disable_stale(
+            session, now=now, after=rt.settings.route_disable_after
+        )
+        expired = route_ends.expire_held(
+            session, now=now, max_age=rt.settings.max_age, limit=rt.settings.sweep_batch
+        )
         picked = requeue.due_for_publish(
             session,
             now=now,
@@ -74,6 +92,7 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
             grace=rt.settings.publish_grace,
         )
         oldest = session.execute(_OLDEST_UNFINISHED, {"now": now}).scalar_one_or_none()
+    ended(disabled, expired)
     alone = {due.delivery_id for due in picked if due.lease_expired}
     out = admitted(rt, [Dispatch(*due[:3]) for due in picked])
     OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, float(oldest)))
@@ -97,6 +116,37 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
     if picked:
         log.info("sweep.published", count=len(published), picked=len(picked))
     return published
+
+
+def ended(disabled: list[route_ends.Disabled], expired: list[route_ends.Expired]) -> None:
+    """Count and log what the sweep ended (committed): one ``route.disabled`` line per
+    route disabled for a breaker open too long (alerted: ``WebhookRouteDisabled``), one
+    ``sweep.expired`` line per sweep that sent held deliveries to the dead letters."""
+    for off in disabled:
+        route = str(off.route_id)
+        ROUTES_DISABLED.labels(route=route).inc()
+        BREAKER_STATE.labels(route=route).set(breaker.STATE_VALUES[breaker.CLOSED])
+        if off.dead:
+            DEAD_LETTERS.labels(reason=DeadReason.ROUTE_DISABLED).inc(off.dead)
+        log.warning(
+            "route.disabled",
+            route_id=off.route_id,
+            source=off.source,
+            handler=off.handler,
+            open_for_s=off.open_for_s,
+            trips=off.trips,
+            dead=off.dead,
+            audit_id=off.audit_id,
+            reason=off.reason,
+        )
+    if expired:
+        DEAD_LETTERS.labels(reason=DeadReason.EXPIRED).inc(len(expired))
+        log.warning(
+            "sweep.expired",
+            count=len(expired),
+            route_ids=sorted({e.route_id for e in expired}),
+            longest_open_s=max((e.open_for_s or 0.0) for e in expired),
+        )
 
 
 def holding(rt: Runtime) -> list[int]:
