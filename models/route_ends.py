@@ -78,7 +78,7 @@ _EXPIRE_SQL = f"""
       AND d.status IN ('pending', 'retrying')
     RETURNING d.id, due.route_id,
               floor(extract(epoch FROM :now - due.breaker_opened_at))
-    """
+    """  # noqa: S608 (fragments of this module, no input)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ _DISABLE_SQL = f"""
         FOR UPDATE SKIP LOCKED
     ), off AS (
         UPDATE routes r SET active = false, disabled_at = :now,
-            disabled_reason = 'breaker open longer than ' || :after_text || ':'
+            disabled_reason = 'breaker open longer than ' || CAST(:after_text AS text) || ':'
                 || {_OPEN_FOR.format(opened="stale.breaker_opened_at")},
             breaker_state = 'closed', breaker_probe_at = NULL, probe_delivery = NULL,
             window_started_at = NULL, window_requests = 0, window_failures = 0
@@ -138,7 +138,7 @@ _DISABLE_SQL = f"""
            (SELECT count(*) FROM dead WHERE dead.route_id = off.id)
     FROM off JOIN sources s ON s.id = off.source_id
     ORDER BY off.id
-    """
+    """  # noqa: S608 (fragments of this module, no input)
 
 # The operator the sweep's own changes are audited as.
 SWEEPER = "sweeper"
@@ -188,6 +188,8 @@ def disable_stale(session: Session, *, now: datetime | None, after: timedelta) -
         )  # fmt: skip
         open_for = None if r[5] is None else float(r[5])
         out.append(
-            Disabled(int(r[0]), r[1], r[2], r[3], str(r[4]), open_for, int(r[6]), int(r[7]), audit_id)
+            Disabled(
+                int(r[0]), r[1], r[2], r[3], str(r[4]), open_for, int(r[6]), int(r[7]), audit_id
+            )
         )
     return out

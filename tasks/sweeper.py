@@ -9,9 +9,9 @@ holds (paused, breaker open), and one probe delivery per open route whose probe 
 (:func:`models.breaker.pick_probes`). Before the probes, in the same transaction, what an
 open breaker must not keep forever (:mod:`models.route_ends`): routes open longer than
 ``WEBHOOKS_ROUTE_DISABLE_AFTER`` disabled (their waiting deliveries dead, ``route_disabled``),
-and held deliveries past their ``max_age`` dead (``expired``). Then it publishes each id the route's admission lets out
-(models/admission.py; the others wait for the dispatcher) and each probe. A
-published id that turns out not to be claimable is dropped quietly by the delivery task.
+and held deliveries past their ``max_age`` dead (``expired``). Then it publishes each id the
+route's admission lets out (models/admission.py; the others wait for the dispatcher) and each
+probe. A published id that turns out not to be claimable is dropped quietly by the delivery task.
 Each pick counts in the row's ``republished`` (reset by a claim): from the second, a pending
 row goes to Postgres' claim even while a fast-claim key says duplicate, so a stale key (a
 success whose commit was lost to a restore or failover) holds it for two grace periods at
@@ -72,9 +72,7 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
     now = pinned(rt.clock)
     held = holding(rt)
     with session_scope(rt.sessions) as session:
-        disabled = route_ends.disable_stale(
-            session, now=now, after=rt.settings.route_disable_after
-        )
+        disabled = route_ends.disable_stale(session, now=now, after=rt.settings.route_disable_after)
         expired = route_ends.expire_held(
             session, now=now, max_age=rt.settings.max_age, limit=rt.settings.sweep_batch
         )
