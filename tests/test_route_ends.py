@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.clock import FrozenClock
 from core.messages import Dispatch
 from core.settings import Settings
-from models import breaker, catalog, requeue
+from models import breaker, catalog, requeue, route_catalog
 from tasks.pipeline import deliver_one
 from tasks.runtime import build_runtime
 from tasks.sweeper import sweep_once
@@ -521,3 +521,39 @@ def test_the_console_shows_a_route_the_sweep_disabled_with_when_and_why(
     cell = html.unescape(re.sub(r"<[^>]+>", "", row.group(1)))
     assert "disabled since " in cell, cell
     assert "breaker open longer than 5d: the breaker had been open for 518400 s" in cell, cell
+
+
+def test_an_operators_disable_records_when_and_why_and_enable_clears_them_as_a_release(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    """The operator's `routes disable` says when and why too (shown like the sweep's), and
+    `routes enable` clears both and counts as a release: a breaker left open from before is
+    judged afresh by WEBHOOKS_ROUTE_DISABLE_AFTER, not disabled again at the next sweep."""
+    settings = worker_settings()
+    source = _source(sessions, settings)
+    (route_id,) = source.route_ids
+    start = _db_now(engine)
+    _open(engine, route_id, at=start - timedelta(days=9))
+    with sessions() as s, s.begin():
+        route_catalog.set_route_active(
+            s, route_id, False, catalog.Change("ops", "downstream retired"), now=start
+        )
+    row = _route(engine, route_id)
+    assert (row.active, row.disabled_at, row.disabled_reason) == (
+        False,
+        start,
+        "downstream retired",
+    )
+    with sessions() as s, s.begin():
+        route_catalog.set_route_active(s, route_id, True, catalog.Change("ops", "back"), now=start)
+    row = _route(engine, route_id)
+    assert (row.active, row.disabled_at, row.disabled_reason, row.released_at) == (
+        True,
+        None,
+        None,
+        start,
+    )
+    _sweep(settings, start + timedelta(days=1))
+    assert _route(engine, route_id).active
+    _sweep(settings, start + timedelta(days=5, minutes=1))
+    assert not _route(engine, route_id).active
