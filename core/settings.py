@@ -173,8 +173,9 @@ class Settings(BaseSettings):
     # A route whose breaker has stayed open this long (counted from its opening, or from its
     # resume by hand if later) is disabled by the sweep, audited and alerted, and its waiting
     # deliveries go dead with route_disabled (replayable once it is enabled again:
-    # models/route_ends.py). Svix disables an endpoint after 5 days of failures; every
-    # sender's own retry window but Adyen's 30 days is shorter (docs/providers.md).
+    # models/route_ends.py). Svix disables an endpoint after 5 days of failures; of the
+    # built-in senders' own retry windows only Intercom's and Meta's (7 d) and Adyen's
+    # (30 d) are longer (docs/providers.md, docs/handlers.md).
     route_disable_after: timedelta = timedelta(days=5)
     # Admission (models/admission.py): deliveries of one route admitted to the broker and not
     # finished at once, unless the route sets its own (`routes update --max-in-flight`). The
