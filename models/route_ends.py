@@ -4,9 +4,11 @@ that does not close.
 A delivery's ``max_age`` bounds its life whatever the breaker does. While its route's
 breaker is open (or half-open), the delivery is held, not claimed (:mod:`models.breaker`), so
 no failed attempt ever asks the retry policy about its age; :func:`expire_held` does, each
-sweep: a pending or retrying delivery of a route whose breaker is not closed, past its
-``max_age``, goes dead with reason ``expired``, and its ``last_error`` says how long the
-route had been open. (A failed probe past ``max_age`` goes dead the same way in the worker:
+sweep, for each route whose probe is due (so once per ``WEBHOOKS_BREAKER_PROBE_INTERVAL`` a
+route, as :func:`models.breaker.pick_probes` reads its backlog, not every sweep): a pending
+or retrying delivery of a route whose breaker is not closed, past its ``max_age``, goes
+dead with reason ``expired``, and its ``last_error`` says how long the route had been
+open. (A failed probe past ``max_age`` goes dead the same way in the worker:
 :func:`tasks.steps.record.fail`.) The age counts from the delivery's first attempt, else its
 creation; a replayed delivery not attempted since is not aged until it is (as the worker
 counts it). A route *paused by an operator* keeps its deliveries whatever their age (the
@@ -57,6 +59,7 @@ _EXPIRE_SQL = f"""
                g.released_at
         FROM routes g
         WHERE g.breaker_state <> 'closed' AND g.paused_at IS NULL
+          AND (g.breaker_probe_at IS NULL OR g.breaker_probe_at <= :now)
     ), due AS (
         SELECT d.id, d.expires_at, g.id AS route_id, g.breaker_opened_at, g.max_age
         FROM held g

@@ -112,20 +112,28 @@ def _route(engine: Engine, route_id: int) -> Any:
         return conn.execute(text("SELECT * FROM routes WHERE id = :id"), {"id": route_id}).one()
 
 
-def _open(engine: Engine, route_id: int, *, at: datetime, probe: int | None = None) -> None:
+def _open(
+    engine: Engine,
+    route_id: int,
+    *,
+    at: datetime,
+    probe: int | None = None,
+    probe_in: timedelta = timedelta(days=30),
+) -> None:
     """The route's breaker opened at ``at`` (half-open with ``probe`` as its probe); its next
-    probe far away, so that only what the test does happens."""
+    probe ``probe_in`` after ``at`` (default: far away, so only what the test does happens)."""
     with engine.begin() as conn:
         conn.execute(
             text(
                 "UPDATE routes SET breaker_state = :state, breaker_opened_at = :at,"
-                " breaker_probe_at = :at + interval '30 days', probe_delivery = :probe,"
+                " breaker_probe_at = :at + :probe_in, probe_delivery = :probe,"
                 " breaker_trips = breaker_trips + 1 WHERE id = :id"
             ),
             {
                 "state": "open" if probe is None else "half_open",
                 "at": at,
                 "probe": probe,
+                "probe_in": probe_in,
                 "id": route_id,
             },
         )
@@ -177,8 +185,9 @@ def test_the_sweep_sends_deliveries_an_open_breaker_held_past_max_age_to_the_dea
     (paused_id,) = _accept(settings, paused, 1)
     (closed_id,) = _accept(settings, closed, 1)
     start = _db_now(engine)
-    _open(engine, held.route_ids[0], at=start)
-    _open(engine, paused.route_ids[0], at=start)
+    # Its probes due (the expiry runs with them, once per probe interval a route).
+    _open(engine, held.route_ids[0], at=start, probe_in=timedelta(0))
+    _open(engine, paused.route_ids[0], at=start, probe_in=timedelta(0))
     with sessions() as s, s.begin():
         breaker.set_paused(s, paused.route_ids[0], True, catalog.Change("ops", "hold"), now=start)
 
