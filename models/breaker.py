@@ -304,7 +304,7 @@ class RouteState:
     window_requests: int
     window_failures: int
     limits: dict[str, Any]
-    # When and why the route was disabled (None while active, or disabled before 0021).
+    # When and why the route was disabled (None while active, or disabled before 0022).
     disabled_at: datetime | None = None
     disabled_reason: str | None = None
 
