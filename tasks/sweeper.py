@@ -37,6 +37,7 @@ from core.metrics import (
     BREAKER_CHANGES,
     BREAKER_STATE,
     DEAD_LETTERS,
+    FAIL_OPEN_LAST,
     OLDEST_PENDING,
     ROUTES_DISABLED,
     SWEPT,
@@ -174,6 +175,7 @@ def admitted(rt: Runtime, picked: list[Dispatch]) -> list[Dispatch]:
         )
     except Exception as exc:  # noqa: BLE001 (see the docstring)
         ADMISSIONS.labels("failed_open").inc(len(picked))
+        FAIL_OPEN_LAST.set_to_current_time()
         log.warning("sweep.admission_failed_open", error_class=type(exc).__name__)
         return picked
 
@@ -252,5 +254,6 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
         rows_deleted=sum(report.rows_deleted.values()),
         payloads_dropped=report.payloads_dropped,
     )
+    capacity.record_expired(rt.engine, rt.settings, report.now)
     periodic_done(rt, "maintenance")
     return "done"

@@ -32,6 +32,7 @@ REQUIRED = {
     # Issue 35 item 5: a periodic job that stopped (beat down, its queue not consumed).
     "WebhookPeriodicJobStale": "webhooks_job_last_success_timestamp_seconds",
     "WebhookPeriodicJobNeverRan": "webhooks_job_last_success_timestamp_seconds",
+    "WebhookExpiredRowsNotDeleted": "webhooks_expired_rows",
     # Issue 34: a route disabled for a breaker open longer than WEBHOOKS_ROUTE_DISABLE_AFTER.
     "WebhookRouteDisabled": "webhooks_routes_disabled_total",
 }
