@@ -72,6 +72,7 @@ _EXPIRE_SQL = f"""
     )
     UPDATE deliveries d SET status = 'dead', dead_reason = :reason, dead_at = :now,
         next_attempt_at = NULL, lease_until = NULL, updated_at = :now,
+        last_error_class = coalesce(d.last_error_class, 'BreakerOpen'),
         last_error = 'expired: its max_age (' || floor(extract(epoch FROM due.max_age))::bigint
             || ' s) passed while its route''s breaker was open;'
             || {_OPEN_FOR.format(opened="due.breaker_opened_at")}
@@ -129,6 +130,7 @@ _DISABLE_SQL = f"""
     ), dead AS (
         UPDATE deliveries d SET status = 'dead', dead_reason = :reason, dead_at = :now,
             next_attempt_at = NULL, lease_until = NULL, updated_at = :now,
+            last_error_class = coalesce(d.last_error_class, 'RouteDisabled'),
             last_error = 'route_disabled: ' || off.disabled_reason
                 || coalesce('; last error: ' || d.last_error, '')
         FROM off

@@ -199,6 +199,7 @@ def test_the_sweep_sends_deliveries_an_open_breaker_held_past_max_age_to_the_dea
         row = delivery(engine, delivery_id)
         assert (row.status, row.dead_reason) == ("dead", "expired")
         assert row.last_error.startswith("expired: its max_age (3600 s) passed"), row.last_error
+        assert row.last_error_class == "BreakerOpen"  # never attempted: no error of its own
         assert _open_for(row.last_error) == 61 * 60
     assert delivery(engine, paused_id).status == "pending"
     assert delivery(engine, closed_id).status == "pending"
@@ -321,6 +322,10 @@ def test_a_downstream_that_always_fails_is_probed_until_max_age_then_never_again
             rows = [delivery(engine, i) for i in ids]
             assert {r.dead_reason for r in rows} == {"expired"}
             assert all(_open_for(r.last_error) >= 2 * 3600 for r in rows)
+            shown = cli("deliveries", "show", str(ids[0]), env=worker_env(**OUTAGE))
+            assert shown.returncode == 0, shown.stderr
+            assert "dead: expired" in shown.stdout
+            assert "the breaker had been open for" in " ".join(shown.stdout.split())
             # Nothing left to probe: the sweeps go on, the downstream is not called again.
             calls = down.calls
             for _ in range(3):
@@ -497,9 +502,9 @@ CONSOLE_TOKEN = "adm_ends_" + secrets.token_urlsafe(24)
 remember(CONSOLE_TOKEN)
 
 
-def _console_routes_page(admin_url: str) -> str:
-    """The console's routes page, logged in with a named admin token (plain HTTP: the login
-    form's CSRF token, then the session cookie)."""
+def _console_pages(admin_url: str, *paths: str) -> list[str]:
+    """Console pages, logged in with a named admin token (plain HTTP: the login form's CSRF
+    token, then the session cookie)."""
     with httpx.Client(base_url=admin_url, follow_redirects=True, timeout=30) as client:
         form = client.get("/console/login").text
         found = re.search(r'name="csrf" value="([^"]+)"', form)
@@ -508,28 +513,41 @@ def _console_routes_page(admin_url: str) -> str:
             "/console/login", data={"csrf": found.group(1), "token": CONSOLE_TOKEN}
         )
         assert answer.status_code == 200, answer.status_code
-        page = client.get("/console/routes")
-        assert page.status_code == 200, page.status_code
-        return page.text
+        pages = [client.get(path) for path in paths]
+        assert [page.status_code for page in pages] == [200] * len(paths)
+        return [page.text for page in pages]
+
+
+def _text(fragment: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
 
 
 def test_the_console_shows_a_route_the_sweep_disabled_with_when_and_why(
     engine: Engine, sessions: sessionmaker[Session]
 ) -> None:
+    """The routes page says when and why; the dead letter's page says why too."""
     settings = worker_settings()
     source = _source(sessions, settings)
     (route_id,) = source.route_ids
+    (delivery_id,) = _accept(settings, source, 1)
     start = _db_now(engine)
     _open(engine, route_id, at=start)
     _sweep(settings, start + timedelta(days=6))
     assert not _route(engine, route_id).active
     with ops_receiver(None, WEBHOOKS_ADMIN_TOKENS=f"dora:{CONSOLE_TOKEN}") as api:
-        page = _console_routes_page(api.admin_url)
-    row = re.search(rf'<tr data-route="{route_id}">(.*?)</tr>', page, re.S)
-    assert row, page
-    cell = html.unescape(re.sub(r"<[^>]+>", "", row.group(1)))
+        routes, letter = _console_pages(
+            api.admin_url, "/console/routes", f"/console/deliveries/{delivery_id}"
+        )
+    row = re.search(rf'<tr data-route="{route_id}">(.*?)</tr>', routes, re.S)
+    assert row, routes
+    cell = _text(row.group(1))
     assert "disabled since " in cell, cell
     assert "breaker open longer than 5d: the breaker had been open for 518400 s" in cell, cell
+    why = re.search(r'<dd id="last-error">(.*?)</dd>', letter, re.S)
+    assert why, letter
+    assert _text(why.group(1)).startswith(
+        "RouteDisabled: route_disabled: breaker open longer than 5d: the breaker had been open"
+    ), why.group(1)
 
 
 def test_an_operators_disable_records_when_and_why_and_enable_clears_them_as_a_release(
