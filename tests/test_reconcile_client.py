@@ -425,9 +425,9 @@ def test_api_base_is_judged_when_set_and_a_refusal_changes_nothing(
         assert says in bad.stderr, (config, bad.stderr)
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
         assert key not in bad.stdout + bad.stderr
-        shown = json.loads(cli("sources", "show", made.name, "--json", env=env).stdout)
-        assert shown["config"] == {}
-        assert shown["reconcile"]["api_key"] == "not set"
+    shown = json.loads(cli("sources", "show", made.name, "--json", env=env).stdout)
+    assert shown["config"] == {}
+    assert shown["reconcile"]["api_key"] == "not set"  # not even the key given with them
 
     ok = cli(
         "sources", "update", made.name, "--config", "api_base=https://10.1.2.3",

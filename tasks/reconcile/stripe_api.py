@@ -79,7 +79,7 @@ def _guarded(base: str, allow_private: bool) -> Any:
                     method, url, headers=dict(headers or {}), content=post_data
                 )
             except httpx.HTTPError as exc:
-                raise stripe.APIConnectionError(
+                raise stripe.APIConnectionError(  # type: ignore[no-untyped-call]
                     f"Stripe API at {base} did not answer ({type(exc).__name__})",
                     should_retry=False,
                 ) from exc

@@ -155,16 +155,9 @@ def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
 class ApiTransport(httpx.HTTPTransport):
     """httpx's transport for one API base: see the module's docstring."""
 
-    def __init__(
-        self,
-        base: str,
-        what: str,
-        *,
-        allow_private: bool = False,
-    ) -> None:
+    def __init__(self, base: str, what: str, *, allow_private: bool = False) -> None:
         tls = httpx.create_ssl_context()  # what httpx.Client() itself builds
         super().__init__(verify=tls, trust_env=False)
-        self._base = base
         self._what = what  # "GitHub API at https://..." (no path, no key)
         self._origin = _origin(httpx.URL(base))
         self._timeout = CALL_TIMEOUT
