@@ -183,6 +183,14 @@ QUEUE_LAG_P99 = Gauge(
     ["source"],
     multiprocess_mode="mostrecent",
 )
+# When each source's p99 was measured: the alert compares only fresh readings, so a worker that
+# measured a backlog once and has not run maintenance since does not keep it firing.
+QUEUE_LAG_MEASURED = Gauge(
+    "webhooks_queue_lag_measured_timestamp_seconds",
+    "When maintenance last measured each source's p99 queue lag, Unix time (database clock)",
+    ["source"],
+    multiprocess_mode="mostrecent",
+)
 QUEUE_LAG_BUDGET = Gauge(
     "webhooks_queue_lag_budget_seconds",
     "Each source's queue_lag term of its dedup TTL (its override or WEBHOOKS_QUEUE_LAG_BUDGET)",
@@ -268,6 +276,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     FAST_TIER_MAXMEMORY,
     PARTITION_DAYS,
     QUEUE_LAG_P99,
+    QUEUE_LAG_MEASURED,
     QUEUE_LAG_BUDGET,
     BREAKER_CHANGES,
     BREAKER_STATE,

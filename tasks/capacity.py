@@ -134,6 +134,7 @@ def record_queue_lag(
         p99 = lag.measured.p99
         budget = queue_lag_budget(lag.queue_lag_override, settings)
         metrics.QUEUE_LAG_P99.labels(lag.public_id).set(0.0 if p99 is None else p99.total_seconds())
+        metrics.QUEUE_LAG_MEASURED.labels(lag.public_id).set(lag.measured.at.timestamp())
         metrics.QUEUE_LAG_BUDGET.labels(lag.public_id).set(budget.total_seconds())
     over = [lag.public_id for lag in lags if _over(lag, settings)]
     if over:

@@ -124,7 +124,8 @@ def test_the_rules_load_in_promtool_and_its_unit_tests_pass() -> None:
     ]
     assert [case["eval_time"] for case in firing] == ["42m"]
     # A source's p99 over its budget from minute 10 fires at 40 (30 minutes held), not at 39;
-    # the source within its budget never fires (issue 35 item 4).
+    # the source within its budget never fires, nor a stale reading of a worker that has not
+    # measured since (issue 35 item 4).
     lag = next(
         case
         for case in yaml.safe_load(ALERTS_TEST.read_text())["tests"]

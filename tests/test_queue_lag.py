@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -168,6 +169,8 @@ def test_maintenance_exports_p99_and_budget_and_never_changes_the_term(
     assert gauge(metrics.QUEUE_LAG_P99, fast) == 2
     assert gauge(metrics.QUEUE_LAG_BUDGET, fast) == settings.queue_lag_budget.total_seconds()
     assert gauge(metrics.QUEUE_LAG_P99, idle) == 0
+    # When it was measured: the alert counts only fresh readings.
+    assert gauge(metrics.QUEUE_LAG_MEASURED, idle) == now.timestamp()
     after = {s.id: source_ttl(sessions, settings, s.id) for s in (slow, fast, idle)}
     assert after == before
 
@@ -252,6 +255,10 @@ def test_a_worker_exports_the_measured_p99_beside_the_budget_after_maintenance(
             broker.maintenance()
             p99 = ("webhooks_queue_lag_p99_seconds", (("source", slow.public_id),))
             budget = ("webhooks_queue_lag_budget_seconds", (("source", slow.public_id),))
+            measured_at = (
+                "webhooks_queue_lag_measured_timestamp_seconds",
+                (("source", slow.public_id),),
+            )
 
             def measured() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
                 samples = _scrape(port)
@@ -262,3 +269,4 @@ def test_a_worker_exports_the_measured_p99_beside_the_budget_after_maintenance(
         broker.close()
     assert samples[p99] == 90 * 60
     assert samples[budget] == 3600  # the source's override, not WEBHOOKS_QUEUE_LAG_BUDGET
+    assert now.timestamp() <= samples[measured_at] <= time.time()
