@@ -255,6 +255,8 @@ def test_a_worker_exports_the_measured_p99_beside_the_budget_after_maintenance(
             broker.maintenance()
             p99 = ("webhooks_queue_lag_p99_seconds", (("source", slow.public_id),))
             budget = ("webhooks_queue_lag_budget_seconds", (("source", slow.public_id),))
+            # The run finished without an error (the gauges are set even when it fails).
+            done = ("webhooks_job_last_success_timestamp_seconds", (("job", "maintenance"),))
             measured_at = (
                 "webhooks_queue_lag_measured_timestamp_seconds",
                 (("source", slow.public_id),),
@@ -262,7 +264,8 @@ def test_a_worker_exports_the_measured_p99_beside_the_budget_after_maintenance(
 
             def measured() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
                 samples = _scrape(port)
-                return samples if p99 in samples and budget in samples else None
+                wanted = (p99, budget, done)
+                return samples if all(key in samples for key in wanted) else None
 
             samples = wait_for(measured, timeout=60, what="the maintenance run's queue lag")
     finally:
@@ -270,3 +273,4 @@ def test_a_worker_exports_the_measured_p99_beside_the_budget_after_maintenance(
     assert samples[p99] == 90 * 60
     assert samples[budget] == 3600  # the source's override, not WEBHOOKS_QUEUE_LAG_BUDGET
     assert now.timestamp() <= samples[measured_at] <= time.time()
+    assert now.timestamp() <= samples[done] <= time.time()
