@@ -148,6 +148,15 @@ ADMISSIONS = Counter(
     " failed_open (Redis or Postgres failed)",
     ["outcome"],
 )
+# When a process last went on without Redis (admission failed open; the receiver's
+# publisher and the sweeper): the console's degraded card reads it (and the count above)
+# from the receiver's own metrics, not a ping of its own. "max": the latest of any process.
+FAIL_OPEN_LAST = Gauge(
+    "webhooks_fail_open_last_timestamp_seconds",
+    "When admission last failed open (Redis or Postgres failed; published without limits),"
+    " Unix time",
+    multiprocess_mode="max",
+)
 
 # Capacity (tasks/capacity.py): measured by each maintenance run, on a worker.
 FAST_TIER_KEYS = Gauge(
@@ -216,6 +225,13 @@ JOB_PERIOD = Gauge(
     ["job"],
     multiprocess_mode="max",
 )
+EXPIRED_ROWS = Gauge(
+    "webhooks_expired_rows",
+    "Delete mode: rows expired at the last maintenance run's instant that its batched delete"
+    " would remove, still there after it (up to 10,000 per table; normally 0)",
+    ["table"],
+    multiprocess_mode="mostrecent",
+)
 
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
@@ -282,11 +298,26 @@ WORKER_ONLY: tuple[Any, ...] = (
     BREAKER_STATE,
     JOB_LAST_SUCCESS,
     JOB_PERIOD,
+    EXPIRED_ROWS,
 )
 
 
 # The admin plane's own families (see LOGINS_THROTTLED).
 ADMIN_PLANE: tuple[Any, ...] = (LOGINS_THROTTLED,)
+
+
+def fail_open_reading(source: Any) -> tuple[float, float | None]:
+    """(admissions failed open in all, when the last one was: Unix time or None) from a
+    registry or collector of these families (the admin plane's /metrics source)."""
+    total, last = 0.0, None
+    for family in source.collect():
+        for sample in family.samples:
+            if sample.name == "webhooks_admissions_total":
+                if sample.labels.get("outcome") == "failed_open":
+                    total += sample.value
+            elif sample.name == "webhooks_fail_open_last_timestamp_seconds" and sample.value:
+                last = max(last or 0.0, sample.value)
+    return total, last
 
 
 def family_names(metrics: Iterable[Any]) -> frozenset[str]:

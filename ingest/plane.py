@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from pydantic import SecretStr
 from sqlalchemy import Engine
@@ -108,6 +109,9 @@ class PlaneState:
         self.running = threading.BoundedSemaphore(MAX_RUNNING_REPLAYS)
         # The replays this process runs, by id: set to cancel one (the console's Cancel).
         self.cancels: dict[int, threading.Event] = {}
+        # What /metrics reads, read afresh (the admin server sets it): the console's degraded
+        # card reads this process's fail-open counts from it.
+        self.read_metrics: Callable[[], Any] | None = None
 
     @property
     def sessions(self) -> sessionmaker[Session]:

@@ -223,6 +223,34 @@ def _delete_batched(
     return rows, statements, dead
 
 
+# How many expired rows :func:`count_expired` counts per table at most (a bounded read).
+EXPIRED_COUNT_CAP = 10_000
+
+
+def count_expired(engine: Engine, settings: Settings, now: datetime) -> dict[str, int]:
+    """Delete mode: per table, the rows expired at ``now`` that the batched delete would
+    remove next (its own predicate: held rows and rows whose delivery remains are not
+    counted), up to :data:`EXPIRED_COUNT_CAP`. Right after a pass that kept up, 0 for rows
+    expired at the pass's instant; rows that stay are expiry falling behind or failing."""
+    params = {"now": now, "limit": EXPIRED_COUNT_CAP, "retention": settings.dead_letter_retention}
+    out: dict[str, int] = {}
+    with engine.connect() as conn:
+        for table in EXPIRING_TABLES:
+            total = 0
+            for leaf in _leaves(conn, table):
+                name = partitions.quote(conn, leaf)
+                keep = _DELETABLE[table].format(leaf=name)
+                total += conn.execute(
+                    text(
+                        f"SELECT count(*) FROM (SELECT 1 FROM {name}"  # noqa: S608 (catalog names, quoted)
+                        f" WHERE expires_at <= :now AND {keep} LIMIT :limit) AS expired"
+                    ),
+                    params,
+                ).scalar_one()
+            out[table] = min(int(total), EXPIRED_COUNT_CAP)
+    return out
+
+
 def delete_expired(
     engine: Engine,
     settings: Settings,

@@ -33,7 +33,7 @@ from core import metrics
 from core.logs import get_logger
 from core.settings import Settings
 from core.ttl import MAX_EVENT_TIME_LEAD, QUEUE_LAG_WINDOW, queue_lag_budget
-from models import partitions, queue_lag
+from models import partitions, queue_lag, retention
 from models.retention_layout import longest_ttl
 from models.schema import PARTITIONED_TABLES
 
@@ -145,3 +145,20 @@ def record_queue_lag(
 def _over(lag: queue_lag.SourceLag, settings: Settings) -> bool:
     p99 = lag.measured.p99
     return p99 is not None and p99 > queue_lag_budget(lag.queue_lag_override, settings)
+
+
+def record_expired(engine: Engine, settings: Settings, now: datetime) -> dict[str, int] | None:
+    """Delete mode, after a maintenance run: the expired rows still there
+    (:func:`models.retention.count_expired` at the run's instant) as
+    ``webhooks_expired_rows{table}``; None in partition mode (whole days are dropped there:
+    ``webhooks_partition_days{state="past"}`` says when they are not)."""
+    if settings.retention_mode != "delete":
+        return None
+    try:
+        counts = retention.count_expired(engine, settings, now)
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        log.warning("expired_rows.unmeasured", error=exc.__class__.__name__)
+        return None
+    for table, rows in counts.items():
+        metrics.EXPIRED_ROWS.labels(table).set(rows)
+    return counts

@@ -245,6 +245,7 @@ class Publisher:
             )
         except Exception as exc:  # noqa: BLE001 (fail open: see the docstring)
             metrics.ADMISSIONS.labels("failed_open").inc(len(dispatches))
+            metrics.FAIL_OPEN_LAST.set_to_current_time()
             log.warning(
                 "admission_failed_open", deliveries=len(dispatches), error=type(exc).__name__
             )

@@ -29,7 +29,14 @@ from sqlalchemy import text
 from core.clock import pinned
 from core.logs import get_logger
 from core.messages import MAINTENANCE_TASK, SWEEP_TASK, Dispatch, batches, message
-from core.metrics import ADMISSIONS, BREAKER_CHANGES, BREAKER_STATE, OLDEST_PENDING, SWEPT
+from core.metrics import (
+    ADMISSIONS,
+    BREAKER_CHANGES,
+    BREAKER_STATE,
+    FAIL_OPEN_LAST,
+    OLDEST_PENDING,
+    SWEPT,
+)
 from models import admission, breaker, requeue, retention
 from models.admission import Admission
 from models.db import DatabaseUnavailable, session_scope
@@ -126,6 +133,7 @@ def admitted(rt: Runtime, picked: list[Dispatch]) -> list[Dispatch]:
         )
     except Exception as exc:  # noqa: BLE001 (see the docstring)
         ADMISSIONS.labels("failed_open").inc(len(picked))
+        FAIL_OPEN_LAST.set_to_current_time()
         log.warning("sweep.admission_failed_open", error_class=type(exc).__name__)
         return picked
 
@@ -206,5 +214,6 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
         rows_deleted=sum(report.rows_deleted.values()),
         payloads_dropped=report.payloads_dropped,
     )
+    capacity.record_expired(rt.engine, rt.settings, report.now)
     periodic_done(rt, "maintenance")
     return "done"

@@ -11,12 +11,14 @@ messages and queue lengths mean what they say.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import httpx
 import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -177,3 +179,19 @@ def cli(
     )
     log_file(f"cli-{next(_cli_runs)}").write_text(proc.stdout + proc.stderr)
     return proc
+
+
+CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+def console_login(http: httpx.Client, url: str, token: str) -> httpx.Response:
+    """The login form as a browser posts it: the page's CSRF token and its cookie."""
+    page = http.get(f"{url}/console/login")
+    csrf = CSRF.search(page.text)
+    assert csrf is not None, page.text
+    assert "wh_console_login" in page.cookies  # kept in the client's jar, sent back below
+    return http.post(
+        f"{url}/console/login",
+        data={"csrf": csrf.group(1), "token": token},
+        follow_redirects=False,
+    )

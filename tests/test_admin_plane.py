@@ -13,6 +13,7 @@ against real ``webhooks serve`` processes over real sockets.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -338,8 +339,10 @@ def test_the_audit_records_the_tokens_name(
 
 
 # Random tokens (a repeated character is refused as predictable: test_secret_strength.py).
-S40 = "s-" + (uuid.uuid4().hex + uuid.uuid4().hex)[:38]
-T40 = "t-" + (uuid.uuid4().hex + uuid.uuid4().hex)[:38]
+# Random-looking but the same in every test process: they name parametrized cases, which
+# pytest-xdist requires to be collected identically by each of its processes.
+S40 = "s-" + hashlib.sha256(b"admin-plane-s40").hexdigest()[:38]
+T40 = "t-" + hashlib.sha256(b"admin-plane-t40").hexdigest()[:38]
 
 
 @pytest.mark.parametrize(

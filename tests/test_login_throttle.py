@@ -9,7 +9,6 @@ serve`` itself on Redis' own clock. Clients come from several loopback addresses
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from ingest.plane import OperatorTokens
 from models.login_throttle import LoginThrottle, client_key
 from tests.conftest import REDIS, free_port, make_settings
 from tests.leakcheck import remember
+from tests.operators_support import console_login
 from tests.processes import receiver
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +38,6 @@ THROTTLE_REDIS = f"{REDIS}/3"  # the login buckets of these tests only
 TOKEN = "ops_" + secrets.token_urlsafe(32)
 CI_TOKEN = "ci_" + secrets.token_urlsafe(32)
 remember(TOKEN, CI_TOKEN)
-CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 DEFAULT_PER_CLIENT = Settings.model_fields["console_login_failures"].default
 DEFAULT_GLOBAL = Settings.model_fields["console_login_global_failures"].default
 
@@ -93,19 +92,6 @@ def plane(clock: Clock | None = None, **overrides: Any) -> Iterator[str]:
 def client(address: str) -> httpx.Client:
     """An HTTP client whose connections come from ``address`` (a loopback address)."""
     return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=10)
-
-
-def console_login(http: httpx.Client, url: str, token: str) -> httpx.Response:
-    """The login form as a browser posts it: the page's CSRF token and its cookie."""
-    page = http.get(f"{url}/console/login")
-    csrf = CSRF.search(page.text)
-    assert csrf is not None, page.text
-    assert "wh_console_login" in page.cookies  # kept in the client's jar, sent back below
-    return http.post(
-        f"{url}/console/login",
-        data={"csrf": csrf.group(1), "token": token},
-        follow_redirects=False,
-    )
 
 
 class Compared:

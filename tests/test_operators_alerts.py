@@ -34,6 +34,7 @@ REQUIRED = {
     "WebhookPeriodicJobNeverRan": "webhooks_job_last_success_timestamp_seconds",
     # Issue 35 item 4: the measured p99 queue lag over the queue_lag term (the budget).
     "WebhookQueueLagOverBudget": "webhooks_queue_lag_p99_seconds",
+    "WebhookExpiredRowsNotDeleted": "webhooks_expired_rows",
 }
 SUFFIXES = {
     "counter": ("_total",),

@@ -26,6 +26,7 @@ import orjson
 import psycopg
 import pytest
 import redis
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,6 +41,7 @@ from models.retention_expiry import drop_expired_partitions
 from models.retention_holds import hold_end
 from models.retention_layout import ensure_partitions, longest_ttl
 from models.transitions import Claim
+from tasks.capacity import record_expired
 from tests.conftest import BIN, REDIS, TEST_DB, make_settings
 from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, accept_event, make_source, source_ttl
@@ -836,6 +838,16 @@ def test_batched_delete_never_exceeds_the_batch_size(
                 == "conflict"
             )
 
+    # What the stale-expiry alert reads (issue 35 item 5): the rows the next pass would
+    # remove first, as the worker's gauge exports them after a run.
+    assert record_expired(engine, settings, now) == {
+        "deliveries": 11,
+        "attempts": 0,  # their deliveries are still there
+        "receipts": 0,
+        "conflicts": 4,
+    }
+    assert REGISTRY.get_sample_value("webhooks_expired_rows", {"table": "deliveries"}) == 11
+
     statements: list[tuple[str, int]] = []
 
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -876,6 +888,8 @@ def test_batched_delete_never_exceeds_the_batch_size(
             )
         assert conn.execute(text("SELECT count(*) FROM attempts")).scalar_one() == 3
     assert count(engine, "deliveries", source) == 3
+    assert set(record_expired(engine, settings, report.now).values()) == {0}
+    assert REGISTRY.get_sample_value("webhooks_expired_rows", {"table": "deliveries"}) == 0
     # Nothing left: one statement per table finds nothing.
     again = delete_expired(engine, settings, now)
     assert again.rows == {"attempts": 0, "deliveries": 0, "receipts": 0, "conflicts": 0}

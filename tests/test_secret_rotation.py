@@ -268,7 +268,9 @@ def test_leaked_key_drill_rotates_one_account_and_leaves_the_other_untouched(
     """Source A's secret leaks. The operator adds a new one, the sender switches, the leaked
     one is revoked (audited), all with the CLI as an operator runs it, receivers running.
     The leaked secret then opens nothing, on A or on account B, and B's source, secrets and
-    receipts are exactly as they were."""
+    receipts are exactly as they were. A duplicate sent to each account is answered as one
+    and writes nothing, and A's first event (accepted under the leaked key) sent again under
+    A's replacement key is a duplicate of the original receipt, which wins (issue 35 item 8)."""
     settings = make_settings()
     a = make_source(sessions, settings, provider="stripe", account="acct-a")
     b = make_source(sessions, settings, provider="stripe", account="acct-b")
@@ -276,18 +278,27 @@ def test_leaked_key_drill_rotates_one_account_and_leaves_the_other_untouched(
     remember(b.secret)
     leaked = a.secret
 
-    def post(url: str, source: Any, secret: str, event_id: str | None = None) -> int:
+    sent: dict[str, bytes] = {}  # event id -> the body first sent (a re-send repeats it)
+
+    def send(url: str, source: Any, secret: str, event_id: str | None = None) -> httpx.Response:
+        event_id = event_id or f"evt_{uuid.uuid4().hex}"
         headers, body = sign(
-            "stripe", secret, event_id=event_id or f"evt_{uuid.uuid4().hex}", event_type="a.b"
+            "stripe", secret, event_id=event_id, event_type="a.b", raw_body=sent.get(event_id)
         )
+        sent.setdefault(event_id, body)
         remember(body)
         return httpx.post(
             f"{url}/webhooks/{source.public_id}", headers=headers, content=body, timeout=10
-        ).status_code
+        )
+
+    def post(url: str, source: Any, secret: str, event_id: str | None = None) -> int:
+        return send(url, source, secret, event_id).status_code
 
     with receiver() as rcv:
-        assert post(rcv.url, a, leaked) == 202
-        assert post(rcv.url, b, b.secret) == 202
+        first_a = send(rcv.url, a, leaked)
+        assert first_a.status_code == 202
+        first_b = send(rcv.url, b, b.secret)
+        assert first_b.status_code == 202
         assert post(rcv.url, b, b.secret) == 202
         b_before = _account_state(engine, b.id)
 
@@ -309,6 +320,15 @@ def test_leaked_key_drill_rotates_one_account_and_leaves_the_other_untouched(
         assert post(rcv.url, b, leaked) == 401
         assert _account_state(engine, a.id) == a_after_rotation  # nothing written
         assert _account_state(engine, b.id) == b_before
+        # A duplicate to each account: answered 200 duplicate, nothing written. A's first
+        # event, accepted under the leaked key, sent again under the replacement key: the
+        # original receipt wins (its id, digest and body unchanged, no new delivery).
+        for source, secret, first in ((a, fresh, first_a), (b, b.secret, first_b)):
+            before = _account_state(engine, source.id)
+            again = send(rcv.url, source, secret, first.json()["event_id"])
+            assert again.status_code == 200, again.text
+            assert again.json()["status"] == "duplicate"
+            assert _account_state(engine, source.id) == before
         # Both accounts keep working with their current secrets.
         assert post(rcv.url, a, fresh) == 202
         assert post(rcv.url, b, b.secret) == 202

@@ -46,19 +46,25 @@ def metrics_endpoint(
     multiprocess directory when it runs in that mode."""
 
     async def endpoint(request: Request) -> Response:
-        # Multiprocess mode is fixed when prometheus_client is first imported: ask it.
-        in_memory = values.ValueClass is values.MutexValue
-        source: Any = REGISTRY
-        if multiprocess_dir is not None or not in_memory:
-            source = CollectorRegistry()
-            multiprocess.MultiProcessCollector(source, path=multiprocess_dir)  # type: ignore[no-untyped-call]
-            if in_memory:  # the supervisor's admin plane: its counts are in no file
-                source.register(metrics.only(REGISTRY, metrics.ADMIN_PLANE))
         # The receiver's own families only: the workers' are defined here too, at zero.
-        body = generate_latest(metrics.exposed("receiver", source))
+        body = generate_latest(metrics.exposed("receiver", metrics_source(multiprocess_dir)))
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     return endpoint
+
+
+def metrics_source(multiprocess_dir: str | None = None) -> Any:
+    """What ``/metrics`` reads (see :func:`metrics_endpoint`), read afresh: the console's
+    degraded card reads the same counts."""
+    # Multiprocess mode is fixed when prometheus_client is first imported: ask it.
+    in_memory = values.ValueClass is values.MutexValue
+    if multiprocess_dir is None and in_memory:
+        return REGISTRY
+    source = CollectorRegistry()
+    multiprocess.MultiProcessCollector(source, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+    if in_memory:  # the supervisor's admin plane: its counts are in no file
+        source.register(metrics.only(REGISTRY, metrics.ADMIN_PLANE))
+    return source
 
 
 def create_admin_app(
@@ -74,6 +80,7 @@ def create_admin_app(
     state = None
     if tokens:
         state = PlaneState(settings, clock or SystemClock(), tokens)
+        state.read_metrics = lambda: metrics_source(multiprocess_dir)
         routes.append(Mount("/admin", app=create_api(state)))
         routes.append(Mount(CONSOLE_PREFIX, app=create_console(state)))
     return AdminGuard(

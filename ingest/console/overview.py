@@ -1,14 +1,13 @@
-"""The console's overview (counts, sources, whether the fast claim tier answers) and the
+"""The console's overview (counts, sources, whether admission failed open lately) and the
 audit trail (every operator change, filtered by operator, action and time)."""
 
 from __future__ import annotations
 
-import redis
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.routing import Route
 
-from core.settings import Settings
+from core import metrics
 from ingest.console.base import Console, Visit, args_of, opt, parse_when
 from models import console as reads
 from models import queries
@@ -22,25 +21,36 @@ def audit_routes(c: Console) -> list[Route]:
     return [c.get("/audit", audit_page)]
 
 
-def _claims_signal(settings: Settings) -> str | None:
-    """None when the fast claim tier (Redis) answers; else what degraded means."""
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=1, socket_connect_timeout=1)
-    try:
-        client.ping()
-    except redis.RedisError:
-        return (
-            "Redis (the fast claim tier) does not answer: workers claim on the database "
-            "alone (degraded claims, webhooks_degraded_claims_total)"
-        )
-    finally:
-        client.close()
-    return None
+# A fail-open within this long makes the card say degraded (seconds).
+DEGRADED_WINDOW_S = 300.0
+
+
+def _fail_open_signal(c: Console) -> str | None:
+    """None unless admission failed open within :data:`DEGRADED_WINDOW_S` (Redis or Postgres
+    failed and deliveries were published without their routes' limits), by this receiver's
+    own counts, as /metrics reads them (``webhooks_admissions_total{outcome="failed_open"}``
+    and ``webhooks_fail_open_last_timestamp_seconds``); else what degraded means. The
+    workers' degraded claims are theirs to export (webhooks_degraded_claims_total)."""
+    read = c.state.read_metrics
+    if read is None:
+        return None
+    total, last = metrics.fail_open_reading(read())
+    if last is None:
+        return None
+    ago = c.clock.now().timestamp() - last
+    if ago > DEGRADED_WINDOW_S:
+        return None
+    return (
+        f"admission failed open {total:.0f} times, the last {max(ago, 0):.0f} s ago (Redis or"
+        " Postgres failed): deliveries were published without their routes' limits"
+        ' (webhooks_admissions_total{outcome="failed_open"})'
+    )
 
 
 async def overview(c: Console, v: Visit) -> Response:
     data = await c.db(reads.overview)
     sources = await c.db(reads.catalog)
-    degraded = await run_in_threadpool(_claims_signal, c.settings)
+    degraded = await run_in_threadpool(_fail_open_signal, c)
     return c.show(v, "overview.html", {"o": data, "sources": sources, "degraded": degraded})
 
 
