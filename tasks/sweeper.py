@@ -234,7 +234,8 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
     """Retention (:func:`models.retention.run_maintenance`): partitions laid out ahead,
     expired ones dropped (or a batched delete), payloads past their retention cleared. Then
     the capacity gauges (:mod:`tasks.capacity`), read even when retention failed: a failing
-    drop is what the past-days gauge is there to show."""
+    drop is what the past-days gauge is there to show; and each source's measured p99 queue
+    lag beside its budget (:func:`tasks.capacity.record_queue_lag`)."""
     rt = periodic_runtime(runtime, "maintenance.failed")
     capacity.record_fast_tier(rt.redis)
     try:
@@ -242,6 +243,7 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
             report = retention.run_maintenance(rt.engine, rt.settings, pinned(rt.clock))
         finally:
             capacity.record_partitions(rt.engine, rt.settings, pinned(rt.clock))
+            capacity.record_queue_lag(rt.engine, rt.settings, pinned(rt.clock))
     except CONNECTION_ERRORS as exc:
         # As for the sweep: one line, and the next run (hourly) does the work.
         discard_pooled(rt.engine)
