@@ -18,6 +18,13 @@ and the connection goes to the address that was judged (``tasks.handlers.forward
 that resolves to a public address when checked and to ``127.0.0.1`` a moment later (DNS
 rebinding) cannot switch the target. Creating a route checks what can be checked without DNS:
 an address literal, ``localhost`` and the metadata host names.
+
+Reconciliation's ``api_base`` (the provider API a source's stored credential is sent to,
+``tasks.reconcile.transport``) is judged by :func:`check_api_address` with the same classes:
+metadata and link-local refused always; private refused unless the source sets
+``--config allow_private=true``; loopback allowed (a test's fake, a local proxy); and plain
+``http://`` only when every address is loopback, so the credential never crosses a network in
+clear, whatever a name resolves to when the connection is made.
 """
 
 from __future__ import annotations
@@ -53,8 +60,10 @@ _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
 
 class AddressRefused(WebhooksError, ValueError):  # noqa: N818 - a refusal, like PermanentError
-    """A target address a forward may not reach; ``reason`` is ``metadata``, ``link_local``,
-    ``loopback`` or ``private``. The message names the class of address, never the URL."""
+    """A target address a forward (or reconciliation) may not reach; ``reason`` is
+    ``metadata``, ``link_local``, ``loopback``, ``private`` or ``plain_http`` (reconciliation:
+    plain http to an address that is not loopback). The message names the class of address,
+    never the URL."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -144,3 +153,45 @@ def check_host(host: str, *, allow_private: bool) -> None:
     address = literal(host)
     if address is not None:
         check_address(address, allow_private=allow_private)
+
+
+def check_api_address(address: IPAddress, *, plain_http: bool, allow_private: bool) -> None:
+    """AddressRefused unless reconciliation may send a source's API credential to
+    ``address``: never a metadata or link-local address; a private one only with the source's
+    ``allow_private=true``; over plain http (``plain_http``) only a loopback address."""
+    kind = refusal(address)
+    if kind in ("metadata", "link_local"):
+        what = "a cloud metadata" if kind == "metadata" else "a link-local"
+        raise AddressRefused(
+            f"api_base is {what} address: refused whatever the source's options", str(kind)
+        )
+    if plain_http:
+        if not _unwrap(address).is_loopback:
+            raise AddressRefused(
+                "api_base is plain http to an address that is not loopback: refused (the API"
+                " key would cross a network in clear); use https",
+                "plain_http",
+            )
+        return
+    if kind == "private" and not allow_private:
+        raise AddressRefused(
+            "api_base is a private address: refused unless the source sets --config"
+            f" {ALLOW_PRIVATE}=true",
+            kind,
+        )
+
+
+def check_api_host(host: str, *, plain_http: bool, allow_private: bool) -> None:
+    """What an ``api_base`` host can be judged by without DNS (as :func:`check_host`); a name
+    passes here and is judged by every address it resolves to when a connection is made."""
+    name = host.rstrip(".").lower()
+    if name in METADATA_NAMES:
+        raise AddressRefused(
+            "api_base is a cloud metadata host: refused whatever the source's options",
+            "metadata",
+        )
+    if name == "localhost" or name.endswith(".localhost"):
+        return
+    address = literal(host)
+    if address is not None:
+        check_api_address(address, plain_http=plain_http, allow_private=allow_private)

@@ -141,6 +141,12 @@ BREAKER_STATE = Gauge(
     ["route"],
     multiprocess_mode="mostrecent",
 )
+ROUTES_DISABLED = Counter(
+    "webhooks_routes_disabled_total",
+    "Routes the sweep disabled because their circuit breaker stayed open longer than"
+    " WEBHOOKS_ROUTE_DISABLE_AFTER (models/route_ends.py)",
+    ["route"],
+)
 ADMISSIONS = Counter(
     "webhooks_admissions_total",
     "Deliveries offered to admission (models/admission.py) by outcome: admitted, waiting,"
@@ -179,6 +185,31 @@ PARTITION_DAYS = Gauge(
     "Daily partitions: whole days laid out beyond what a receipt accepted now can need "
     "(state=ahead), and days wholly past still not dropped (state=past)",
     ["state"],
+    multiprocess_mode="mostrecent",
+)
+# The queue-lag term of the dedup TTL against what the pipeline measures (issue 35 item 4):
+# each maintenance run reads from the database, per source, the p99 of the time from receipt
+# to final outcome over the last day (models/queue_lag.py), beside the source's queue_lag
+# term; WebhookQueueLagOverBudget fires when the first exceeds the second.
+QUEUE_LAG_P99 = Gauge(
+    "webhooks_queue_lag_p99_seconds",
+    "p99 time from receipt to each delivery's final outcome (unfinished: its age so far) over"
+    " the last 24 h, per source, measured from the database by maintenance (0: no delivery)",
+    ["source"],
+    multiprocess_mode="mostrecent",
+)
+# When each source's p99 was measured: the alert compares only fresh readings, so a worker that
+# measured a backlog once and has not run maintenance since does not keep it firing.
+QUEUE_LAG_MEASURED = Gauge(
+    "webhooks_queue_lag_measured_timestamp_seconds",
+    "When maintenance last measured each source's p99 queue lag, Unix time (database clock)",
+    ["source"],
+    multiprocess_mode="mostrecent",
+)
+QUEUE_LAG_BUDGET = Gauge(
+    "webhooks_queue_lag_budget_seconds",
+    "Each source's queue_lag term of its dedup TTL (its override or WEBHOOKS_QUEUE_LAG_BUDGET)",
+    ["source"],
     multiprocess_mode="mostrecent",
 )
 
@@ -285,10 +316,14 @@ WORKER_ONLY: tuple[Any, ...] = (
     FAST_TIER_USED_MEMORY,
     FAST_TIER_MAXMEMORY,
     PARTITION_DAYS,
+    QUEUE_LAG_P99,
+    QUEUE_LAG_MEASURED,
+    QUEUE_LAG_BUDGET,
     BREAKER_CHANGES,
     BREAKER_STATE,
     JOB_LAST_SUCCESS,
     JOB_PERIOD,
+    ROUTES_DISABLED,
     EXPIRED_ROWS,
     # The horizon, re-checked.
     PROVIDER_WINDOW_AGE,

@@ -170,6 +170,13 @@ class Settings(BaseSettings):
     # its sixth attempt, some 80 s after its first: well inside its 12).
     breaker_streak: int = Field(default=5, ge=1)
     breaker_streak_span: timedelta = timedelta(minutes=1)
+    # A route whose breaker has stayed open this long (counted from its opening, or from its
+    # resume by hand if later) is disabled by the sweep, audited and alerted, and its waiting
+    # deliveries go dead with route_disabled (replayable once it is enabled again:
+    # models/route_ends.py). Svix disables an endpoint after 5 days of failures; of the
+    # built-in senders' own retry windows only Intercom's and Meta's (7 d) and Adyen's
+    # (30 d) are longer (docs/providers.md, docs/handlers.md).
+    route_disable_after: timedelta = timedelta(days=5)
     # Admission (models/admission.py): deliveries of one route admitted to the broker and not
     # finished at once, unless the route sets its own (`routes update --max-in-flight`). The
     # default, 40, is below the 50 slots of one default worker: a route's backlog leaves
@@ -307,7 +314,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_breaker(self) -> Settings:
-        for name in ("breaker_window", "breaker_probe_interval", "console_idle_timeout"):
+        for name in (
+            "breaker_window",
+            "breaker_probe_interval",
+            "console_idle_timeout",
+            "route_disable_after",
+        ):
             if getattr(self, name) <= timedelta():
                 raise ValueError(f"WEBHOOKS_{name.upper()} must be positive")
         if self.breaker_streak_span < timedelta():

@@ -46,6 +46,20 @@ class BreakerState(StrEnum):
     HALF_OPEN = "half_open"
 
 
+class DeadReason(StrEnum):
+    """Why a delivery went dead (``deliveries.dead_reason``)."""
+
+    PERMANENT = "permanent"  # a permanent error (a 4xx, a refused address, a route disabled)
+    MAX_ATTEMPTS = "max_attempts"  # its retry budget spent
+    MAX_AGE = "max_age"  # a failed attempt after its max_age had passed
+    CRASHED = "crashed"  # its worker died holding it WEBHOOKS_MAX_REDELIVERIES times
+    # Its max_age passed while its route's breaker was open (held, or a failed probe): an
+    # open breaker never keeps a delivery alive past its max_age (models/route_ends.py).
+    EXPIRED = "expired"
+    # Waiting when its route was disabled for a breaker open past WEBHOOKS_ROUTE_DISABLE_AFTER.
+    ROUTE_DISABLED = "route_disabled"
+
+
 class ReplayStatus(StrEnum):
     """How a bulk replay's run stands (``replays.status``)."""
 

@@ -52,6 +52,13 @@ TERM_NAMES = ("retry_window", "queue_lag", "clock_skew", "replay_grace")
 # (maintenance keeps at least a day of slack beyond the longest TTL).
 MAX_EVENT_TIME_LEAD = timedelta(hours=1)
 
+# The queue-lag term is checked against what the pipeline measures: each maintenance run (and
+# ``webhooks ttl explain``) reads from the database the p99 of the time from a receipt's
+# arrival to its deliveries' final outcome over this window (models/queue_lag.py), and the
+# WebhookQueueLagOverBudget alert fires when it exceeds the term. The term is never changed
+# by what is measured: the configured value is the budget (docs/retention.md).
+QUEUE_LAG_WINDOW = timedelta(hours=24)
+
 
 class TtlConfigError(WebhooksError, ValueError):
     """A source's TTL terms do not cover its provider's retry window (or are invalid)."""
@@ -112,6 +119,11 @@ class TtlOverrides:
             return None if v is None else timedelta(seconds=v)
 
         return cls(td(retry_window_s), td(queue_lag_s), td(clock_skew_s), td(replay_grace_s))
+
+
+def queue_lag_budget(override: timedelta | None, settings: Settings) -> timedelta:
+    """A source's queue-lag term: its override, else ``WEBHOOKS_QUEUE_LAG_BUDGET``."""
+    return settings.queue_lag_budget if override is None else override
 
 
 def dedup_terms(

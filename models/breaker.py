@@ -36,9 +36,14 @@ host reads one state, in statements they already run:
   reaches the failing downstream. The probe is the waiting delivery touched longest ago
   (``updated_at``: at first the oldest; a failed probe goes to the back), so the probes take
   the backlog in turn and one delivery the downstream always refuses (a poison payload)
-  cannot keep a route shut while others would succeed: a failed probe is neither an attempt
-  nor ageing, so always probing the same one would hold the route forever. A success on a
-  half-open route closes it; a failure reopens it (``breaker_trips`` + 1).
+  cannot keep a route shut while others would succeed: a failed probe is not an attempt,
+  so always probing the same one would hold the route for its whole max_age. A success on
+  a half-open route closes it; a failure reopens it (``breaker_trips`` + 1).
+- *Ending*: an open breaker never keeps a delivery alive past its ``max_age`` (counted from
+  its first attempt, through the open time: a failed probe ages like any attempt), and a
+  route whose breaker stays open past ``WEBHOOKS_ROUTE_DISABLE_AFTER`` is disabled
+  (:mod:`models.route_ends`, each sweep). Only an operator's pause holds deliveries whatever
+  their age; its resume (``released_at``) is where their age counts from at the earliest.
 
 Times are the database's clock (``now()`` in the statements), or a test's pinned instant.
 """
@@ -129,8 +134,7 @@ _FAILURE_SQL = placeholders(
 _CLOSE_SQL = placeholders(
     """
     UPDATE routes SET breaker_state = 'closed', breaker_probe_at = NULL, probe_delivery = NULL,
-        window_started_at = NULL, window_requests = 0, window_failures = 0,
-        released_at = coalesce(CAST(:now AS timestamptz), now())
+        window_started_at = NULL, window_requests = 0, window_failures = 0
     WHERE id = :route AND breaker_state = 'half_open'
     RETURNING id, 'half_open', 'closed', breaker_trips
     """
@@ -300,6 +304,9 @@ class RouteState:
     window_requests: int
     window_failures: int
     limits: dict[str, Any]
+    # When and why the route was disabled (None while active, or disabled before 0022).
+    disabled_at: datetime | None = None
+    disabled_reason: str | None = None
 
     def view(self) -> dict[str, Any]:
         """JSON-ready (the CLI's --json and the admin API)."""
@@ -312,6 +319,8 @@ class RouteState:
             "paused": self.paused,
             "paused_at": iso(self.paused_at),
             "pause_reason": self.pause_reason,
+            "disabled_at": iso(self.disabled_at),
+            "disabled_reason": self.disabled_reason,
             "breaker": {
                 "state": self.breaker_state,
                 "opened_at": iso(self.breaker_opened_at),
@@ -340,6 +349,8 @@ def state_of(route: Route) -> RouteState:
         route.window_requests,
         route.window_failures,
         limits_view(route),
+        route.disabled_at,
+        route.disabled_reason,
     )
 
 

@@ -152,13 +152,24 @@ def set_route_active(
     """Disable (new events no longer get a delivery for it) or enable a route. Refuses a
     route that is already so. Deliveries it already has keep their state; a worker turns
     those it picks up while the route is disabled into dead letters (``route_inactive``),
-    which a replay runs once the route is enabled again."""
+    which a replay runs once the route is enabled again. The route records when and why
+    (``disabled_at``, ``disabled_reason``); enabling clears them and counts as a release
+    (``released_at``), so a breaker left open from before is judged afresh by the sweep's
+    WEBHOOKS_ROUTE_DISABLE_AFTER (models/route_ends.py)."""
     change.check()
     route = get_route(session, route_id)
+    when: Any = now if now is not None else func.now()
+    # Enabled again: a release, as a resume is (``released_at``: the disable-after clock of
+    # models/route_ends.py, and the earliest its deliveries' max_age counts from).
+    values: dict[str, Any] = (
+        {"active": True, "disabled_at": None, "disabled_reason": None, "released_at": when}
+        if active
+        else {"active": False, "disabled_at": when, "disabled_reason": change.reason.strip()}
+    )
     moved = session.execute(
         update(Route)
         .where(Route.id == route_id, Route.active.is_not(active))
-        .values(active=active)
+        .values(**values)
         .returning(Route.id)
     ).first()
     if moved is None:

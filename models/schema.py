@@ -151,12 +151,17 @@ class Route(Base):
     # Admission limits (models/admission.py, migration 0014): NULL max_in_flight is the
     # default budget (WEBHOOKS_ROUTE_MAX_IN_FLIGHT); NULL rate_count, no rate limit.
     max_in_flight: Mapped[int | None] = mapped_column(Integer)
-    # When the route last stopped being held (breaker closed, or resumed by hand): a
-    # delivery's max_age counts from then at the earliest, so an outage never ages work
-    # into the dead letters (tasks/policy.py, migration 0014).
+    # When an operator last resumed the route (migration 0014): a delivery's max_age counts
+    # from then at the earliest. A breaker's close no longer sets it (issue 34: an open
+    # breaker never keeps a delivery alive past its max_age; models/route_ends.py); rows
+    # written before keep the close they recorded.
     released_at: Mapped[datetime | None] = mapped_column()
     rate_count: Mapped[int | None] = mapped_column(Integer)
     rate_period_s: Mapped[int | None] = mapped_column(Integer)
+    # When and why it was disabled (``active`` false; migration 0022): by the sweep for a
+    # breaker open past WEBHOOKS_ROUTE_DISABLE_AFTER, or by an operator. NULL while active.
+    disabled_at: Mapped[datetime | None] = mapped_column()
+    disabled_reason: Mapped[str | None] = mapped_column(Text)
 
 
 receipt_id_seq = Sequence("receipts_id_seq", metadata=Base.metadata)

@@ -123,7 +123,7 @@ _CLAIMED_EVENT = """\
            c.status, c.attempt_base, c.at,
            rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
            rt.max_age_s, rt.active, rt.breaker_state, rt.window_failures, rt.released_at,
-           rt.rate_count, rt.rate_period_s,
+           rt.rate_count, rt.rate_period_s, rt.breaker_opened_at,
            s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s, s.clock_skew_s,
            s.replay_grace_s,
            r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
@@ -234,9 +234,10 @@ class ClaimedEvent(NamedTuple):
     active: bool | None
     breaker_state: str | None  # closed | open | half_open (models/breaker.py)
     window_failures: int | None  # failures in the route's open window: successes count too
-    released_at: datetime | None  # the route's last release from a hold (max_age counts after)
+    released_at: datetime | None  # the route's last resume by hand (max_age counts after)
     rate_count: int | None  # the route's rate limit: calls per rate_period_s (None: none)
     rate_period_s: int | None
+    breaker_opened_at: datetime | None  # when its breaker last opened (an expired probe says)
     public_id: str | None
     name: str | None
     provider: str | None
@@ -316,7 +317,7 @@ def claim_with_event(
     )
     if row is None:
         return None
-    return Claim(*row[:14]), ClaimedEvent(*row[14:40])
+    return Claim(*row[:14]), ClaimedEvent(*row[14:41])
 
 
 # The worker's claim of several deliveries at once (a message carrying several ids): the same
@@ -427,7 +428,7 @@ def claim_many_with_event(
             "worker": worker,
         },
     ).fetchall()
-    return [(Claim(*row[:14]), ClaimedEvent(*row[14:40])) for row in rows]
+    return [(Claim(*row[:14]), ClaimedEvent(*row[14:41])) for row in rows]
 
 
 @functools.cache

@@ -11,6 +11,10 @@ exported by the worker's metrics server (``WEBHOOKS_WORKER_METRICS_PORT``).
   ``WEBHOOKS_PARTITION_AHEAD_DAYS``, so it falls only when maintenance stops laying out, and
   below zero receipts find no partition and the receiver has to lay one out mid-request. A
   past day still present means the drop keeps failing (or is postponed).
+- **Queue lag** (every mode): each source's measured p99 from receipt to final outcome over
+  :data:`~core.ttl.QUEUE_LAG_WINDOW`, read from the database (:mod:`models.queue_lag`),
+  beside its ``queue_lag`` term. Only measured and exported: the term stays what is
+  configured (docs/retention.md).
 
 A measurement that cannot be made (Redis or Postgres unreachable) is one logged line with
 the error class; the gauges keep their last reading, and maintenance goes on.
@@ -28,8 +32,8 @@ from sqlalchemy import Engine, text
 from core import metrics
 from core.logs import get_logger
 from core.settings import Settings
-from core.ttl import MAX_EVENT_TIME_LEAD
-from models import partitions, retention
+from core.ttl import MAX_EVENT_TIME_LEAD, QUEUE_LAG_WINDOW, queue_lag_budget
+from models import partitions, queue_lag, retention
 from models.retention_layout import longest_ttl
 from models.schema import PARTITIONED_TABLES
 
@@ -113,6 +117,34 @@ def record_partitions(
     metrics.PARTITION_DAYS.labels("ahead").set(days.ahead)
     metrics.PARTITION_DAYS.labels("past").set(days.past)
     return days
+
+
+def record_queue_lag(
+    engine: Engine, settings: Settings, now: datetime | None
+) -> list[queue_lag.SourceLag] | None:
+    """Each source's measured p99 queue lag (0 when it had no delivery in the window) and its
+    budget, on the gauges the WebhookQueueLagOverBudget alert compares."""
+    try:
+        with engine.connect() as conn:
+            lags = queue_lag.measure_sources(conn, now, QUEUE_LAG_WINDOW)
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        log.warning("queue_lag.unmeasured", error=exc.__class__.__name__)
+        return None
+    for lag in lags:
+        p99 = lag.measured.p99
+        budget = queue_lag_budget(lag.queue_lag_override, settings)
+        metrics.QUEUE_LAG_P99.labels(lag.public_id).set(0.0 if p99 is None else p99.total_seconds())
+        metrics.QUEUE_LAG_MEASURED.labels(lag.public_id).set(lag.measured.at.timestamp())
+        metrics.QUEUE_LAG_BUDGET.labels(lag.public_id).set(budget.total_seconds())
+    over = [lag.public_id for lag in lags if _over(lag, settings)]
+    if over:
+        log.warning("queue_lag.over_budget", sources=over)
+    return lags
+
+
+def _over(lag: queue_lag.SourceLag, settings: Settings) -> bool:
+    p99 = lag.measured.p99
+    return p99 is not None and p99 > queue_lag_budget(lag.queue_lag_override, settings)
 
 
 def record_expired(engine: Engine, settings: Settings, now: datetime) -> dict[str, int] | None:

@@ -30,14 +30,16 @@ from datetime import datetime, timedelta
 
 from core.durations import format_duration
 from core.settings import Settings
+from core.states import DeadReason
 
 # 2 ** 60 times any base already exceeds every sane cap; it also keeps the float finite.
 _MAX_EXPONENT = 60
 
-DEAD_PERMANENT = "permanent"
-DEAD_MAX_ATTEMPTS = "max_attempts"
-DEAD_MAX_AGE = "max_age"
-DEAD_CRASHED = "crashed"  # set by models.transitions.claim on a crash loop
+DEAD_PERMANENT = DeadReason.PERMANENT
+DEAD_MAX_ATTEMPTS = DeadReason.MAX_ATTEMPTS
+DEAD_MAX_AGE = DeadReason.MAX_AGE
+DEAD_CRASHED = DeadReason.CRASHED  # set by models.transitions.claim on a crash loop
+DEAD_EXPIRED = DeadReason.EXPIRED  # a failed breaker probe past max_age (tasks.steps.record)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,12 @@ publish) pending deliveries never published or whose message was lost, retries t
 but whose countdown message did not come (or that were too long for a countdown), and
 processing deliveries whose lease expired (the worker died), skipping deliveries their route
 holds (paused, breaker open), and one probe delivery per open route whose probe is due
-(:func:`models.breaker.pick_probes`); then publishes each id the route's admission lets out
-(models/admission.py; the others wait for the dispatcher) and each probe. A
-published id that turns out not to be claimable is dropped quietly by the delivery task.
+(:func:`models.breaker.pick_probes`). Before the probes, in the same transaction, what an
+open breaker must not keep forever (:mod:`models.route_ends`): routes open longer than
+``WEBHOOKS_ROUTE_DISABLE_AFTER`` disabled (their waiting deliveries dead, ``route_disabled``),
+and held deliveries past their ``max_age`` dead (``expired``). Then it publishes each id the
+route's admission lets out (models/admission.py; the others wait for the dispatcher) and each
+probe. A published id that turns out not to be claimable is dropped quietly by the delivery task.
 Each pick counts in the row's ``republished`` (reset by a claim): from the second, a pending
 row goes to Postgres' claim even while a fast-claim key says duplicate, so a stale key (a
 success whose commit was lost to a restore or failover) holds it for two grace periods at
@@ -34,11 +37,14 @@ from core.metrics import (
     ADMISSIONS,
     BREAKER_CHANGES,
     BREAKER_STATE,
+    DEAD_LETTERS,
     FAIL_OPEN_LAST,
     OLDEST_PENDING,
+    ROUTES_DISABLED,
     SWEPT,
 )
-from models import admission, breaker, requeue, retention
+from core.states import DeadReason
+from models import admission, breaker, requeue, retention, route_ends
 from models.admission import Admission
 from models.db import DatabaseUnavailable, session_scope
 from tasks import capacity, horizon
@@ -68,6 +74,10 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
     now = pinned(rt.clock)
     held = holding(rt)
     with session_scope(rt.sessions) as session:
+        disabled = route_ends.disable_stale(session, now=now, after=rt.settings.route_disable_after)
+        expired = route_ends.expire_held(
+            session, now=now, max_age=rt.settings.max_age, limit=rt.settings.sweep_batch
+        )
         picked = requeue.due_for_publish(
             session,
             now=now,
@@ -82,6 +92,7 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
             grace=rt.settings.publish_grace,
         )
         oldest = session.execute(_OLDEST_UNFINISHED, {"now": now}).scalar_one_or_none()
+    ended(disabled, expired)
     alone = {due.delivery_id for due in picked if due.lease_expired}
     out = admitted(rt, [Dispatch(*due[:3]) for due in picked])
     OLDEST_PENDING.set(0.0 if oldest is None else max(0.0, float(oldest)))
@@ -105,6 +116,37 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
     if picked:
         log.info("sweep.published", count=len(published), picked=len(picked))
     return published
+
+
+def ended(disabled: list[route_ends.Disabled], expired: list[route_ends.Expired]) -> None:
+    """Count and log what the sweep ended (committed): one ``route.disabled`` line per
+    route disabled for a breaker open too long (alerted: ``WebhookRouteDisabled``), one
+    ``sweep.expired`` line per sweep that sent held deliveries to the dead letters."""
+    for off in disabled:
+        route = str(off.route_id)
+        ROUTES_DISABLED.labels(route=route).inc()
+        BREAKER_STATE.labels(route=route).set(breaker.STATE_VALUES[breaker.CLOSED])
+        if off.dead:
+            DEAD_LETTERS.labels(reason=DeadReason.ROUTE_DISABLED).inc(off.dead)
+        log.warning(
+            "route.disabled",
+            route_id=off.route_id,
+            source=off.source,
+            handler=off.handler,
+            open_for_s=off.open_for_s,
+            trips=off.trips,
+            dead=off.dead,
+            audit_id=off.audit_id,
+            reason=off.reason,
+        )
+    if expired:
+        DEAD_LETTERS.labels(reason=DeadReason.EXPIRED).inc(len(expired))
+        log.warning(
+            "sweep.expired",
+            count=len(expired),
+            route_ids=sorted({e.route_id for e in expired}),
+            longest_open_s=max((e.open_for_s or 0.0) for e in expired),
+        )
 
 
 def holding(rt: Runtime) -> list[int]:
@@ -193,8 +235,9 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
     """Retention (:func:`models.retention.run_maintenance`): partitions laid out ahead,
     expired ones dropped (or a batched delete), payloads past their retention cleared. Then
     the capacity gauges (:mod:`tasks.capacity`), read even when retention failed: a failing
-    drop is what the past-days gauge is there to show. Before all of it, the providers'
-    retry windows due for review (:mod:`tasks.horizon`)."""
+    drop is what the past-days gauge is there to show; and each source's measured p99 queue
+    lag beside its budget (:func:`tasks.capacity.record_queue_lag`). Before all of it, the
+    providers' retry windows due for review (:mod:`tasks.horizon`)."""
     rt = periodic_runtime(runtime, "maintenance.failed")
     # The horizon, re-checked (issue 35 item 3): pure arithmetic over the provider registry,
     # on this worker's clock (a UTC day), first, so no database or Redis fault skips it.
@@ -205,6 +248,7 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
             report = retention.run_maintenance(rt.engine, rt.settings, pinned(rt.clock))
         finally:
             capacity.record_partitions(rt.engine, rt.settings, pinned(rt.clock))
+            capacity.record_queue_lag(rt.engine, rt.settings, pinned(rt.clock))
     except CONNECTION_ERRORS as exc:
         # As for the sweep: one line, and the next run (hourly) does the work.
         discard_pooled(rt.engine)

@@ -10,12 +10,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import parse_qs, urlsplit
 
 
@@ -34,6 +34,16 @@ class Scripted:
     status: int
     headers: dict[str, str] = field(default_factory=dict)
     body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Streamed:
+    """An answer whose body ``write`` writes itself, at its own size and pace (a huge body, a
+    trickling one). ``length``: the ``Content-Length`` to declare; None: none, the body ends
+    when the connection closes."""
+
+    write: Callable[[BinaryIO], None]
+    length: int | None = None
 
 
 class FakeStripe:
@@ -166,6 +176,16 @@ class _Handler(BaseHTTPRequestHandler):
         status, headers, body = self.fake.answer(
             self.command, parts.path, parse_qs(parts.query), self.headers.get("Authorization")
         )
+        if isinstance(body, Streamed):
+            self.send_response(status)
+            if body.length is not None:
+                self.send_header("Content-Length", str(body.length))
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.close_connection = True
+            body.write(self.wfile)
+            return
         raw = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")

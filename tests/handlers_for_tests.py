@@ -18,7 +18,7 @@ from sqlalchemy import text
 
 from core.clock import FrozenClock
 from tasks.context import Event, HandlerContext
-from tasks.errors import PermanentError, RetryableError
+from tasks.errors import DownstreamError, PermanentError, RetryableError
 from tasks.handlers import register
 
 EFFECTS_DDL = """
@@ -87,6 +87,12 @@ def always_fail(event: Event, ctx: HandlerContext) -> None:
     # A foreign exception quoting the body: the worker must store neither the body nor this
     # message, only the class and where it was raised.
     raise RuntimeError("handler broke on " + event.body.decode())
+
+
+@register("downstream_down")
+def downstream_down(event: Event, ctx: HandlerContext) -> None:
+    # The downstream always failing (a 5xx): counted by the route's circuit breaker.
+    raise DownstreamError("downstream answered HTTP 503", reason="http_5xx")
 
 
 @register("permanent")

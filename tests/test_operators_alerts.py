@@ -32,7 +32,11 @@ REQUIRED = {
     # Issue 35 item 5: a periodic job that stopped (beat down, its queue not consumed).
     "WebhookPeriodicJobStale": "webhooks_job_last_success_timestamp_seconds",
     "WebhookPeriodicJobNeverRan": "webhooks_job_last_success_timestamp_seconds",
+    # Issue 35 item 4: the measured p99 queue lag over the queue_lag term (the budget).
+    "WebhookQueueLagOverBudget": "webhooks_queue_lag_p99_seconds",
     "WebhookExpiredRowsNotDeleted": "webhooks_expired_rows",
+    # Issue 34: a route disabled for a breaker open longer than WEBHOOKS_ROUTE_DISABLE_AFTER.
+    "WebhookRouteDisabled": "webhooks_routes_disabled_total",
     # Issue 35 item 3: a provider's retry window not verified against its page for too long.
     "WebhookProviderWindowReviewDue": "webhooks_provider_window_review_due",
 }
@@ -101,7 +105,8 @@ def test_the_rules_load_in_promtool_and_its_unit_tests_pass() -> None:
     """Prometheus' own tool parses every rule, and evaluates deploy/alerts_test.yml: among
     others, a maintenance job that stopped fires WebhookPeriodicJobStale two periods (and
     the rule's minute) after its last success, not before; beat never started fires
-    WebhookPeriodicJobNeverRan (issue 35 item 5)."""
+    WebhookPeriodicJobNeverRan (issue 35 item 5); a source's p99 queue lag over its budget
+    fires WebhookQueueLagOverBudget after 30 minutes (item 4)."""
     assert PROMTOOL is not None
     checked = subprocess.run(  # noqa: S603
         [PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
@@ -123,3 +128,16 @@ def test_the_rules_load_in_promtool_and_its_unit_tests_pass() -> None:
         if case["alertname"] == "WebhookPeriodicJobStale" and case["exp_alerts"]
     ]
     assert [case["eval_time"] for case in firing] == ["42m"]
+    # A source's p99 over its budget from minute 10 fires at 40 (30 minutes held), not at 39;
+    # the source within its budget never fires, nor a stale reading of a worker that has not
+    # measured since (issue 35 item 4).
+    lag = next(
+        case
+        for case in yaml.safe_load(ALERTS_TEST.read_text())["tests"]
+        if any(c["alertname"] == "WebhookQueueLagOverBudget" for c in case["alert_rule_test"])
+    )
+    fired = {
+        c["eval_time"]: [a["exp_labels"]["source"] for a in c["exp_alerts"]]
+        for c in lag["alert_rule_test"]
+    }
+    assert fired == {"9m": [], "39m": [], "40m": ["src_a"]}

@@ -279,9 +279,9 @@ def test_a_burst_within_the_span_keeps_it_closed_and_a_success_ends_the_streak(
 def test_probes_take_the_held_backlog_in_turn_so_one_refused_delivery_cannot_shut_the_route(
     sessions: sessionmaker[Session], settings: Settings, engine: Engine
 ) -> None:
-    """A failed probe is neither an attempt nor ageing: were the oldest waiting delivery
-    always the probe, one the downstream always refuses (a poison payload) would keep its
-    route shut forever while the others would succeed."""
+    """A failed probe is not an attempt: were the oldest waiting delivery always the probe,
+    one the downstream always refuses (a poison payload) would keep its route shut for its
+    whole max_age while the others would succeed."""
     source = make_source(sessions, settings)
     (route_id,) = source.route_ids
     ids = _accept(settings, source, 3)

@@ -1,7 +1,9 @@
-"""An outage does not age work into the dead letters (issue 23 item 4): a delivery's max_age
-counts from its route's last release from a hold (resumed, or breaker closed), never across
-the hold. Real Postgres and Redis, the worker's own delivery code, time pinned with the
-injected clock (which stands for the database's clock in every guarded statement)."""
+"""A pause by hand does not age work into the dead letters (issue 23 item 4): a delivery's
+max_age counts from its route's last resume, never across the pause. An open breaker is no
+such hold (issue 34 item 3: nothing lives for ever): its close is no release, and its open
+time counts (tests/test_route_ends.py for deliveries it holds and probes past max_age). Real
+Postgres and Redis, the worker's own delivery code, time pinned with the injected clock
+(which stands for the database's clock in every guarded statement)."""
 
 from __future__ import annotations
 
@@ -61,10 +63,13 @@ def test_max_age_counts_from_the_routes_release_not_across_a_pause(
     assert (row.status, row.dead_reason) == ("dead", "max_age")
 
 
-def test_max_age_counts_from_the_breakers_close(
+def test_a_breakers_close_is_no_release_max_age_counts_across_the_open_breaker(
     engine: Engine, sessions: sessionmaker[Session]
 ) -> None:
-    """The same after a breaker's hold: its close (a half-open success) is the release."""
+    """Issue 34 replaced issue 23's rule for the breaker: its close (a half-open success) no
+    longer restarts the age, so a delivery whose route was open five hours, past its one-hour
+    max_age, goes dead at its next failure (before, it had a full max_age again after the
+    close: an open breaker kept it alive past its max_age)."""
     settings = worker_settings(max_attempts=10)
     source = make_source(
         sessions, settings, routes=[{"handler": "always_fail", "max_age": timedelta(hours=1)}]
@@ -97,6 +102,11 @@ def test_max_age_counts_from_the_breakers_close(
         )
     assert change is not None
     assert change.after == "closed"
-    assert attempt(timedelta(hours=5, minutes=10)) == "retry"
-    assert attempt(timedelta(hours=6, minutes=20)) == "dead"
-    assert delivery(engine, delivery_id).dead_reason == "max_age"
+    with psycopg.connect(settings.psycopg_dsn) as conn:
+        released = conn.execute(
+            "SELECT released_at FROM routes WHERE id = %(id)s", {"id": route_id}
+        ).fetchone()
+    assert released == (None,)
+    assert attempt(timedelta(hours=5, minutes=10)) == "dead"
+    row = delivery(engine, delivery_id)
+    assert (row.status, row.dead_reason) == ("dead", "max_age")

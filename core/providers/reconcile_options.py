@@ -4,7 +4,11 @@ A source's reconciliation options live in its ``config`` next to the provider's 
 (``webhooks sources add|update SOURCE --config api_base=URL``); the provider's validator never
 sees them (:func:`split`). ``api_base`` defaults to the provider's real API; plain http is
 allowed only to loopback (a test's fake, a local proxy), so an API key never crosses a network
-in clear.
+in clear. Its host is judged as :mod:`core.addresses` judges a forward route's: a cloud
+metadata or link-local address is refused, a private one unless ``allow_private=true``; here
+by what needs no DNS (an address literal, ``localhost``, the metadata names), and again by
+every address the name resolves to when each connection is made
+(``tasks.reconcile.transport``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
+
+from core.addresses import ALLOW_PRIVATE, AddressRefused, allows_private, check_api_host
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,9 @@ SPECS: dict[str, ApiSpec] = {
 
 # Options reconciliation reads from a source's config, per provider.
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "stripe": ("api_base", "endpoint_id"),
-    "github": ("api_base", "hook"),
-    "svix": ("api_base", "app_id", "endpoint_id"),
+    "stripe": ("api_base", ALLOW_PRIVATE, "endpoint_id"),
+    "github": ("api_base", ALLOW_PRIVATE, "hook"),
+    "svix": ("api_base", ALLOW_PRIVATE, "app_id", "endpoint_id"),
 }
 ALL_OPTIONS = frozenset(o for names in OPTIONS.values() for o in names)
 
@@ -81,7 +87,26 @@ def split(provider: str, config: Mapping[str, Any]) -> tuple[dict[str, Any], dic
         if not isinstance(value, str):
             raise ValueError(f"option {key!r} must be a string")
         checked[key] = CHECKS[key](value)
+    if "api_base" in checked:
+        check_base_host(checked["api_base"], private_allowed(checked))
     return own, checked
+
+
+def private_allowed(config: Mapping[str, Any]) -> bool:
+    """The source's ``allow_private`` option (absent: false)."""
+    return allows_private({ALLOW_PRIVATE: config.get(ALLOW_PRIVATE, "")})
+
+
+def check_base_host(base: str, allow_private: bool) -> None:
+    """ValueError when ``base``'s host is refused by what needs no DNS (an address literal,
+    ``localhost``, the metadata names): :func:`core.addresses.check_api_host`."""
+    parts = urlsplit(base)
+    try:
+        check_api_host(
+            parts.hostname or "", plain_http=parts.scheme == "http", allow_private=allow_private
+        )
+    except AddressRefused as exc:
+        raise ValueError(str(exc)) from None
 
 
 def api_base(value: str) -> str:
@@ -137,7 +162,18 @@ def _endpoint_id(value: str) -> str:
     return _svix_id(value)
 
 
-CHECKS = {"api_base": api_base, "hook": _hook, "app_id": _svix_id, "endpoint_id": _endpoint_id}
+def _flag(value: str) -> str:
+    """``allow_private``: true or false (also 1/0, yes/no), stored as ``true``/``false``."""
+    return "true" if allows_private({ALLOW_PRIVATE: value}) else "false"
+
+
+CHECKS = {
+    "api_base": api_base,
+    ALLOW_PRIVATE: _flag,
+    "hook": _hook,
+    "app_id": _svix_id,
+    "endpoint_id": _endpoint_id,
+}
 
 
 def is_loopback(host: str) -> bool:

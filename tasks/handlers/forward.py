@@ -37,10 +37,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from email.utils import parsedate_to_datetime
@@ -53,6 +52,7 @@ from standardwebhooks.webhooks import Webhook
 
 from core.addresses import AddressRefused, IPAddress, allows_private, check_address, check_host
 from core.metrics import RETRY_AFTER_IGNORED
+from core.outbound import CheckedBackend, resolve
 from tasks.context import Event, HandlerContext
 from tasks.errors import DownstreamError, PermanentError, RetryableError
 from tasks.handlers.registry import register
@@ -88,43 +88,24 @@ def _reset_clients() -> None:
 os.register_at_fork(after_in_child=_reset_clients)
 
 
-def resolve(host: str, port: int) -> list[IPAddress]:
-    """Every address ``host`` resolves to (the system resolver, once)."""
-    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in found]
-
-
-class _CheckedBackend(httpcore.SyncBackend):
-    """httpcore's socket backend, resolving the host itself: every address is checked, and
-    the connection goes to one of those checked addresses (never a second lookup). TLS is
-    started by httpcore afterwards with the URL's host as SNI and for verification."""
+class _CheckedBackend(CheckedBackend):
+    """:class:`core.outbound.CheckedBackend` judging addresses as a route allows (every
+    address checked, the connection to one of them), each connection fenced at its first
+    write (:func:`_fenced_at_send`)."""
 
     def __init__(self, allow_private: bool) -> None:
+        super().__init__(self._check_all)
         self.allow_private = allow_private
 
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-    ) -> httpcore.NetworkStream:
-        try:
-            addresses = resolve(host, port)
-        except (OSError, UnicodeError) as exc:
-            raise httpcore.ConnectError(type(exc).__name__) from None
+    def _check_all(self, addresses: Sequence[IPAddress]) -> None:
         for address in addresses:
             check_address(address, allow_private=self.allow_private)  # AddressRefused
-        failure: Exception = httpcore.ConnectError("no address")
-        for address in addresses:
-            try:
-                return _FencedStream(
-                    super().connect_tcp(str(address), port, timeout, local_address, socket_options)
-                )
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
-                failure = exc
-        raise failure
+
+    def lookup(self, host: str, port: int) -> list[IPAddress]:
+        return resolve(host, port)  # this module's name: a test stands a DNS server in
+
+    def wrap(self, stream: httpcore.NetworkStream) -> httpcore.NetworkStream:
+        return _FencedStream(stream)
 
 
 # The fence of the call this thread (or greenlet) is about to make: checked once, by the

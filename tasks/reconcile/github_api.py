@@ -6,7 +6,9 @@ API has no time filter, so the walk stops at the first delivery older than the w
 delivery's ``guid`` is the ``X-GitHub-Delivery`` header, the receiver's dedup key, the same on
 every redelivery. Recovery asks GitHub to redeliver (``POST .../deliveries/{id}/attempts``):
 the real signed webhook then arrives and is accepted as usual. Errors are reported by status
-only, never with the API's message or the token.
+only, never with the API's message or the token. The client is :mod:`.transport`'s: addresses
+judged at connect time, no redirect, at most ``MAX_RESPONSE_BYTES`` of an answer, each call
+within ``CALL_TIMEOUT`` seconds.
 """
 
 from __future__ import annotations
@@ -26,17 +28,18 @@ from tasks.reconcile.paging import (
     Unreachable,
     retry_after,
 )
+from tasks.reconcile.transport import api_client, timed_out
 
 PAGE_SIZE = 100
-TIMEOUT = 30.0
 # Refused, reset or closed before an answer (not a timeout): walk tries a listing again.
 UNANSWERED: Final = (httpx.NetworkError, httpx.RemoteProtocolError)
 
 
-def _client(token: str, base: str) -> httpx.Client:
-    return httpx.Client(
-        base_url=base,
-        timeout=TIMEOUT,
+def _client(token: str, base: str, allow_private: bool) -> httpx.Client:
+    return api_client(
+        base,
+        f"GitHub API at {base}",
+        allow_private=allow_private,
         headers={
             "Authorization": f"Bearer {token}",
             "Accept": "application/vnd.github+json",
@@ -44,6 +47,14 @@ def _client(token: str, base: str) -> httpx.Client:
             "User-Agent": "webhook-pipeline-reconcile",
         },
     )
+
+
+def _unanswered(base: str, exc: httpx.HTTPError) -> ApiError:
+    if isinstance(exc, UNANSWERED):
+        return Unreachable(f"GitHub API at {base} did not answer")
+    if isinstance(exc, httpx.TimeoutException):
+        return timed_out(f"GitHub API at {base}")
+    return ApiError(None, f"GitHub API at {base} did not answer")
 
 
 def _raise_for(answer: httpx.Response, what: str) -> None:
@@ -74,9 +85,9 @@ def _next_cursor(link: str | None) -> str | None:
 
 
 def deliveries_fetcher(
-    token: str, base: str, hook: str, since: datetime
+    token: str, base: str, hook: str, since: datetime, *, allow_private: bool = False
 ) -> Callable[[str | None], Page]:
-    client = _client(token, base)
+    client = _client(token, base, allow_private)
 
     def fetch(cursor: str | None) -> Page:
         params: dict[str, Any] = {"per_page": PAGE_SIZE}
@@ -84,15 +95,18 @@ def deliveries_fetcher(
             params["cursor"] = cursor
         try:
             answer = client.get(f"/{hook}/deliveries", params=params)
-        except UNANSWERED:
-            raise Unreachable(f"GitHub API at {base} did not answer") from None
-        except httpx.HTTPError:
-            raise ApiError(None, f"GitHub API at {base} did not answer") from None
+        except httpx.HTTPError as exc:
+            raise _unanswered(base, exc) from None
         _raise_for(answer, "the deliveries list")
+        try:
+            items = _deliveries(answer)
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(
+                answer.status_code, f"GitHub API at {base} answered a list it cannot read"
+            ) from None
         events = []
         older = False
-        for item in answer.json():
-            delivered_at = datetime.fromisoformat(str(item["delivered_at"]).replace("Z", "+00:00"))
+        for item, delivered_at in items:
             if delivered_at < since:
                 older = True
                 continue
@@ -113,11 +127,25 @@ def deliveries_fetcher(
     return fetch
 
 
-def redeliver(token: str, base: str, hook: str, delivery_id: str) -> None:
+def _deliveries(answer: httpx.Response) -> list[tuple[dict[str, Any], datetime]]:
+    """The page's deliveries with their time (ValueError, KeyError or TypeError when it is
+    not a list of deliveries)."""
+    items = answer.json()
+    if not isinstance(items, list):
+        raise TypeError("not a list")
+    return [
+        (item, datetime.fromisoformat(str(item["delivered_at"]).replace("Z", "+00:00")))
+        for item in items
+    ]
+
+
+def redeliver(
+    token: str, base: str, hook: str, delivery_id: str, *, allow_private: bool = False
+) -> None:
     """Ask GitHub to send the delivery again (202); ApiError otherwise."""
-    with _client(token, base) as client:
+    with _client(token, base, allow_private) as client:
         try:
             answer = client.post(f"/{hook}/deliveries/{delivery_id}/attempts")
-        except httpx.HTTPError:
-            raise ApiError(None, f"GitHub API at {base} did not answer") from None
+        except httpx.HTTPError as exc:
+            raise _unanswered(base, exc) from None
     _raise_for(answer, "a redelivery")

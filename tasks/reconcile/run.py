@@ -111,18 +111,21 @@ class Report:
 
 def fetcher(target: Target, base: str, since: datetime) -> Callable[[str | None], Page]:
     assert target.api_key is not None
+    private = options.private_allowed(target.config)
     if target.provider == "stripe":
         from tasks.reconcile.stripe_api import events_fetcher  # noqa: PLC0415 (the stripe client: only a Stripe run)
 
-        return events_fetcher(target.api_key, base, since, _stripe_endpoint(target))
+        endpoint = _stripe_endpoint(target)
+        return events_fetcher(target.api_key, base, since, endpoint, allow_private=private)
     if target.provider == "github":
         from tasks.reconcile.github_api import deliveries_fetcher  # noqa: PLC0415 (only a GitHub run)
 
-        return deliveries_fetcher(target.api_key, base, _hook(target), since)
+        return deliveries_fetcher(target.api_key, base, _hook(target), since, allow_private=private)
     if target.provider == "svix":
         from tasks.reconcile.svix_api import messages_fetcher  # noqa: PLC0415 (the svix client: only a Svix run)
 
-        return messages_fetcher(target.api_key, base, _svix(target)[0], since)
+        app = _svix(target)[0]
+        return messages_fetcher(target.api_key, base, app, since, allow_private=private)
     raise ReconcileError(f"reconciliation does not support provider {target.provider!r}")
 
 
@@ -363,11 +366,12 @@ def _redeliver(target: Target, base: str, report: Report, sleep: Callable[[float
 
     assert target.api_key is not None
     hook = _hook(target)
+    private = options.private_allowed(target.config)
     for event in report.missing:
         assert event.ref is not None
         while True:
             try:
-                redeliver(target.api_key, base, hook, event.ref)
+                redeliver(target.api_key, base, hook, event.ref, allow_private=private)
             except RateLimited as exc:
                 if len(report.listing.waits) >= MAX_WAITS:
                     _stopped(report, target, ApiError(429, "rate limited: stopped"))
@@ -392,7 +396,8 @@ def _svix_recover(target: Target, base: str, report: Report) -> None:
     assert target.api_key is not None
     app, endpoint = _svix(target)
     try:
-        recover(target.api_key, base, app, endpoint, report.since)
+        private = options.private_allowed(target.config)
+        recover(target.api_key, base, app, endpoint, report.since, allow_private=private)
     except ApiError as exc:
         _stopped(report, target, exc)
         return

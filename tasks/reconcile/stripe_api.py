@@ -7,15 +7,21 @@ missing. Then ``GET /v1/events?created[gte]=...`` newest first, 100 a page,
 would also repeat 5xx answers, with its own sleeps): :func:`tasks.reconcile.paging.walk`
 decides (429 and ``Retry-After``; a connection refused or reset: :class:`Unreachable`). Errors are
 reported by status and code only: never the API's message, which may quote part of the key.
+
+The library's HTTP client is replaced (:class:`_GuardedClient`, over :mod:`.transport`'s
+httpx client): its default one, requests, follows redirects (a 302 to another plain-http host
+was followed, the key header stripped but loopback left), reads a body whole, uses proxies
+from the environment and bounds each socket read, not a call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from fnmatch import fnmatchcase
-from typing import Any, cast
+from typing import Any, Final, cast
 
+import httpx
 import orjson
 
 from tasks.reconcile.paging import (
@@ -26,8 +32,11 @@ from tasks.reconcile.paging import (
     Unreachable,
     retry_after,
 )
+from tasks.reconcile.transport import api_client, timed_out
 
 PAGE_SIZE = 100
+# Refused, reset or closed before an answer (not a timeout): walk tries a listing again.
+UNANSWERED: Final = (httpx.NetworkError, httpx.RemoteProtocolError)
 
 
 def _header(headers: Any, name: str) -> str | None:
@@ -38,16 +47,64 @@ def _header(headers: Any, name: str) -> str | None:
 
 
 def _unanswered(exc: Exception) -> bool:
-    """The library's connection error was a refused, reset or closed connection (requests'
-    ConnectionError), not a timeout (requests' ConnectTimeout is both: not retried)."""
-    import requests  # noqa: PLC0415  (the stripe library's HTTP client)
+    """The library's connection error was a refused, reset or closed connection, not a
+    timeout (httpx's NetworkError and RemoteProtocolError; a timeout is neither)."""
+    return isinstance(exc.__cause__, UNANSWERED)
 
-    cause = exc.__cause__
-    return isinstance(cause, requests.ConnectionError) and not isinstance(cause, requests.Timeout)
+
+def _guarded(base: str, allow_private: bool) -> Any:
+    """A ``stripe.HTTPClient`` over :func:`tasks.reconcile.transport.api_client`. A refusal
+    of the transport (redirect, size, address) is an ApiError that passes through the library
+    as it is; an httpx error becomes the library's APIConnectionError (its cause kept)."""
+    import stripe  # noqa: PLC0415  (only a run that reconciles Stripe needs it)
+
+    class _GuardedClient(stripe.HTTPClient):
+        name = "webhooks-reconcile"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._client = api_client(base, f"Stripe API at {base}", allow_private=allow_private)
+
+        def request(
+            self,
+            method: str,
+            url: str,
+            headers: Mapping[str, str] | None,
+            post_data: Any = None,
+            *,
+            _usage: list[str] | None = None,
+        ) -> tuple[str, int, Mapping[str, str]]:
+            try:
+                answer = self._client.request(
+                    method, url, headers=dict(headers or {}), content=post_data
+                )
+            except httpx.HTTPError as exc:
+                raise stripe.APIConnectionError(  # type: ignore[no-untyped-call]
+                    f"Stripe API at {base} did not answer ({type(exc).__name__})",
+                    should_retry=False,
+                ) from exc
+            body = answer.content.decode("utf-8", errors="replace")
+            return body, answer.status_code, answer.headers
+
+        def request_stream(
+            self,
+            method: str,
+            url: str,
+            headers: Mapping[str, str] | None,
+            post_data: Any = None,
+            *,
+            _usage: list[str] | None = None,
+        ) -> tuple[Any, int, Mapping[str, str]]:
+            raise NotImplementedError("reconciliation streams nothing from Stripe")
+
+        def close(self) -> None:
+            self._client.close()
+
+    return _GuardedClient()
 
 
 def events_fetcher(
-    api_key: str, base: str, since: datetime, endpoint_id: str
+    api_key: str, base: str, since: datetime, endpoint_id: str, *, allow_private: bool = False
 ) -> Callable[[str | None], Page]:
     import stripe  # noqa: PLC0415  (only a run that reconciles Stripe needs it)
 
@@ -55,6 +112,7 @@ def events_fetcher(
         api_key,
         base_addresses={"api": base},
         max_network_retries=0,
+        http_client=_guarded(base, allow_private),
     )
     enabled: list[str] = []
 
@@ -76,6 +134,8 @@ def events_fetcher(
         except stripe.APIConnectionError as exc:
             if _unanswered(exc):
                 raise Unreachable(f"Stripe API at {base} did not answer") from None
+            if isinstance(exc.__cause__, httpx.TimeoutException):
+                raise timed_out(f"Stripe API at {base}") from None
             raise ApiError(None, f"Stripe API at {base} did not answer") from None
         except stripe.StripeError as exc:
             code = f" {exc.code}" if exc.code else ""

@@ -7,6 +7,11 @@ header, the receiver's dedup key. Recovery is one call, ``POST
 message of the window whose delivery to the endpoint failed, and the signed webhooks arrive
 as usual. The client's own retries are off (:func:`tasks.reconcile.paging.walk` decides);
 the client does not expose response headers, so a 429 waits the default backoff.
+
+The client's own httpx client is replaced by :mod:`.transport`'s (the library takes none as a
+parameter, so its attribute is set): addresses judged at connect time, no redirect, no proxy
+from the environment, at most ``MAX_RESPONSE_BYTES`` of an answer, each call within
+``CALL_TIMEOUT`` seconds (the library's ``timeout`` bounds each socket read, not a call).
 """
 
 from __future__ import annotations
@@ -16,17 +21,19 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-import pydantic
 from svix.api import MessageListOptions, RecoverIn, Svix, SvixOptions
 from svix.exceptions import HttpError
 
 from tasks.reconcile.paging import ApiError, Page, ProviderEvent, RateLimited, Unreachable
+from tasks.reconcile.transport import CALL_TIMEOUT, api_client, timed_out
 
 PAGE_SIZE = 100
 
 
-def _client(token: str, base: str) -> Any:
-    return Svix(token, SvixOptions(server_url=base, retry_schedule=[], timeout=30.0))
+def _client(token: str, base: str, allow_private: bool) -> Any:
+    client = Svix(token, SvixOptions(server_url=base, retry_schedule=[], timeout=CALL_TIMEOUT))
+    client._httpx_client = api_client(base, f"Svix API at {base}", allow_private=allow_private)
+    return client
 
 
 def _raised(exc: Exception, base: str) -> Exception:
@@ -37,17 +44,26 @@ def _raised(exc: Exception, base: str) -> Exception:
         if status in (401, 403):
             return ApiError(status, f"Svix refused the API token ({status})")
         return ApiError(status, f"Svix API error {status}")
+    if isinstance(exc, ApiError):  # refused by the transport (redirect, size, address)
+        return exc
     if isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError):
         return Unreachable(f"Svix API at {base} did not answer")  # walk tries again
-    if isinstance(exc, pydantic.ValidationError):
+    if isinstance(exc, httpx.TimeoutException):
+        return timed_out(f"Svix API at {base}")
+    if isinstance(exc, ValueError):  # pydantic's ValidationError; an error body not JSON
         return ApiError(None, f"Svix API at {base} answered a body its client cannot read")
     return ApiError(None, f"Svix API at {base} did not answer")
 
 
+# What a call may raise: the library's HttpError, httpx's errors, a body it cannot read, and
+# the transport's refusals.
+_FAILURES = (HttpError, httpx.HTTPError, ValueError, ApiError)
+
+
 def messages_fetcher(
-    token: str, base: str, app_id: str, since: datetime
+    token: str, base: str, app_id: str, since: datetime, *, allow_private: bool = False
 ) -> Callable[[str | None], Page]:
-    client = _client(token, base)
+    client = _client(token, base, allow_private)
 
     def fetch(cursor: str | None) -> Page:
         options = MessageListOptions(
@@ -55,7 +71,7 @@ def messages_fetcher(
         )
         try:
             page = client.message.list(app_id, options)
-        except (HttpError, httpx.HTTPError, pydantic.ValidationError) as exc:
+        except _FAILURES as exc:
             raise _raised(exc, base) from None
         events = [
             ProviderEvent(event_id=str(m.id), event_type=str(m.event_type), created=m.timestamp)
@@ -66,8 +82,18 @@ def messages_fetcher(
     return fetch
 
 
-def recover(token: str, base: str, app_id: str, endpoint_id: str, since: datetime) -> None:
+def recover(
+    token: str,
+    base: str,
+    app_id: str,
+    endpoint_id: str,
+    since: datetime,
+    *,
+    allow_private: bool = False,
+) -> None:
     try:
-        _client(token, base).endpoint.recover(app_id, endpoint_id, RecoverIn(since=since))
-    except (HttpError, httpx.HTTPError, pydantic.ValidationError) as exc:
+        _client(token, base, allow_private).endpoint.recover(
+            app_id, endpoint_id, RecoverIn(since=since)
+        )
+    except _FAILURES as exc:
         raise _raised(exc, base) from None

@@ -23,7 +23,7 @@ import enum
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from tasks.errors import (
     PermanentError,
     RetryableError,
 )
-from tasks.policy import RetryPolicy, decide
+from tasks.policy import DEAD_EXPIRED, DEAD_MAX_AGE, RetryPolicy, decide
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed
 from tasks.steps.inputs import Loaded
@@ -344,19 +344,24 @@ def fail(
     found, row, fast = claimed.found, claimed.row, claimed.fast
     # A failed probe of a half-open route is the outage going on, not this delivery's
     # budget: never its last attempt, and not counted by the next ones (models/breaker.py).
+    # It ages like any attempt: past its max_age it goes dead, ``expired`` (issue 34: an
+    # open breaker never keeps a delivery alive past its max_age; models/route_ends.py).
     probe = row.breaker_state == breaker.HALF_OPEN and isinstance(exc, DownstreamError)
     if probe:
         policy = dataclasses.replace(policy, max_attempts=found.attempts_in_run + 1)
     decision = decide(
         policy,
         attempt=found.attempts_in_run,
-        started_at=age_from(found, row, now=now, probe=probe),
+        started_at=age_from(found, row),
         now=now,
         permanent=isinstance(exc, PermanentError),
         requested_delay=exc.delay if isinstance(exc, RetryableError) else None,
         rng=rt.rng,
     )
     error_class, error = type(exc).__name__, describe_error(exc)
+    if probe and decision.reason == DEAD_MAX_AGE:
+        decision = dataclasses.replace(decision, reason=DEAD_EXPIRED)
+        error = f"{expired_probe(policy, row, now)}; last error: {error}"
 
     def transition(on: Session) -> None:
         if decision.retry:
@@ -502,15 +507,31 @@ def fenced(
     return Report.of(Outcome.FENCED, found, row, str(exc), finished=handed_back)
 
 
-def age_from(found: Claim, row: ClaimedEvent, *, now: datetime, probe: bool) -> datetime:
+def age_from(found: Claim, row: ClaimedEvent) -> datetime:
     """Where a delivery's max_age counts from: its first attempt (or creation), but never
-    before its route's last release from a hold (breaker closed, resumed by hand), and a
-    half-open probe's failure not at all (the outage goes on). So time a route spent held
-    never ages its work into the dead letters (issue 23 item 4; README)."""
-    if probe:
-        return now
+    before its route's last resume by hand (``released_at``): a pause is an operator's
+    decision, and the time it held the route does not age its work (issue 23 item 4). An
+    open breaker is not: its time counts, and a failed probe ages like any attempt, so no
+    breaker keeps a delivery alive past its max_age (issue 34; models/route_ends.py)."""
     start = found.first_attempt_at or found.created_at
     return start if row.released_at is None else max(start, row.released_at)
+
+
+def expired_probe(policy: RetryPolicy, row: ClaimedEvent, now: datetime) -> str:
+    """What the dead letter of a probe failed past its max_age says: how long its route's
+    breaker had been open (as the sweep's ``expired`` letters say, models/route_ends.py)."""
+    text = (
+        f"expired: its max_age ({int(policy.max_age.total_seconds())} s) passed while its "
+        "route's breaker was open;"
+    )
+    opened = row.breaker_opened_at
+    if opened is not None:
+        since = opened.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        text += (
+            f" the breaker had been open for {int((now - opened).total_seconds())} s "
+            f"(since {since})"
+        )
+    return text
 
 
 def _schedule(rt: Runtime, delivery_id: int, delay_s: float) -> bool:

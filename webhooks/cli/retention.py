@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import date
+from datetime import date, datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -16,6 +16,8 @@ from webhooks.cli.common import CliError, Env, console, env, handle_errors, prin
 from webhooks.cli.render import JsonOpt, say
 
 if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
     from core.horizon import WindowReview
 
 ttl_app = typer.Typer(
@@ -46,7 +48,9 @@ def ttl_explain(
     source: Annotated[str, typer.Argument(help="Source id or unambiguous name.")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Each term of the source's dedup TTL, where its value came from, and the sum."""
+    """Each term of the source's dedup TTL, where its value came from, and the sum; and the
+    p99 queue lag measured from the database over the last day beside the queue_lag term."""
+    from core.clock import pinned
     from core.ttl import dedup_terms
     from models import catalog
 
@@ -77,6 +81,8 @@ def ttl_explain(
             "retry_window": format_duration(ttl.retry_window),
             "covers_retries": ttl.covers_retries,
         }
+        budget = next(t.value for t in ttl.terms if t.name == "queue_lag")
+        view["queue_lag_measured"] = _measured_lag(session, row.id, budget, pinned(e.clock))
     if as_json:
         print_json(view)
     else:
@@ -86,6 +92,8 @@ def ttl_explain(
         table.add_column("from", overflow="fold")  # a cited URL is folded, never cut
         for term in view["terms"]:
             table.add_row(term["name"], term["value"], str(term["seconds"]), term["origin"])
+            if term["name"] == "queue_lag":  # beside it, what the pipeline measured
+                table.add_row(*_measured_row(view["queue_lag_measured"]))
         table.add_row("= dedup_ttl", view["dedup_ttl"], str(view["dedup_ttl_seconds"]), "sum")
         console.print(table)
     if not ttl.covers_retries:
@@ -99,6 +107,49 @@ def ttl_explain(
             f"by {format_duration(ttl.total - ttl.retry_window)}",
             highlight=False,
         )
+
+
+def _measured_lag(
+    session: Session, source_id: int, budget: timedelta, now: datetime | None
+) -> dict[str, Any]:
+    """The source's p99 queue lag over the window, read now (models/queue_lag.py), against
+    its queue_lag term; never changes the term (docs/retention.md)."""
+    from core.ttl import QUEUE_LAG_WINDOW
+    from models import queue_lag
+
+    found = queue_lag.measure(session.connection(), now, QUEUE_LAG_WINDOW, source_id)
+    lag = found.get(source_id)
+    p99 = None if lag is None else lag.p99
+    return {
+        "p99": None if p99 is None else _short(p99),
+        "p99_seconds": None if p99 is None else round(p99.total_seconds(), 3),
+        "deliveries": 0 if lag is None else lag.deliveries,
+        "window": format_duration(QUEUE_LAG_WINDOW),
+        "window_seconds": int(QUEUE_LAG_WINDOW.total_seconds()),
+        "budget": format_duration(budget),
+        "budget_seconds": int(budget.total_seconds()),
+        "over_budget": p99 is not None and p99 > budget,
+    }
+
+
+def _short(value: timedelta) -> str:
+    """A duration as the terms show it; under a second, in milliseconds (not "0s")."""
+    if value < timedelta(seconds=1):
+        return f"{round(value.total_seconds() * 1000)}ms"
+    return format_duration(value)
+
+
+def _measured_row(m: dict[str, Any]) -> tuple[str, str, str, str]:
+    """The table row under queue_lag: the measured p99, its window, against the term."""
+    if m["p99"] is None:
+        return ("  p99 measured", "-", "-", f"no delivery in the last {m['window']}")
+    verdict = "OVER the budget" if m["over_budget"] else "within the budget"
+    return (
+        "  p99 measured",
+        m["p99"],
+        str(round(m["p99_seconds"])),
+        f"receipt to outcome, last {m['window']} ({m['deliveries']} deliveries): {verdict}",
+    )
 
 
 # `webhooks ttl check` (issue 35 item 3): the providers' retry windows due for review. ------

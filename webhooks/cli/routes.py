@@ -248,6 +248,9 @@ def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
         return
     b = view["breaker"]
     say(escape(f"route {view['id']}: {view['handler']} for {view['events']}"))
+    if not view["active"]:
+        since = f" since {view['disabled_at']}: {view['disabled_reason']}"
+        say(escape(f"disabled{since if view['disabled_at'] else ''}"))
     if view["paused"]:
         say(escape(f"paused since {view['paused_at']}: {view['pause_reason']}"))
     say(escape(f"limits: {_limits_cell(view, e.settings.route_max_in_flight)}"))
