@@ -22,6 +22,7 @@ from tests.processes import receiver
 from tests.signing import sign
 from tests.workers import BROKER_URL, wait_for
 
+FAILED_OPEN = 'webhooks_admissions_total{outcome="failed_open"} 1.0'
 CARD = re.compile(r'<div class="card (\w+)" id="degraded"><b>(\w+)</b><span>([^<]*)</span>')
 
 
@@ -61,6 +62,13 @@ def test_the_degraded_card_reads_the_receivers_fail_open_counts(
                 f"{rcv.url}/webhooks/{source.public_id}", headers=headers, content=body
             )
             assert answered.status_code == 202
+            # The publisher's admission fails open (counted) while Redis is away; only then
+            # does Redis come back (a retry inside the client would otherwise reach it).
+            wait_for(
+                lambda: FAILED_OPEN in http.get(f"{admin}/metrics").text,
+                timeout=30,
+                what="the receiver to count the fail-open",
+            )
             proxy.restore()  # Redis answers again: a ping now would say ok
 
             state, text = wait_for(
