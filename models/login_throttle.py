@@ -53,15 +53,21 @@ MAX_LOCAL_CLIENTS = 10_000
 Scope = Literal["client", "global"]
 Store = Literal["redis", "process"]
 
-# KEYS: the buckets (client, global); ARGV 1: now in ms, or -1 for Redis' TIME; then per key
-# its interval (ms) and size. Answers {0, 0} (room in every bucket) or {i, wait ms} for the
-# first bucket that is full. Writes nothing.
-_CHECK = """
+# Both scripts start here: ARGV 1 is now in ms, or -1 for Redis' own clock (TIME).
+_NOW = """
 local now = tonumber(ARGV[1])
 if now < 0 then
     local clock = redis.call('TIME')
     now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 end
+"""
+
+# KEYS: the buckets (client, global); ARGV 1: now (see _NOW); then per key its interval (ms)
+# and size. Answers {0, 0} (room in every bucket) or {i, wait ms} for the first bucket that is
+# full. Writes nothing.
+_CHECK = (
+    _NOW
+    + """
 for i = 1, #KEYS do
     local interval = tonumber(ARGV[2 * i])
     local size = tonumber(ARGV[2 * i + 1])
@@ -72,14 +78,12 @@ for i = 1, #KEYS do
 end
 return {0, '0'}
 """
+)
 
 # A failure, charged to every bucket: KEYS and ARGV as above.
-_CHARGE = """
-local now = tonumber(ARGV[1])
-if now < 0 then
-    local clock = redis.call('TIME')
-    now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-end
+_CHARGE = (
+    _NOW
+    + """
 for i = 1, #KEYS do
     local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
     if tat < now then tat = now end
@@ -88,6 +92,7 @@ for i = 1, #KEYS do
 end
 return 0
 """
+)
 
 
 @dataclass(frozen=True)
