@@ -598,10 +598,14 @@ def test_a_bad_duration_names_the_variable(text: str, monkeypatch: pytest.Monkey
 def test_every_duration_setting_takes_the_short_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     names = [n for n, f in Settings.model_fields.items() if f.annotation is timedelta]
     assert {"sweep_interval", "max_age", "payload_retention"} <= set(names)
+    # WEBHOOKS_HORIZON_REVIEW_AFTER is whole days (a bare 180 would be seconds): its own form.
+    whole_days = {"horizon_review_after"}
+    assert whole_days <= set(names)
     for name in names:
-        monkeypatch.setenv(f"WEBHOOKS_{name.upper()}", "1h30m")
+        monkeypatch.setenv(f"WEBHOOKS_{name.upper()}", "2d" if name in whole_days else "1h30m")
     settings = load_settings()
-    assert {getattr(settings, n) for n in names} == {timedelta(minutes=90)}
+    assert {getattr(settings, n) for n in names if n not in whole_days} == {timedelta(minutes=90)}
+    assert {getattr(settings, n) for n in whole_days} == {timedelta(days=2)}
 
 
 def test_durations_in_the_environment_of_a_real_command(tmp_path: Path) -> None:

@@ -25,11 +25,19 @@ def product_exceptions() -> list[type[BaseException]]:
         for path in sorted((ROOT / package).rglob("*.py")):
             if "migrations" in path.relative_to(ROOT).parts:
                 continue
-            classes = [
-                n.name
-                for n in ast.walk(ast.parse(path.read_text()))
-                if isinstance(n, ast.ClassDef) and n.bases
-            ]
+            tree = ast.parse(path.read_text())
+            classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.bases]
+            # A class made inside a function (to defer a heavy import) is no exception: an
+            # exception there would escape this check, so its bases may not name one.
+            for function in ast.walk(tree):
+                if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                for inner in ast.walk(function):
+                    if isinstance(inner, ast.ClassDef):
+                        bases = [ast.unparse(b) for b in inner.bases]
+                        assert not any(b.endswith(("Error", "Exception")) for b in bases), (
+                            f"{path}: exception class {inner.name} inside a function"
+                        )
             if not classes:
                 continue
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
