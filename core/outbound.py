@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import ssl
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import httpcore
 
@@ -30,6 +32,38 @@ def resolve(host: str, port: int) -> list[IPAddress]:
     """Every address ``host`` resolves to (the system resolver, once)."""
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in found]
+
+
+class WrappedStream(httpcore.NetworkStream):
+    """A connection that hands everything to ``inner``: a subclass changes what it must (a
+    fence before a write, a deadline on each wait), and :meth:`rewrap` keeps the stream a TLS
+    upgrade returns wrapped the same way."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def rewrap(self, inner: httpcore.NetworkStream) -> httpcore.NetworkStream:
+        return type(self)(inner)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        return self.rewrap(self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
 
 
 class CheckedBackend(httpcore.SyncBackend):

@@ -9,11 +9,9 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import httpx
 import psycopg
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text
 
 from core.settings import Settings
@@ -24,7 +22,14 @@ from tasks.capacity import measure_fast_tier, measure_partitions
 from tests.conftest import ADMIN_DSN, REDIS, TEST_DB, free_port, make_settings, wait_for_port
 from tests.factories import make_source
 from tests.leakcheck import remember
-from tests.workers import CLAIMS_URL, Broker, running_worker, wait_for, worker_settings
+from tests.workers import (
+    CLAIMS_URL,
+    Broker,
+    running_worker,
+    scrape_metrics,
+    wait_for,
+    worker_settings,
+)
 
 PRIVATE = f"{REDIS}/9"  # nobody else's keys
 DAY = timedelta(days=1)
@@ -121,16 +126,6 @@ def _longest(engine: Engine, settings: Settings) -> timedelta:
     return longest_ttl(engine, settings) + MAX_EVENT_TIME_LEAD
 
 
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
-    assert response.status_code == 200
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(response.text)
-        for s in family.samples
-    }
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_worker_exports_the_capacity_gauges_after_maintenance(tmp_path: Path) -> None:
@@ -157,7 +152,7 @@ def test_a_worker_exports_the_capacity_gauges_after_maintenance(tmp_path: Path) 
             broker.maintenance()
 
             def measured() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
-                samples = _scrape(port)
+                samples = scrape_metrics(port)
                 wanted = (
                     ("webhooks_partition_days", (("state", "ahead"),)),
                     ("webhooks_job_last_success_timestamp_seconds", (("job", "maintenance"),)),

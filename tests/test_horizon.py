@@ -16,10 +16,8 @@ from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 
 from core.horizon import WindowReview, due, review, review_one, utc_day
 from core.providers import BUILTIN_PROVIDERS, Provider, ProviderPluginError, registry
@@ -27,7 +25,7 @@ from core.providers import descriptions as provider_descriptions
 from core.settings import SettingsError, load_settings
 from tasks import horizon as maintenance_horizon
 from tests.conftest import BASE_ENV, BIN, free_port, make_settings, test_env, wait_for_port
-from tests.workers import Broker, running_worker, wait_for, worker_settings
+from tests.workers import Broker, running_worker, scrape_metrics, wait_for, worker_settings
 
 # The day each built-in window was set (and last checked): the commit that introduced it
 # (git log -S on its citation; none has changed since). See docs/providers.md.
@@ -363,13 +361,11 @@ def test_ttl_check_lists_a_never_verified_plugin_first(tmp_path: Path) -> None:
 
 
 def _scrape(port: int) -> dict[tuple[str, str], float]:
-    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
-    assert response.status_code == 200
+    """The provider-window gauges of a real worker's /metrics, by (name, provider)."""
     return {
-        (s.name, s.labels.get("provider", "")): s.value
-        for family in text_string_to_metric_families(response.text)
-        for s in family.samples
-        if s.name.startswith("webhooks_provider_window_")
+        (name, dict(labels).get("provider", "")): value
+        for (name, labels), value in scrape_metrics(port).items()
+        if name.startswith("webhooks_provider_window_")
     }
 
 

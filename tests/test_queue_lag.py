@@ -11,9 +11,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -25,7 +23,7 @@ from tests.conftest import BIN, free_port, wait_for_port
 from tests.conftest import test_env as subprocess_env
 from tests.factories import MadeSource, source_ttl
 from tests.retention_support import accept, kill, new_source, succeed
-from tests.workers import Broker, running_worker, wait_for, worker_settings
+from tests.workers import Broker, running_worker, scrape_metrics, wait_for, worker_settings
 
 HOUR = timedelta(hours=1)
 MIN = timedelta(minutes=1)
@@ -49,16 +47,6 @@ def webhooks_cli(*args: str, columns: int = 200) -> subprocess.CompletedProcess[
         timeout=60,
         check=False,
     )
-
-
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
-    assert response.status_code == 200
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(response.text)
-        for s in family.samples
-    }
 
 
 def _now() -> datetime:
@@ -263,7 +251,7 @@ def test_a_worker_exports_the_measured_p99_beside_the_budget_after_maintenance(
             )
 
             def measured() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
-                samples = _scrape(port)
+                samples = scrape_metrics(port)
                 wanted = (p99, budget, done)
                 return samples if all(key in samples for key in wanted) else None
 

@@ -20,7 +20,7 @@ from core.messages import DELIVERIES_QUEUE, Dispatch
 from core.settings import Settings
 from models.db import make_engine
 from tasks.runtime import engine_pool_size
-from tests.conftest import TEST_DB
+from tests.conftest import TEST_DB, free_port, wait_for_port
 from tests.netproxy import CuttableProxy
 from tests.workers import (
     BROKER_URL,
@@ -32,6 +32,7 @@ from tests.workers import (
     new_dispatches,
     running_beat,
     running_worker,
+    scrape_metrics,
     wait_for,
     wait_status,
     worker_settings,
@@ -61,17 +62,40 @@ def _fails_twice_then_sweeps_once_restored(worker: Worker, proxy: CuttableProxy)
 @pytest.mark.slow
 def test_a_sweep_without_its_database_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     """Twice: a worker that starts while Postgres is unreachable (its first task cannot build
-    the process's runtime), then the same worker losing its open connections mid-run."""
+    the process's runtime), then the same worker losing its open connections mid-run. A
+    failed sweep is no success to the stale-job alert: the sweep's last-success gauge stays
+    absent while every run fails, and appears once one runs through (issue 35 item 5)."""
     flush_redis()
     proxy = CuttableProxy(5432)
     proxy.cut()  # new connections are refused
     via_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{TEST_DB}"
+    port = free_port()
+    last_sweep = ("webhooks_job_last_success_timestamp_seconds", (("job", "sweep"),))
     try:
         with (
-            running_worker("outage", tmp_path, database_url=via_proxy) as worker,
+            running_worker(
+                "outage",
+                tmp_path,
+                database_url=via_proxy,
+                worker_metrics_port=port,
+                metrics_dir=str(tmp_path / "metrics"),
+            ) as worker,
             running_beat(tmp_path),
         ):
+            wait_for_port(port, worker.proc)
+            before = worker.output().count("sweep.failed")
+            wait_for(
+                lambda: worker.output().count("sweep.failed") >= before + 2,
+                timeout=30,
+                what="two sweeps to fail while the database is unreachable",
+            )
+            assert last_sweep not in scrape_metrics(port)
             failed = [_fails_twice_then_sweeps_once_restored(worker, proxy)]
+            assert wait_for(
+                lambda: scrape_metrics(port).get(last_sweep),
+                timeout=30,
+                what="the sweep's success on the worker's metrics",
+            )
             proxy.cut()  # open connections die; new ones are refused
             failed.append(_fails_twice_then_sweeps_once_restored(worker, proxy))
             log = worker.output()

@@ -21,9 +21,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, Row, text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -378,3 +380,17 @@ def retry_logs(worker: Process, delivery_id: int) -> list[dict[str, Any]]:
         for line in worker.json_lines()
         if line.get("event") == "delivery.retry" and line.get("delivery_id") == delivery_id
     ]
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape_metrics(port: int) -> Samples:
+    """A real process's ``/metrics`` on ``port``: each sample by (name, sorted labels)."""
+    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert response.status_code == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }

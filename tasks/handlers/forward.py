@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
 from urllib.parse import quote, urlsplit
 
 import httpcore
@@ -52,7 +51,7 @@ from standardwebhooks.webhooks import Webhook
 
 from core.addresses import AddressRefused, IPAddress, allows_private, check_address, check_host
 from core.metrics import RETRY_AFTER_IGNORED
-from core.outbound import CheckedBackend, resolve
+from core.outbound import CheckedBackend, WrappedStream, resolve
 from tasks.context import Event, HandlerContext
 from tasks.errors import DownstreamError, PermanentError, RetryableError
 from tasks.handlers.registry import register
@@ -128,14 +127,8 @@ def _fenced_at_send(fence: Callable[[], None]) -> Iterator[None]:
         _pending_fence.check = None
 
 
-class _FencedStream(httpcore.NetworkStream):
+class _FencedStream(WrappedStream):
     """A connection that runs the pending fence (:func:`_fenced_at_send`) before a write."""
-
-    def __init__(self, inner: httpcore.NetworkStream) -> None:
-        self._inner = inner
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, timeout)
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         fence = getattr(_pending_fence, "check", None)
@@ -143,20 +136,6 @@ class _FencedStream(httpcore.NetworkStream):
             _pending_fence.check = None
             fence()  # LeaseFenced: nothing of this request was sent
         self._inner.write(buffer, timeout)
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,
-    ) -> httpcore.NetworkStream:
-        return _FencedStream(self._inner.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
 
 
 class _CheckedTransport(httpx.HTTPTransport):

@@ -34,14 +34,14 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Final
+from typing import Final
 from urllib.parse import urlsplit
 
 import httpcore
 import httpx
 
 from core.addresses import AddressRefused, IPAddress, check_api_address
-from core.outbound import CheckedBackend
+from core.outbound import CheckedBackend, WrappedStream
 from tasks.reconcile.paging import ApiError
 
 # An answer's body, read at most. A GitHub page of 100 deliveries is ~50 KiB, a Stripe page
@@ -69,21 +69,21 @@ class _Deadline(threading.local):
         return left if timeout is None else min(timeout, left)
 
 
-class _BoundedStream(httpcore.NetworkStream):
+class _BoundedStream(WrappedStream):
     """A connection whose every read and write waits at most what is left of the call."""
 
     def __init__(self, inner: httpcore.NetworkStream, deadline: _Deadline) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._deadline = deadline
+
+    def rewrap(self, inner: httpcore.NetworkStream) -> httpcore.NetworkStream:
+        return _BoundedStream(inner, self._deadline)
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         return self._inner.read(max_bytes, self._deadline.left(timeout, httpcore.ReadTimeout))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._inner.write(buffer, self._deadline.left(timeout, httpcore.WriteTimeout))
-
-    def close(self) -> None:
-        self._inner.close()
 
     def start_tls(
         self,
@@ -92,12 +92,7 @@ class _BoundedStream(httpcore.NetworkStream):
         timeout: float | None = None,
     ) -> httpcore.NetworkStream:
         bounded = self._deadline.left(timeout, httpcore.ConnectTimeout)
-        return _BoundedStream(
-            self._inner.start_tls(ssl_context, server_hostname, bounded), self._deadline
-        )
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
+        return super().start_tls(ssl_context, server_hostname, bounded)
 
 
 class _ApiBackend(CheckedBackend):
