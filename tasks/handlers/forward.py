@@ -12,8 +12,11 @@ redirects and other 4xx are permanent. 5xx, timeouts and connection errors raise
 :class:`~tasks.errors.DownstreamError`, which the route's circuit breaker counts. Errors name
 the status, never the URL (it may carry a token) nor the body.
 
-The response is streamed and at most :data:`MAX_RESPONSE_BYTES` of it read (nothing of it is
-needed: a downstream answering with a huge body cannot grow the worker's memory). A
+The call itself is :func:`tasks.handlers.forward_client.post`: on this process's event loop
+(aiohttp; the handler's thread waits for it) under the threads and prefork pools, httpx under
+gevent. The whole call is bounded by the I/O timeout on the loop, and at most
+:data:`~tasks.handlers.forward_client.MAX_RESPONSE_BYTES` of the answer is read (nothing of it
+is needed: a downstream answering with a huge body cannot grow the worker's memory). A
 ``Retry-After`` that is neither delta-seconds nor an HTTP date is ignored and counted.
 ``http://`` targets are refused (the event would travel in clear) unless the host is
 loopback or the route sets ``--option allow_http=true``.
@@ -21,7 +24,7 @@ loopback or the route sets ``--option allow_http=true``.
 Addresses (:mod:`core.addresses`): link-local and cloud metadata addresses are refused
 always; loopback and private ones unless the route sets ``--option allow_private=true``. The
 host is resolved once per connection, every address it resolves to is checked, and the
-connection goes to a checked address (a custom httpcore network backend), so DNS rebinding
+connection goes to a checked address (:mod:`tasks.handlers.forward_client`), so DNS rebinding
 cannot switch the target; TLS still verifies, and SNI and ``Host`` still name, the URL's host.
 A refused address is a PermanentError (``address_refused``), never retried. Forwards connect
 directly: ``HTTP(S)_PROXY`` is not used (a proxy would resolve the host itself).
@@ -35,137 +38,26 @@ by ``application/octet-stream``; a delivery never fails on our own header encodi
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
-import ssl
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from urllib.parse import quote, urlsplit
 
-import httpcore
-import httpx
 from standardwebhooks.webhooks import Webhook
 
-from core.addresses import AddressRefused, IPAddress, allows_private, check_address, check_host
+from core.addresses import AddressRefused, allows_private, check_host
 from core.metrics import RETRY_AFTER_IGNORED
-from core.outbound import CheckedBackend, WrappedStream, resolve
 from tasks.context import Event, HandlerContext
 from tasks.errors import DownstreamError, PermanentError, RetryableError
+from tasks.handlers.forward_client import post
 from tasks.handlers.registry import register
 
-USER_AGENT = "webhook-pipeline/0.1"
-# What is read of a downstream's answer at most; the rest is never read.
-MAX_RESPONSE_BYTES = 64 * 1024
 # The longest Retry-After honoured as given (the retry policy caps it further).
 _MAX_RETRY_AFTER_S = 7 * 86400.0
 _DELTA_SECONDS = re.compile(r"[0-9]{1,12}")  # ASCII digits only: "²".isdigit() is True
 # What a header value may carry as it is: printable ASCII and spaces (no controls, no CR/LF).
 _HEADER_SAFE = re.compile(r"[\x20-\x7e]*")
-
-# Idle clients, most recently used last, apart by whether they may reach private addresses.
-# Each running call borrows one (a gevent worker runs ~100 at once): one client shared by them
-# all spends its CPU in httpcore's pool, which checks every pooled connection for expiry on
-# each request (bench_forward.py measured it as most of the worker's CPU). A borrowed client
-# keeps its connections alive for the next call (of a route with the same address policy: a
-# connection a private route opened is never reused for one that may not reach it).
-_idle: dict[bool, list[httpx.Client]] = {False: [], True: []}
-# One TLS context for every client: building one per client costs milliseconds.
-_tls: ssl.SSLContext | None = None
-
-
-def _reset_clients() -> None:
-    # A pooled connection must not be shared across fork.
-    global _tls  # noqa: PLW0603
-    for clients in _idle.values():
-        clients.clear()
-    _tls = None
-
-
-os.register_at_fork(after_in_child=_reset_clients)
-
-
-class _CheckedBackend(CheckedBackend):
-    """:class:`core.outbound.CheckedBackend` judging addresses as a route allows (every
-    address checked, the connection to one of them), each connection fenced at its first
-    write (:func:`_fenced_at_send`)."""
-
-    def __init__(self, allow_private: bool) -> None:
-        super().__init__(self._check_all)
-        self.allow_private = allow_private
-
-    def _check_all(self, addresses: Sequence[IPAddress]) -> None:
-        for address in addresses:
-            check_address(address, allow_private=self.allow_private)  # AddressRefused
-
-    def lookup(self, host: str, port: int) -> list[IPAddress]:
-        return resolve(host, port)  # this module's name: a test stands a DNS server in
-
-    def wrap(self, stream: httpcore.NetworkStream) -> httpcore.NetworkStream:
-        return _FencedStream(stream)
-
-
-# The fence of the call this thread (or greenlet) is about to make: checked once, by the
-# connection's first write of the request, then dropped.
-_pending_fence = threading.local()
-
-
-@contextmanager
-def _fenced_at_send(fence: Callable[[], None]) -> Iterator[None]:
-    """Check ``fence`` at the last instant before the request's first byte is written:
-    after the pooled connection was found or a new one opened (DNS, TCP, TLS), where a worker
-    frozen or starved in between would otherwise wake up and send (issue 32's drill: a thread
-    frozen right after an earlier check called the downstream 1.3 s after another worker had
-    committed the delivery's success). What is left is the interpreter's few steps between
-    the check and the socket's send."""
-    _pending_fence.check = fence
-    try:
-        yield
-    finally:
-        _pending_fence.check = None
-
-
-class _FencedStream(WrappedStream):
-    """A connection that runs the pending fence (:func:`_fenced_at_send`) before a write."""
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        fence = getattr(_pending_fence, "check", None)
-        if fence is not None:
-            _pending_fence.check = None
-            fence()  # LeaseFenced: nothing of this request was sent
-        self._inner.write(buffer, timeout)
-
-
-class _CheckedTransport(httpx.HTTPTransport):
-    """httpx's transport over a pool that connects through :class:`_CheckedBackend`."""
-
-    def __init__(self, tls: ssl.SSLContext, allow_private: bool) -> None:
-        super().__init__(verify=tls, trust_env=False)
-        self._pool = httpcore.ConnectionPool(
-            ssl_context=tls, network_backend=_CheckedBackend(allow_private)
-        )
-
-
-@contextmanager
-def _http(allow_private: bool = False) -> Iterator[httpx.Client]:
-    global _tls  # noqa: PLW0603
-    idle = _idle[allow_private]
-    if idle:
-        client = idle.pop()
-    else:
-        if _tls is None:
-            _tls = httpx.create_ssl_context()  # what httpx.Client() itself builds
-        client = httpx.Client(
-            transport=_CheckedTransport(_tls, allow_private),
-            follow_redirects=False,
-            headers={"user-agent": USER_AGENT},
-        )
-    try:
-        yield client
-    finally:
-        idle.append(client)
 
 
 def parse_retry_after(value: str | None, now: datetime) -> float | None:
@@ -256,17 +148,6 @@ def _content_type(stored: str | None) -> str:
     return stored if _HEADER_SAFE.fullmatch(stored) else "application/octet-stream"
 
 
-def _read_at_most(response: httpx.Response, limit: int) -> int:
-    """Read up to ``limit`` bytes of the body and stop (leaving the stream closes the
-    connection instead of draining it). Returns the bytes read."""
-    seen = 0
-    for chunk in response.iter_raw(chunk_size=16 * 1024):
-        seen += len(chunk)
-        if seen >= limit:
-            break
-    return seen
-
-
 @register("forward")
 def forward(event: Event, ctx: HandlerContext) -> None:
     options = dict(ctx.route.options)
@@ -275,40 +156,27 @@ def forward(event: Event, ctx: HandlerContext) -> None:
         raise PermanentError("forward route has no signing secret", reason="misconfigured")
     now = ctx.clock.now()
     headers = signed_headers(event, ctx, ctx.route.signing_secret, now)
-    try:
-        with _http(allows_private(options)) as client, _fenced_at_send(ctx.fence):
-            ctx.fence()  # before a connection is opened for a call that will not be made
-            with client.stream(
-                "POST",
-                url,
-                content=event.body,
-                headers=headers,
-                timeout=httpx.Timeout(ctx.io_timeout),
-            ) as response:
-                _read_at_most(response, MAX_RESPONSE_BYTES)
-    except AddressRefused as exc:  # the host resolved to an address the route may not reach
-        raise PermanentError(str(exc), reason="address_refused") from None
-    except httpx.TimeoutException as exc:
-        raise DownstreamError(
-            f"downstream timed out ({type(exc).__name__})", reason="timeout"
-        ) from None
-    except httpx.TransportError as exc:
-        raise DownstreamError(
-            f"downstream unreachable ({type(exc).__name__})", reason="connection"
-        ) from None
-    status = response.status_code
+    answer = post(
+        url,
+        event.body,
+        headers,
+        timeout=ctx.io_timeout,
+        allow_private=allows_private(options),
+        fence=ctx.fence,
+    )
+    status = answer.status
     if 200 <= status < 300:
         return
     if status >= 500:  # the downstream failing: its route's breaker counts it
         raise DownstreamError(
             f"downstream answered HTTP {status}",
-            delay=parse_retry_after(response.headers.get("retry-after"), now),
+            delay=parse_retry_after(answer.retry_after, now),
             reason="http_retryable",
         )
     if status in (408, 429):
         raise RetryableError(
             f"downstream answered HTTP {status}",
-            delay=parse_retry_after(response.headers.get("retry-after"), now),
+            delay=parse_retry_after(answer.retry_after, now),
             reason="http_retryable",
         )
     raise PermanentError(f"downstream answered HTTP {status}", reason="http_rejected")
