@@ -91,7 +91,9 @@ def call(coro: Coroutine[Any, Any, T], bound: float) -> T:
     future = submit(coro)
     try:
         return future.result(timeout=bound + WAIT_MARGIN_S)
-    except concurrent.futures.TimeoutError:
+    except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError: whose is it?
+        if future.done():
+            raise  # the coroutine's own (its I/O timed out)
         future.cancel()
         raise LoopStalled(f"the handler I/O loop gave no answer within {bound}s") from None
     except BaseException:

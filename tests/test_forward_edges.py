@@ -23,7 +23,7 @@ import pytest
 from core.clock import SystemClock
 from core.metrics import RETRY_AFTER_IGNORED
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo
-from tasks.errors import LeaseFenced, PermanentError, RetryableError
+from tasks.errors import DownstreamError, LeaseFenced, PermanentError, RetryableError
 from tasks.handlers import forward_client
 from tasks.handlers.forward import check_url, forward, parse_retry_after
 from tasks.handlers.forward_client import MAX_RESPONSE_BYTES
@@ -448,3 +448,17 @@ def test_non_ascii_type_and_content_type_never_fail_an_attempt(downstream: Recor
     forward(event, ctx)
     assert downstream.requests[1]["x-webhooks-event-type"] == "edge.case"
     assert downstream.requests[1]["content-type"] == "application/json"
+
+
+def test_a_downstream_that_never_answers_times_out_at_the_io_timeout() -> None:
+    """The whole call is bounded by the handler's I/O timeout: a listener that accepts and
+    never answers costs one timeout (a retryable failure the breaker counts), not a wait
+    for the loop's own backstop."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        event, ctx = context(
+            f"http://127.0.0.1:{silent.getsockname()[1]}/hook", allow_private="true"
+        )
+        with pytest.raises(DownstreamError) as raised:
+            forward(event, dataclasses.replace(ctx, io_timeout=0.5))
+    assert raised.value.reason == "timeout"
+    assert "LoopStalled" not in str(raised.value)
