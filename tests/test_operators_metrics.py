@@ -1,5 +1,6 @@
 """Worker metrics move as events flow through a real prefork worker with several processes,
-and the main process's /metrics endpoint adds up every process's share."""
+and the main process's /metrics endpoint adds up every process's share. The delivery counters
+carry the source's public id (issue 35 item 6)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
 from core.settings import Settings
 from tests.conftest import BIN, free_port, wait_for_port
+from tests.factories import make_source
+from tests.leakcheck import remember
 from tests.operators_support import accept, flush, ops_env, ops_settings, source_with
 from tests.workers import Broker, Worker, attempts, wait_for, wait_status
 
@@ -46,6 +49,16 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def family(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    """Every sample of ``name``, by its exact label set."""
+    return {labels: v for (n, labels), v in samples.items() if n == name}
+
+
+def labelled(**labels: str) -> frozenset[tuple[str, str]]:
+    return frozenset(labels.items())
+
+
+@pytest.mark.usefixtures("clean_worker_state")  # flaky_n's effects table
 def test_worker_metrics_add_up_across_worker_processes(
     tmp_path: Path, ops: Settings, sessions: sessionmaker[Session], engine: Engine
 ) -> None:
@@ -73,7 +86,7 @@ def test_worker_metrics_add_up_across_worker_processes(
         directory = root / f"worker-{worker.pid}"
         assert directory.is_dir()
         before = scrape(port)
-        assert value(before, "webhooks_deliveries_total", outcome="succeeded") == 0
+        assert family(before, "webhooks_deliveries_total") == {}  # labelled: none until counted
 
         source = source_with(sessions, ops, "log")
         ids = [accept(ops, source)[0] for _ in range(6)]
@@ -90,7 +103,8 @@ def test_worker_metrics_add_up_across_worker_processes(
             result: Samples = wait_for(check, timeout=20, what=f"{name} {labels} == {expected}")
             return result
 
-        after = counted("webhooks_deliveries_total", 6, outcome="succeeded")
+        a = source.public_id
+        after = counted("webhooks_deliveries_total", 6, outcome="succeeded", source=a)
         assert value(after, "webhooks_claims_total", result="first") == 6
         assert value(after, "webhooks_receipt_to_success_seconds_count") == 6
         workers = {a.worker for d in ids for a in attempts(engine, d)}
@@ -99,17 +113,42 @@ def test_worker_metrics_add_up_across_worker_processes(
 
         # A second message for a delivery that succeeded: the fast claim says duplicate.
         broker.publish(ids[0])
+        # Not claimed, its source not read (the message carries its id alone): source="".
         dup = counted("webhooks_claims_total", 1, result="duplicate")
-        assert value(dup, "webhooks_deliveries_total", outcome="duplicate") == 1
-        assert value(dup, "webhooks_deliveries_total", outcome="succeeded") == 6
+        assert value(dup, "webhooks_deliveries_total", outcome="duplicate", source="") == 1
+        assert value(dup, "webhooks_deliveries_total", outcome="succeeded", source=a) == 6
 
-        # A handler that fails permanently: a dead letter, by reason.
-        [dead] = accept(ops, source_with(sessions, ops, "permanent"))
+        # A handler that fails permanently: a dead letter, by reason and source.
+        dead_source = source_with(sessions, ops, "permanent")
+        [dead] = accept(ops, dead_source)
         broker.publish(dead)
         reason = wait_status(engine, dead, "dead", timeout=60).dead_reason
-        final = counted("webhooks_dead_letters_total", 1, reason=reason)
-        assert value(final, "webhooks_deliveries_total", outcome="dead") == 1
-        assert value(final, "webhooks_claims_total", result="first") == 7
+        b = dead_source.public_id
+        counted("webhooks_dead_letters_total", 1, reason=reason, source=b)
+
+        # A handler that fails once: a retry, then a success, of a third source.
+        flaky = make_source(
+            sessions, ops, routes=[{"handler": "flaky_n", "options": {"failures": "1"}}]
+        )
+        remember(flaky.secret)
+        [retried] = accept(ops, flaky)
+        broker.publish(retried)
+        wait_status(engine, retried, "succeeded", timeout=60)
+        c = flaky.public_id
+        final = counted("webhooks_deliveries_total", 1, outcome="succeeded", source=c)
+        # The exact label sets: each counter's every sample names its source.
+        assert family(final, "webhooks_deliveries_total") == {
+            labelled(outcome="succeeded", source=a): 6,
+            labelled(outcome="duplicate", source=""): 1,
+            labelled(outcome="dead", source=b): 1,
+            labelled(outcome="retry", source=c): 1,
+            labelled(outcome="succeeded", source=c): 1,
+        }
+        assert family(final, "webhooks_retries_total") == {labelled(source=c): 1}
+        assert family(final, "webhooks_dead_letters_total") == {
+            labelled(reason=reason, source=b): 1
+        }
+        assert value(final, "webhooks_claims_total", result="first") == 9
         assert value(final, "webhooks_degraded_claims_total") == 0
     finally:
         broker.close()
