@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE
+from core.clock import FrozenClock
+from core.messages import DELIVERIES_QUEUE, MAINTENANCE_QUEUE, Dispatch
 from core.settings import Settings
+from models import transitions
+from tasks.pipeline import deliver_one
+from tasks.runtime import build_runtime
 from tests.conftest import BIN, free_port, wait_for_port
-from tests.factories import make_source
+from tests.factories import accept_event, make_source
 from tests.leakcheck import remember
 from tests.operators_support import accept, flush, ops_env, ops_settings, source_with
-from tests.workers import Broker, Worker, attempts, wait_for, wait_status
+from tests.workers import Broker, Worker, attempts, wait_for, wait_status, worker_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -154,6 +160,44 @@ def test_worker_metrics_add_up_across_worker_processes(
         broker.close()
         worker.stop()
     assert not (root / f"worker-{worker.pid}").exists()  # removed at shutdown
+
+
+def _no_publish(dispatch: Dispatch, countdown: float) -> None:
+    pass
+
+
+@pytest.mark.usefixtures("clean_worker_state")
+def test_a_crash_looped_dead_letter_is_counted_under_its_source(
+    engine: Engine, sessions: sessionmaker[Session]
+) -> None:
+    """The claim that finds one crash too many makes the delivery dead (``crashed``) without
+    running it: counted under its source like any dead letter. Two claims whose leases ran
+    out stand for two workers that died holding it; the worker's own code (this process, the
+    clock pinned past the second lease) claims it a third time."""
+    settings = worker_settings(max_redeliveries=2)
+    source = source_with(sessions, settings, "log")
+    [delivery_id] = accept_event(settings, source)[1].delivery_ids
+    with engine.connect() as conn:
+        start: datetime = conn.execute(text("SELECT now()")).scalar_one()
+    lease = timedelta(seconds=settings.processing_ttl)
+    for crash in range(2):
+        with sessions() as session, session.begin():
+            transitions.claim(
+                session, delivery_id, now=start + crash * (lease + timedelta(seconds=1)),
+                lease=lease, max_redeliveries=2, worker=f"died-{crash}",
+            )  # fmt: skip
+    labels = {"reason": "crashed", "source": source.public_id}
+    assert REGISTRY.get_sample_value("webhooks_dead_letters_total", labels) is None
+    rt = build_runtime(
+        settings, clock=FrozenClock(start + 2 * (lease + timedelta(seconds=1))), worker="third"
+    )
+    try:
+        assert deliver_one(rt, delivery_id, publish_retry=_no_publish) == "dead"
+    finally:
+        rt.close()
+    assert REGISTRY.get_sample_value("webhooks_dead_letters_total", labels) == 1
+    dead = {"outcome": "dead", "source": source.public_id}
+    assert REGISTRY.get_sample_value("webhooks_deliveries_total", dead) == 1
 
 
 def test_worker_metrics_listen_on_the_admin_host_not_the_receivers(tmp_path: Path) -> None:
