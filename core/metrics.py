@@ -90,9 +90,20 @@ LOGINS_THROTTLED = Counter(
 )
 
 # Workers.
-DELIVERIES = Counter("webhooks_deliveries_total", "Delivery attempts by outcome", ["outcome"])
-RETRIES = Counter("webhooks_retries_total", "Retries scheduled")
-DEAD_LETTERS = Counter("webhooks_dead_letters_total", "Deliveries that went dead", ["reason"])
+# The delivery counters carry the source's public id (seed 004: scope), a bounded label:
+# sources are created by an operator, a handful to a few hundred, as the receiver's
+# webhooks_requests_total{source} already assumes. A delivery the worker did not claim
+# (duplicate, skipped, held, missing, isolated, unclaimed) has source="": the message carries
+# ids only, and reading its source would cost a statement (the label is then absent in PromQL).
+DELIVERIES = Counter(
+    "webhooks_deliveries_total", "Delivery attempts by outcome and source", ["outcome", "source"]
+)
+RETRIES = Counter("webhooks_retries_total", "Retries scheduled, by source", ["source"])
+DEAD_LETTERS = Counter(
+    "webhooks_dead_letters_total",
+    "Deliveries that went dead, by reason and source",
+    ["reason", "source"],
+)
 CLAIMS = Counter(
     "webhooks_claims_total",
     "Fast-tier claims: first delivery, duplicate (idempotency hit) or degraded (Redis down)",

@@ -54,14 +54,14 @@ _AGE_START = """CASE WHEN d.first_attempt_at IS NOT NULL OR d.attempts = 0
 
 _EXPIRE_SQL = f"""
     WITH held AS (
-        SELECT g.id, g.source_id, g.breaker_opened_at,
+        SELECT g.id, g.source_id, s.public_id, g.breaker_opened_at,
                coalesce(g.max_age_s * interval '1 second', CAST(:max_age AS interval)) AS max_age,
                g.released_at
-        FROM routes g
+        FROM routes g JOIN sources s ON s.id = g.source_id
         WHERE g.breaker_state <> 'closed' AND g.paused_at IS NULL
           AND (g.breaker_probe_at IS NULL OR g.breaker_probe_at <= :now)
     ), due AS (
-        SELECT d.id, d.expires_at, g.id AS route_id, g.breaker_opened_at, g.max_age
+        SELECT d.id, d.expires_at, g.id AS route_id, g.public_id, g.breaker_opened_at, g.max_age
         FROM held g
         JOIN deliveries d ON d.source_id = g.source_id AND d.route_id = g.id
         WHERE d.status IN ('pending', 'retrying')
@@ -81,18 +81,20 @@ _EXPIRE_SQL = f"""
     WHERE d.id = due.id AND d.expires_at = due.expires_at
       AND d.status IN ('pending', 'retrying')
     RETURNING d.id, due.route_id,
-              floor(extract(epoch FROM :now - due.breaker_opened_at))
+              floor(extract(epoch FROM :now - due.breaker_opened_at)), due.public_id
     """  # noqa: S608 (fragments of this module, no input)
 
 
 @dataclass(frozen=True)
 class Expired:
     """A delivery the sweep sent to the dead letters: its route's breaker had been open for
-    ``open_for_s`` (None: the route never recorded its opening)."""
+    ``open_for_s`` (None: the route never recorded its opening); ``source``: its source's
+    public id (the ``source`` label of ``webhooks_dead_letters_total``)."""
 
     delivery_id: int
     route_id: int
     open_for_s: float | None
+    source: str
 
 
 def expire_held(
@@ -106,7 +108,10 @@ def expire_held(
         sql_text(_EXPIRE_SQL),
         {"now": now, "max_age": max_age, "limit": limit, "reason": DeadReason.EXPIRED},
     ).all()
-    return [Expired(int(r[0]), int(r[1]), None if r[2] is None else float(r[2])) for r in rows]
+    return [
+        Expired(int(r[0]), int(r[1]), None if r[2] is None else float(r[2]), str(r[3]))
+        for r in rows
+    ]
 
 
 _DISABLE_SQL = f"""

@@ -23,6 +23,7 @@ worker's engine, so they run on any worker that consumes the maintenance queue.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,7 +128,7 @@ def ended(disabled: list[route_ends.Disabled], expired: list[route_ends.Expired]
         ROUTES_DISABLED.labels(route=route).inc()
         BREAKER_STATE.labels(route=route).set(breaker.STATE_VALUES[breaker.CLOSED])
         if off.dead:
-            DEAD_LETTERS.labels(reason=DeadReason.ROUTE_DISABLED).inc(off.dead)
+            DEAD_LETTERS.labels(reason=DeadReason.ROUTE_DISABLED, source=off.source).inc(off.dead)
         log.warning(
             "route.disabled",
             route_id=off.route_id,
@@ -140,11 +141,13 @@ def ended(disabled: list[route_ends.Disabled], expired: list[route_ends.Expired]
             reason=off.reason,
         )
     if expired:
-        DEAD_LETTERS.labels(reason=DeadReason.EXPIRED).inc(len(expired))
+        for source, n in Counter(e.source for e in expired).items():
+            DEAD_LETTERS.labels(reason=DeadReason.EXPIRED, source=source).inc(n)
         log.warning(
             "sweep.expired",
             count=len(expired),
             route_ids=sorted({e.route_id for e in expired}),
+            sources=sorted({e.source for e in expired}),
             longest_open_s=max((e.open_for_s or 0.0) for e in expired),
         )
 

@@ -162,6 +162,13 @@ def _accept(settings: Settings, source: MadeSource, n: int) -> list[int]:
     return [accept_event(settings, source)[1].delivery_ids[0] for _ in range(n)]
 
 
+def _dead_letters(reason: str, source: MadeSource) -> float:
+    """This process's ``webhooks_dead_letters_total`` of one reason and source (issue 35
+    item 6: the sweep's dead letters name their source too)."""
+    labels = {"reason": reason, "source": source.public_id}
+    return REGISTRY.get_sample_value("webhooks_dead_letters_total", labels) or 0.0
+
+
 def _open_for(last_error: str) -> int:
     found = re.search(r"the breaker had been open for (\d+) s \(since ", last_error)
     assert found, last_error
@@ -193,8 +200,11 @@ def test_the_sweep_sends_deliveries_an_open_breaker_held_past_max_age_to_the_dea
 
     _sweep(settings, start + timedelta(minutes=59))
     assert {delivery(engine, i).status for i in [*held_ids, paused_id, closed_id]} == {"pending"}
+    assert _dead_letters("expired", held) == 0
 
     _sweep(settings, start + timedelta(minutes=61))
+    assert _dead_letters("expired", held) == 2  # counted under their source
+    assert _dead_letters("expired", paused) == _dead_letters("expired", closed) == 0
     for delivery_id in held_ids:
         row = delivery(engine, delivery_id)
         assert (row.status, row.dead_reason) == ("dead", "expired")
@@ -242,6 +252,7 @@ def test_a_breaker_probe_that_fails_past_max_age_goes_dead_expired(
     assert attempt(timedelta(hours=2)) == "dead"
     row = delivery(engine, delivery_id)
     assert (row.status, row.dead_reason) == ("dead", "expired")
+    assert _dead_letters("expired", source) == 1
     assert _open_for(row.last_error) == 2 * 3600 - 2
     assert row.last_error.endswith("last error: http_5xx: downstream answered HTTP 503")
 
@@ -379,6 +390,7 @@ def test_the_sweep_disables_a_route_open_past_the_setting_but_never_a_paused_one
 
     after = start + timedelta(days=5, minutes=1)
     _sweep(settings, after)
+    assert _dead_letters("route_disabled", stale) == 2  # counted under their source
     route = _route(engine, stale_route)
     assert (route.active, route.disabled_at, route.breaker_state) == (False, after, "closed")
     assert route.disabled_reason.startswith("breaker open longer than 5d:"), route.disabled_reason

@@ -37,7 +37,7 @@ from tasks.claims import FastClaim
 from tasks.connections import CONNECTION_ERRORS, autocommit, discard_pooled
 from tasks.policy import DEAD_CRASHED
 from tasks.runtime import Runtime
-from tasks.steps.outcome import Outcome, PublishRetry, Report, quiet
+from tasks.steps.outcome import Outcome, PublishRetry, Report, quiet, source_label
 
 log = get_logger(__name__)
 
@@ -263,8 +263,9 @@ def _not_claimed(raw: psycopg.Connection[Any], ids: list[int]) -> dict[int, Outc
 def _crash_looped(rt: Runtime, found: Claim, row: ClaimedEvent, fast: FastClaim) -> Report:
     """The claim found one crash too many and made the delivery dead instead (crash loop)."""
     rt.claims.release(fast)
-    DEAD_LETTERS.labels(reason=DEAD_CRASHED).inc()
-    DELIVERIES.labels(outcome=Outcome.DEAD).inc()
+    source = source_label(row)
+    DEAD_LETTERS.labels(reason=DEAD_CRASHED, source=source).inc()
+    DELIVERIES.labels(outcome=Outcome.DEAD, source=source).inc()
     log.warning(
         "delivery.dead",
         delivery_id=found.id,

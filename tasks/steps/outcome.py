@@ -79,8 +79,15 @@ class Report:
         )
 
 
+def source_label(row: ClaimedEvent) -> str:
+    """The ``source`` label of a claimed delivery's counters: its source's public id, read by
+    the claim statement (no statement of its own); "" if its source row is gone."""
+    return row.public_id or ""
+
+
 def quiet(delivery_id: int, outcome: Outcome) -> Report:
-    """A delivery this message did not attempt: counted and logged, nothing else."""
-    DELIVERIES.labels(outcome=outcome).inc()
+    """A delivery this message did not attempt: counted (``source=""``: its message carries
+    its id alone, and its source is not read for a count) and logged, nothing else."""
+    DELIVERIES.labels(outcome=outcome, source="").inc()
     log.info("delivery.not_claimed", delivery_id=delivery_id, outcome=outcome)
     return Report(outcome, delivery_id)

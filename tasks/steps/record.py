@@ -60,7 +60,7 @@ from tasks.policy import DEAD_EXPIRED, DEAD_MAX_AGE, RetryPolicy, decide
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed
 from tasks.steps.inputs import Loaded
-from tasks.steps.outcome import Outcome, PublishRetry, Report
+from tasks.steps.outcome import Outcome, PublishRetry, Report, source_label
 
 log = get_logger(__name__)
 
@@ -262,7 +262,7 @@ def unrecorded(found: Claim, row: ClaimedEvent) -> Report:
     """The outcome could not be recorded within WEBHOOKS_RECORD_RETRY_SECONDS: the delivery
     keeps its lease (and its fast claim, which expires with it) and is taken over once the
     lease runs out, as after a crash."""
-    DELIVERIES.labels(outcome=Outcome.UNRECORDED).inc()
+    DELIVERIES.labels(outcome=Outcome.UNRECORDED, source=source_label(row)).inc()
     return Report.of(
         Outcome.UNRECORDED,
         found,
@@ -293,7 +293,7 @@ def succeeded(rt: Runtime, done: Done) -> Report:
     row = done.claimed.row
     for hook in HOOKS:
         hook.after_success(rt, found, row)
-    DELIVERIES.labels(outcome=Outcome.SUCCEEDED).inc()
+    DELIVERIES.labels(outcome=Outcome.SUCCEEDED, source=source_label(row)).inc()
     RECEIPT_TO_SUCCESS.observe(max(0.0, (done.at - loaded.event.meta.received_at).total_seconds()))
     log.info(
         "delivery.succeeded",
@@ -318,7 +318,7 @@ def scope(found: Claim, row: ClaimedEvent, at: datetime) -> dict[str, Any]:
 def lost(rt: Runtime, found: Claim, fast: FastClaim, row: ClaimedEvent) -> Report:
     """Our lease ran out and another attempt took over: our writes were rolled back."""
     rt.claims.release(fast)
-    DELIVERIES.labels(outcome=Outcome.LOST).inc()
+    DELIVERIES.labels(outcome=Outcome.LOST, source=source_label(row)).inc()
     log.warning("delivery.lease_lost", delivery_id=found.id, attempt=found.attempt)
     return Report.of(
         Outcome.LOST, found, row, "its lease ran out and another attempt took the delivery over"
@@ -410,13 +410,14 @@ def fail(
         "error_reason": getattr(exc, "reason", None),
         **scope(found, row, now),
     }
+    source = source_label(row)
     if not decision.retry:
-        DEAD_LETTERS.labels(reason=decision.reason).inc()
-        DELIVERIES.labels(outcome=Outcome.DEAD).inc()
+        DEAD_LETTERS.labels(reason=decision.reason, source=source).inc()
+        DELIVERIES.labels(outcome=Outcome.DEAD, source=source).inc()
         log.warning("delivery.dead", reason=decision.reason, **fields)
         return Report.of(Outcome.DEAD, found, row, f"{decision.reason}: {error}", finished=True)
-    RETRIES.inc()
-    DELIVERIES.labels(outcome=Outcome.RETRY).inc()
+    RETRIES.labels(source=source).inc()
+    DELIVERIES.labels(outcome=Outcome.RETRY, source=source).inc()
     if timed_out(exc):  # its call may have landed: a named window
         REPEAT_WINDOWS.labels(cause="answer_timeout").inc()
     delay_s = decision.delay.total_seconds()
@@ -493,7 +494,7 @@ def fenced(
             "delivery.fence_unrecorded", delivery_id=found.id, error_class=type(err).__name__
         )
     rt.claims.release(fast)
-    DELIVERIES.labels(outcome=Outcome.FENCED).inc()
+    DELIVERIES.labels(outcome=Outcome.FENCED, source=source_label(row)).inc()
     log.warning(
         "delivery.fenced",
         delivery_id=found.id,
