@@ -70,7 +70,11 @@ class Connections:
 
 def _oldest_unproven(among: Iterable[AdminProtocol]) -> AdminProtocol | None:
     unproven = [c for c in among if c.unproven_since is not None]
-    return min(unproven, key=lambda c: c.unproven_since or 0.0, default=None)
+    return min(unproven, key=lambda c: c.unproven_since or 0, default=None)
+
+
+# When a connection became unproven, in the order of events (ties impossible, unlike times).
+_moments = itertools.count(1)
 
 
 class AdminProtocol(ReceiverProtocol):
@@ -86,13 +90,13 @@ class AdminProtocol(ReceiverProtocol):
         super().__init__(*args, **kwargs)
         self.address = ""
         self.phase = "head"
-        self.unproven_since: float | None = None
+        self.unproven_since: int | None = None  # a moment of _moments
 
     # Admission ----------------------------------------------------------------------------
 
     def _admit(self) -> bool:
         self.address = self.client[0] if self.client else ""
-        self.unproven_since = self.loop.time()
+        self.unproven_since = next(_moments)
         conns = self.open_connections
         if len(conns.of(self.address)) >= self.max_client_connections:
             if not self._make_room(conns.of(self.address), "client_connections"):
@@ -136,7 +140,7 @@ class AdminProtocol(ReceiverProtocol):
         if phase == "busy":
             self.unproven_since = None
         elif self.unproven_since is None:
-            self.unproven_since = self.loop.time()
+            self.unproven_since = next(_moments)
         self.phase = phase
 
     def on_message_begin(self) -> None:
