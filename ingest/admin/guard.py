@@ -3,7 +3,10 @@
 (``Authorization: Bearer``; on the docs' paths also the password of HTTP Basic, or the docs'
 session cookie), compared in constant time with every configured one, else 401; then the body
 is capped at :data:`MAX_BODY_BYTES` (a larger ``Content-Length``: 413 at once, unread; a
-chunked body: 413 where it passes the cap). The matched token's name goes on the request
+chunked body: 413 where it passes the cap). The console's requests are judged the same way
+by their session cookie (:meth:`AdminGuard._console`): only the login form's body, at most
+:data:`LOGIN_MAX_BODY_BYTES`, is read before anyone is known, and the admin protocol
+(:mod:`ingest.admin.protocol`) may close it for room. The matched token's name goes on the request
 (:data:`TOKEN_NAME`): the operator every audit row records. A request that offers a token
 goes through the login throttle first (:mod:`models.login_throttle`, shared with the
 console's login form): refused, it is answered 429 with ``Retry-After`` and its token is
