@@ -118,6 +118,14 @@ class Settings(BaseSettings):
     body_timeout: float = Field(default=30.0, gt=0, le=3600)
     keep_alive_timeout: int = Field(default=5, ge=1, le=300)
     max_connections: int = Field(default=1000, ge=1, le=100_000)
+    # The admin address's own limits (ingest/admin/protocol.py): its requests are small, so
+    # its head and body get less time than the public port's; open connections in all and per
+    # client address. At either cap a new connection closes the oldest one that is not in the
+    # middle of an answered request (still sending its head, idle, or trickling a login form).
+    admin_header_timeout: float = Field(default=5.0, gt=0, le=300)
+    admin_body_timeout: float = Field(default=10.0, gt=0, le=3600)
+    admin_max_connections: int = Field(default=128, ge=2, le=10_000)
+    admin_max_client_connections: int = Field(default=32, ge=1, le=10_000)
 
     # Worker time budgets (seconds). The rest are derived below.
     handler_io_timeout: float = Field(default=10.0, gt=0)

@@ -20,6 +20,7 @@ from core import metrics
 from core.clock import Clock
 from core.logs import get_logger
 from core.settings import Settings
+from ingest.console.sessions import SessionStore
 from models import replays
 from models.db import make_engine, make_sessionmaker
 from models.login_throttle import Decision, LoginThrottle
@@ -102,6 +103,9 @@ class PlaneState:
         self.clock = clock
         self.tokens = tokens
         self.throttle = login_throttle(settings, clock)
+        # The console's sessions: AdminGuard checks the cookie against them before it reads a
+        # console request's body, the console to know its operator.
+        self.console_sessions = SessionStore(clock, settings.console_idle_timeout)
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None

@@ -146,11 +146,19 @@ class ReceiverProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self._admit():
+            self._arm(self._limits.header_timeout, "header_timeout")
+
+    def _admit(self) -> bool:
+        """Whether this new connection may stay open; otherwise it has been refused (closed).
+        Here: at most ``max_connections`` in this process, else ``503`` with ``Retry-After``."""
         if len(self.connections) > self._limits.max_connections:
-            retry = b"retry-after: %d\r\n" % self._limits.retry_after
-            self._refuse(503, "max_connections", retry)
-            return
-        self._arm(self._limits.header_timeout, "header_timeout")
+            self._refuse_busy("max_connections")
+            return False
+        return True
+
+    def _refuse_busy(self, limit: str) -> None:
+        self._refuse(503, limit, b"retry-after: %d\r\n" % self._limits.retry_after)
 
     def shutdown(self) -> None:
         # uvicorn closes an idle connection at shutdown: a response held this turn goes first.

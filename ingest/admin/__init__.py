@@ -29,9 +29,11 @@ it moves. If the process stops mid-run the row stays ``running``; the deliveries
 reach are still dead, so a new replay with the same filter finishes the job.
 
 ``/console/`` is the operator console (:mod:`ingest.console`): AdminGuard lets it through
-without a bearer token (it still caps the body, and it is off with the API when no token is
-configured); the console checks its own session cookie, started by logging in with one of
-the same named tokens. ``/admin`` still demands the bearer token, a console cookie or not.
+without a bearer token (it is off with the API when no token is configured) but checks its
+session cookie, started by logging in with one of the same named tokens, before reading any
+body (the login form alone is read first, at most 8 KiB); the body cap holds there too.
+Slow clients cannot hold the address: :mod:`ingest.admin.protocol` has its timeouts and
+connection caps. ``/admin`` still demands the bearer token, a console cookie or not.
 
 The interactive docs (``/admin/docs``) work offline: Swagger UI's files come from the
 ``swagger-ui-bundle`` package, served here, behind the token like the schema. A browser given
@@ -43,10 +45,10 @@ for ``DOCS_SESSION_SECONDS`` (an hour), an HMAC of the token's name and expiry k
 token, so removing the token ends it. The cookie opens the docs' own paths only, never the API.
 
 Where each part lives: :mod:`ingest.admin.server` (the assembly, ``/metrics``, the
-server), :mod:`ingest.admin.guard` (AdminGuard), :mod:`ingest.admin.api` with
-its routers (:mod:`~ingest.admin.events`, :mod:`~ingest.admin.replays`,
-:mod:`~ingest.admin.routes`) and :mod:`ingest.admin.docs`; what the API and the console
-share: :mod:`ingest.plane`.
+server), :mod:`ingest.admin.protocol` (its HTTP limits), :mod:`ingest.admin.guard`
+(AdminGuard), :mod:`ingest.admin.api` with its routers (:mod:`~ingest.admin.events`,
+:mod:`~ingest.admin.replays`, :mod:`~ingest.admin.routes`) and :mod:`ingest.admin.docs`;
+what the API and the console share: :mod:`ingest.plane`.
 """
 
 from ingest.admin.server import AdminServer, app_from_env, create_admin_app

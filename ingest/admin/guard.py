@@ -3,7 +3,10 @@
 (``Authorization: Bearer``; on the docs' paths also the password of HTTP Basic, or the docs'
 session cookie), compared in constant time with every configured one, else 401; then the body
 is capped at :data:`MAX_BODY_BYTES` (a larger ``Content-Length``: 413 at once, unread; a
-chunked body: 413 where it passes the cap). The matched token's name goes on the request
+chunked body: 413 where it passes the cap). The console's requests are judged the same way
+by their session cookie (:meth:`AdminGuard._console`): only the login form's body, at most
+:data:`LOGIN_MAX_BODY_BYTES`, is read before anyone is known, and the admin protocol
+(:mod:`ingest.admin.protocol`) may close it for room. The matched token's name goes on the request
 (:data:`TOKEN_NAME`): the operator every audit row records. A request that offers a token
 goes through the login throttle first (:mod:`models.login_throttle`, shared with the
 console's login form): refused, it is answered 429 with ``Retry-After`` and its token is
@@ -20,19 +23,28 @@ import hmac
 
 import orjson
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.clock import Clock, SystemClock
 from core.settings import Settings
+from ingest.admin.protocol import mark_unproven
+from ingest.console.base import COOKIE as CONSOLE_COOKIE
+from ingest.console.base import LOGIN_COOKIE as CONSOLE_LOGIN_COOKIE
+from ingest.console.sessions import SessionStore
 from ingest.plane import OperatorTokens, secure_cookie, throttled
 from models.login_throttle import LoginThrottle, client_key
 
 # The largest admin request body: a replay request is a few hundred bytes.
 MAX_BODY_BYTES = 64 * 1024
+# The largest console login form (its CSRF token and an admin token): read before anything
+# is known of its sender, so kept small.
+LOGIN_MAX_BODY_BYTES = 8 * 1024
 # Where AdminGuard puts the matched token's name (the request's state).
 TOKEN_NAME = "admin_token_name"  # noqa: S105  (a key, not a secret)
 DOCS_PATHS = ("/admin/openapi.json", "/admin/docs")
 CONSOLE_PREFIX = "/console"  # the operator console (ingest.console): its own session login
+CONSOLE_LOGIN = CONSOLE_PREFIX + "/login"
 # The docs page's session (see ingest.admin): the schema fetch carries it.
 DOCS_COOKIE = "webhooks_admin_docs"
 DOCS_SESSION_SECONDS = 3600
@@ -66,8 +78,10 @@ class AdminGuard:
         clock: Clock | None = None,
         settings: Settings | None = None,
         throttle: LoginThrottle | None = None,
+        sessions: SessionStore | None = None,
     ) -> None:
         self.app = app
+        self.sessions = sessions  # the console's: without them no console request has a body
         self.max_body = max_body
         self.clock = clock or SystemClock()
         self.tokens = tokens
@@ -83,11 +97,7 @@ class AdminGuard:
             return
         path: str = scope["path"]
         if path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/"):
-            # The console authenticates with its session cookie (its login page, the named
-            # token, checked by the console against the same tokens); the body cap holds.
-            body = await self._read_body(scope, receive, send)
-            if body is not None:
-                await self.app(scope, _replay(body, receive), send)
+            await self._console(scope, receive, send)
             return
         docs = path in DOCS_PATHS or path.startswith("/admin/docs/")
         given = self._credentials(scope, docs=docs)
@@ -116,6 +126,36 @@ class AdminGuard:
             return
         scope.setdefault("state", {})[TOKEN_NAME] = name
         await self.app(scope, _replay(body, receive), send)
+
+    async def _console(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The console authenticates with its session cookie (started by its login form with
+        one of the same tokens), checked here from the headers before any body is read. With
+        a live session the body cap holds; the login form's body (at most
+        :data:`LOGIN_MAX_BODY_BYTES`) is read only when the form's own cookie came with it,
+        and the admin protocol may close it for room while it arrives. Any other request
+        reaches the console without its body (the login page, a redirect to it, ``403`` for
+        an action), and a connection that was sending one is closed after the answer."""
+        cookies = _cookies(scope)
+        session = None
+        if self.sessions is not None:
+            session = self.sessions.get(cookies.get(CONSOLE_COOKIE), self.tokens.digests)
+        if session is not None:
+            body = await self._read_body(scope, receive, send)
+        elif scope["method"] == "POST" and scope["path"] == CONSOLE_LOGIN:
+            if not cookies.get(CONSOLE_LOGIN_COOKIE):
+                await _answer(send, 403, "missing or wrong CSRF token", "csrf")
+                return
+            mark_unproven(scope, True)
+            try:
+                body = await self._read_body(scope, receive, send, LOGIN_MAX_BODY_BYTES)
+            finally:
+                mark_unproven(scope, False)
+        else:
+            closing = _closing(send) if _has_body(scope) else send
+            await self.app(scope, _replay(b"", receive), closing)
+            return
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
 
     def _session_mac(self, key: bytes, name: str, expires: int) -> str:
         return hmac.new(key, f"docs:{name}:{expires}".encode(), hashlib.sha256).hexdigest()
@@ -184,15 +224,19 @@ class AdminGuard:
                 return None
         return None
 
-    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
-        """The whole body, at most ``max_body`` bytes; None once an answer has been sent."""
-        too_large = f"body too large (at most {self.max_body} bytes)"
+    async def _read_body(
+        self, scope: Scope, receive: Receive, send: Send, cap: int | None = None
+    ) -> bytes | None:
+        """The whole body, at most ``cap`` (``max_body``) bytes; None once an answer has been
+        sent."""
+        limit = self.max_body if cap is None else cap
+        too_large = f"body too large (at most {limit} bytes)"
         declared = [v for k, v in scope["headers"] if k == b"content-length"]
         if declared:
             if not declared[0].isdigit():
                 await _answer(send, 400, "bad Content-Length", "bad_input")
                 return None
-            if int(declared[0]) > self.max_body:
+            if int(declared[0]) > limit:
                 await _answer(send, 413, too_large, "too_large")
                 return None
         body = bytearray()
@@ -201,11 +245,39 @@ class AdminGuard:
             if message["type"] == "http.disconnect":
                 return None
             body += message.get("body", b"")
-            if len(body) > self.max_body:
+            if len(body) > limit:
                 await _answer(send, 413, too_large, "too_large")
                 return None
             if not message.get("more_body", False):
                 return bytes(body)
+
+
+def _cookies(scope: Scope) -> dict[str, str]:
+    """The request's cookies, as Starlette's ``Request.cookies`` reads them."""
+    for key, value in scope["headers"]:
+        if key == b"cookie":
+            return cookie_parser(value.decode("latin-1"))
+    return {}
+
+
+def _has_body(scope: Scope) -> bool:
+    """Whether the request says a body follows (chunked, or a length other than 0)."""
+    return any(
+        k == b"transfer-encoding" or (k == b"content-length" and v.strip() != b"0")
+        for k, v in scope["headers"]
+    )
+
+
+def _closing(send: Send) -> Send:
+    """``send`` that closes the connection after the answer (``Connection: close``)."""
+
+    async def closing(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return closing
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -5,7 +5,6 @@ in a thread of its process (:class:`AdminServer`), or alone (:func:`app_from_env
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import threading
 from collections.abc import Awaitable, Callable
@@ -31,9 +30,9 @@ from core.logs import configure_logging
 from core.settings import Settings, load_settings
 from ingest.admin.api import create_api
 from ingest.admin.guard import CONSOLE_PREFIX, AdminGuard
+from ingest.admin.protocol import admin_protocol
 from ingest.console.app import create_console
 from ingest.plane import OperatorTokens, PlaneState
-from ingest.server import Limits, ReceiverProtocol
 
 
 def metrics_endpoint(
@@ -89,6 +88,7 @@ def create_admin_app(
         clock=clock,
         settings=settings,
         throttle=None if state is None else state.throttle,
+        sessions=None if state is None else state.console_sessions,
     )
 
 
@@ -119,8 +119,8 @@ class AdminServer:
             access_log=False,
             lifespan="off",
             proxy_headers=False,
-            # The public port's protocol, so the same read timeouts apply here: without them
-            # 64 idle connections would hold every slot and answer /admin and /metrics 503.
+            # The public port's protocol with the admin plane's limits: its own header and
+            # body timeouts, and caps at which slow connections make room for new ones.
             http=admin_protocol(settings),
             loop="asyncio",
             timeout_keep_alive=settings.keep_alive_timeout,
@@ -137,25 +137,6 @@ class AdminServer:
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
-
-
-# An operators' port: few clients, small requests.
-ADMIN_MAX_CONNECTIONS = 64
-ADMIN_MAX_HEADER_BYTES = 16 * 1024
-
-
-def admin_protocol(settings: Settings) -> type[ReceiverProtocol]:
-    """The receiver's protocol (:mod:`ingest.server`) with the admin port's limits: the public
-    port's header, body and keep-alive timeouts, a 16 KiB head and at most
-    :data:`ADMIN_MAX_CONNECTIONS` connections. A connection that sends nothing is closed
-    ``WEBHOOKS_HEADER_TIMEOUT`` after it opened, so idle sockets cannot hold the port; its
-    refusals are counted under ``limit="admin_..."``."""
-    limits = dataclasses.replace(
-        Limits.from_settings(settings),
-        max_header_bytes=ADMIN_MAX_HEADER_BYTES,
-        max_connections=ADMIN_MAX_CONNECTIONS,
-    )
-    return type("AdminProtocol", (ReceiverProtocol,), {"limits": limits, "limit_prefix": "admin_"})
 
 
 def _bind(host: str, port: int) -> socket.socket:

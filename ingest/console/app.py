@@ -1,6 +1,6 @@
 """The console's ASGI app (mounted at ``/console`` by :func:`ingest.admin.create_admin_app`,
-behind AdminGuard's body cap): each page's routes, its static files, and the security
-headers on every response."""
+behind AdminGuard, which checks the session cookie before any body is read): each page's
+routes, its static files, and the security headers on every response."""
 
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ class Console:
         self.state = state
         self.clock = state.clock
         self.tokens = state.tokens
-        self.store = sess.SessionStore(state.clock, self.settings.console_idle_timeout)
+        self.store = state.console_sessions
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
         self.templates.env.autoescape = True
         self.templates.env.filters["ago"] = _ago
@@ -130,11 +130,11 @@ class Console:
     def _authed(self, handler: Handler, *, post: bool) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             session = self.session(request)
-            form = await read_form(request) if post else {}
-            if session is None:
+            if session is None:  # the body is never read (AdminGuard did not let it through)
                 if post:
                     return Response("session expired: log in again", 403)
                 return redirect("/console/login")
+            form = await read_form(request) if post else {}
             if post and not sess.same(one(form, "csrf"), session.csrf):
                 log.info("console.csrf_refused")
                 return Response("missing or wrong CSRF token", 403)
