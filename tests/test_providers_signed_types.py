@@ -20,11 +20,13 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.providers import MalformedEvent, extract, registry, validate_config
 from core.settings import Settings
+from models import route_catalog
+from models.schema import Source
 from tests import signing
 from tests.conftest import BIN, test_env
 from tests.factories import MadeSource, make_source
@@ -71,14 +73,19 @@ def webhooks(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def shown(event_id: str, source: MadeSource) -> tuple[str, dict[str, Any]]:
-    """`webhooks events show`'s type line and its --json."""
+def shown(event_id: str, source: MadeSource) -> str:
+    """`webhooks events show`'s type line."""
     text = webhooks("events", "show", event_id, "--source", source.public_id)
     assert text.returncode == 0, text.stderr
     [line] = [x for x in text.stdout.splitlines() if x.startswith("type:")]
+    return " ".join(line.split())
+
+
+def shown_json(event_id: str, source: MadeSource) -> dict[str, Any]:
     as_json = webhooks("events", "show", event_id, "--source", source.public_id, "--json")
     assert as_json.returncode == 0, as_json.stderr
-    return " ".join(line.split()), json.loads(as_json.stdout)
+    found: dict[str, Any] = json.loads(as_json.stdout)
+    return found
 
 
 def refused(response: httpx.Response) -> None:
@@ -108,9 +115,8 @@ def test_a_signed_github_body_resent_as_release_is_refused_and_writes_nothing(
     assert [(r[0], r[1]) for r in receipts(engine, source)] == [("gh-1", "pull_request.opened")]
     assert written(engine, source) == 1
     # The genuine type is signed: shown without a mark.
-    line, as_json = shown("gh-1", source)
-    assert line == "type: pull_request.opened"
-    assert as_json["type_unsigned"] is None
+    assert shown("gh-1", source) == "type: pull_request.opened"
+    assert shown_json("gh-1", source)["type_unsigned"] is None
 
 
 def test_a_github_event_no_body_identifies_keeps_the_header_and_is_shown_unsigned(
@@ -126,11 +132,9 @@ def test_a_github_event_no_body_identifies_keeps_the_header_and_is_shown_unsigne
     answer = post(client, rcv, source, headers, body)
     assert answer.status_code == 202, answer.text
     assert [(r[0], r[1]) for r in receipts(engine, source)] == [("gh-w", "watch.started")]
-    line, as_json = shown("gh-w", source)
-    assert line == (
-        "type: watch.started (unsigned: read from X-GitHub-Event, outside the signature)"
-    )
+    as_json = shown_json("gh-w", source)
     assert as_json["type_unsigned"] == "X-GitHub-Event"
+    assert as_json["event_type"] == "watch.started"
     # And the console's event page marks it.
     page = console_event(rcv, receipt_of(as_json))
     assert 'id="type-unsigned"' in page
@@ -152,9 +156,9 @@ def test_type_from_header_opts_out_and_takes_the_forged_header_marked_unsigned(
     answer = post(client, rcv, source, probe, body)
     assert answer.status_code == 202, answer.text
     assert [(r[0], r[1]) for r in receipts(engine, source)] == [("gh-2", "release.opened")]
-    line, as_json = shown("gh-2", source)
-    assert line.endswith("(unsigned: read from X-GitHub-Event, outside the signature)"), line
-    assert as_json["type_unsigned"] == "X-GitHub-Event"
+    assert shown("gh-2", source) == (
+        "type: release.opened (unsigned: read from X-GitHub-Event, outside the signature)"
+    )
 
 
 def test_github_options_are_checked() -> None:
@@ -211,13 +215,14 @@ def test_woocommerce_action_topics_come_from_the_signed_body(
         probe = {**headers, "X-WC-Webhook-Delivery-ID": f"wc-f{n}", "X-WC-Webhook-Topic": topic}
         refused(post(client, rcv, source, probe, body))
     # A resource's body under an action topic: refused too.
-    order_headers, order = signing.sign_woocommerce(key, event_id="wc-o", event_type="order.created")
+    order_headers, order = signing.sign_woocommerce(
+        key, event_id="wc-o", event_type="order.created"
+    )
     refused(post(client, rcv, source, {**order_headers, "X-WC-Webhook-Topic": "action.x"}, order))
     assert [(r[0], r[1]) for r in receipts(engine, source)] == [
         ("wc-1", "action.woocommerce_add_to_cart")
     ]
-    line, _ = shown("wc-1", source)
-    assert line == "type: action.woocommerce_add_to_cart"
+    assert shown("wc-1", source) == "type: action.woocommerce_add_to_cart"
 
 
 def test_a_woocommerce_resource_topic_is_the_header_shown_unsigned(
@@ -233,11 +238,9 @@ def test_a_woocommerce_resource_topic_is_the_header_shown_unsigned(
     probe = {**headers, "X-WC-Webhook-Topic": "order.updated"}  # nothing signed says otherwise
     answer = post(client, rcv, source, probe, body)
     assert answer.status_code == 202, answer.text
-    line, as_json = shown("wc-r", source)
-    assert line == (
+    assert shown("wc-r", source) == (
         "type: order.updated (unsigned: read from X-WC-Webhook-Topic, outside the signature)"
     )
-    assert as_json["type_unsigned"] == "X-WC-Webhook-Topic"
     # Opted out (type_from=header): even an action's body takes any topic, unchecked.
     opted = source_for(sessions, settings, "woocommerce", key, {"type_from": "header"})
     headers, body = woo_action(key, "wc-h", "order.created")
@@ -263,9 +266,10 @@ def test_a_shopify_topic_is_always_the_header_shown_unsigned(
     probe = {**headers, "X-Shopify-Topic": "orders/paid"}
     answer = post(client, rcv, source, probe, body)
     assert answer.status_code == 202, answer.text
-    line, as_json = shown("sh-1", source)
-    assert line == "type: orders/paid (unsigned: read from X-Shopify-Topic, outside the signature)"
-    page = console_event(rcv, receipt_of(as_json))
+    assert shown("sh-1", source) == (
+        "type: orders/paid (unsigned: read from X-Shopify-Topic, outside the signature)"
+    )
+    page = console_event(rcv, receipt_id(engine, source, "sh-1"))
     assert "read from X-Shopify-Topic, outside the signature" in text_of(page)
 
 
@@ -284,6 +288,10 @@ def test_a_shopify_topic_is_always_the_header_shown_unsigned(
         ("shopify", {}, "orders/paid", "X-Shopify-Topic"),
         ("woocommerce", {}, "order.created", "X-WC-Webhook-Topic"),
         ("woocommerce", {}, "action.*", None),
+        ("woocommerce", {"type_from": "header"}, "action.*", "X-WC-Webhook-Topic"),
+        ("bitbucket", {}, "repo:push", "X-Event-Key"),
+        ("bitbucket", {"type_from_body": True}, "repo:push", None),
+        ("gitlab", {}, "Push Hook", "X-Gitlab-Event"),
         ("stripe", {}, "invoice.paid", None),
     ],
     ids=[
@@ -296,33 +304,50 @@ def test_a_shopify_topic_is_always_the_header_shown_unsigned(
         "shopify-topic",
         "woocommerce-resource",
         "woocommerce-action",
+        "woocommerce-header-action",
+        "bitbucket",
+        "bitbucket-body",
+        "gitlab",
         "stripe",
     ],
 )
-def test_routes_add_warns_for_a_type_only_an_unsigned_header_carries(
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    provider: str,
-    config: dict[str, Any],
-    events: str,
-    header: str | None,
+def test_a_route_on_a_type_only_an_unsigned_header_carries_is_flagged(
+    provider: str, config: dict[str, Any], events: str, header: str | None
 ) -> None:
-    source = make_source(sessions, settings, provider=provider, config=config or None, routes=[])
-    added = webhooks("routes", "add", source.public_id, "--handler", "log", "--events", events)
-    assert added.returncode == 0, added.stderr
-    assert f"for {events}" in added.stdout  # added either way
-    warnings = [x for x in added.stderr.splitlines() if x.startswith("warning:")]
+    warning = route_catalog.unsigned_type_warning(Source(provider=provider, config=config), events)
     if header is None:
-        assert warnings == [], added.stderr
+        assert warning is None
         return
-    [warning] = warnings
-    assert f"are read from {header}, which the signature does not cover" in warning, warning
-    assert f"{provider} event types matching {events!r}" in warning, warning
+    assert warning is not None
+    assert f"{provider} event types matching {events!r} are read from {header}, " in warning
+    assert "which the signature does not cover" in warning
+
+
+def test_routes_add_prints_the_warning_and_adds_the_route(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    github = make_source(sessions, settings, provider="github", routes=[])
+    added = webhooks("routes", "add", github.public_id, "--handler", "log", "--events", "watch.*")
+    assert added.returncode == 0, added.stderr
+    assert "log for watch.*" in added.stdout  # added, not refused
+    [warning] = [x for x in added.stderr.splitlines() if x.startswith("warning:")]
+    assert "are read from X-GitHub-Event, which the signature does not cover" in warning
+    signed = webhooks("routes", "add", github.public_id, "--handler", "log", "--events", "issues.*")
+    assert signed.returncode == 0, signed.stderr
+    assert "warning" not in signed.stderr
+    shopify = make_source(sessions, settings, provider="shopify", routes=[])
     as_json = webhooks(
-        "routes", "add", source.public_id, "--handler", "log", "--events", events, "--json"
+        "routes", "add", shopify.public_id, "--handler", "log", "--events", "orders/paid", "--json"
     )
     assert as_json.returncode == 0, as_json.stderr
-    assert header in json.loads(as_json.stdout)["warning"]
+    view = json.loads(as_json.stdout)
+    assert view["events"] == "orders/paid"
+    assert "are read from X-Shopify-Topic" in view["warning"]
+    with sessions() as s:
+        assert [r.events_glob for r in route_catalog.list_routes(s, s.get(Source, github.id))] == [
+            "watch.*",
+            "issues.*",
+        ]
 
 
 def test_every_provider_answers_where_its_unsigned_types_come_from() -> None:
@@ -342,6 +367,16 @@ def test_every_provider_answers_where_its_unsigned_types_come_from() -> None:
 
 def receipt_of(as_json: dict[str, Any]) -> int:
     return int(as_json["id"])
+
+
+def receipt_id(engine: Engine, source: MadeSource, event_id: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT id FROM receipts WHERE source_id = :s AND event_id = :e"),
+                {"s": source.id, "e": event_id},
+            ).scalar_one()
+        )
 
 
 def console_event(rcv: Receiver, receipt: int) -> str:
