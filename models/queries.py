@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from core.durations import DurationError, parse_duration
 from core.errors import WebhooksError
+from core.providers import registry
 from core.states import DeliveryStatus
 from models.catalog import get_source, glob_to_like
 from models.delivery_history import REMOVED_ROUTE, DeliveryView, delivery_of_receipt, delivery_views
@@ -162,6 +163,10 @@ class EventDetail:
     payload_dropped_at: datetime | None
     deliveries: list[DeliveryView]
     arrived_via: str = "webhook"  # or reconcile (webhooks reconcile recovered it)
+    # Where the type was read from when the signature does not cover it (``X-GitHub-Event``),
+    # judged by the provider's rules under the source's current options; None: signed, or
+    # recovered from the provider's API (:func:`unsigned_type_of`).
+    type_unsigned: str | None = None
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,7 @@ def _receipt_query() -> Any:
             Receipt.payload_dropped_at,
             Receipt.source_id,
             Receipt.arrived_via,
+            Source.config,
         )
         .join(Source, Source.id == Receipt.source_id)
         .order_by(Receipt.received_at.desc())
@@ -387,7 +393,26 @@ def get_event(session: Session, ref: str | int, *, source: str | None = None) ->
         payload_dropped_at=r.payload_dropped_at,
         deliveries=delivery_views(session, r),
         arrived_via=r.arrived_via,
+        type_unsigned=unsigned_type_of(r.provider, r.config, r.event_type, r.arrived_via),
     )
+
+
+def unsigned_type_of(
+    provider: str, config: dict[str, Any] | None, event_type: str, arrived_via: str
+) -> str | None:
+    """Where a stored event's type came from when unsigned (``X-GitHub-Event``), by its
+    provider's rules under its source's options; None when signed, when the event was
+    recovered from the provider's API (no header involved), or when the provider is no longer
+    installed (nothing to judge by). Receipts store no such mark: the rules decide it from the
+    type itself (GitHub: whether the body identifies the event, else the request was refused;
+    WooCommerce: action.* topics), so a source's options changed since are judged as now."""
+    if arrived_via == "reconcile":
+        return None
+    try:
+        found = registry.get(provider)
+    except registry.UnknownProvider:
+        return None
+    return found.unsigned_type(config or {}, event_type)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from core.crypto import (
     generate_secret,
     route_secret_place,
 )
+from core.providers import registry
 from core.states import DeliveryStatus
 from models.catalog import (
     CatalogError,
@@ -81,6 +82,28 @@ def add_route(
         session, "route.add", route_target(route, source.public_id), operator, "route added"
     )
     return route, signing_plain
+
+
+def unsigned_type_warning(source: Source, events: str) -> str | None:
+    """Why a route on ``events`` can be run by a forged type, or None: its source's provider
+    reads such types from a part the signature does not cover (GitHub's ``X-GitHub-Event``
+    for an event the body does not identify, Shopify's topic, ...), so one captured signed
+    delivery re-sent with another value there runs this route. A catch-all route (``*``)
+    matches on no type and is never flagged; the route is added either way."""
+    if events.strip() == "*":
+        return None
+    try:
+        provider = registry.get(source.provider)
+    except registry.UnknownProvider:
+        return None
+    where = provider.unsigned_type(source.config or {}, events)
+    if where is None:
+        return None
+    return (
+        f"{source.provider} event types matching {events!r} are read from {where}, which the "
+        "signature does not cover: a captured delivery re-sent with another value there runs "
+        "this route (docs/providers.md, event types from unsigned headers)"
+    )
 
 
 def _check_forward_target(options: Mapping[str, str]) -> None:

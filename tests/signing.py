@@ -166,6 +166,18 @@ def sign_stripe(
     }, body
 
 
+# A few GitHub events' own top-level objects (from GitHub's payload docs), for default bodies.
+GITHUB_EVENT_OBJECTS: dict[str, tuple[str, ...]] = {
+    "issues": ("issue",),
+    "issue_comment": ("issue", "comment"),
+    "pull_request": ("pull_request",),
+    "release": ("release",),
+    "push": ("pusher",),
+    "workflow_run": ("workflow_run",),
+    "check_run": ("check_run",),
+}
+
+
 def sign_github(
     secret: str | Sequence[str],
     *,
@@ -186,6 +198,9 @@ def sign_github(
         "repository": {"id": 1, "full_name": "octo/hello"},
         "sender": {"login": "octocat"},
     }
+    # The event's own object, as GitHub's payload carries it (issues: issue, ...): the
+    # receiver knows the event from the signed body by it.
+    default = {**{key: {"id": 1} for key in GITHUB_EVENT_OBJECTS.get(event, ())}, **default}
     if action:
         default = {"action": action, **default}
     body = _body(raw_body, body_obj, default)

@@ -774,11 +774,12 @@ def test_shopify_triggered_at_is_informational(
 @pytest.mark.parametrize(
     ("event_type", "body_obj", "expected"),
     [
-        ("push", {"ref": "refs/heads/main"}, "push"),
-        ("issues", {"action": "opened"}, "issues.opened"),
-        ("issues", {"action": 3}, "issues"),
-        ("issues", {"action": ""}, "issues"),
-        ("ping", {"zen": "Keep it logically awesome.", "hook_id": 1}, "ping"),
+        ("push", {"ref": "refs/heads/main", "pusher": {}}, "push"),
+        ("issues", {"action": "opened", "issue": {}}, "issues.opened"),
+        ("issues", {"action": 3, "issue": {}}, "issues"),
+        ("issues", {"action": "", "issue": {}}, "issues"),
+        ("ping", {"zen": "Keep it logically awesome.", "hook_id": 1, "hook": {}}, "ping"),
+        ("watch", {"action": "started"}, "watch.started"),  # no body names it: the header's
     ],
 )
 def test_github_type_appends_the_action(
@@ -791,7 +792,7 @@ def test_github_type_appends_the_action(
 
 def test_github_form_encoded_payload() -> None:
     case = BY_NAME["github"]
-    raw = b"payload=%7B%22action%22%3A%22closed%22%2C%22number%22%3A1%7D"
+    raw = b"payload=%7B%22action%22%3A%22closed%22%2C%22pull_request%22%3A%7B%7D%7D"
     headers, body = signed(case, event_type="pull_request", raw_body=raw)
     headers["content-type"] = "application/x-www-form-urlencoded"
     auth(case, headers, body)

@@ -302,8 +302,11 @@ def test_github_hook_event_takes_the_type_from_the_signed_body() -> None:
     headers, body = github("issues", "opened", "pull_request")
     with pytest.raises(MalformedEvent, match="bad_type"):
         extract("github", headers, body, config=config)
-    # Without the option the header decides, as documented.
-    assert extract("github", headers, body, config={}).event_type == "pull_request.opened"  # type: ignore[union-attr]
+    # Without the option too (the body identifies issues); only type_from=header takes it.
+    with pytest.raises(MalformedEvent, match="bad_type"):
+        extract("github", headers, body, config={})
+    header = validate_config("github", {"type_from": "header"})
+    assert extract("github", headers, body, config=header).event_type == "pull_request.opened"  # type: ignore[union-attr]
     # GitHub's ping (body with hook and zen) is named from the body.
     ping = json.dumps({"zen": "Keep it logically awesome.", "hook_id": 1, "hook": {}}).encode()
     found = extract(
@@ -372,8 +375,16 @@ def test_providers_list_shows_which_fields_are_signed() -> None:
     )
     assert result.returncode == 0, result.stderr
     views: dict[str, Any] = {v["name"]: v for v in json.loads(result.stdout)}
-    for name in ("github", "bitbucket", "woocommerce"):
-        assert views[name]["signed_fields"] == {"id": "unsigned", "type": "unsigned"}, name
+    assert views["bitbucket"]["signed_fields"] == {"id": "unsigned", "type": "unsigned"}
+    # GitHub and WooCommerce: the type from the signed body where it names one (issue 34).
+    assert views["github"]["signed_fields"] == {
+        "id": "unsigned",
+        "type": "signed for the events the body identifies, else unsigned",
+    }
+    assert views["woocommerce"]["signed_fields"] == {
+        "id": "unsigned",
+        "type": "signed for action.* topics, else unsigned",
+    }
     assert views["shopify"]["signed_fields"] == {
         "id": "unsigned",
         "type": "unsigned",
@@ -383,8 +394,10 @@ def test_providers_list_shows_which_fields_are_signed() -> None:
     assert views["adyen"]["signed_fields"]["time"] == "unsigned"
     assert views["gitlab"]["signed_fields"]["id"] == "signed with the signing token"
     assert views["hubspot"]["max_events"] == 100
-    for name in ("github", "shopify", "woocommerce", "bitbucket"):  # the type is named unsigned
+    for name in ("shopify", "bitbucket"):  # the type is named unsigned
         assert "(the type) are unsigned" in views[name]["signed"], name
+    assert "X-WC-Webhook-Topic too" in views["woocommerce"]["signed"]
+    assert "else X-GitHub-Event, unsigned" in views["github"]["signed"]
     table = subprocess.run(
         [str(BIN / "webhooks"), "providers", "list", "--wide"],  # issue 20: prose is --wide
         env={**test_env(), "COLUMNS": "400"},

@@ -56,6 +56,11 @@ def fields(config: Mapping[str, Any]) -> Mapping[str, str]:
     return {"id": UNSIGNED_FIELD, "type": SIGNED_FIELD if signed_type else UNSIGNED_FIELD}
 
 
+def unsigned_type(config: Mapping[str, Any], pattern: str) -> str | None:
+    """``X-Event-Key`` unless ``type_from_body`` is set."""
+    return None if config.get("type_from_body") is True else "X-Event-Key"
+
+
 def extract(
     headers: Mapping[str, str], body: bytes, config: Mapping[str, Any]
 ) -> EventMeta | Challenge:
@@ -78,4 +83,5 @@ PROVIDER = described(
     tolerance=None,
     validate_config=validate_config,
     fields_rule=fields,
+    type_rule=unsigned_type,
 )

@@ -180,6 +180,9 @@ Config = Mapping[str, Any]
 AuthFn = Callable[[Mapping[str, str], bytes, Secrets, Config], tuple[str, int | None]]
 #: ``(headers, raw body, config)`` -> the event's id/type/time, or a handshake to answer.
 ExtractFn = Callable[[Mapping[str, str], bytes, Config], EventMeta | Challenge | Batch]
+#: ``(config, event type or route glob)`` -> what an unsigned type is read from, or None
+#: (:meth:`Provider.unsigned_type`).
+TypeRule = Callable[[Config, str], str | None]
 #: ``(query parameters, config)`` -> the answer to a GET handshake (Meta's ``hub.challenge``);
 #: AuthError when it is not the sender's (answered 403).
 VerifyGetFn = Callable[[Mapping[str, str], Config], Challenge]
@@ -294,6 +297,10 @@ class Provider:
     # depends on the source's options. Empty: not stated (a plug-in that does not say).
     fields: Mapping[str, str] = field(default_factory=dict)
     fields_rule: Callable[[Config], Mapping[str, str]] | None = None
+    # ``(config, an event type or a route's glob)`` -> what the type is read from when the
+    # signature does not cover it (``X-GitHub-Event``), or None when it is signed: see
+    # :meth:`unsigned_type`. None: judged from ``signed_fields``.
+    type_rule: TypeRule | None = None
 
     def default_tolerance(self, config: Config | None = None) -> timedelta | None:
         if self.tolerance_rule is not None:
@@ -306,6 +313,17 @@ class Provider:
         if self.fields_rule is not None:
             return self.fields_rule(config or {})
         return self.fields
+
+    def unsigned_type(self, config: Config | None, pattern: str) -> str | None:
+        """Where an event type matching ``pattern`` (a stored type, or a route's glob such as
+        ``issues.*``) is read from when the signature does not cover it, as a short text for
+        the operator (``the X-GitHub-Event header``); None when every such type comes from
+        signed parts. A glob that could match one unsigned type counts as unsigned."""
+        if self.type_rule is not None:
+            return self.type_rule(config or {}, pattern)
+        if self.signed_fields(config).get("type", "").startswith(UNSIGNED_FIELD):
+            return "a part the signature does not cover"
+        return None
 
     def check_count(self, count: int, config: Config | None = None) -> None:
         """TooManyEvents when a batch of ``count`` events is over this provider's cap (the

@@ -28,6 +28,7 @@ from core.providers.contract import (
     ExtractFn,
     KeyFormat,
     Provider,
+    TypeRule,
     VerifyGetFn,
 )
 
@@ -53,6 +54,7 @@ class Contract(TypedDict, total=False):
     batched: bool
     max_events: int | None
     fields_rule: Callable[[Config], Mapping[str, str]] | None
+    type_rule: TypeRule | None
 
 
 @functools.cache

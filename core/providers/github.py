@@ -3,16 +3,28 @@
 Only the body is signed. The delivery id ``X-GitHub-Delivery`` (the dedup id, the same on a
 redelivery) and the event header ``X-GitHub-Event`` are not: a captured request can be
 replayed with a new delivery id and is then accepted as a new event, forever (no timestamp is
-signed), and with another event header, which changes the type (``{event}.{action}``) and so
-the routes it runs. The body carries only the ``action``, not the event's name.
+signed). The body carries the ``action`` but not the event's name.
 
-``--config hook_event=NAME`` (for a hook subscribed to that one event, e.g. ``issues``) takes
-the type from signed parts only: ``NAME.{action}`` with ``action`` from the body, or
-``ping`` for GitHub's ping (its body carries ``hook`` and ``zen``). ``X-GitHub-Event`` is then
-only checked: a delivery naming another event is refused (400 bad_type), nothing written. What
-mitigates it: TLS (a capture needs the plaintext), a secret per source rotated when exposed,
-and handlers that are idempotent on the payload's own object ids. GitHub does not retry
-automatically; a delivery from the past 3 days can be redelivered by hand (same id).
+The type is ``{event}.{action}`` (``{event}`` when the body has no action), and by default
+the event's name comes from the signed body wherever the body identifies it: every event of
+:data:`BODY_KEYS` carries an object of its own at the top level (``issue``, ``pull_request``,
+``release``, ...), found in GitHub's payload schemas (octokit/webhooks, checked so that no
+other event's payload carries the same keys). ``X-GitHub-Event`` is then only checked: a
+delivery whose header names one of those events while the body is another's (a captured
+``pull_request`` body re-sent as ``release``) is refused (400 bad_type), nothing written. A
+header naming an event no body identifies (``watch``, ``team``, the ``alert`` events,
+``installation``, any event newer than the table) is taken as sent and recorded as unsigned:
+``events show`` and the console say so, and ``routes add`` warns for a route on such a type
+(:func:`unsigned_type`).
+
+Options: ``type_from=header`` takes the header as sent, unchecked (the behaviour before the
+default changed; a captured body re-sent under another event runs that event's routes).
+``hook_event=NAME`` (a hook subscribed to that one event) takes every type from signed parts:
+``NAME.{action}``, or ``ping`` for GitHub's ping (its body carries ``hook`` and ``zen``), and
+refuses any delivery whose header names another event. What mitigates the rest: TLS (a
+capture needs the plaintext), a secret per source rotated when exposed, and handlers
+idempotent on the payload's own object ids. GitHub does not retry automatically; a delivery
+from the past 3 days can be redelivered by hand (same id).
 """
 
 from __future__ import annotations
@@ -29,10 +41,12 @@ from core.providers.base import (
     EventMeta,
     MalformedEvent,
     body_hmac,
+    check_mapping,
     event_id,
     event_type,
+    header_type,
     json_object,
-    one_option,
+    type_from_option,
 )
 from core.providers.descriptions import described
 
@@ -40,13 +54,96 @@ authenticate = body_hmac("x-hub-signature-256", scheme="sha256")
 
 # GitHub's event names: lower-case words joined by underscores (pull_request_review).
 _EVENT_NAME: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
+HEADER: Final = "X-GitHub-Event"
+_OPTIONS: Final = ("hook_event", "type_from")
+
+#: The events a signed body identifies: (event, the top-level keys its payload always carries),
+#: the most specific first (``pull_request`` + ``comment`` before ``pull_request``); the first
+#: whose keys are all in the body names it. Derived from GitHub's payload schemas as
+#: octokit/webhooks publishes them (payload-schemas/api.github.com): each event's keys are
+#: required in every one of its actions, and any other event whose payload may carry them
+#: comes earlier. An event left out (ambiguous, or nothing of its own) keeps the header's
+#: name, unsigned.
+BODY_KEYS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
+    ("ping", ("hook", "zen")),
+    ("meta", ("hook",)),
+    ("pull_request_review_comment", ("pull_request", "comment")),
+    ("pull_request_review_thread", ("pull_request", "thread")),
+    ("pull_request_review", ("pull_request", "review")),
+    ("pull_request", ("pull_request",)),
+    ("issue_comment", ("issue", "comment")),
+    ("issues", ("issue",)),
+    ("discussion_comment", ("discussion", "comment")),
+    ("discussion", ("discussion",)),
+    ("deployment_review", ("since",)),
+    ("commit_comment", ("comment",)),
+    ("label", ("label",)),
+    ("milestone", ("milestone",)),
+    ("release", ("release",)),
+    ("push", ("pusher",)),
+    ("create", ("master_branch",)),
+    ("delete", ("ref_type", "pusher_type")),
+    ("fork", ("forkee",)),
+    ("star", ("starred_at",)),
+    ("gollum", ("pages",)),
+    ("deployment_status", ("deployment_status",)),
+    ("workflow_job", ("workflow_job",)),
+    ("deployment", ("deployment", "workflow_run")),
+    ("workflow_run", ("workflow_run",)),
+    ("check_run", ("check_run",)),
+    ("check_suite", ("check_suite",)),
+    ("membership", ("scope",)),
+    ("member", ("member",)),
+    ("merge_group", ("merge_group",)),
+    ("repository_dispatch", ("client_payload",)),
+    ("workflow_dispatch", ("inputs",)),
+    ("package", ("package",)),
+    ("registry_package", ("registry_package",)),
+    ("security_advisory", ("security_advisory",)),
+    ("sponsorship", ("sponsorship",)),
+    ("marketplace_purchase", ("marketplace_purchase",)),
+    ("project_card", ("project_card",)),
+    ("project_column", ("project_column",)),
+    ("project", ("project",)),
+    ("projects_v2_item", ("projects_v2_item",)),
+    ("branch_protection_rule", ("rule",)),
+    ("deploy_key", ("key",)),
+    ("org_block", ("blocked_user",)),
+    ("installation_repositories", ("repositories_added",)),
+    ("code_scanning_alert", ("commit_oid",)),
+    ("secret_scanning_alert_location", ("location",)),
+    ("status", ("sha", "context")),
+    ("page_build", ("build",)),
+    ("repository_import", ("status",)),
+)
+SIGNED_EVENTS: Final = frozenset(name for name, _ in BODY_KEYS)
+
+
+def body_event(payload: Mapping[str, Any]) -> str | None:
+    """The event the signed body identifies (:data:`BODY_KEYS`), or None."""
+    for name, keys in BODY_KEYS:
+        if all(key in payload for key in keys):
+            return name
+    return None
 
 
 def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """One option, ``hook_event``: the single event the hook sends (see the module's doc)."""
-    one_option(config, "hook_event")
+    """``hook_event`` (the single event the hook sends) or ``type_from`` (``body``, the
+    default, or ``header``): see the module's doc."""
+    check_mapping(config)
+    unknown = sorted(str(k) for k in config if k not in _OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"unknown option {unknown[0]!r}; the options are 'hook_event' and 'type_from'"
+        )
+    out = type_from_option(config)
     if "hook_event" not in config:
-        return {}
+        return out
+    if out:
+        raise ValueError(
+            "option 'hook_event' takes every type from the signed body: it cannot be "
+            "combined with type_from=header"
+        )
     value = config["hook_event"]
     if not isinstance(value, str) or not _EVENT_NAME.fullmatch(value.strip()):
         raise ValueError(
@@ -57,8 +154,23 @@ def validate_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def fields(config: Mapping[str, Any]) -> Mapping[str, str]:
-    signed_type = bool(config.get("hook_event"))
-    return {"id": UNSIGNED_FIELD, "type": SIGNED_FIELD if signed_type else UNSIGNED_FIELD}
+    if config.get("hook_event"):
+        the_type = SIGNED_FIELD
+    elif header_type(config):
+        the_type = UNSIGNED_FIELD
+    else:
+        the_type = f"{SIGNED_FIELD} for the events the body identifies, else {UNSIGNED_FIELD}"
+    return {"id": UNSIGNED_FIELD, "type": the_type}
+
+
+def unsigned_type(config: Mapping[str, Any], pattern: str) -> str | None:
+    """``X-GitHub-Event`` for a type (or glob) whose event name can come from the header
+    alone under ``config``; None when the body names it (or ``hook_event`` is set)."""
+    if config.get("hook_event"):
+        return None
+    if header_type(config) or pattern.split(".", 1)[0] not in SIGNED_EVENTS:
+        return HEADER
+    return None
 
 
 def _payload(headers: Mapping[str, str], body: bytes) -> dict[str, Any]:
@@ -85,11 +197,26 @@ def extract(
     if isinstance(hook_event, str) and hook_event:
         the_type = _signed_type(headers, payload, hook_event)
         return EventMeta(event_id=the_id, event_type=the_type, occurred_at=None)
-    the_type = event_type(headers.get("x-github-event"))
+    named = headers.get("x-github-event")
+    if not header_type(config):
+        named = _checked_event(named, payload)
+    the_type = event_type(named)
     action = payload.get("action")
     if isinstance(action, str) and action:
         the_type = event_type(f"{the_type}.{action}")
     return EventMeta(event_id=the_id, event_type=the_type, occurred_at=None)
+
+
+def _checked_event(named: str | None, payload: Mapping[str, Any]) -> str | None:
+    """The event's name under the default: the header's when it names an event no body
+    identifies (unsigned), else the body's own, which the header must name (bad_type
+    otherwise); None when neither names one (missing_type)."""
+    if named and named not in SIGNED_EVENTS:
+        return named
+    found = body_event(payload)
+    if named and found != named:
+        raise MalformedEvent("bad_type")
+    return found
 
 
 def _signed_type(headers: Mapping[str, str], payload: Mapping[str, Any], hook_event: str) -> str:
@@ -111,4 +238,5 @@ PROVIDER = described(
     tolerance=None,
     validate_config=validate_config,
     fields_rule=fields,
+    type_rule=unsigned_type,
 )

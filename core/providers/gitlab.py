@@ -75,5 +75,12 @@ def extract(
     return fields(headers, body, config)
 
 
+def unsigned_type(config: Mapping[str, Any], pattern: str) -> str | None:
+    """Every type is the unsigned ``X-Gitlab-Event``."""
+    return "X-Gitlab-Event"
+
+
 # The tolerance applies to signing-token deliveries only: a secret-token delivery has no time.
-PROVIDER = described("gitlab", authenticate, extract, tolerance=FIVE_MINUTES)
+PROVIDER = described(
+    "gitlab", authenticate, extract, tolerance=FIVE_MINUTES, type_rule=unsigned_type
+)

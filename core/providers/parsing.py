@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -26,6 +26,36 @@ from core.providers.contract import (
     TooManyEvents,
     events_cap,
 )
+
+#: The ``type_from`` option of a sender whose type header is outside the signature while its
+#: body names the type, for some events or all (GitHub, WooCommerce): ``body`` (the default:
+#: the type only from the signed body where it names one, the header then only checked) or
+#: ``header`` (the header as sent, unchecked: a captured body re-sent under another type runs
+#: that type's routes).
+TYPE_FROM_BODY: Final = "body"
+TYPE_FROM_HEADER: Final = "header"
+
+
+def type_from_option(config: Config) -> dict[str, Any]:
+    """The stored form of ``type_from`` (absent: ``body``, stored as nothing); ValueError
+    naming the option otherwise."""
+    if "type_from" not in config:
+        return {}
+    value = config["type_from"]
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text == TYPE_FROM_BODY:
+        return {}
+    if text == TYPE_FROM_HEADER:
+        return {"type_from": TYPE_FROM_HEADER}
+    raise ValueError(
+        "option 'type_from' must be body (the default: the type from the signed body where "
+        "it names one) or header (the unsigned header, unchecked)"
+    )
+
+
+def header_type(config: Config) -> bool:
+    """Whether the source opted out into the unsigned header's type (``type_from=header``)."""
+    return config.get("type_from") == TYPE_FROM_HEADER
 
 
 def body_id(body: bytes) -> str:

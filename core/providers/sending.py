@@ -25,7 +25,7 @@ from urllib.parse import urlencode
 import orjson
 
 from core.errors import WebhooksError
-from core.providers import adyen, generic_hmac, hubspot, twilio, urlsigned
+from core.providers import adyen, generic_hmac, github, hubspot, twilio, urlsigned
 
 Headers = dict[str, str]
 
@@ -164,6 +164,10 @@ def _stripe(secret: str, d: Draft) -> tuple[Headers, bytes]:
 def _github(secret: str, d: Draft) -> tuple[Headers, bytes]:
     event, _, action = d.event_type.partition(".")
     body = dict(d.content({"repository": {"id": 1, "full_name": "octo/hello"}}))
+    # The objects by which the receiver knows the event from the signed body (an empty one
+    # for each the data lacks), as GitHub's own payload for the event would carry them.
+    keys = dict(github.BODY_KEYS).get(event, ())
+    body = {**{key: {} for key in keys if key not in body}, **body}
     if action:
         body = {"action": action, **body}
     raw = _json(body)

@@ -136,7 +136,7 @@ def events_show(
         ("receipt", receipt_ref(detail.id)),
         ("source", f"{detail.source_name} ({detail.source}, {detail.provider})"),
         ("event id", detail.event_id),
-        ("type", detail.event_type),
+        ("type", type_shown(detail.event_type, detail.type_unsigned)),
         ("occurred", when(detail.occurred_at) or "-"),
         ("received", when(detail.received_at)),
         ("via", detail.arrived_via),
@@ -149,6 +149,13 @@ def events_show(
     for d in detail.deliveries:
         console.print()
         print_delivery(d)
+
+
+def type_shown(event_type: str, unsigned: str | None) -> str:
+    """The type, with where it was read from when the signature does not cover it."""
+    if unsigned is None:
+        return event_type
+    return f"{event_type} (unsigned: read from {unsigned}, outside the signature)"
 
 
 @deliveries_app.command("show")

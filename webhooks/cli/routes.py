@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from webhooks.cli.catalog_input import DurationOpt, change_by, duration_or_none, pairs, secret_box
-from webhooks.cli.common import Env, console, env, handle_errors, print_json
+from webhooks.cli.common import Env, console, env, err_console, handle_errors, print_json
 from webhooks.cli.render import (
     JsonOpt,
     OperatorOpt,
@@ -73,16 +73,18 @@ def routes_add(
 ) -> None:
     """Bind a handler to a source, optionally for matching event types only (audited).
 
-    The handler must be registered here (webhooks handlers list)."""
+    The handler must be registered here (webhooks handlers list). A route on types its
+    source's provider reads from an unsigned header is added with a warning saying so."""
     from models import catalog, route_catalog
 
     e = env()
     _registry(e).require(handler)
     with e.session() as session:
+        found = catalog.get_source(session, source)
         route, signing = route_catalog.add_route(
             session,
             secret_box(e),
-            catalog.get_source(session, source),
+            found,
             handler=handler,
             events=events,
             options=pairs(option, "--option"),
@@ -91,12 +93,17 @@ def routes_add(
             operator=operator or login(),
         )
         view = route_view(route)
+        warning = route_catalog.unsigned_type_warning(found, events)
     if signing is not None:
         view["signing_secret"] = signing
+    if warning is not None:
+        view["warning"] = warning
     if as_json:
         print_json(view)
         return
     say(escape(f"route {view['id']}: {handler} for {events}"))
+    if warning is not None:
+        err_console.print(f"warning: {escape(warning)}", highlight=False, soft_wrap=True)
     if signing is not None:
         console.print(f"signing secret (give it to the downstream): {signing}", highlight=False)
 
