@@ -18,20 +18,12 @@ once it ends, a ledger row of its own; the ledger only tells the operator it ran
 Receipts that matched no route have no work, and no row.
 
 Outcomes: ``{"<route id>": "s" | "s:<result ref>" | "d:<dead reason>" | "x"}`` (succeeded,
-dead, discarded).
+dead, discarded). Reading it: :mod:`models.ledger_reads`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
-
-from sqlalchemy import text
-from sqlalchemy.orm import Session
-
 from core.states import DeliveryStatus
-from models.delivery_history import REMOVED_ROUTE
 from models.statements import Target, fetchone, placeholders
 
 # What each final status is written as (the first character of a route's outcome).
@@ -94,111 +86,3 @@ def record(target: Target, delivery_ids: list[int]) -> int:
     recorded."""
     row = fetchone(target, placeholders(_RECORD), {"ids": list(delivery_ids)})
     return 0 if row is None else int(row[0])
-
-
-# -- reads ------------------------------------------------------------------------------------
-
-# Why an event shown from the ledger is not shown from its receipt.
-FROM_LEDGER = "receipt expired; from the ledger"
-
-
-@dataclass(frozen=True)
-class LedgerOutcome:
-    """One route's final outcome, as the ledger recorded it."""
-
-    route_id: int
-    handler: str  # REMOVED_ROUTE once the route is gone
-    status: str  # succeeded | dead | discarded
-    result_ref: str | None = None  # a success's result reference
-    dead_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class LedgerEntry:
-    """One receipt of an event, from the ledger."""
-
-    source: str
-    source_name: str
-    provider: str
-    event_id: str
-    event_type: str
-    received_at: datetime
-    digest: str | None  # hex, the first 8 bytes of the body's SHA-256; None when reconciled
-    arrived_via: str  # webhook | reconcile
-    outcomes: list[LedgerOutcome] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class LedgerEvent:
-    """An event whose receipt is gone, as the ledger keeps it: every receipt of it the ledger
-    holds (a redelivery after the TTL was new work, with a row of its own), newest first."""
-
-    source: str
-    event_id: str
-    runs: list[LedgerEntry]
-    note: str = FROM_LEDGER
-    found_in: str = "ledger"
-
-
-# Every source's probe of the unique index (sources are few): the hash is seeded with the
-# source, so an event id alone names one key per source.
-_FIND = text(
-    """
-    SELECT l.received_at, s.public_id, s.name, s.provider, l.event_id, l.event_type,
-           l.digest, l.outcomes, l.reconciled
-    FROM sources s
-    JOIN ledger l ON hashtextextended(l.event_id, l.source_id) = hashtextextended(:e, s.id)
-                 AND l.source_id = s.id AND l.event_id = :e
-    WHERE CAST(:s AS bigint) IS NULL OR s.id = :s
-    ORDER BY l.received_at DESC, s.public_id
-    LIMIT 50
-    """
-)
-
-
-def find(session: Session, event_id: str, source_id: int | None = None) -> list[LedgerEntry]:
-    """The ledger's rows of this event id (of one source, or of every source), newest first."""
-    rows = session.execute(_FIND, {"e": event_id, "s": source_id}).all()
-    route_ids = {int(k) for r in rows for k in r.outcomes}
-    handlers = _handlers(session, route_ids)
-    return [
-        LedgerEntry(
-            source=r.public_id,
-            source_name=r.name,
-            provider=r.provider,
-            event_id=r.event_id,
-            event_type=r.event_type,
-            received_at=r.received_at,
-            digest=None if r.digest is None else bytes(r.digest).hex(),
-            arrived_via="reconcile" if r.reconciled else "webhook",
-            outcomes=_outcomes(r.outcomes, handlers),
-        )
-        for r in rows
-    ]
-
-
-def _handlers(session: Session, route_ids: set[int]) -> dict[int, str]:
-    if not route_ids:
-        return {}
-    rows = session.execute(
-        text("SELECT id, handler FROM routes WHERE id = ANY(CAST(:ids AS bigint[]))"),
-        {"ids": sorted(route_ids)},
-    ).all()
-    return {int(r[0]): str(r[1]) for r in rows}
-
-
-def _outcomes(stored: dict[str, Any], handlers: dict[int, str]) -> list[LedgerOutcome]:
-    out = []
-    for key, value in sorted(stored.items(), key=lambda kv: int(kv[0])):
-        route_id, code, detail = int(key), str(value)[:1], str(value)[2:] or None
-        status = STATUS_OF_CODE.get(code, code)
-        out.append(
-            LedgerOutcome(
-                route_id,
-                handlers.get(route_id, REMOVED_ROUTE),
-                status,
-                result_ref=detail if code == "s" else None,
-                dead_reason=detail if code == "d" else None,
-            )
-        )
-    return out
