@@ -25,7 +25,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from models import ledger_layout, requeue, route_ends, transitions
+from models import ledger, ledger_layout, requeue, route_ends, transitions
 from models.retention import run_maintenance
 from models.retention_layout import ensure_partitions
 from tasks.pipeline import run
@@ -231,6 +231,22 @@ def test_a_dead_letter_is_an_outcome_a_replay_that_succeeds_overwrites_and_each_
         expired = route_ends.expire_held(session, now=now, max_age=timedelta(days=3), limit=10)
     assert [e.delivery_id for e in expired] == [waiting]
     assert [r.outcomes for r in ledger_of(engine, held)] == [{str(held.route_ids[0]): "d:expired"}]
+
+    # A crash loop's dead letter, decided inside the claim: the worker's one more statement.
+    looped = make_source(sessions, settings)
+    (crashing,) = accept_event(settings, looped)[1].delivery_ids
+    claim(sessions, crashing, now)
+    with sessions() as session, session.begin():
+        verdict = transitions.claim(
+            session, crashing, now=now + timedelta(hours=1), lease=SEC, max_redeliveries=1,
+            worker="test",
+        )  # fmt: skip
+        assert verdict is not None
+        assert verdict.crashed_too_often
+        assert ledger.record(session, [crashing]) == 1
+    assert [r.outcomes for r in ledger_of(engine, looped)] == [
+        {str(looped.route_ids[0]): "d:crashed"}
+    ]
 
 
 # ------------------------------------------------------------------------------------------
