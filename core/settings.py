@@ -219,6 +219,11 @@ class Settings(BaseSettings):
     payload_retention: timedelta = timedelta(days=2)
     # Dead letters are kept this long after they went dead, whatever their receipt's TTL.
     dead_letter_retention: timedelta = timedelta(days=30)
+    # The processed-events ledger (models/ledger.py) is kept this many whole months past the
+    # month an event was received in, then dropped a month at a time (seed 003: long enough
+    # to answer a customer dispute, which is usually months). Months, not a duration: its
+    # partitions are calendar months, and durations refuse months (no fixed length).
+    ledger_retention: int = Field(default=13, ge=1, le=1200)
     # The providers' retry windows are re-checked (core/horizon.py): one last verified against
     # its cited page longer ago than this (or never) is due for review, reported by
     # `webhooks ttl check` and maintenance's gauges. Whole days (180d), at least 1d.

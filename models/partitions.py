@@ -97,9 +97,12 @@ _LIST = text(
 )
 
 
-def list_partitions(conn: Connection) -> list[Partition]:
-    """Every partition of the partitioned tables with its bounds as Postgres enforces them."""
-    rows = conn.execute(_LIST, {"tables": list(PARTITIONED_TABLES)}).all()
+def list_partitions(
+    conn: Connection, tables: tuple[str, ...] = PARTITIONED_TABLES
+) -> list[Partition]:
+    """Every partition of the partitioned tables (the daily three, unless ``tables`` names
+    others: the monthly ledger) with its bounds as Postgres enforces them."""
+    rows = conn.execute(_LIST, {"tables": list(tables)}).all()
     return [Partition(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
 
 

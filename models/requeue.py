@@ -14,6 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from core.states import DeliveryStatus
+from models import ledger
 from models.statements import sql_text
 
 
@@ -112,17 +113,23 @@ def replay_many(
     return moved
 
 
+# The discard, and each discarded route's outcome in its receipt's ledger row (``x``).
+_DISCARD_SQL = f"""
+    WITH discarded AS (
+        UPDATE deliveries SET status = 'discarded', next_attempt_at = NULL, updated_at = :now
+        WHERE id = ANY(:ids) AND status = 'dead'
+        RETURNING id, receipt_id, expires_at, route_id, {ledger.DISCARDED} AS outcome
+    ), {ledger.upsert("discarded")}
+    SELECT id FROM discarded
+    """  # noqa: S608 (fragments of models.ledger, no input)
+
+
 def discard(session: Session, delivery_ids: list[int], *, now: datetime | None) -> list[int]:
     """dead -> discarded (an operator's audited decision): no longer a dead letter, so
-    retention no longer holds it. Returns the ids that were dead (others are left alone)."""
+    retention no longer holds it, and ``x`` is its route's outcome in the ledger (same
+    statement). Returns the ids that were dead (others are left alone)."""
     rows = session.execute(
-        sql_text(
-            """
-            UPDATE deliveries SET status = 'discarded', next_attempt_at = NULL, updated_at = :now
-            WHERE id = ANY(:ids) AND status = 'dead'
-            RETURNING id
-            """
-        ),
+        sql_text(_DISCARD_SQL),
         {"ids": list(delivery_ids), "now": now},
     ).all()
     return sorted(int(r[0]) for r in rows)

@@ -7,7 +7,8 @@
 - ``delete`` mode: :func:`delete_expired` deletes expired rows in batches of at most
   ``delete_batch_size`` (<= 10,000) rows per statement, each batch its own short transaction.
 - both: :func:`drop_payloads` drops bodies past their retention; conflicts (not partitioned)
-  are deleted in batches.
+  are deleted in batches; the processed-events ledger's months are laid out ahead and dropped
+  past ``WEBHOOKS_LEDGER_RETENTION`` (:mod:`models.ledger_layout`).
 
 A receipt is expired from ``now >= expires_at`` (the receiver deduplicates while
 ``now < expires_at``), so every "expired" test below is ``expires_at <= now``.
@@ -45,7 +46,7 @@ from sqlalchemy import Connection, Engine, text
 
 from core.logs import get_logger
 from core.settings import Settings
-from models import partitions
+from models import ledger_layout, partitions
 from models.retention_expiry import expire_partitions
 from models.retention_holds import (
     DROP_ORDER,
@@ -93,6 +94,10 @@ class MaintenanceReport:
     rows_moved: dict[str, int] = field(default_factory=dict)
     postponed: list[str] = field(default_factory=list)  # days (or receipts) left for later
     dead_letters_expired: int = 0
+    # The processed-events ledger's months (models/ledger_layout.py), in either mode.
+    ledger_months_created: list[str] = field(default_factory=list)
+    ledger_months_dropped: list[str] = field(default_factory=list)
+    ledger_default_rows_deleted: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -385,6 +390,10 @@ def run_maintenance(engine: Engine, settings: Settings, now: datetime | None) ->
     report.rows_deleted = counts.rows
     report.delete_statements = counts.statements
     report.payloads_dropped = drop_payloads(engine, settings, now)
+    kept = ledger_layout.maintain(engine, settings, now)
+    report.ledger_months_created = kept.created
+    report.ledger_months_dropped = kept.dropped
+    report.ledger_default_rows_deleted = kept.default_rows_deleted
     log.info(
         "maintenance",
         mode=report.mode,
@@ -396,5 +405,6 @@ def run_maintenance(engine: Engine, settings: Settings, now: datetime | None) ->
         postponed=len(report.postponed),
         dead_letters_expired=report.dead_letters_expired,
         payloads_dropped=report.payloads_dropped,
+        ledger_months_dropped=len(report.ledger_months_dropped),
     )
     return report

@@ -37,6 +37,7 @@ from sqlalchemy.orm import Session
 
 from core.durations import format_duration
 from core.states import DeadReason
+from models import ledger
 from models.catalog import Change, record_audit
 from models.statements import sql_text
 
@@ -51,6 +52,10 @@ _OPEN_FOR = """coalesce(' the breaker had been open for '
 # before its route's last resume by hand.
 _AGE_START = """CASE WHEN d.first_attempt_at IS NOT NULL OR d.attempts = 0
                  THEN greatest(coalesce(d.first_attempt_at, d.created_at), g.released_at) END"""
+
+# A dead letter's outcome in the ledger (models/ledger.py), written by the statement that
+# makes it.
+_DEAD_OUTCOME = ledger.DEAD.replace("dead_reason", "d.dead_reason")
 
 _EXPIRE_SQL = f"""
     WITH held AS (
@@ -69,6 +74,7 @@ _EXPIRE_SQL = f"""
         ORDER BY d.id
         LIMIT :limit
         FOR UPDATE OF d SKIP LOCKED
+<<<<<<< HEAD
     )
     UPDATE deliveries d SET status = 'dead', dead_reason = :reason, dead_at = :now,
         next_attempt_at = NULL, lease_until = NULL, updated_at = :now,
@@ -82,6 +88,25 @@ _EXPIRE_SQL = f"""
       AND d.status IN ('pending', 'retrying')
     RETURNING d.id, due.route_id,
               floor(extract(epoch FROM :now - due.breaker_opened_at)), due.public_id
+=======
+    ), dead AS (
+        UPDATE deliveries d SET status = 'dead', dead_reason = :reason, dead_at = :now,
+            next_attempt_at = NULL, lease_until = NULL, updated_at = :now,
+            last_error_class = coalesce(d.last_error_class, 'BreakerOpen'),
+            last_error = 'expired: its max_age ('
+                || floor(extract(epoch FROM due.max_age))::bigint
+                || ' s) passed while its route''s breaker was open;'
+                || {_OPEN_FOR.format(opened="due.breaker_opened_at")}
+                || coalesce('; last error: ' || d.last_error, '')
+        FROM due
+        WHERE d.id = due.id AND d.expires_at = due.expires_at
+          AND d.status IN ('pending', 'retrying')
+        RETURNING d.id, due.route_id, d.receipt_id, d.expires_at,
+                  {_DEAD_OUTCOME} AS outcome,
+                  floor(extract(epoch FROM :now - due.breaker_opened_at)) AS open_for
+    ), {ledger.upsert("dead")}
+    SELECT id, route_id, open_for FROM dead
+>>>>>>> ledger
     """  # noqa: S608 (fragments of this module, no input)
 
 
@@ -141,8 +166,8 @@ _DISABLE_SQL = f"""
         FROM off
         WHERE d.source_id = off.source_id AND d.route_id = off.id
           AND d.status IN ('pending', 'retrying')
-        RETURNING d.route_id
-    )
+        RETURNING d.route_id, d.receipt_id, d.expires_at, {_DEAD_OUTCOME} AS outcome
+    ), {ledger.upsert("dead")}
     SELECT off.id, s.public_id, off.handler, off.events_glob, off.disabled_reason,
            floor(extract(epoch FROM :now - off.breaker_opened_at)), off.breaker_trips,
            (SELECT count(*) FROM dead WHERE dead.route_id = off.id)

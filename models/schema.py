@@ -35,6 +35,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from core.states import DeliveryStatus
 
 PARTITIONED_TABLES = ("receipts", "deliveries", "attempts")
+# Partitioned by month on received_at (models/ledger_layout.py), apart from the daily three.
+LEDGER_TABLE = "ledger"
 ARRIVED_VIA = ("webhook", "reconcile")
 ARRIVED_VIA_DEFAULT = (
     "coalesce(nullif(current_setting('webhooks.arrived_via', true), ''), 'webhook')"
@@ -391,6 +393,39 @@ class AuditDiscarded(Base):
     delivery_id: Mapped[int] = mapped_column(BigInteger)
 
 
+class LedgerRow(Base):
+    """One receipt whose work ended, kept for months after the receipt (migration 0023,
+    models/ledger.py): never a dedup key, only what the operator reads once the receipt is
+    gone. Partitioned by month on ``received_at``; compact by design (docs/retention.md)."""
+
+    __tablename__ = LEDGER_TABLE
+    __table_args__ = (
+        # What ON CONFLICT merges a later ending into: the event id's 64-bit hash seeded with
+        # the source, and received_at (the partition key must be part of a unique index).
+        Index(
+            "ux_ledger_key",
+            text("hashtextextended(event_id, source_id)"),
+            "received_at",
+            unique=True,
+        ),
+        {"postgresql_partition_by": "RANGE (received_at)"},
+    )
+
+    received_at: Mapped[datetime] = mapped_column()
+    source_id: Mapped[int] = mapped_column(BigInteger)
+    event_id: Mapped[str] = mapped_column(Text)
+    event_type: Mapped[str] = mapped_column(Text)
+    # The first 8 bytes of the body's SHA-256 (receipts.body_digest); NULL when reconciled.
+    digest: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # {"<route id>": "s[:result ref]" | "d[:dead reason]" | "x"}: each route's final outcome.
+    outcomes: Mapped[dict[str, Any]] = mapped_column()
+    reconciled: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+
+    # No primary key in the table (the unique index above is the row's identity); the ORM
+    # needs one to map the class.
+    __mapper_args__ = {"primary_key": [received_at, source_id, event_id]}  # noqa: RUF012
+
+
 class Subscription(Base):
     """State kept by the example ``stripe_subscription`` handler (ordering-guarded)."""
 
@@ -411,6 +446,7 @@ def include_name(name: str | None, type_: str, parent_names: object) -> bool:
     maintenance, not to migrations."""
     if type_ == "table" and name is not None:
         return not any(
-            name.startswith(f"{t}_p") or name == f"{t}_default" for t in PARTITIONED_TABLES
+            name.startswith(f"{t}_p") or name == f"{t}_default"
+            for t in (*PARTITIONED_TABLES, LEDGER_TABLE)
         )
     return True

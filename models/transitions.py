@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import WebhooksError
 from core.states import AttemptOutcome, DeliveryStatus
+from models import ledger
 from models.statements import Target, fetchone, placeholders
 
 
@@ -458,7 +459,8 @@ _SUCCEED_MANY_SQL = """
         WHERE deliveries.id = want.id AND deliveries.expires_at = want.expires_at
           AND deliveries.status = 'processing' AND deliveries.attempts = want.attempt
           AND deliveries.generation = want.generation
-        RETURNING deliveries.id, deliveries.expires_at, want.attempt, want.generation, want.at
+        RETURNING deliveries.id, deliveries.expires_at, want.attempt, want.generation, want.at,
+                  deliveries.receipt_id, deliveries.route_id, {outcome} AS outcome
     ), ended AS (
         UPDATE {attempts} SET ended_at = done.at, outcome = 'succeeded',
             error_class = NULL, error_message = NULL, committed_at = clock_timestamp()
@@ -466,14 +468,21 @@ _SUCCEED_MANY_SQL = """
         WHERE attempts.delivery_id = done.id AND attempts.expires_at = done.expires_at
           AND attempts.number = done.attempt AND attempts.generation = done.generation
           AND attempts.ended_at IS NULL
-    )
+    ), {ledger_row}
     SELECT id FROM done
     """
 
 
 @functools.cache
 def _succeed_many_sql(leaf: str | None) -> str:
-    return placeholders(_SUCCEED_MANY_SQL.format(**_tables(_leaf(leaf))))
+    tables = _tables(_leaf(leaf))
+    return placeholders(
+        _SUCCEED_MANY_SQL.format(
+            outcome=ledger.SUCCEEDED.replace("result_ref", "deliveries.result_ref"),
+            ledger_row=ledger.upsert("done", tables["receipts"]),
+            **tables,
+        )
+    )
 
 
 def succeed_many(
@@ -485,9 +494,9 @@ def succeed_many(
 ) -> set[int]:
     """processing (each one's attempt) -> succeeded, for several deliveries in one statement
     (run it in autocommit: one round trip, one synchronous commit), each with its result
-    reference (``refs`` in order; none by default). Returns the ids that moved; a delivery
-    missing from it lost its lease (the caller's :class:`IllegalTransition` of
-    :func:`succeed`)."""
+    reference (``refs`` in order; none by default) and its ledger row (one per receipt).
+    Returns the ids that moved; a delivery missing from it lost its lease (the caller's
+    :class:`IllegalTransition` of :func:`succeed`)."""
     rows = conn.execute(
         _succeed_many_sql(leaf),
         {
@@ -503,17 +512,22 @@ def succeed_many(
 
 
 @functools.cache
-def _finish_sql(assignments: str, leaf: str | None = None) -> str:
+def _finish_sql(assignments: str, leaf: str | None = None, final: str | None = None) -> str:
     """The finishing statement for one transition's assignments (built once per transition
-    and partition)."""
+    and partition). ``final``: the transition ends the delivery, and this expression (of
+    :mod:`models.ledger`) is its route's outcome in the ledger, written in this statement."""
     tables = _tables(_leaf(leaf))
+    returning = "id"
+    if final is not None:
+        returning += f", receipt_id, expires_at, route_id, {final} AS outcome"
+    ledger_row = "" if final is None else ", " + ledger.upsert("done", tables["receipts"])
     return placeholders(
         f"""
         WITH done AS (
             UPDATE {tables["deliveries"]} SET {assignments}, lease_until = NULL, updated_at = :now
             WHERE id = :id AND expires_at = :expires_at AND status = 'processing'
               AND attempts = :attempt AND generation = :generation
-            RETURNING id
+            RETURNING {returning}
         ), ended AS (
             UPDATE {tables["attempts"]} SET ended_at = :now, outcome = :outcome,
                 error_class = :error_class, error_message = :error,
@@ -521,7 +535,7 @@ def _finish_sql(assignments: str, leaf: str | None = None) -> str:
             WHERE delivery_id = :id AND expires_at = :expires_at AND number = :attempt
               AND generation = :generation AND ended_at IS NULL
               AND EXISTS (SELECT 1 FROM done)
-        )
+        ){ledger_row}
         SELECT id FROM done
         """  # noqa: S608 (assignments are literals of this module)
     )
@@ -539,9 +553,11 @@ def _guarded_finish(
     error: str | None = None,
     params: dict[str, Any] | None = None,
     leaf: str | None = None,
+    final: str | None = None,
 ) -> None:
-    """One statement: the guarded state change and the end of this attempt's row."""
-    sql = _finish_sql(assignments, leaf)
+    """One statement: the guarded state change and the end of this attempt's row (and, for
+    an ending, its route's outcome in the ledger: ``final``)."""
+    sql = _finish_sql(assignments, leaf, final)
     row = fetchone(
         session,
         sql,
@@ -570,7 +586,8 @@ def succeed(
     result_ref: str | None = None,
 ) -> None:
     """processing (this attempt) -> succeeded, with the handler's result reference (None:
-    none). Raises IllegalTransition if the lease was lost.
+    none), and the route's outcome merged into the receipt's ledger row in the same
+    statement (:mod:`models.ledger`). Raises IllegalTransition if the lease was lost.
 
     On a session it commits with the handler's writes; on a psycopg connection in autocommit
     (a handler that wrote nothing through ``ctx.session``) it is one synchronous commit.
@@ -585,6 +602,7 @@ def succeed(
         outcome=AttemptOutcome.SUCCEEDED,
         params={"result_ref": result_ref},
         leaf=leaf,
+        final=ledger.SUCCEEDED,
     )
 
 
@@ -625,7 +643,8 @@ def kill(
     error_class: str | None,
     error: str | None,
 ) -> None:
-    """processing (this attempt) -> dead, with the reason and the last error."""
+    """processing (this attempt) -> dead, with the reason and the last error; the dead
+    letter is the route's outcome in the ledger until a replay ends it again."""
     _guarded_finish(
         session,
         found,
@@ -638,4 +657,5 @@ def kill(
         error_class=error_class,
         error=error,
         params={"reason": reason},
+        final=ledger.DEAD,
     )

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query
 
 from ingest.admin.deps import Db, State, parse_time
 from ingest.admin.schemas import NOT_FOUND
-from models import queries
+from models import ledger_reads, queries
+from models.ledger_reads import LedgerEvent
 from models.queries import DeadGroup, DeliveryDetail, EventDetail, EventFilter, EventSummary
 from tasks.context import idempotency_key
 
@@ -53,8 +54,10 @@ def show_event(
     source: Annotated[
         str | None, Query(description="The source, when several have this event id.")
     ] = None,
-) -> EventDetail:
-    """The receipt, its deliveries and every attempt with its error. `event` is
+) -> EventDetail | LedgerEvent:
+    """The receipt, its deliveries and every attempt with its error; once the receipt has
+    expired (its dedup TTL), what the processed-events ledger kept of the event
+    (`found_in: ledger`, each receipt of it with each route's outcome). `event` is
     `receipt:N`, `delivery:N` (that delivery's event), `event:ID` or a provider event id;
     a bare number that is a delivery id is refused (400, `ambiguous_id`): look it up with
     `GET /deliveries/{id}`. A bare number beyond a bigint is refused (400,
@@ -70,7 +73,7 @@ def show_event(
                 "of this form is looked up as event:ID",
                 "out_of_range",
             ) from None
-    return queries.get_event(session, event, source=source)
+    return ledger_reads.get_event(session, event, source=source)
 
 
 @router.get(

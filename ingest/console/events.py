@@ -1,5 +1,6 @@
 """The console's events: the list (filters, search by id, pages by cursor) and one event
-with its deliveries and its payload, shown (never run) and cut at 256 KiB."""
+with its deliveries and its payload, shown (never run) and cut at 256 KiB; once its receipt
+has expired, what the processed-events ledger kept of it (``/console/ledger``)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ from starlette.routing import Route
 
 from ingest.console.base import Console, Visit, args_of, opt, parse_when, redirect
 from models import console as reads
-from models import queries
+from models import ledger_reads, queries
 from models.catalog import CatalogError
-from models.queries import EventFilter
+from models.ledger_reads import LedgerEvent
+from models.queries import EventDetail, EventFilter
 
 PAGE_SIZE = 50
 MAX_PAYLOAD_SHOWN = 256 * 1024
 
 
 def routes(c: Console) -> list[Route]:
-    return [c.get("/events", events), c.get("/events/{receipt}", event)]
+    return [c.get("/events", events), c.get("/events/{receipt}", event), c.get("/ledger", ledger)]
 
 
 async def events(c: Console, v: Visit) -> Response:
@@ -31,8 +33,8 @@ async def events(c: Console, v: Visit) -> Response:
         if args["q"]:
             ref = opt(args["q"])
             assert ref is not None
-            found = await c.db(lambda s: queries.get_event(s, ref, source=opt(args["source"])))
-            return redirect(f"/console/events/{found.id}")
+            found = await c.db(lambda s: ledger_reads.get_event(s, ref, source=opt(args["source"])))
+            return redirect(_page_of(found))
         now = await c.db(reads.db_now)
         flt = EventFilter(
             opt(args["source"]),
@@ -71,6 +73,33 @@ async def event(c: Console, v: Visit) -> Response:
     stored = await c.db(lambda s: reads.payload(s, rid))
     body = None if stored.body is None else _pretty(stored.body)
     return c.show(v, "event.html", {"e": detail, "body": body, "stored": stored})
+
+
+def _page_of(found: EventDetail | LedgerEvent) -> str:
+    """The event's page: its receipt's while it lives, else the ledger's."""
+    if isinstance(found, LedgerEvent):
+        return "/console/ledger?" + urlencode({"event": found.event_id, "source": found.source})
+    return f"/console/events/{found.id}"
+
+
+async def ledger(c: Console, v: Visit) -> Response:
+    """An event whose receipt expired, from the processed-events ledger (a live receipt's
+    event goes to its own page)."""
+    args = args_of(v.request.query_params, ("event", "source"))
+    try:
+        event_id = opt(args["event"])
+        if event_id is None:
+            raise queries.QueryError("which event? (?event=ID)", "bad_input")
+        found = await c.db(
+            lambda s: ledger_reads.get_event(s, f"event:{event_id}", source=opt(args["source"]))
+        )
+    except queries.NotFoundError as exc:
+        return c.error(v, str(exc), 404)
+    except (queries.QueryError, CatalogError) as exc:
+        return c.error(v, str(exc))
+    if not isinstance(found, LedgerEvent):
+        return redirect(_page_of(found))
+    return c.show(v, "ledger.html", {"e": found})
 
 
 def _cursor(text: str | None) -> tuple[datetime, int] | None:

@@ -30,11 +30,17 @@ from core.errors import WebhooksError
 from core.logs import get_logger
 from core.messages import Dispatch
 from core.metrics import DEAD_LETTERS, DELIVERIES, REPEAT_WINDOWS
-from models import deliveries
+from models import deliveries, ledger
 from models.breaker import held
 from models.transitions import Claim, ClaimedEvent, Held, Wanted
 from tasks.claims import FastClaim
-from tasks.connections import CONNECTION_ERRORS, autocommit, discard_pooled
+from tasks.connections import (
+    CONNECTION_ERRORS,
+    autocommit,
+    discard_pooled,
+    on_connection,
+    record,
+)
 from tasks.policy import DEAD_CRASHED
 from tasks.runtime import Runtime
 from tasks.steps.outcome import Outcome, PublishRetry, Report, quiet, source_label
@@ -261,8 +267,20 @@ def _not_claimed(raw: psycopg.Connection[Any], ids: list[int]) -> dict[int, Outc
 
 
 def _crash_looped(rt: Runtime, found: Claim, row: ClaimedEvent, fast: FastClaim) -> Report:
-    """The claim found one crash too many and made the delivery dead instead (crash loop)."""
+    """The claim found one crash too many and made the delivery dead instead (crash loop).
+    Its ledger row is one more statement, on this rare path only (the claim, every
+    delivery's, does not carry one); retried through database faults like an outcome."""
     rt.claims.release(fast)
+    try:
+        record(
+            rt.engine,
+            "ledger",
+            [found.id],
+            lambda: on_connection(rt.engine, lambda raw: ledger.record(raw, [found.id])),
+            within=rt.settings.record_retry_seconds,
+        )
+    except Exception as exc:  # noqa: BLE001 (the dead letter is committed; its ledger row is not)
+        log.warning("ledger.unrecorded", delivery_id=found.id, error_class=type(exc).__name__)
     source = source_label(row)
     DEAD_LETTERS.labels(reason=DEAD_CRASHED, source=source).inc()
     DELIVERIES.labels(outcome=Outcome.DEAD, source=source).inc()

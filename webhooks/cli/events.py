@@ -10,7 +10,7 @@ is a delivery id rather than show another event.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -29,6 +29,9 @@ from webhooks.cli.render import (
     stamp,
     when,
 )
+
+if TYPE_CHECKING:
+    from models.ledger_reads import LedgerEvent
 
 events_app = typer.Typer(
     help="Received events, their deliveries and attempts.", no_args_is_help=True
@@ -117,15 +120,20 @@ def events_show(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """One event: the receipt, its deliveries and every attempt with its error."""
-    from models import queries
+    """One event: the receipt, its deliveries and every attempt with its error. Once the
+    receipt has expired (its dedup TTL), what the processed-events ledger kept of it."""
+    from models import ledger_reads
+    from models.ledger_reads import LedgerEvent
     from models.queries import receipt_ref
 
     e = env()
     with e.session() as session:
-        detail = queries.get_event(session, event, source=source)
+        detail = ledger_reads.get_event(session, event, source=source)
     if as_json:
         print_json(plain(detail))
+        return
+    if isinstance(detail, LedgerEvent):
+        print_ledger_event(detail)
         return
     payload = (
         f"dropped {when(detail.payload_dropped_at)}"
@@ -156,6 +164,29 @@ def type_shown(event_type: str, unsigned: str | None) -> str:
     if unsigned is None:
         return event_type
     return f"{event_type} (unsigned: read from {unsigned}, outside the signature)"
+
+
+def print_ledger_event(found: LedgerEvent) -> None:
+    """An event whose receipt expired: each receipt of it the ledger kept, newest first."""
+    say(escape(found.note))
+    for n, run in enumerate(found.runs):
+        if n:
+            console.print()
+        for label, value in (
+            ("source", f"{run.source_name} ({run.source}, {run.provider})"),
+            ("event id", run.event_id),
+            ("type", run.event_type),
+            ("received", when(run.received_at)),
+            ("via", run.arrived_via),
+            ("digest", f"sha256 {run.digest}..." if run.digest else "-"),
+        ):
+            say(f"{label + ':':<10} {escape(str(value))}")
+        for o in run.outcomes:
+            detail = o.result_ref or o.dead_reason
+            more = f" ({'result ' if o.result_ref else ''}{detail})" if detail else ""
+            say(escape(f"route {o.route_id} {o.handler}: {o.status}{more}"))
+    if len(found.runs) > 1:
+        say(f"\n{len(found.runs)} receipts of this event: each redelivery after the TTL ran anew")
 
 
 @deliveries_app.command("show")

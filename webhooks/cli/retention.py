@@ -328,6 +328,11 @@ def maintenance_run(as_json: JsonOpt = False) -> None:
         highlight=False,
     )
     console.print(f"payloads dropped {report.payloads_dropped}", highlight=False)
+    console.print(
+        f"ledger months created {len(report.ledger_months_created)}, "
+        f"dropped {len(report.ledger_months_dropped)} (past WEBHOOKS_LEDGER_RETENTION)",
+        highlight=False,
+    )
 
 
 def register(app: typer.Typer) -> None:
