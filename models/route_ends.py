@@ -74,21 +74,6 @@ _EXPIRE_SQL = f"""
         ORDER BY d.id
         LIMIT :limit
         FOR UPDATE OF d SKIP LOCKED
-<<<<<<< HEAD
-    )
-    UPDATE deliveries d SET status = 'dead', dead_reason = :reason, dead_at = :now,
-        next_attempt_at = NULL, lease_until = NULL, updated_at = :now,
-        last_error_class = coalesce(d.last_error_class, 'BreakerOpen'),
-        last_error = 'expired: its max_age (' || floor(extract(epoch FROM due.max_age))::bigint
-            || ' s) passed while its route''s breaker was open;'
-            || {_OPEN_FOR.format(opened="due.breaker_opened_at")}
-            || coalesce('; last error: ' || d.last_error, '')
-    FROM due
-    WHERE d.id = due.id AND d.expires_at = due.expires_at
-      AND d.status IN ('pending', 'retrying')
-    RETURNING d.id, due.route_id,
-              floor(extract(epoch FROM :now - due.breaker_opened_at)), due.public_id
-=======
     ), dead AS (
         UPDATE deliveries d SET status = 'dead', dead_reason = :reason, dead_at = :now,
             next_attempt_at = NULL, lease_until = NULL, updated_at = :now,
@@ -103,10 +88,10 @@ _EXPIRE_SQL = f"""
           AND d.status IN ('pending', 'retrying')
         RETURNING d.id, due.route_id, d.receipt_id, d.expires_at,
                   {_DEAD_OUTCOME} AS outcome,
-                  floor(extract(epoch FROM :now - due.breaker_opened_at)) AS open_for
+                  floor(extract(epoch FROM :now - due.breaker_opened_at)) AS open_for,
+                  due.public_id
     ), {ledger.upsert("dead")}
-    SELECT id, route_id, open_for FROM dead
->>>>>>> ledger
+    SELECT id, route_id, open_for, public_id FROM dead
     """  # noqa: S608 (fragments of this module, no input)
 
 
