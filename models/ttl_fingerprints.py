@@ -180,6 +180,7 @@ class FingerprintCheck:
     """The live processes, those of their rows that could not be read, what they disagree
     on, and how many dead processes' rows were removed."""
 
+    at: datetime  # the instant compared at (the database's clock, or the pinned one)
     processes: tuple[ProcessTerms, ...]
     unreadable: tuple[tuple[str, int, str], ...]
     disagreements: tuple[Disagreement, ...]
@@ -223,10 +224,13 @@ def check(
     clock; a pinned instant in tests). ``prune`` (maintenance): first delete the rows of the
     processes not seen for the stale period. The caller commits."""
     stale = settings.ttl_fingerprint_stale_after
-    pruned = conn.execute(text(_PRUNE), {"now": now, "stale": stale}).rowcount if prune else 0
-    processes, unreadable = _live(conn, now, stale)
+    at: datetime = conn.execute(
+        text("SELECT coalesce(CAST(:now AS timestamptz), now())"), {"now": now}
+    ).scalar_one()
+    pruned = conn.execute(text(_PRUNE), {"now": at, "stale": stale}).rowcount if prune else 0
+    processes, unreadable = _live(conn, at, stale)
     disagreements = compare(processes, _sources(conn))
-    return FingerprintCheck(tuple(processes), tuple(unreadable), disagreements, pruned)
+    return FingerprintCheck(at, tuple(processes), tuple(unreadable), disagreements, pruned)
 
 
 def describe(d: Disagreement) -> dict[str, Any]:

@@ -55,7 +55,8 @@ def record_fingerprints(
 ) -> ttl_fingerprints.FingerprintCheck | None:
     """Remove the rows of processes not seen for ``WEBHOOKS_TTL_FINGERPRINT_STALE_AFTER``,
     compare the live ones, and set ``webhooks_ttl_fingerprint_disagreements`` (sources they
-    disagree on) and ``webhooks_ttl_fingerprint_processes``; one warning line naming the
+    disagree on), ``webhooks_ttl_fingerprint_processes`` and when (``..._checked_timestamp_
+    seconds``: the alert reads the latest worker's reading); one warning line naming the
     sources, the terms that differ and the processes, when they disagree. None (and a
     warning) when the database could not be read: the gauges keep their last values."""
     try:
@@ -66,6 +67,7 @@ def record_fingerprints(
         return None
     metrics.TTL_FINGERPRINT_DISAGREEMENTS.set(len(found.disagreements))
     metrics.TTL_FINGERPRINT_PROCESSES.set(len(found.processes))
+    metrics.TTL_FINGERPRINT_CHECKED.set(found.at.timestamp())
     if found.unreadable:
         log.warning(
             "ttl.fingerprints_unreadable",

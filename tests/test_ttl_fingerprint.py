@@ -209,6 +209,7 @@ def test_maintenance_compares_the_live_rows_and_removes_the_dead(
     assert made.public_id in [d.source.public_id for d in found.disagreements]
     assert _gauge("webhooks_ttl_fingerprint_disagreements") == len(found.disagreements)
     assert _gauge("webhooks_ttl_fingerprint_processes") == 2  # noqa: PLR2004
+    assert _gauge("webhooks_ttl_fingerprint_checked_timestamp_seconds") == found.at.timestamp()
     # The receiver not seen for just under the stale period still counts; at it, it does not.
     now = _db_now(engine)
     _backdate(engine, 202, stale - timedelta(seconds=1))
@@ -241,9 +242,9 @@ def test_a_heartbeat_that_cannot_reach_the_database_does_not_raise(settings: Set
 # Real processes --------------------------------------------------------------------------------
 
 
-def _check(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _check(*args: str, as_of: str = AS_OF, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(BIN / "webhooks"), "ttl", "check", "--as-of", AS_OF, *args],
+        [str(BIN / "webhooks"), "ttl", "check", "--as-of", as_of, *args],
         env=test_env(COLUMNS="80", **env),
         capture_output=True,
         text=True,
@@ -418,3 +419,23 @@ def test_ttl_check_says_when_no_process_is_recorded_and_refuses_an_unreachable_d
     assert gone.returncode == 1
     assert "Traceback" not in gone.stderr
     assert gone.stderr.strip().count("\n") == 0, gone.stderr
+
+
+def test_a_disagreement_exits_4_over_windows_due_and_windows_only_reads_no_database(
+    settings: Settings, sessions: Any
+) -> None:
+    make_source(sessions, settings, provider="stripe")
+    for pid, lag in ((301, DAY), (302, 3 * DAY)):
+        beat = Heartbeat(settings, "worker", inputs=_inputs(queue_lag=lag), host="h3", pid=pid)
+        assert beat.beat(start=True)
+    late = "2027-06-01"  # every built-in window is due for review by then
+    both = _check(as_of=late)
+    assert both.returncode == DISAGREE_EXIT, both.stderr
+    said = " ".join(both.stdout.split())
+    assert "retry windows due for review on 2027-06-01" in said  # both halves printed
+    assert "Live processes (0 receivers, 2 workers) derive different dedup TTLs" in said
+    windows = _check("--windows-only", "--json", as_of=late)
+    assert windows.returncode == 3, windows.stderr  # noqa: PLR2004 (DUE_EXIT)
+    assert json.loads(windows.stdout)["processes"] is None
+    nowhere = f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere"
+    assert _check("--windows-only", WEBHOOKS_DATABASE_URL=nowhere).returncode == 0

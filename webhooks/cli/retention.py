@@ -230,6 +230,13 @@ def ttl_check(
             show_default=False,
         ),
     ] = None,
+    windows_only: Annotated[
+        bool,
+        typer.Option(
+            "--windows-only",
+            help="Check the retry windows only: read no database (a CI job without one).",
+        ),
+    ] = False,
 ) -> None:
     """The providers' retry windows due for review: last verified against their cited page
     longer ago than WEBHOOKS_HORIZON_REVIEW_AFTER (default 180d), never, or on a day after
@@ -243,7 +250,7 @@ def ttl_check(
     Exit status: 0 when no window is due and the processes agree, 3 when some window is due,
     4 when processes disagree (either way the list is printed, or the JSON written; 4 when
     both), 1 on an error such as an invalid setting or a database that cannot be read, 2 on
-    bad usage such as an --as-of that is not a day."""
+    bad usage such as an --as-of that is not a day. --windows-only reads no database."""
     from core.clock import pinned
     from core.horizon import due, review, utc_day
     from core.providers import registry
@@ -257,11 +264,13 @@ def ttl_check(
     reviews = review(registry.providers().values(), today, after)
     late = due(reviews)
     views = [_window_view(r, r.provider in builtin) for r in (reviews if every else late)]
-    try:
-        with _database(e), e.engine.connect() as conn:
-            found = ttl_fingerprints.check(conn, e.settings, pinned(e.clock))
-    finally:
-        e.engine.dispose()
+    found = None
+    if not windows_only:
+        try:
+            with _database(e), e.engine.connect() as conn:
+                found = ttl_fingerprints.check(conn, e.settings, pinned(e.clock))
+        finally:
+            e.engine.dispose()
     if as_json:
         print_json(
             {
@@ -270,7 +279,9 @@ def ttl_check(
                 "checked": len(reviews),
                 "due": [r.provider for r in late],
                 "windows": views,
-                "processes": _processes_view(found, e.settings.ttl_fingerprint_stale_after),
+                "processes": None
+                if found is None
+                else _processes_view(found, e.settings.ttl_fingerprint_stale_after),
             }
         )
     elif late or every:
@@ -289,9 +300,9 @@ def ttl_check(
             "sender changed them and set verified_on to that day (built-ins: "
             "core/providers/descriptions.toml; a plug-in: its Provider). See docs/providers.md."
         )
-    if not as_json:
+    if found is not None and not as_json:
         _print_processes(found, e.settings.ttl_fingerprint_stale_after, every=every)
-    if found.disagreements:
+    if found is not None and found.disagreements:
         raise typer.Exit(DISAGREE_EXIT)
     if late:
         raise typer.Exit(DUE_EXIT)
