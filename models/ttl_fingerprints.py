@@ -154,13 +154,20 @@ class Heartbeat:
         self._failing = False
         return True
 
-    def start(self) -> None:
-        """Record now (this blocks for one round trip), then refresh from a daemon thread."""
-        self.beat(start=True)
-        self._thread = threading.Thread(target=self._run, name="ttl-fingerprint", daemon=True)
+    def start(self, *, wait: bool = True) -> None:
+        """Record the row, then refresh it from a daemon thread. ``wait``: record it before
+        returning (one round trip; up to the connect timeout when Postgres is away), else
+        from the thread (a worker's main thread runs its consumer and must not block)."""
+        if wait:
+            self.beat(start=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(not wait,), name="ttl-fingerprint", daemon=True
+        )
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, first: bool) -> None:
+        if first:
+            self.beat(start=True)
         while not self._stop.wait(self.interval.total_seconds()):
             self.beat()
 

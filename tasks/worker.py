@@ -103,7 +103,7 @@ def build_app(settings: Settings) -> Celery:
     # The worker's TTL inputs in Postgres (issue 35 item 3), from its main process once the
     # pool is up (no thread before a fork), refreshed by a thread, deleted at a clean stop.
     fingerprint = Heartbeat(settings, "worker")
-    worker_ready.connect(lambda **_: fingerprint.start(), weak=False)
+    worker_ready.connect(lambda **_: fingerprint.start(wait=False), weak=False)
     worker_shutdown.connect(lambda **_: fingerprint.stop(), weak=False)
     _name_crashes(settings)
     app.set_current()
