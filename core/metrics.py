@@ -268,6 +268,26 @@ PROVIDER_WINDOW_DUE = Gauge(
     ["provider"],
     multiprocess_mode="mostrecent",
 )
+# Do the live processes derive the same dedup TTLs (issue 35 item 3, core/ttl_fingerprint.py)?
+# Each maintenance run compares the receivers' and workers' recorded TTL inputs over every
+# source; WebhookTtlFingerprintsDisagree reads the first from the worker that checked last.
+TTL_FINGERPRINT_DISAGREEMENTS = Gauge(
+    "webhooks_ttl_fingerprint_disagreements",
+    "Sources for which live receivers and workers derive different dedup TTLs (their recorded"
+    " TTL inputs differ: settings, provider windows); webhooks ttl check lists them",
+    multiprocess_mode="mostrecent",
+)
+TTL_FINGERPRINT_PROCESSES = Gauge(
+    "webhooks_ttl_fingerprint_processes",
+    "Live receivers and workers whose dedup TTL inputs maintenance compared (recorded in"
+    " Postgres, seen within WEBHOOKS_TTL_FINGERPRINT_STALE_AFTER)",
+    multiprocess_mode="mostrecent",
+)
+TTL_FINGERPRINT_CHECKED = Gauge(
+    "webhooks_ttl_fingerprint_checked_timestamp_seconds",
+    "When maintenance last compared the live processes' TTL inputs, Unix time (database clock)",
+    multiprocess_mode="mostrecent",
+)
 
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
@@ -339,6 +359,9 @@ WORKER_ONLY: tuple[Any, ...] = (
     # The horizon, re-checked.
     PROVIDER_WINDOW_AGE,
     PROVIDER_WINDOW_DUE,
+    TTL_FINGERPRINT_DISAGREEMENTS,
+    TTL_FINGERPRINT_PROCESSES,
+    TTL_FINGERPRINT_CHECKED,
 )
 
 

@@ -228,6 +228,11 @@ class Settings(BaseSettings):
     # its cited page longer ago than this (or never) is due for review, reported by
     # `webhooks ttl check` and maintenance's gauges. Whole days (180d), at least 1d.
     horizon_review_after: timedelta = timedelta(days=180)
+    # Each receiver and worker records the inputs of its dedup TTLs in Postgres at start
+    # (core/ttl_fingerprint.py) and refreshes the row every fifth of this; a row not refreshed
+    # for this long (the database's clock) is a process gone: no longer compared, and removed
+    # by maintenance. Maintenance and `webhooks ttl check` compare the live ones.
+    ttl_fingerprint_stale_after: timedelta = timedelta(minutes=10)
 
     # Observability.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -332,6 +337,7 @@ class Settings(BaseSettings):
             "breaker_probe_interval",
             "console_idle_timeout",
             "route_disable_after",
+            "ttl_fingerprint_stale_after",
         ):
             if getattr(self, name) <= timedelta():
                 raise ValueError(f"WEBHOOKS_{name.upper()} must be positive")

@@ -59,6 +59,10 @@ MAX_EVENT_TIME_LEAD = timedelta(hours=1)
 # by what is measured: the configured value is the budget (docs/retention.md).
 QUEUE_LAG_WINDOW = timedelta(hours=24)
 
+# The least margin a raised TTL keeps above the retry window in force (:func:`effective_ttl`),
+# whatever the clock-skew allowance: a TTL equal to the window would end with a late retry.
+RAISED_MARGIN_FLOOR = timedelta(seconds=1)
+
 
 class TtlConfigError(WebhooksError, ValueError):
     """A source's TTL terms do not cover its provider's retry window (or are invalid)."""
@@ -126,24 +130,58 @@ def queue_lag_budget(override: timedelta | None, settings: Settings) -> timedelt
     return settings.queue_lag_budget if override is None else override
 
 
+@dataclass(frozen=True)
+class TermDefaults:
+    """What a source's TTL falls back to where it sets no override: its provider's retry
+    window (and where it is documented), and the three settings. A process's values of these
+    are its TTL terms' fingerprint (:mod:`core.ttl_fingerprint`)."""
+
+    retry_window: timedelta
+    citation: str
+    queue_lag: timedelta
+    clock_skew: timedelta
+    replay_grace: timedelta
+
+    @classmethod
+    def of(cls, provider: str, settings: Settings, *, source_name: str = "?") -> TermDefaults:
+        """``provider``'s window from the registry, the other three from ``settings``;
+        TtlConfigError (``unknown_provider``) for a provider nobody registered here."""
+        from core.providers import registry  # noqa: PLC0415 (the provider package imports every built-in provider module, ~40 ms of a CLI run that names no provider)
+
+        try:
+            window, citation = provider_retry_window(provider)
+        except registry.UnknownProvider:
+            raise TtlConfigError(
+                f"source {source_name}: unknown provider {provider!r}", "unknown_provider"
+            ) from None
+        return cls(
+            window,
+            citation,
+            settings.queue_lag_budget,
+            settings.clock_skew_allowance,
+            settings.manual_replay_grace,
+        )
+
+
 def dedup_terms(
     provider: str, overrides: TtlOverrides, settings: Settings, *, source_name: str = "?"
 ) -> DedupTtl:
     """The four terms and where each came from, without the coverage check (``ttl explain``
     shows a refused configuration too; maintenance sizes partitions from it)."""
-    from core.providers import registry  # noqa: PLC0415 (the provider package imports every built-in provider module, ~40 ms of a CLI run that names no provider)
+    defaults = TermDefaults.of(provider, settings, source_name=source_name)
+    return terms_from(provider, overrides, defaults, source_name=source_name)
 
-    try:
-        window, citation = provider_retry_window(provider)
-    except registry.UnknownProvider:
-        raise TtlConfigError(
-            f"source {source_name}: unknown provider {provider!r}", "unknown_provider"
-        ) from None
-    defaults = {
-        "retry_window": (window, f"provider default ({citation})"),
-        "queue_lag": (settings.queue_lag_budget, "setting WEBHOOKS_QUEUE_LAG_BUDGET"),
-        "clock_skew": (settings.clock_skew_allowance, "setting WEBHOOKS_CLOCK_SKEW_ALLOWANCE"),
-        "replay_grace": (settings.manual_replay_grace, "setting WEBHOOKS_MANUAL_REPLAY_GRACE"),
+
+def terms_from(
+    provider: str, overrides: TtlOverrides, defaults: TermDefaults, *, source_name: str = "?"
+) -> DedupTtl:
+    """:func:`dedup_terms` from given defaults (another process's, recorded in its
+    fingerprint) rather than this process's registry and settings."""
+    named = {
+        "retry_window": (defaults.retry_window, f"provider default ({defaults.citation})"),
+        "queue_lag": (defaults.queue_lag, "setting WEBHOOKS_QUEUE_LAG_BUDGET"),
+        "clock_skew": (defaults.clock_skew, "setting WEBHOOKS_CLOCK_SKEW_ALLOWANCE"),
+        "replay_grace": (defaults.replay_grace, "setting WEBHOOKS_MANUAL_REPLAY_GRACE"),
     }
     terms = []
     for name in TERM_NAMES:
@@ -155,11 +193,11 @@ def dedup_terms(
                 )
             terms.append(TtlTerm(name, override, "source override"))
         else:
-            value, origin = defaults[name]
+            value, origin = named[name]
             if value < timedelta():
                 raise TtlConfigError(f"{origin}: {name} must not be negative", "negative_term")
             terms.append(TtlTerm(name, value, origin))
-    return DedupTtl(provider, tuple(terms), window)
+    return DedupTtl(provider, tuple(terms), defaults.retry_window)
 
 
 def derive_ttl(
@@ -200,12 +238,21 @@ def effective_ttl(
     retry window (a setting or the provider's documented window changed after the source
     was created, which :func:`derive_ttl` would have refused) is never answered with an
     error, which would lose its events: its receipts get the minimum safe TTL, the retry
-    window in force plus the clock-skew allowance (at least a second), and ``raised`` says
-    so for the report, the metric and ``webhooks sources list``."""
+    window in force plus the clock-skew allowance (at least :data:`RAISED_MARGIN_FLOOR`), and
+    ``raised`` says so for the report, the metric and ``webhooks sources list``."""
     terms = dedup_terms(provider, overrides, settings, source_name=source_name)
+    return effective_from(terms, settings.clock_skew_allowance)
+
+
+def effective_from(
+    terms: DedupTtl, clock_skew_allowance: timedelta, margin_floor: timedelta | None = None
+) -> EffectiveTtl:
+    """:func:`effective_ttl` of given terms: raised to the retry window in force plus the
+    margin, ``max(clock_skew_allowance, margin_floor)``, when they do not cover it."""
     if terms.covers_retries:
         return EffectiveTtl(terms, terms.total, raised=False)
-    margin = max(settings.clock_skew_allowance, timedelta(seconds=1))
+    floor = RAISED_MARGIN_FLOOR if margin_floor is None else margin_floor
+    margin = max(clock_skew_allowance, floor)
     return EffectiveTtl(terms, terms.retry_window + margin, raised=True)
 
 

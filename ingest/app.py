@@ -37,7 +37,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from time import perf_counter
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 import psycopg
@@ -71,6 +71,9 @@ from core.ttl import expires_at
 from ingest.store import SourceRecord, Store
 from models.accept import NewReceipt
 from tasks.publisher import Publisher
+
+if TYPE_CHECKING:
+    from models.ttl_fingerprints import Heartbeat
 
 log = get_logger("ingest")
 T = TypeVar("T")
@@ -507,6 +510,15 @@ def _report_raised_ttls(settings: Settings) -> None:
         engine.dispose()
 
 
+def _record_fingerprint(settings: Settings) -> Heartbeat:
+    # Lazy, as above: SQLAlchemy's text() types come with the module; the heartbeat is psycopg.
+    from models.ttl_fingerprints import Heartbeat  # noqa: PLC0415 (SQLAlchemy, see above)
+
+    heartbeat = Heartbeat(settings, "receiver")
+    heartbeat.start()
+    return heartbeat
+
+
 def _counted_repeat(label: str, status: str) -> bool:
     """Count an accept that recorded nothing new to deliver (a duplicate, or a conflict:
     the same event id with another body); False for any other outcome."""
@@ -563,7 +575,11 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await asyncio.get_running_loop().run_in_executor(None, _report_raised_ttls, settings)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, _report_raised_ttls, settings)
+        # This process's TTL inputs in Postgres, refreshed by a thread of its own: compared
+        # with the other processes' by maintenance and `webhooks ttl check` (issue 35 item 3).
+        fingerprint = await loop.run_in_executor(None, _record_fingerprint, settings)
         await store.open()
         # Everything loaded so far (modules, settings, the providers) lives as long as the
         # process: out of the collector's sight, a full collection no longer walks it, and
@@ -574,6 +590,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
         finally:
             await store.close()
             publisher.close()
+            await loop.run_in_executor(None, fingerprint.stop)
 
     # The public port serves these three and nothing else: the admin API and /metrics are on
     # the admin address (ingest/admin/server.py).

@@ -441,6 +441,26 @@ class Subscription(Base):
     updated_at: Mapped[datetime] = mapped_column()
 
 
+class TtlFingerprint(Base):
+    """One live receiver's or worker's dedup TTL inputs (core/ttl_fingerprint.py), written at
+    its start and refreshed by its heartbeat (models/ttl_fingerprints.py)."""
+
+    __tablename__ = "ttl_fingerprints"
+    __table_args__ = (
+        PrimaryKeyConstraint("host", "pid", "role"),
+        CheckConstraint(_in("role", ("receiver", "worker")), name="role"),
+    )
+
+    host: Mapped[str] = mapped_column(Text)
+    pid: Mapped[int] = mapped_column(Integer)
+    role: Mapped[str] = mapped_column(Text)
+    environment: Mapped[str] = mapped_column(Text)
+    digest: Mapped[str] = mapped_column(Text)
+    terms: Mapped[dict[str, Any]] = mapped_column()
+    started_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    last_seen: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
 def include_name(name: str | None, type_: str, parent_names: object) -> bool:
     """Alembic filter: partitions (``receipts_p20261130``, ``receipts_default``) belong to
     maintenance, not to migrations."""

@@ -21,6 +21,7 @@ from celery.signals import (
     worker_process_init,
     worker_process_shutdown,
     worker_ready,
+    worker_shutdown,
 )
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
@@ -31,6 +32,7 @@ from models.catalog import report_raised_ttls
 from models.db import make_engine
 from models.route_catalog import active_routes
 from models.transitions import Held
+from models.ttl_fingerprints import Heartbeat
 from tasks import crashes, deliver, dispatcher, pause, sweeper
 from tasks.config import create_app
 from tasks.handlers.registry import load_registry
@@ -98,6 +100,11 @@ def build_app(settings: Settings) -> Celery:
     worker_process_shutdown.connect(process.close, weak=False)
     worker_ready.connect(lambda **_: _start_watchdog(settings), weak=False)
     worker_ready.connect(lambda **_: _start_dispatcher(settings), weak=False)
+    # The worker's TTL inputs in Postgres (issue 35 item 3), from its main process once the
+    # pool is up (no thread before a fork), refreshed by a thread, deleted at a clean stop.
+    fingerprint = Heartbeat(settings, "worker")
+    worker_ready.connect(lambda **_: fingerprint.start(wait=False), weak=False)
+    worker_shutdown.connect(lambda **_: fingerprint.stop(), weak=False)
     _name_crashes(settings)
     app.set_current()
     return app

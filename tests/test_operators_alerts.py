@@ -39,6 +39,8 @@ REQUIRED = {
     "WebhookRouteDisabled": "webhooks_routes_disabled_total",
     # Issue 35 item 3: a provider's retry window not verified against its page for too long.
     "WebhookProviderWindowReviewDue": "webhooks_provider_window_review_due",
+    # Issue 35 item 3: live processes deriving different dedup TTLs for a source.
+    "WebhookTtlFingerprintsDisagree": "webhooks_ttl_fingerprint_disagreements",
 }
 SUFFIXES = {
     "counter": ("_total",),

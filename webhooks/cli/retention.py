@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from core.horizon import WindowReview
+    from models.ttl_fingerprints import FingerprintCheck
 
 ttl_app = typer.Typer(
     help="Deduplication TTLs derived from each sender's contract.", no_args_is_help=True
@@ -157,6 +158,9 @@ def _measured_row(m: dict[str, Any]) -> tuple[str, str, str, str]:
 # Its exit status when some window is due: neither an error (1) nor bad usage (2), so that a
 # CI job or a cron can tell "someone must read a provider's page" from "the check broke".
 DUE_EXIT = 3
+# When live processes derive different TTLs for a source: a deployment to correct now (a late
+# retry may run twice), so it wins over DUE_EXIT when both hold (both are printed).
+DISAGREE_EXIT = 4
 
 
 def _as_of(text: str | None) -> date | None:
@@ -226,17 +230,31 @@ def ttl_check(
             show_default=False,
         ),
     ] = None,
+    windows_only: Annotated[
+        bool,
+        typer.Option(
+            "--windows-only",
+            help="Check the retry windows only: read no database (a CI job without one).",
+        ),
+    ] = False,
 ) -> None:
     """The providers' retry windows due for review: last verified against their cited page
     longer ago than WEBHOOKS_HORIZON_REVIEW_AFTER (default 180d), never, or on a day after
     today. Each is the provider term of every dedup TTL of its sources; a sender may have
     changed its policy since.
 
-    Exit status: 0 when none is due, 3 when some are (the list is printed, or the JSON
-    written, either way), 1 on an error such as an invalid setting, 2 on bad usage such as an
-    --as-of that is not a day. Reads no database."""
+    Then the live receivers and workers (each records its TTL inputs in the database at
+    start; live: seen within WEBHOOKS_TTL_FINGERPRINT_STALE_AFTER) that derive different dedup
+    TTLs for a source: each with its host, pid, role, TTL and the terms that differ.
+
+    Exit status: 0 when no window is due and the processes agree, 3 when some window is due,
+    4 when processes disagree (either way the list is printed, or the JSON written; 4 when
+    both), 1 on an error such as an invalid setting or a database that cannot be read, 2 on
+    bad usage such as an --as-of that is not a day. --windows-only reads no database."""
+    from core.clock import pinned
     from core.horizon import due, review, utc_day
     from core.providers import registry
+    from models import ttl_fingerprints
 
     day = _as_of(as_of)
     e = env()
@@ -246,6 +264,13 @@ def ttl_check(
     reviews = review(registry.providers().values(), today, after)
     late = due(reviews)
     views = [_window_view(r, r.provider in builtin) for r in (reviews if every else late)]
+    found = None
+    if not windows_only:
+        try:
+            with _database(e), e.engine.connect() as conn:
+                found = ttl_fingerprints.check(conn, e.settings, pinned(e.clock))
+        finally:
+            e.engine.dispose()
     if as_json:
         print_json(
             {
@@ -254,6 +279,9 @@ def ttl_check(
                 "checked": len(reviews),
                 "due": [r.provider for r in late],
                 "windows": views,
+                "processes": None
+                if found is None
+                else _processes_view(found, e.settings.ttl_fingerprint_stale_after),
             }
         )
     elif late or every:
@@ -272,8 +300,97 @@ def ttl_check(
             "sender changed them and set verified_on to that day (built-ins: "
             "core/providers/descriptions.toml; a plug-in: its Provider). See docs/providers.md."
         )
+    if found is not None and not as_json:
+        _print_processes(found, e.settings.ttl_fingerprint_stale_after, every=every)
+    if found is not None and found.disagreements:
+        raise typer.Exit(DISAGREE_EXIT)
     if late:
         raise typer.Exit(DUE_EXIT)
+
+
+def _processes_view(found: FingerprintCheck, stale: timedelta) -> dict[str, Any]:
+    from models.ttl_fingerprints import describe
+
+    return {
+        "stale_after_s": int(stale.total_seconds()),
+        "live": [
+            {
+                "host": p.host,
+                "pid": p.pid,
+                "role": p.role,
+                "environment": p.environment,
+                "digest": p.inputs.digest(),
+                "started_at": p.started_at,
+                "last_seen": p.last_seen,
+            }
+            for p in found.processes
+        ],
+        "unreadable": [{"host": h, "pid": pid, "role": r} for h, pid, r in found.unreadable],
+        "disagreements": [describe(d) for d in found.disagreements],
+    }
+
+
+def _ttl_text(value: timedelta | None) -> str:
+    return "not installed" if value is None else format_duration(value)
+
+
+def _print_processes(found: FingerprintCheck, stale: timedelta, *, every: bool) -> None:
+    """The processes' half of ``ttl check``: each source they disagree on, a line per
+    process (host, pid, role, environment, its TTL, its value of each term that differs);
+    with --all, every live process."""
+    live = found.processes
+    roles = ", ".join(
+        f"{sum(p.role == role for p in live)} {role}s" for role in ("receiver", "worker")
+    )
+    if found.unreadable:
+        names = ", ".join(f"{h}:{pid} {r}" for h, pid, r in found.unreadable)
+        _prose(f"Unreadable TTL inputs (a process of another version?): {names}.")
+    if not live:
+        _prose(
+            "No live receiver or worker has recorded its TTL inputs (none seen in the last "
+            f"{format_duration(stale)}): nothing to compare."
+        )
+        return
+    if not found.disagreements:
+        _prose(
+            f"The {len(live)} live processes ({roles}) derive the same dedup TTL for every source."
+        )
+    else:
+        count = len(found.disagreements)
+        _prose(
+            f"Live processes ({roles}) derive different dedup TTLs for {count} "
+            f"source{'s' if count > 1 else ''}:"
+        )
+    for d in found.disagreements:
+        say(escape(f"{d.source.name} ({d.source.public_id}, {d.source.provider}):"))
+        header = ["host", "pid", "role", "environment", "dedup TTL", *d.differing]
+        rows = [
+            [
+                x.process.host,
+                str(x.process.pid),
+                x.process.role,
+                x.process.environment,
+                _ttl_text(x.ttl),
+                *(_ttl_text(x.values[name]) for name in d.differing),
+            ]
+            for x in d.derived
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            say(
+                "  "
+                + escape("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))).rstrip()
+            )
+    if found.disagreements:
+        _prose(
+            "Each process derives a TTL from its own settings (WEBHOOKS_QUEUE_LAG_BUDGET, "
+            "WEBHOOKS_CLOCK_SKEW_ALLOWANCE, WEBHOOKS_MANUAL_REPLAY_GRACE) and its installed "
+            "providers: give them the same and restart the odd ones, or set the term on the "
+            "source (webhooks sources update SOURCE --queue-lag ...). See docs/retention.md."
+        )
+    elif every:
+        for p in live:
+            say(escape(f"  {p.host}  {p.pid}  {p.role}  {p.environment}  {p.inputs.digest()}"))
 
 
 @maintenance_app.command("run")
