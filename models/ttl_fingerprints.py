@@ -1,5 +1,5 @@
 """Each receiver's and worker's dedup TTL inputs in Postgres (``ttl_fingerprints``, migration
-0025), and the check that compares them (:mod:`core.ttl_fingerprint`).
+0024), and the check that compares them (:mod:`core.ttl_fingerprint`).
 
 A process records its row when it starts (:meth:`Heartbeat.start`: one upsert keyed by
 (host, pid, role), ``started_at`` and ``last_seen`` the database's ``now()``), refreshes

@@ -9,8 +9,8 @@ its heartbeat (models/ttl_fingerprints.py), deleted at a clean stop, and by main
 not seen for ``WEBHOOKS_TTL_FINGERPRINT_STALE_AFTER``. A handful of rows: no index beyond the
 key.
 
-Revision ID: 0025
-Revises: 0022
+Revision ID: 0024
+Revises: 0023
 Create Date: 2026-12-06
 """
 
@@ -22,8 +22,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision: str = "0025"
-down_revision: str | None = "0022"
+revision: str = "0024"
+down_revision: str | None = "0023"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
