@@ -161,7 +161,8 @@ class EventDetail:
     payload_bytes: int | None
     payload_dropped_at: datetime | None
     deliveries: list[DeliveryView]
-    arrived_via: str = "webhook"  # or reconcile (webhooks reconcile recovered it)
+    # or reconcile (webhooks reconcile recovered it), or test (`webhooks send` minted it)
+    arrived_via: str = "webhook"
 
 
 @dataclass(frozen=True)

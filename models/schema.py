@@ -35,7 +35,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from core.states import DeliveryStatus
 
 PARTITIONED_TABLES = ("receipts", "deliveries", "attempts")
-ARRIVED_VIA = ("webhook", "reconcile")
+ARRIVED_VIA = ("webhook", "reconcile", "test")
 ARRIVED_VIA_DEFAULT = (
     "coalesce(nullif(current_setting('webhooks.arrived_via', true), ''), 'webhook')"
 )
@@ -177,7 +177,7 @@ class Receipt(Base):
         PrimaryKeyConstraint("source_id", "event_id", "expires_at"),
         Index(None, "id"),
         Index(None, "received_at"),
-        CheckConstraint("arrived_via IN ('webhook', 'reconcile')", name="arrived_via"),
+        CheckConstraint("arrived_via IN ('webhook', 'reconcile', 'test')", name="arrived_via"),
         # Payload retention walks only the receipts that still hold a body.
         Index(
             "ix_receipts_payload_held",
@@ -201,8 +201,9 @@ class Receipt(Base):
     # body the provider signs, so it compares with nothing (a later webhook is a duplicate).
     body_digest: Mapped[bytes | None] = mapped_column(LargeBinary)
     content_type: Mapped[str | None] = mapped_column(Text)
-    # webhook | reconcile: the column's default reads the setting webhooks.arrived_via, which
-    # only reconciliation sets (SET LOCAL in its accept transaction; migration 0016).
+    # webhook | reconcile | test: the column's default reads the setting webhooks.arrived_via,
+    # which reconciliation and a verified `webhooks send` set (SET LOCAL in their accept
+    # transaction; migrations 0017, 0024).
     arrived_via: Mapped[str] = mapped_column(Text, server_default=text(ARRIVED_VIA_DEFAULT))
     # The raw body, dropped after its retention (NULL afterwards; payload_dropped_at says when).
     payload: Mapped[bytes | None] = mapped_column(LargeBinary)
