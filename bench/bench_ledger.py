@@ -91,7 +91,7 @@ WIDTHS = """
 SELECT avg(pg_column_size(received_at)), avg(pg_column_size(source_id)),
        avg(pg_column_size(event_id)), avg(pg_column_size(event_type)),
        avg(pg_column_size(digest)), avg(pg_column_size(outcomes)),
-       avg(pg_column_size(reconciled)), avg(pg_column_size(l.*))
+       avg(pg_column_size(via)), avg(pg_column_size(l.*))
 FROM ledger l
 """
 
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> None:
             f"   of which the heap:    {heap / args.rows:6.1f} bytes/event; the unique index and maps: {(total - heap) / args.rows:.1f}"
         )
         names = ("received_at", "source_id", "event_id", "event_type", "digest", "outcomes",
-                 "reconciled", "whole row (in memory, 4-byte varlena headers)")  # fmt: skip
+                 "via", "whole row (in memory, 4-byte varlena headers)")  # fmt: skip
         say("   average column widths (pg_column_size):")
         for name, width in zip(names, widths, strict=True):
             say(f"     {name:<46} {float(width):5.1f}")

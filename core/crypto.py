@@ -177,8 +177,11 @@ def split_keys(secret_key: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=16)  # derived once per key and process: scrypt is slow on purpose
-def _stretched(key: str) -> Fernet:
-    derived = hashlib.scrypt(
+def stretched_key(key: str) -> bytes:
+    """The 32 bytes scrypt derives from one key of ``WEBHOOKS_SECRET_KEY``: the Fernet key of
+    the stored secrets, and the root other purposes derive their own keys from with an HMAC
+    naming the purpose (:mod:`core.send_marks`), so no purpose can stand in for another."""
+    return hashlib.scrypt(
         key.encode(),
         salt=_SCRYPT_SALT,
         n=_SCRYPT_N,
@@ -187,7 +190,10 @@ def _stretched(key: str) -> Fernet:
         maxmem=64 * 1024 * 1024,
         dklen=32,
     )
-    return Fernet(base64.urlsafe_b64encode(derived))
+
+
+def _stretched(key: str) -> Fernet:
+    return Fernet(base64.urlsafe_b64encode(stretched_key(key)))
 
 
 def _legacy(key: str) -> Fernet:

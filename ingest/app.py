@@ -11,10 +11,12 @@
 3. signature and freshness against the source's active secrets -> 401; a body that would be
    costly to parse before its signature is known (Twilio: too many form parameters) -> 400,
    refused before any signature work; a batch with more events than its provider's cap ->
-   413 (Adyen counts its items before checking any HMAC)
+   413 (Adyen counts its items before checking any HMAC); a test-send mark
+   (``Webhooks-Test-Send``, :mod:`core.send_marks`) that does not verify -> 401
 4. event id, type and time from the provider's own fields -> 400; more events than the
    provider's cap -> 413
-5. one transaction: receipt + deliveries (duplicate -> 200, conflict -> 200, recorded)
+5. one transaction: receipt + deliveries (duplicate -> 200, conflict -> 200, recorded); a
+   verified test send's receipts say ``arrived_via = 'test'`` and get an ``audit_log`` row each
 6. after the commit, one Celery message per delivery, published by a background thread in
    batches (failure counted; the sweeper publishes what was lost)
 7. 202
@@ -48,7 +50,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from core import metrics
+from core import metrics, send_marks
 from core.clock import Clock, SystemClock, pinned
 from core.crypto import SecretBox, SecretDecryptError, SecretMisplaced, SecretUnbound
 from core.errors import WebhooksError
@@ -134,6 +136,8 @@ class Receiver:
         self.store = store
         self.publisher = publisher
         self._sync_engine: Any = None
+        # What verifies `webhooks send`'s mark (derived from WEBHOOKS_SECRET_KEY).
+        self._mark_keys = send_marks.mark_keys(settings.secret_key.get_secret_value())
 
     def _answer(
         self,
@@ -245,6 +249,18 @@ class Receiver:
                 label, f"refused:{exc.reason}", 400, {"error": f"body refused: {exc.reason}"}
             )
 
+        sent: send_marks.TestSend | None = None
+        marked = headers.get(send_marks.HEADER)
+        if marked is not None:  # `webhooks send`: verified, else refused (core.send_marks)
+            try:
+                sent = send_marks.verify(
+                    self._mark_keys, marked, source=label, body=body, now=int(now.timestamp())
+                )
+            except send_marks.MarkRefused as exc:
+                return self._answer(
+                    label, f"unauthenticated:test_mark_{exc.reason}", 401, {"error": str(exc)}
+                )
+
         try:
             meta = extract(source.provider, headers, body, config=source.config)
         except TooManyEvents as exc:
@@ -256,11 +272,16 @@ class Receiver:
         if isinstance(meta, Challenge):
             return await self._challenge(label, source, secret_id, meta)
         if isinstance(meta, Batch):
-            return await self._receive_batch(label, source, secret_id, meta, body, now, started)
+            return await self._receive_batch(
+                label, source, secret_id, meta, body, now, started, sent
+            )
 
         receipt = self._receipt(source, secret_id, meta, body, headers.get("content-type"), now)
         try:
-            outcome = await self._accept(receipt)
+            if sent is None:
+                outcome = await self._accept(receipt)
+            else:
+                [outcome] = await self._accept_sent([receipt], source, sent)
         except DB_ERRORS:
             return self._unavailable(label)
 
@@ -340,6 +361,7 @@ class Receiver:
         body: bytes,
         now: Any,
         started: float,
+        sent: send_marks.TestSend | None,
     ) -> Response:
         """Several events in one request: one receipt each, deduplicated on its own id, all
         accepted in one transaction (all or nothing); the answer is the provider's own."""
@@ -352,7 +374,10 @@ class Receiver:
         content_type = None
         receipts = [self._receipt(source, secret_id, e, body, content_type, now) for e in events]
         try:
-            outcomes = await self._accept_all(receipts)
+            if sent is None:
+                outcomes = await self._accept_all(receipts)
+            else:
+                outcomes = await self._accept_sent(receipts, source, sent)
         except DB_ERRORS:
             return self._unavailable(label)
         if any(o.status == "revoked" for o in outcomes):
@@ -455,6 +480,24 @@ class Receiver:
 
     async def _accept(self, receipt: NewReceipt) -> Any:
         return await self._partitioned(lambda: self.store.accept(receipt))
+
+    async def _accept_sent(
+        self, receipts: list[NewReceipt], source: SourceRecord, sent: send_marks.TestSend
+    ) -> list[Any]:
+        """A verified test send: recorded as ``arrived_via = 'test'`` and audited."""
+        outcomes = await self._partitioned(
+            lambda: self.store.accept_sent(
+                receipts, operator=sent.operator, source=source.public_id, provider=source.provider
+            )
+        )
+        log.info(
+            "webhook.test_send",
+            source=source.public_id,
+            operator=sent.operator,
+            events=len(receipts),
+            accepted=sum(1 for o in outcomes if o.status == "accepted"),
+        )
+        return outcomes
 
     async def _partitioned(self, accept: Callable[[], Awaitable[T]]) -> T:
         try:

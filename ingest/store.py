@@ -45,6 +45,8 @@ from models.accept import (
     ACCEPT_MANY_SQL,
     ACCEPT_SQL,
     RECEIPT_STATES_SQL,
+    SENT_ARRIVAL_SQL,
+    SENT_AUDIT_SQL,
     NewReceipt,
     Outcome,
     ReceiptState,
@@ -53,6 +55,7 @@ from models.accept import (
     decide,
     decide_many,
     receipt_states,
+    sent_audit_params,
     with_conflict,
 )
 
@@ -381,6 +384,40 @@ class Store:
                 return [with_conflict(decide(row), row, receipts[0].digest)]
             cur = await conn.execute(ACCEPT_MANY_SQL, accept_many_params(receipts, grace))
             return decide_many(receipts, await cur.fetchall())
+
+    async def accept_sent(
+        self,
+        receipts: Sequence[NewReceipt],
+        *,
+        operator: str,
+        source: str,
+        provider: str,
+    ) -> list[Outcome]:
+        """Accept the events of a verified test send (``webhooks send``, its mark checked by
+        the receiver): the batch statement in a transaction of its own that records them as
+        ``arrived_via = 'test'`` and writes their ``audit_log`` rows, all or nothing. Test
+        sends are rare: they never join the group commit, whose transactions are shared with
+        providers' events; TimeoutError once ``db_answer_timeout`` has passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.db_answer_timeout
+
+        async def run() -> list[Outcome]:
+            grace = self.settings.publish_grace
+            async with self.pool.connection() as conn, conn.transaction():
+                if loop.time() >= deadline:  # answered 503 meanwhile: write nothing
+                    raise TimeoutError("the request has been answered 503")
+                await conn.execute(SENT_ARRIVAL_SQL)
+                cur = await conn.execute(ACCEPT_MANY_SQL, accept_many_params(receipts, grace))
+                outcomes = decide_many(receipts, await cur.fetchall())
+                audit = sent_audit_params(
+                    receipts, outcomes, operator=operator, source=source, provider=provider
+                )
+                await conn.execute(SENT_AUDIT_SQL, audit)
+                return outcomes
+
+        if not receipts:
+            return []
+        return await self.within(run())
 
     async def receipt_states(
         self, source_id: int, event_ids: Sequence[str]

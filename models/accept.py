@@ -243,3 +243,48 @@ def receipt_states(rows: Sequence[TupleRow]) -> dict[str, ReceiptState]:
         event_id: ReceiptState(at, counts, tuple(refs))
         for event_id, (at, counts, refs) in found.items()
     }
+
+
+# -- a test send (``webhooks send``, its mark verified: core.send_marks) ---------------------
+# Recorded as any event, in one transaction that first says how it arrived (the receipts'
+# arrived_via default reads this setting; reconciliation sets it the same way) and then
+# audits it: one audit_log row per event the accept authorised, naming the operator the mark
+# carries, the source, the event's id and type and what the accept decided; never the payload.
+SENT_ARRIVAL_SQL = "SELECT set_config('webhooks.arrived_via', 'test', true)"
+
+SENT_AUDIT_SQL = """
+INSERT INTO audit_log (at, operator, action, target, reason, count, via)
+SELECT coalesce(%(now)s::timestamptz, now()), %(operator)s, 'event.send', t, %(reason)s, 1, 'cli'
+FROM jsonb_array_elements(%(targets)s::jsonb) AS t
+"""
+SENT_REASON = "test event (webhooks send)"
+
+
+def sent_audit_params(
+    receipts: Sequence[NewReceipt],
+    outcomes: Sequence[Outcome],
+    *,
+    operator: str,
+    source: str,
+    provider: str,
+) -> dict[str, Any]:
+    """SENT_AUDIT_SQL's parameters (pure): a target per receipt whose accept was authorised
+    (a revoked secret wrote nothing, so there is nothing to audit)."""
+    targets = [
+        {
+            "source": source,
+            "provider": provider,
+            "event_id": r.event_id,
+            "event_type": r.event_type,
+            "arrived_via": "test",
+            "outcome": o.status,
+        }
+        for r, o in zip(receipts, outcomes, strict=True)
+        if o.status != "revoked"
+    ]
+    return {
+        "now": receipts[0].received_at if receipts else None,
+        "operator": operator,
+        "targets": orjson.dumps(targets).decode(),
+        "reason": SENT_REASON,
+    }

@@ -522,6 +522,27 @@ def record_audit(
     return int(entry.id)
 
 
+# Console logins (issue 34 item 5): who logged in from where, and every refused token.
+LOGIN_ACTION = "login"
+LOGIN_FAILED_ACTION = "login.failed"
+NO_OPERATOR = "anonymous"  # a refused login's operator: the token matched no name
+
+
+def record_login(session: Session, *, operator: str | None, client: str, via: str) -> int:
+    """The ``audit_log`` row of a console login: ``operator`` the name of the admin token
+    that matched, or None for a refused token (action ``login.failed``). The target is the
+    client's address (and the token's name); never the token, right or wrong: a wrong one is
+    often a typo of the right one."""
+    if operator is None:
+        change = Change(NO_OPERATOR, "wrong token", via=via)
+        return record_audit(
+            session, change, LOGIN_FAILED_ACTION, {"client": client}, count=1, now=None
+        )
+    change = Change(operator, "logged in", via=via)
+    target = {"client": client, "token_name": operator}
+    return record_audit(session, change, LOGIN_ACTION, target, count=1, now=None)
+
+
 def count_unfinished(session: Session, *where: Any) -> int:
     return int(
         session.scalar(select(func.count()).where(Delivery.status.in_(UNFINISHED), *where)) or 0

@@ -48,9 +48,10 @@ ANY_END = (
 # same microsecond would leave that row unwritten, never write into another event's).
 _UPSERT = """ledger_row AS (
         INSERT INTO ledger AS l (received_at, source_id, event_id, event_type, digest,
-                                 outcomes, reconciled)
+                                 outcomes, via)
         SELECT r.received_at, r.source_id, r.event_id, r.event_type,
-               substring(r.body_digest FROM 1 FOR 8), e.outcomes, r.arrived_via = 'reconcile'
+               substring(r.body_digest FROM 1 FOR 8), e.outcomes,
+               left(r.arrived_via, 1)
         FROM (SELECT receipt_id, expires_at, jsonb_object_agg(route_id::text, outcome) AS outcomes
               FROM {ended} GROUP BY receipt_id, expires_at) e
         JOIN {receipts} r ON r.id = e.receipt_id AND r.expires_at = e.expires_at

@@ -15,6 +15,9 @@ from models.delivery_history import REMOVED_ROUTE
 from models.ledger import STATUS_OF_CODE
 from models.queries import EventDetail
 
+# The ledger's one-byte `via` (models/ledger.py) as receipts name it.
+ARRIVED_VIA_OF = {"w": "webhook", "r": "reconcile", "t": "test"}
+
 # Why an event shown from the ledger is not shown from its receipt.
 FROM_LEDGER = "receipt expired; from the ledger"
 
@@ -62,7 +65,7 @@ class LedgerEvent:
 _FIND = text(
     """
     SELECT l.received_at, s.public_id, s.name, s.provider, l.event_id, l.event_type,
-           l.digest, l.outcomes, l.reconciled
+           l.digest, l.outcomes, l.via
     FROM sources s
     JOIN ledger l ON hashtextextended(l.event_id, l.source_id) = hashtextextended(:e, s.id)
                  AND l.source_id = s.id AND l.event_id = :e
@@ -87,7 +90,7 @@ def find(session: Session, event_id: str, source_id: int | None = None) -> list[
             event_type=r.event_type,
             received_at=r.received_at,
             digest=None if r.digest is None else bytes(r.digest).hex(),
-            arrived_via="reconcile" if r.reconciled else "webhook",
+            arrived_via=ARRIVED_VIA_OF.get(str(r.via), "webhook"),
             outcomes=_outcomes(r.outcomes, handlers),
         )
         for r in rows

@@ -162,7 +162,8 @@ class EventDetail:
     payload_bytes: int | None
     payload_dropped_at: datetime | None
     deliveries: list[DeliveryView]
-    arrived_via: str = "webhook"  # or reconcile (webhooks reconcile recovered it)
+    # or reconcile (webhooks reconcile recovered it), or test (`webhooks send` minted it)
+    arrived_via: str = "webhook"
     # Where the type was read from when the signature does not cover it (``X-GitHub-Event``),
     # judged by the provider's rules under the source's current options; None: signed, or
     # recovered from the provider's API (:func:`unsigned_type_of`).

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    CHAR,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -37,7 +38,7 @@ from core.states import DeliveryStatus
 PARTITIONED_TABLES = ("receipts", "deliveries", "attempts")
 # Partitioned by month on received_at (models/ledger_layout.py), apart from the daily three.
 LEDGER_TABLE = "ledger"
-ARRIVED_VIA = ("webhook", "reconcile")
+ARRIVED_VIA = ("webhook", "reconcile", "test")
 ARRIVED_VIA_DEFAULT = (
     "coalesce(nullif(current_setting('webhooks.arrived_via', true), ''), 'webhook')"
 )
@@ -179,7 +180,7 @@ class Receipt(Base):
         PrimaryKeyConstraint("source_id", "event_id", "expires_at"),
         Index(None, "id"),
         Index(None, "received_at"),
-        CheckConstraint("arrived_via IN ('webhook', 'reconcile')", name="arrived_via"),
+        CheckConstraint("arrived_via IN ('webhook', 'reconcile', 'test')", name="arrived_via"),
         # Payload retention walks only the receipts that still hold a body.
         Index(
             "ix_receipts_payload_held",
@@ -203,8 +204,9 @@ class Receipt(Base):
     # body the provider signs, so it compares with nothing (a later webhook is a duplicate).
     body_digest: Mapped[bytes | None] = mapped_column(LargeBinary)
     content_type: Mapped[str | None] = mapped_column(Text)
-    # webhook | reconcile: the column's default reads the setting webhooks.arrived_via, which
-    # only reconciliation sets (SET LOCAL in its accept transaction; migration 0016).
+    # webhook | reconcile | test: the column's default reads the setting webhooks.arrived_via,
+    # which reconciliation and a verified `webhooks send` set (SET LOCAL in their accept
+    # transaction; migrations 0017, 0024).
     arrived_via: Mapped[str] = mapped_column(Text, server_default=text(ARRIVED_VIA_DEFAULT))
     # The raw body, dropped after its retention (NULL afterwards; payload_dropped_at says when).
     payload: Mapped[bytes | None] = mapped_column(LargeBinary)
@@ -419,7 +421,8 @@ class LedgerRow(Base):
     digest: Mapped[bytes | None] = mapped_column(LargeBinary)
     # {"<route id>": "s[:result ref]" | "d[:dead reason]" | "x"}: each route's final outcome.
     outcomes: Mapped[dict[str, Any]] = mapped_column()
-    reconciled: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # How the receipt arrived, one byte: w(ebhook), r(econcile) or t(est: `webhooks send`).
+    via: Mapped[str] = mapped_column(CHAR(1), server_default=text("'w'"))
 
     # No primary key in the table (the unique index above is the row's identity); the ORM
     # needs one to map the class.

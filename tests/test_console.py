@@ -37,8 +37,10 @@ from tests.leakcheck import remember
 from tests.operators_support import (
     OPS,
     accept,
+    cli,
     flush,
     kill,
+    ops_env,
     ops_receiver,
     ops_settings,
     source_with,
@@ -334,6 +336,159 @@ def test_a_post_without_its_csrf_token_is_403_and_changes_nothing(
     assert paused is False
 
 
+def _audit_after(engine: Engine, first: int, *actions: str) -> list[Any]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT id, operator, action, target, reason, via FROM audit_log"
+                    " WHERE id > :first AND action = ANY(:actions) ORDER BY id"
+                ),
+                {"first": first, "actions": list(actions)},
+            ).all()
+        )
+
+
+def _last_audit_id(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM audit_log")).scalar_one())
+
+
+def test_logins_are_audited_with_the_client_address_and_never_the_token(
+    context: BrowserContext, api: Receiver, engine: Engine
+) -> None:
+    """Issue 34 item 5: a refused token (``login.failed``) and a login (``login``, the
+    token's name) each write an audit row with the client's address; no row holds a token,
+    right or wrong; the audit page lists them."""
+    first = _last_audit_id(engine)
+    page = context.new_page()
+    page.goto(f"{api.admin_url}/console/login")
+    page.fill("#token", TOKEN[:-1])  # a typo of the right token
+    with page.expect_response(lambda r: r.url.endswith("/console/login")) as answer:
+        page.click("button[type=submit]")
+    assert answer.value.status == 401
+    page.fill("#token", TOKEN)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{api.admin_url}/console/")
+    rows = _audit_after(engine, first, "login", "login.failed")
+    assert [(r.operator, r.action, r.target, r.via) for r in rows] == [
+        ("anonymous", "login.failed", {"client": "127.0.0.1"}, "console"),
+        ("dora", "login", {"client": "127.0.0.1", "token_name": "dora"}, "console"),
+    ]
+    with engine.connect() as conn:
+        every = conn.execute(text("SELECT CAST(audit_log AS text) FROM audit_log")).scalars()
+        assert not [row for row in every if TOKEN[:-1] in row or OTHER_TOKEN[:-1] in row]
+    page.goto(f"{api.admin_url}/console/audit?action=login")
+    listed = page.locator("#audit tbody tr")
+    ids = {int(i or 0) for i in listed.evaluate_all("rs => rs.map(r => r.dataset.id)")}
+    assert {r.id for r in rows} <= ids
+
+
+def test_a_login_that_cannot_be_audited_starts_no_session(browser: Browser) -> None:
+    """The database down (here: a port nobody listens on): the right token is answered 503
+    and no session starts (no unaudited login); a wrong one is still 401 (its log line is the
+    record)."""
+    buckets = redis.Redis.from_url(THROTTLE_REDIS)
+    buckets.flushdb()
+    settings = make_settings(
+        admin_tokens=f"dora:{TOKEN}",
+        redis_url=THROTTLE_REDIS,
+        database_url=f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nowhere",
+    )
+    port = free_port()
+    server = AdminServer(settings, host="127.0.0.1", port=port)
+    server.start()
+    ctx = browser.new_context()
+    try:
+        for _ in range(200):
+            if server.server.started:
+                break
+            server.thread.join(0.05)
+        url = f"http://127.0.0.1:{port}"
+        page = ctx.new_page()
+        page.goto(f"{url}/console/login")
+        for token, status in ((TOKEN + "x", 401), (TOKEN, 503)):
+            page.fill("#token", token)
+            with page.expect_response(lambda r: r.url.endswith("/console/login")) as answer:
+                page.click("button[type=submit]")
+            assert answer.value.status == status
+        assert "every login is audited" in page.inner_text("#message")
+        assert not [c for c in ctx.cookies() if c["name"] == "wh_console"]
+        page.goto(f"{url}/console/")
+        assert page.url == f"{url}/console/login"
+    finally:
+        ctx.close()
+        server.stop()
+        buckets.flushdb()
+        buckets.close()
+
+
+def test_every_console_action_that_changes_data_is_audited(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """Issue 34 item 5: the console's POST actions are exactly these, and each one that
+    changes data writes an audit row under the session's operator (``via: console``): a
+    route disabled, enabled (here), paused, resumed, removed (test_routes_pause_resume...),
+    a source disabled and enabled (here), dead letters replayed (a ``replays`` row) or
+    discarded, a replay cancelled, a login. The console creates no source and no route
+    (``webhooks sources add`` and ``routes add`` do, audited: tests/test_cli_audit.py)."""
+    from ingest.console.app import create_console
+    from ingest.plane import OperatorTokens, PlaneState
+
+    app: Any = create_console(PlaneState(ops, FrozenClock(datetime.now(UTC)), OperatorTokens({})))
+    posts = sorted(r.path for r in app.app.routes if "POST" in (getattr(r, "methods", None) or ()))
+    assert posts == [
+        "/dead/confirm",  # replay (replays row) or discard (audit_log + audit_discarded)
+        "/dead/preview",  # reads only
+        "/login",  # login, login.failed
+        "/logout",  # ends this process's session: nothing stored
+        "/replays/{replay}/cancel",  # replay.cancel
+        "/routes/{route}/{action}",  # route.enable|disable|pause|resume|remove
+        "/sources/{source}/{action}",  # source.enable|disable
+    ]
+    source = source_with(sessions, ops, "log")
+    route = source.route_ids[0]
+    first = _last_audit_id(engine)
+    for button, reason in (("Disable", "route off"), ("Enable", "route on")):
+        page.goto(f"{api.admin_url}/console/routes")
+        row = page.locator(f"tr[data-route='{route}']")
+        row.locator("input[name=reason]").fill(reason)
+        row.locator(f"button:text-is('{button}')").click()
+        page.wait_for_url(f"{api.admin_url}/console/routes")
+    for button, reason in (("Disable source", "source off"), ("Enable source", "source on")):
+        section = page.locator(f"section[data-source='{source.public_id}']")
+        section.locator("form.inline input[name=reason]").first.fill(reason)
+        section.locator(f"button:text-is('{button}')").click()
+        page.wait_for_url(f"{api.admin_url}/console/routes")
+    rows = _audit_after(
+        engine, first, "route.disable", "route.enable", "source.disable", "source.enable"
+    )
+    assert [(r.action, r.operator, r.reason, r.via) for r in rows] == [
+        ("route.disable", "dora", "route off", "console"),
+        ("route.enable", "dora", "route on", "console"),
+        ("source.disable", "dora", "source off", "console"),
+        ("source.enable", "dora", "source on", "console"),
+    ]
+    assert rows[0].target["route"] == route
+    assert rows[2].target["source"] == source.public_id
+
+
+def test_a_test_event_says_so_on_its_page(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """Issue 34 item 5: ``webhooks send`` through the real receiver; its event page shows
+    ``arrived via: test`` (and a provider's event ``webhook``)."""
+    source = source_with(sessions, ops, "log")
+    accept(ops, source, event_id="evt_from_provider")
+    sent = cli("send", source.public_id, "--id", "evt_from_send", "--url", api.url, env=ops_env())
+    assert sent.returncode == 0, sent.stderr
+    for event_id, via in (("evt_from_send", "test"), ("evt_from_provider", "webhook")):
+        page.goto(f"{api.admin_url}/console/events?source={source.public_id}&q={event_id}")
+        expect(page.locator("#event-id")).to_have_text(event_id)
+        assert page.locator("#arrived-via .pill").inner_text() == via
+        assert ("webhooks send" in page.inner_text("#arrived-via")) == (via == "test")
+
+
 # pages ----------------------------------------------------------------------------------------
 
 
@@ -598,6 +753,14 @@ def test_a_running_replay_can_be_cancelled(
     still_dead = [d for d, st in _status(engine, ids).items() if st == "dead"]
     assert row.replayed < 6
     assert len(still_dead) == 6 - row.replayed  # what it did not reach stays dead
+    # Issue 34 item 5: the cancel is audited, under the operator who pressed it.
+    with engine.connect() as conn:
+        audited = conn.execute(
+            text("SELECT operator, via FROM audit_log WHERE action = 'replay.cancel'"
+                 " AND target = CAST(:t AS jsonb)"),
+            {"t": f'{{"replay": {replay_id}}}'},
+        ).all()  # fmt: skip
+    assert [tuple(a) for a in audited] == [("dora", "console")]
 
 
 def test_discard_with_a_reason_is_audited_under_the_operator(

@@ -69,7 +69,7 @@ def ledger_of(engine: Engine, source: MadeSource) -> list[Any]:
         return list(
             conn.execute(
                 text(
-                    "SELECT event_id, received_at, outcomes, digest, reconciled,"
+                    "SELECT event_id, received_at, outcomes, digest, via,"
                     " tableoid::regclass::text AS part FROM ledger"
                     " WHERE source_id = :s ORDER BY received_at"
                 ),
@@ -140,7 +140,7 @@ def test_the_workers_success_writes_the_ledger_row_in_its_own_statement(
     for event_id, _ in events:
         assert rows[event_id].outcomes == {str(route_id): f"s:ref-{event_id}"}
         assert len(rows[event_id].digest) == 8
-        assert rows[event_id].reconciled is False
+        assert rows[event_id].via == "w"
 
 
 def test_a_success_whose_ledger_row_fails_is_not_recorded(

@@ -1,6 +1,7 @@
 """The console's dead letters and replays: the list with its groups, a preview of a replay
 or a discard (of the selected ids, or of every match of the filter), its confirmation with
-a reason (the audit row, ``via: console``), and a replay's progress with its Cancel.
+a reason (the audit row, ``via: console``), and a replay's progress with its Cancel (audited
+too: ``replay.cancel``, the replay's id, the operator).
 
 Actions reuse the CLI's and the API's modules (plans, guarded transitions, audit rows), with
 the session's token name as the operator. A preview freezes what it counted
@@ -22,7 +23,7 @@ from ingest.console.plans import PendingPlan
 from models import candidates, discards, queries, replays
 from models import console as reads
 from models.candidates import ReplayFilter
-from models.catalog import CatalogError
+from models.catalog import CatalogError, Change, record_audit
 from models.discards import DiscardError
 from models.replays import ReplayError
 
@@ -207,6 +208,11 @@ async def replay_cancel(c: Console, v: Visit) -> Response:
     cancel = c.state.cancels.get(rid)
     if cancel is None:
         return c.error(v, f"replay {rid} is not running in this process", 409)
+    # Audited before it takes effect: a cancel whose row cannot be written cancels nothing.
+    change = Change(v.session.operator, "cancelled from the console", via="console")
+    await c.db(
+        lambda s: record_audit(s, change, "replay.cancel", {"replay": rid}, count=1, now=None)
+    )
     cancel.set()
     log.info("console.replay_cancelled", replay_id=rid, operator=v.session.operator)
     return redirect(f"/console/replays/{rid}")

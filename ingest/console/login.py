@@ -4,12 +4,21 @@ constant time with every configured one; a match starts a server-side session
 on https, or with ``WEBHOOKS_CONSOLE_SECURE_COOKIES``). The login form carries a CSRF token
 of its own cookie. Failed logins are limited per client address and in all
 (:mod:`models.login_throttle`): a throttled attempt is answered 429 with ``Retry-After`` and a
-page that says how long to wait, its token never compared."""
+page that says how long to wait, its token never compared.
+
+Every compared login is audited (``audit_log``, ``via: console``): a success as ``login``
+under the token's name, with the client's address; a refused token as ``login.failed``
+(operator ``anonymous``), with the address; never the token. A throttled attempt is not
+(its token is never compared; it is counted and logged), so the rows a flood can write are
+bounded by the throttle's budgets. A success whose row cannot be written (the database is
+down) is refused with 503: no session starts unaudited. A failure is still answered 401 then,
+and its log line is the record."""
 
 from __future__ import annotations
 
 import secrets
 
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,6 +37,7 @@ from ingest.console.base import (
     redirect,
 )
 from ingest.plane import throttled
+from models.catalog import record_login
 from models.login_throttle import client_key
 
 
@@ -73,13 +83,24 @@ async def _login(c: Console, request: Request) -> Response:
         response.headers["Retry-After"] = str(decision.retry_after)
         return response
     found = c.match(one(form, "token") or "")
+    address = request.client.host if request.client else "unknown"
     if found is None:
         await run_in_threadpool(c.state.throttle.failed, client, decision)
         log.info("console.login_refused", client=client)
+        try:
+            await c.db(lambda s: record_login(s, operator=None, client=address, via="console"))
+        except OperationalError:
+            log.warning("console.login_unaudited", client=client, outcome="refused")
         return _login_form(c, request, "wrong token", 401)
     name, digest = found
+    try:
+        await c.db(lambda s: record_login(s, operator=name, client=address, via="console"))
+    except OperationalError:
+        log.warning("console.login_unaudited", client=client, outcome="refused_unaudited")
+        message = "the database is unavailable (every login is audited): try again shortly"
+        return _login_form(c, request, message, 503)
     sid, _ = c.store.create(name, digest)
-    log.info("console.login", operator=name)
+    log.info("console.login", operator=name, client=client)
     response = redirect("/console/")
     _set_cookie(c, request, response, COOKIE, sid)
     response.delete_cookie(LOGIN_COOKIE, path=COOKIE_PATH)

@@ -41,7 +41,8 @@ from webhooks.cli.replay import replay, replays_app, selection
 
 dead_app = typer.Typer(help="Dead letters: deliveries that gave up.", no_args_is_help=True)
 audit_app = typer.Typer(
-    help="The audit trail of operator changes: discards, routes, sources.", no_args_is_help=True
+    help="The audit trail of operator actions: sends, discards, replays, routes, sources, logins.",
+    no_args_is_help=True,
 )
 
 # dead letters --------------------------------------------------------------------------------
@@ -201,18 +202,23 @@ def audit_list(
     action: Annotated[
         str | None,
         typer.Option(
-            "--action", help="Only these: discard, route, source, secret, route.disable, ..."
+            "--action",
+            help="Only these (a prefix): discard, replay, route, source, secret, event.send, "
+            "login, route.disable, ...",
         ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Who discarded dead letters, disabled, enabled or removed routes and sources, revoked
-    secrets, when and why (replays have their own trail: webhooks replays list)."""
-    from models import catalog
+    """Every audited operator action, newest first: who, when, through what and why. Test
+    events sent (event.send), dead letters discarded, replays (one row per run, its filter and
+    how many it replayed; progress: webhooks replays list), routes and sources added, changed,
+    disabled, enabled or removed, secrets added or revoked, console logins (login,
+    login.failed)."""
+    from models import console as reads
 
     e = env()
     with e.session() as session:
-        entries = catalog.list_audit(session, limit=limit, action=action)
+        entries = reads.audit(session, limit=limit, action=action)
     if as_json:
         print_json([plain(a) for a in entries])
         return
@@ -224,7 +230,13 @@ def audit_list(
     for a in entries:
         target = ", ".join(f"{k}={v}" for k, v in a.target.items())
         count = "" if a.count in (None, 1) else f" ({a.count})"
-        say(escape(f"#{a.id} {when(a.at)}  {a.action}  by {a.operator} via {a.via}{count}"))
+        # A replay's id is its own (webhooks replays list), not an audit_log row's.
+        head, what = (
+            (f"#{a.id}", a.action)
+            if a.kind == "audit"
+            else (f"replay:{a.id}", f"replay ({a.status})")
+        )
+        say(escape(f"{head} {when(a.at)}  {what}  by {a.operator} via {a.via}{count}"))
         say(escape(f"    {target}: {a.reason}" if target else f"    {a.reason}"))
     say("[dim](--json for every field)[/dim]")
 

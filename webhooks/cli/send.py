@@ -2,9 +2,14 @@
 would (``stripe trigger``, ``svix message create``), and optionally watch its deliveries.
 
 The body and headers come from :mod:`core.providers.sending`; the secret is the source's
-newest active one, decrypted here and never printed. What the receiver derives from the
-request (the event id a provider builds from the body, a batch's ids) is read with the
-providers' own ``extract``, so ``--follow`` watches exactly the receipts the receiver wrote.
+newest active one, decrypted here and never printed. Each request also carries the mark of a
+test send (:mod:`core.send_marks`: an HMAC under ``WEBHOOKS_SECRET_KEY`` naming the operator),
+so the receiver records its events as ``arrived_via = 'test'`` with an ``audit_log`` row each
+(``event.send``); a receiver that cannot verify the mark refuses the request.
+
+What the receiver derives from the request (the event id a provider builds from the body, a
+batch's ids) is read with the providers' own ``extract``, so ``--follow`` watches exactly the
+receipts the receiver wrote.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from rich.markup import escape
 
 from core.states import DeliveryStatus
 from webhooks.cli.common import CliError, Env, env, handle_errors
-from webhooks.cli.render import print_delivery, say
+from webhooks.cli.render import OperatorOpt, login, print_delivery, say
 
 # HTTP, the providers and the database are imported by the command (see webhooks.cli.common).
 if TYPE_CHECKING:
@@ -192,14 +197,19 @@ def send(
         typer.Option("--follow", help="Wait for the deliveries and show them."),
     ] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds --follow waits.")] = 30.0,
+    operator: OperatorOpt = None,
 ) -> None:
     """Send a signed test event to SOURCE, as its provider would: a body in the provider's
     format, signed with the source's active secret, posted to the receiver; prints the answer.
 
     Every built-in provider with a shared secret; SendGrid and Discord sign with their own
-    private key, so no test event can be signed for them here."""
+    private key, so no test event can be signed for them here.
+
+    Audited: each event gets an audit_log row (event.send: who, the source, the event's type
+    and id) and is recorded with arrived_via test (webhooks events show)."""
     import httpx
 
+    from core import send_marks
     from core.providers import sending
 
     if not 1 <= count <= MAX_COUNT:
@@ -207,7 +217,12 @@ def send(
     if timeout <= 0:
         raise CliError("--timeout must be positive")
     content = read_data(data)
+    try:
+        who = send_marks.check_operator(operator or login())
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     e = env()
+    keys = send_marks.mark_keys(e.settings.secret_key.get_secret_value())
     public_id, provider, config, secret = _source_and_secret(e, source)
     if provider in sending.PUBLIC_KEY:
         raise CliError(f"{public_id}: {sending.PUBLIC_KEY[provider]}")
@@ -222,12 +237,13 @@ def send(
             the_id = event_id or f"evt_test_{run}"
             if count > 1:
                 the_id = f"{the_id}-{n}"
+            at = int(e.clock.now().timestamp())
             try:
                 headers, body = sending.sign(
                     provider,
                     secret,
                     event_id=the_id,
-                    timestamp=int(e.clock.now().timestamp()),
+                    timestamp=at,
                     event_type=event_type,
                     data=content,
                     config=config,
@@ -235,6 +251,8 @@ def send(
             except sending.CannotSign as exc:
                 raise CliError(str(exc)) from None
             ids = _ids(headers, body, provider, config)
+            mark = send_marks.make(keys, source=public_id, body=body, operator=who, at=at)
+            headers = {**headers, "Webhooks-Test-Send": mark}
             response = _post(client, target, headers, body)
             if response.status_code >= 300:
                 failed += 1

@@ -45,7 +45,7 @@ def upgrade() -> None:
             event_type text NOT NULL,
             digest bytea,
             outcomes jsonb NOT NULL,
-            reconciled boolean NOT NULL DEFAULT false
+            via char(1) NOT NULL DEFAULT 'w'
         ) PARTITION BY RANGE (received_at)
         """
     )
