@@ -28,6 +28,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from core.errors import WebhooksError
 from core.logs import get_logger
 
 log = get_logger(__name__)
@@ -38,7 +39,7 @@ T = TypeVar("T")
 WAIT_MARGIN_S = 5.0
 
 
-class LoopStalled(TimeoutError):  # noqa: N818 (a timeout, named for what it says)
+class LoopStalled(WebhooksError, TimeoutError):  # noqa: N818 (a timeout, named for what it says)
     """The loop did not finish a call within its bound plus :data:`WAIT_MARGIN_S` (a loop
     blocked by a bug: every coroutine here bounds its own time)."""
 

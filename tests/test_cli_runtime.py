@@ -316,7 +316,9 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         assert "webhooks_requests" in receiver_families
         assert not receiver_families & metrics.hidden_from("receiver")
         assert not worker_families & metrics.hidden_from("worker")
-        assert "webhooks_retries" in worker_families  # worker-only, unlabelled: listed at 0
+        # Worker-only and unlabelled: listed at 0 (the delivery counters carry a source label,
+        # so they are listed once a delivery of some source has counted).
+        assert "webhooks_retry_after_ignored" in worker_families
         assert "webhooks_sources_ttl_raised" in receiver_families & worker_families
 
         # Flower's inspection at its start found the worker (its stats are listed), so it
