@@ -4,6 +4,7 @@ A real HTTP server on loopback; the handler runs in-process so its memory can be
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import socket
@@ -22,6 +23,7 @@ import pytest
 
 from core.clock import SystemClock
 from core.metrics import RETRY_AFTER_IGNORED
+from tasks import aio
 from tasks.context import Event, EventMeta, HandlerContext, RouteInfo
 from tasks.errors import DownstreamError, LeaseFenced, PermanentError, RetryableError
 from tasks.handlers import forward_client
@@ -462,3 +464,24 @@ def test_a_downstream_that_never_answers_times_out_at_the_io_timeout() -> None:
             forward(event, dataclasses.replace(ctx, io_timeout=0.5))
     assert raised.value.reason == "timeout"
     assert "LoopStalled" not in str(raised.value)
+
+
+def test_a_call_the_loop_never_finishes_frees_its_thread_and_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A coroutine that overstays its bound (a bug: every one here bounds itself) does not
+    hold the handler's thread: past the bound and the margin the caller gets LoopStalled, a
+    timeout, and the coroutine is cancelled on the loop."""
+    monkeypatch.setattr(aio, "WAIT_MARGIN_S", 0.2)
+    cancelled = threading.Event()
+
+    async def overstays() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with pytest.raises(aio.LoopStalled):
+        aio.call(overstays(), 0.1)
+    assert cancelled.wait(5)
