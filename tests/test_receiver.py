@@ -433,6 +433,7 @@ def test_postgres_unreachable_is_503_and_nothing_acknowledged(
         with receiver(
             WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{proxy.port}/{db}",
             WEBHOOKS_DB_CONNECT_TIMEOUT="1",
+            WEBHOOKS_DB_ANSWER_TIMEOUT="0.9",
         ) as rcv:
             _, headers, body = signed(source)
             assert post(client, rcv, source, headers, body).status_code == 202  # source now cached
@@ -516,7 +517,8 @@ def test_a_database_that_stops_answering_is_503_within_a_second_and_the_first_re
     try:
         with (
             receiver(
-                WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{proxy.port}/{db}"
+                WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{proxy.port}/{db}",
+                WEBHOOKS_DB_ANSWER_TIMEOUT="0.9",
             ) as rcv,
             httpx.Client(timeout=4) as client,  # a hang fails the test: ReadTimeout
         ):

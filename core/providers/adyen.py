@@ -49,6 +49,7 @@ from core.providers.base import (
     event_id,
     event_type,
     events_cap,
+    object_start,
     occurred_at,
     unb64,
     unhex,
@@ -99,6 +100,8 @@ def signed_string(item: Mapping[str, Any]) -> bytes:
 
 def _items(body: bytes, config: Mapping[str, Any]) -> list[Any]:
     """The ``notificationItems`` entries, counted (TooManyEvents) but not yet looked into."""
+    if not object_start(body):  # refused before it is parsed
+        raise MalformedEvent("bad_json")
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:

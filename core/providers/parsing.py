@@ -8,6 +8,7 @@ Pure, as :mod:`core.providers.contract`.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -64,7 +65,19 @@ def body_id(body: bytes) -> str:
     return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
+# A body that must be a JSON object is refused on its first byte when it is anything else:
+# parsing a 1 MiB array of empty objects only to refuse it costs ~57 ms of CPU.
+_OBJECT_START: Final = re.compile(rb"[ \t\r\n]*\{")
+
+
+def object_start(body: bytes) -> bool:
+    """Whether ``body`` can be a JSON object (it starts, after JSON whitespace, with ``{``)."""
+    return _OBJECT_START.match(body) is not None
+
+
 def json_object(body: bytes) -> dict[str, Any]:
+    if not object_start(body):
+        raise MalformedEvent("bad_json")
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError:
