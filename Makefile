@@ -43,7 +43,7 @@ promtool:
 # Local secrets for a development machine, generated once (never committed).
 # umask 077: the file is written readable by its owner only (mode 0600).
 .env:
-	@umask 077 && $(PYTHON) -c "import secrets; print('WEBHOOKS_SECRET_KEY=' + secrets.token_urlsafe(48)); print('WEBHOOKS_ADMIN_TOKENS=ops:' + secrets.token_urlsafe(32)); print('WEBHOOKS_FLOWER_PASSWORD=' + secrets.token_urlsafe(16))" > .env
+	@umask 077 && $(PYTHON) -c "import secrets; print('WEBHOOKS_SECRET_KEY=whk_' + secrets.token_urlsafe(32)); print('WEBHOOKS_ADMIN_TOKENS=ops:' + secrets.token_urlsafe(32)); print('WEBHOOKS_FLOWER_PASSWORD=' + secrets.token_urlsafe(16))" > .env
 	@echo "wrote .env with a new secret key, admin token (named ops) and Flower password"
 
 run: install .env

@@ -6,13 +6,15 @@ check, one query; 5 is no event, so it ends with its one-line error); a bad inpu
 (``events list --since`` a time that does not parse). They run against a database of their
 own, migrated, with one source (and so one stored secret: the key check derives the key).
 Python's bytecode cache is on (a directory of its own, filled by a first, uncounted run), as
-in the suite's subprocesses.
+in the suite's subprocesses. The storage key is a generated one (``whk_``, HKDF: what ``make
+.env`` writes), or with ``--passphrase`` a passphrase (scrypt); a tree from before generated
+keys stretches either with scrypt.
 
 Against a revision (``--against REV``): the same commands from a git worktree of REV
 (``bench/revisions.py``), run alternately with this tree's, each ``--runs`` times. User CPU is
 the steadier figure on a shared machine.
 
-Usage: .venv/bin/python bench/bench_cli.py [--runs 7] [--against REV]
+Usage: .venv/bin/python bench/bench_cli.py [--runs 7] [--against REV] [--passphrase]
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ COMMANDS = [
 PROGRAM = "import sys; sys.argv[0] = 'webhooks'; from webhooks.cli import main; main()"
 
 
+# Fixed, so that both trees decrypt the one stored secret: 32 bytes, base64url.
+GENERATED_KEY = "whk_" + "Q2xpLWJlbmNoLWtleS0zMi1ieXRlcy1yYW5kb20tISE"
+PASSPHRASE = "bench-secret-key-" + "k" * 32
+KEY = {"key": GENERATED_KEY}
+
+
 def environment(code: Path, database: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -52,7 +60,7 @@ def environment(code: Path, database: str) -> dict[str, str]:
         WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{database}",
         WEBHOOKS_BROKER_URL="redis://127.0.0.1:6379/14",
         WEBHOOKS_REDIS_URL="redis://127.0.0.1:6379/15",
-        WEBHOOKS_SECRET_KEY="bench-secret-key-" + "k" * 32,
+        WEBHOOKS_SECRET_KEY=KEY["key"],
         WEBHOOKS_LOG_JSON="true",
         COLUMNS="120",
     )
@@ -117,7 +125,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--against", metavar="REV", help="also run REV's code, alternating")
+    parser.add_argument(
+        "--passphrase", action="store_true", help="a passphrase storage key (scrypt)"
+    )
     args = parser.parse_args()
+    if args.passphrase:
+        KEY["key"] = PASSPHRASE
     trees = {"this tree": ROOT}
     made = None
     if args.against:
@@ -148,7 +161,8 @@ def main() -> None:
         ).stdout.strip()  # fmt: skip
         revision = f" against {args.against} ({sha})"
     load = os.getloadavg()[0]
-    print(f"bench_cli{revision}: {len(COMMANDS)} commands, load average {load:.1f}")
+    kind = "a passphrase (scrypt)" if args.passphrase else "a generated key (HKDF)"
+    print(f"bench_cli{revision}: {len(COMMANDS)} commands, {kind}, load average {load:.1f}")
     print(report(results, list(trees), args.runs))
 
 

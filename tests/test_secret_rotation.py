@@ -12,12 +12,15 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
 from cryptography.fernet import Fernet
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,9 +30,11 @@ from core.crypto import (
     Place,
     SecretBox,
     SecretDecryptError,
+    new_key,
     reconcile_place,
     route_secret_place,
     source_secret_place,
+    stretched_key,
 )
 from core.settings import SettingsError, load_settings
 from ingest.app import create_app
@@ -38,13 +43,93 @@ from models.retention_layout import ensure_partitions
 from tests.conftest import BASE_ENV, BIN, REDIS, make_settings, test_env
 from tests.factories import make_source, source_ttl
 from tests.leakcheck import remember
-from tests.operators_support import succeed
+from tests.operators_support import cli, succeed
 from tests.processes import receiver
 from tests.signing import sign
 
 OLD = BASE_ENV["WEBHOOKS_SECRET_KEY"]
 NEW = "rotated-secret-key-" + "r" * 32
 ROUTE_SECRET = "whsec_" + base64.b64encode(b"route-signing-secret-for-rotation").decode()
+
+
+def test_a_generated_key_is_derived_with_hkdf_and_a_passphrase_with_scrypt() -> None:
+    """A generated key (``whk_`` + 32 random bytes) skips scrypt: its root is HKDF-SHA256 of
+    its bytes; a passphrase's is scrypt of its text. The two kinds share one list, so a
+    rotation moves secrets from either to the other."""
+    generated = new_key()
+    raw = base64.urlsafe_b64decode(generated[4:] + "=")
+    hkdf = HKDF(
+        algorithm=SHA256(),
+        length=32,
+        salt=b"webhook-pipeline/secret-box/hkdf-v1",
+        info=b"secret-box root",
+    )
+    assert stretched_key(generated) == hkdf.derive(raw)
+    assert stretched_key(NEW) == hashlib.scrypt(
+        NEW.encode(),
+        salt=b"webhook-pipeline/secret-box/scrypt-v1",
+        n=2**15,
+        r=8,
+        p=1,
+        maxmem=64 * 1024 * 1024,
+        dklen=32,
+    )
+    here = source_secret_place("sec_kinds")
+    under_passphrase = SecretBox(NEW).seal("s1", here)
+    both = SecretBox(f"{generated},{NEW}")
+    assert both.open(under_passphrase, here) == "s1"
+    under_generated = both.seal("s2", here)
+    assert SecretBox(generated).open(under_generated, here) == "s2"
+    with pytest.raises(SecretDecryptError):
+        SecretBox(NEW).open(under_generated, here)
+    assert new_key() != generated
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        ("whk_" + "A" * 42 + "E", "is not random"),  # 32 bytes, one character repeated
+        ("whk_" + "a" * 43, "is not 32 bytes"),  # not canonical base64url
+        ("whk_" + base64.urlsafe_b64encode(b"k" * 31).decode(), "is not 32 bytes"),
+        ("whk_" + "x" * 40 + "!!!", "is not 32 bytes"),
+    ],
+    ids=["repeated", "not-canonical", "31-bytes", "not-base64url"],
+)
+def test_a_malformed_generated_key_is_refused_never_stretched_instead(key: str, why: str) -> None:
+    """A key that claims the generated form and does not have it would skip scrypt with
+    little entropy, or (stretched instead) hide a typo: refused, naming its place in the list."""
+    with pytest.raises(SettingsError) as refused:
+        load_settings(_env_file=None, secret_key=f"{NEW},{key}")
+    assert f"key 2 of 2 starts with whk_ but {why}" in str(refused.value)
+    assert key not in str(refused.value)
+
+
+def test_secrets_new_key_prints_a_key_that_works_and_needs_no_settings(tmp_path: Path) -> None:
+    """``webhooks secrets new-key`` needs no database and no key set (it makes the first);
+    each run prints another key of the generated form, which settings accept."""
+    env = {k: v for k, v in test_env().items() if k != "WEBHOOKS_SECRET_KEY"}
+    env["WEBHOOKS_ENV_FILE"] = str(tmp_path / "none.env")
+    runs = [cli("secrets", "new-key", env=env) for _ in range(2)]
+    keys = []
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        [key] = run.stdout.split()
+        assert key.startswith("whk_")
+        assert len(key) == 47
+        keys.append(key)
+    assert keys[0] != keys[1]
+    assert (
+        load_settings(_env_file=None, secret_key=keys[0]).secret_key.get_secret_value() == (keys[0])
+    )
+
+
+def test_a_cli_run_with_a_malformed_generated_key_is_one_line_and_changes_nothing() -> None:
+    bad = "whk_" + "a" * 43
+    run = cli("sources", "list", env=test_env(WEBHOOKS_SECRET_KEY=bad))
+    assert run.returncode != 0
+    assert "key 1 of 1 starts with whk_ but is not 32 bytes" in run.stderr
+    assert bad not in run.stderr + run.stdout
+    assert "Traceback" not in run.stderr
 
 
 def test_every_listed_key_decrypts_and_the_newest_encrypts() -> None:

@@ -1,5 +1,5 @@
 """``webhooks secrets``: a source's signing secrets (add, list, revoke, rekey the stored
-ones under a new ``WEBHOOKS_SECRET_KEY``)."""
+ones under a new ``WEBHOOKS_SECRET_KEY``, new-key for one)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from webhooks.cli.render import (
 # webhooks.cli.common).
 
 
-secrets_app = typer.Typer(help="A source's signing secrets (rotation).", no_args_is_help=True)
+secrets_app = typer.Typer(
+    help="A source's signing secrets, and the storage key (rotation).", no_args_is_help=True
+)
 
 
 def secret_view(s: Any) -> dict[str, Any]:
@@ -101,6 +103,20 @@ def secrets_revoke(
             reason=reason,
         )
     console.print(f"revoked {secret_id} (audit {audit_id})")
+
+
+@secrets_app.command("new-key")
+@handle_errors
+def secrets_new_key() -> None:
+    """Print a new random WEBHOOKS_SECRET_KEY (whk_...), and change nothing.
+
+    A generated key is derived with HKDF, not scrypt: every process and CLI run starts
+    about 0.25 s of CPU sooner. To move to it: WEBHOOKS_SECRET_KEY=NEW,OLD everywhere, then
+    `webhooks secrets rekey`, then NEW alone.
+    """
+    from core.crypto import new_key
+
+    typer.echo(new_key())
 
 
 @secrets_app.command("rekey")
