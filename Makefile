@@ -18,7 +18,10 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv
-	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e '.[dev]'
+	@# The project's own modules too: where PYTHONDONTWRITEBYTECODE is set, every CLI run
+	@# compiled them and the libraries again (1.9 s instead of 0.8 s for `events list`).
+	$(PY) -m compileall -q core ingest models tasks webhooks
 	@$(MAKE) --no-print-directory chromium promtool
 	touch $@
 

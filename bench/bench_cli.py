@@ -6,9 +6,10 @@ check, one query; 5 is no event, so it ends with its one-line error); a bad inpu
 (``events list --since`` a time that does not parse). They run against a database of their
 own, migrated, with one source (and so one stored secret: the key check derives the key).
 Python's bytecode cache is on (a directory of its own, filled by a first, uncounted run), as
-in the suite's subprocesses. The storage key is a generated one (``whk_``, HKDF: what ``make
-.env`` writes), or with ``--passphrase`` a passphrase (scrypt); a tree from before generated
-keys stretches either with scrypt.
+in the suite's subprocesses. This tree's storage key is a generated one (``whk_``, HKDF: what
+``make .env`` writes), or with ``--passphrase`` a passphrase (scrypt); REV's is a passphrase
+(what its ``make .env`` wrote). Each tree has a database of its own, its secret sealed under
+its key.
 
 Against a revision (``--against REV``): the same commands from a git worktree of REV
 (``bench/revisions.py``), run alternately with this tree's, each ``--runs`` times. User CPU is
@@ -46,10 +47,9 @@ PROGRAM = "import sys; sys.argv[0] = 'webhooks'; from webhooks.cli import main; 
 # Fixed, so that both trees decrypt the one stored secret: 32 bytes, base64url.
 GENERATED_KEY = "whk_" + "Q2xpLWJlbmNoLWtleS0zMi1ieXRlcy1yYW5kb20tISE"
 PASSPHRASE = "bench-secret-key-" + "k" * 32
-KEY = {"key": GENERATED_KEY}
 
 
-def environment(code: Path, database: str) -> dict[str, str]:
+def environment(code: Path, database: str, key: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOKS_")}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(
@@ -60,7 +60,7 @@ def environment(code: Path, database: str) -> dict[str, str]:
         WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{database}",
         WEBHOOKS_BROKER_URL="redis://127.0.0.1:6379/14",
         WEBHOOKS_REDIS_URL="redis://127.0.0.1:6379/15",
-        WEBHOOKS_SECRET_KEY=KEY["key"],
+        WEBHOOKS_SECRET_KEY=key,
         WEBHOOKS_LOG_JSON="true",
         COLUMNS="120",
     )
@@ -83,9 +83,10 @@ def run(code: Path, args: list[str], env: dict[str, str]) -> tuple[float, float,
     return wall, usage.ru_utime, proc.returncode
 
 
-def measure(trees: dict[str, Path], database: str, runs: int) -> dict[tuple[str, str], list]:
+def measure(
+    trees: dict[str, Path], envs: dict[str, dict[str, str]], runs: int
+) -> dict[tuple[str, str], list]:
     results: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
-    envs = {label: environment(code, database) for label, code in trees.items()}
     for label, code in trees.items():  # fill the bytecode cache, uncounted
         for args in COMMANDS:
             run(code, args, envs[label])
@@ -129,28 +130,31 @@ def main() -> None:
         "--passphrase", action="store_true", help="a passphrase storage key (scrypt)"
     )
     args = parser.parse_args()
-    if args.passphrase:
-        KEY["key"] = PASSPHRASE
     trees = {"this tree": ROOT}
     made = None
     if args.against:
         path, fresh = worktree(args.against)
         made = path if fresh else None
         trees[args.against] = path
-    database = f"webhooks_bench_cli_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{database}"')
+    keys = dict.fromkeys(trees, PASSPHRASE)
+    if not args.passphrase:
+        keys["this tree"] = GENERATED_KEY
+    databases = {label: f"webhooks_bench_cli_{uuid.uuid4().hex[:8]}" for label in trees}
+    envs = {label: environment(trees[label], databases[label], keys[label]) for label in trees}
     try:
-        env = environment(ROOT, database)
-        for setup in (["db", "upgrade"], ["sources", "add", "bench", "--provider", "standard"]):
-            subprocess.run(  # noqa: S603
-                [sys.executable, "-c", PROGRAM, *setup],
-                cwd=ROOT, env=env, check=True, capture_output=True,
-            )  # fmt: skip
-        results = measure(trees, database, args.runs)
+        for label, database in databases.items():
+            with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+                conn.execute(f'CREATE DATABASE "{database}"')
+            for setup in (["db", "upgrade"], ["sources", "add", "bench", "--provider", "standard"]):
+                subprocess.run(  # noqa: S603
+                    [sys.executable, "-c", PROGRAM, *setup],
+                    cwd=trees[label], env=envs[label], check=True, capture_output=True,
+                )  # fmt: skip
+        results = measure(trees, envs, args.runs)
     finally:
         with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            for database in databases.values():
+                conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         if made is not None:
             remove_worktree(made)
     revision = ""
@@ -161,7 +165,7 @@ def main() -> None:
         ).stdout.strip()  # fmt: skip
         revision = f" against {args.against} ({sha})"
     load = os.getloadavg()[0]
-    kind = "a passphrase (scrypt)" if args.passphrase else "a generated key (HKDF)"
+    kind = "passphrase keys" if args.passphrase else "this tree: a generated key; REV: passphrase"
     print(f"bench_cli{revision}: {len(COMMANDS)} commands, {kind}, load average {load:.1f}")
     print(report(results, list(trees), args.runs))
 
