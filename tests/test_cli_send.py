@@ -253,3 +253,41 @@ def test_follow_waits_for_the_deliveries_and_shows_them(
     assert sent.returncode == 0, sent.stderr
     assert "evt_follow -> 202" in sent.stdout
     assert "(log) succeeded, 1 attempt" in sent.stdout
+
+
+def test_follow_without_a_route_says_so_at_once_and_fails(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Acknowledged with no delivery: none will ever come (the accept writes both in one
+    transaction), so --follow says why at once and exits 1; it waited its whole --timeout
+    and exited 0 before (a --timeout past this run's own 90 s limit shows the difference)."""
+    source = make_source(sessions, settings, provider="standard", routes=[])
+    with receiver() as rcv:
+        sent = webhooks(
+            "send", source.public_id, "--id", "evt_no_route", "--url", rcv.url, "--follow",
+            "--timeout", "600",
+        )  # fmt: skip
+    assert sent.returncode == 1, sent.stdout
+    assert "evt_no_route -> 202" in sent.stdout
+    assert (
+        f"error: no delivery for evt_no_route: no active route of {source.public_id} takes it"
+        in sent.stderr
+    )
+    assert "Traceback" not in sent.stderr
+
+
+def test_follow_that_runs_out_of_time_shows_what_is_left_and_fails(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """No worker: the delivery stays pending past --timeout; --follow shows it, names it as
+    unfinished and exits 1 (a script waiting on --follow must not read that as done)."""
+    source = make_source(sessions, settings, provider="standard", routes=[{"handler": "log"}])
+    with receiver() as rcv:
+        sent = webhooks(
+            "send", source.public_id, "--id", "evt_left", "--url", rcv.url, "--follow",
+            "--timeout", "1",
+        )  # fmt: skip
+    assert sent.returncode == 1, sent.stdout
+    assert "(log) pending" in sent.stdout
+    assert "error: still waiting after 1s: deliveries " in sent.stderr
+    assert "unfinished (webhooks deliveries show ID)" in sent.stderr

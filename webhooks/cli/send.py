@@ -134,28 +134,23 @@ def _answer(response: httpx.Response) -> str:
 
 def _follow(e: Env, public_id: str, ids: list[str], timeout: float) -> None:
     """Wait until every delivery of the events is finished (or ``timeout``), then show each
-    as ``deliveries show`` does."""
+    as ``deliveries show`` does. An event acknowledged without a delivery never gets one
+    (the accept writes the receipt and its deliveries in one transaction): said at once.
+    Exit status 1 unless every delivery finished in time."""
     from models import queries
 
     deadline = time.monotonic() + timeout
+    waiting: list[str] = []
     while True:
         with e.session() as session:
             states = queries.deliveries_of(session, public_id, ids)
-        if states and all(st.status in FINISHED for st in states):
-            break
-        if time.monotonic() > deadline:
-            waiting = [str(st.delivery_id) for st in states if st.status not in FINISHED]
-            say(
-                escape(
-                    f"still waiting after {timeout:g}s: "
-                    + (
-                        f"deliveries {', '.join(waiting)} unfinished (webhooks deliveries show ID)"
-                        if states
-                        else "no delivery (does the source have a route? webhooks routes list "
-                        f"{public_id})"
-                    )
-                )
+        if not states:
+            raise CliError(
+                f"no delivery for {', '.join(ids)}: no active route of {public_id} takes it"
+                f" (webhooks routes list {public_id})"
             )
+        waiting = [str(st.delivery_id) for st in states if st.status not in FINISHED]
+        if not waiting or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     with e.session() as session:
@@ -166,6 +161,11 @@ def _follow(e: Env, public_id: str, ids: list[str], timeout: float) -> None:
         ]
     for d in views:
         print_delivery(d)
+    if waiting:
+        raise CliError(
+            f"still waiting after {timeout:g}s: deliveries {', '.join(waiting)} unfinished"
+            " (webhooks deliveries show ID)"
+        )
 
 
 @handle_errors
