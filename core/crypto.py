@@ -10,7 +10,7 @@ chose, and scrypt makes guessing one from a stolen ciphertext expensive. A gener
 (:func:`new_key`: ``whk_`` and 32 random bytes in base64url, what ``make .env`` and ``webhooks
 secrets new-key`` write) has 256 bits of entropy that no stretching adds to: its root is
 derived with HKDF-SHA256 instead, which spares every process and every CLI run scrypt's
-~0.25 s of CPU. Which derivation a key gets is read from the key itself, so keys of both kinds
+~0.1 s of CPU. Which derivation a key gets is read from the key itself, so keys of both kinds
 sit in one list and ``rekey`` moves secrets between them.
 
 The salt is fixed (:data:`_SCRYPT_SALT`), on purpose. A salt defeats precomputation across many

@@ -115,7 +115,7 @@ BASE_ENV = {
     "WEBHOOKS_BROKER_URL": f"{REDIS}/14",
     "WEBHOOKS_REDIS_URL": f"{REDIS}/15",
     # A generated key (core.crypto.new_key's form), derived with HKDF: every subprocess of
-    # the suite started ~0.25 s of CPU sooner than with scrypt. Passphrase keys (scrypt)
+    # the suite started ~0.1 s of CPU sooner than with scrypt. Passphrase keys (scrypt)
     # are the subject of tests/test_crypto*.py and the rotation tests.
     "WEBHOOKS_SECRET_KEY": "whk_"
     + base64.urlsafe_b64encode(hashlib.sha256(b"the suite's storage key").digest())

@@ -111,7 +111,7 @@ def secrets_new_key() -> None:
     """Print a new random WEBHOOKS_SECRET_KEY (whk_...), and change nothing.
 
     A generated key is derived with HKDF, not scrypt: every process and CLI run starts
-    about 0.25 s of CPU sooner. To move to it: WEBHOOKS_SECRET_KEY=NEW,OLD everywhere, then
+    about 0.1 s of CPU sooner. To move to it: WEBHOOKS_SECRET_KEY=NEW,OLD everywhere, then
     `webhooks secrets rekey`, then NEW alone.
     """
     from core.crypto import new_key
