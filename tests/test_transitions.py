@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH, MAX_CACHED_STATEMENT_PARAMS
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from models import requeue, transitions
+from models import requeue, statements, transitions
 from tests.factories import accept_event, make_source
 
 T0 = datetime.now(UTC).replace(microsecond=0)
@@ -314,3 +316,39 @@ def test_a_batch_claim_and_success_guard_every_row_on_its_own(
     assert attempts(sessions, expired) == [(1, "crashed"), (2, None)]
     assert attempts(sessions, live) == [(1, None)]
     assert attempts(sessions, stale) == []
+
+
+def test_compact_drops_comments_and_spaces_outside_quotes_only(
+    sessions: sessionmaker[Session],
+) -> None:
+    """What Postgres reads is unchanged: quoted text keeps its spaces and its ``--``, a
+    comment no longer reaches past its line once lines are joined, and escape strings or
+    dollar quoting (not parsed here) leave the statement as it was."""
+    sql = """
+        SELECT 'a  b -- not a comment' AS "odd  name",  -- a comment, 'with a quote
+               2 - -1 AS n /* a block
+               comment */, 'it''s' AS q
+    """
+    compacted = statements.compact(sql)
+    assert compacted == (
+        "SELECT 'a  b -- not a comment' AS \"odd  name\", 2 - -1 AS n , 'it''s' AS q"
+    )
+    with sessions() as session:
+        assert session.execute(text(compacted)).one() == session.execute(text(sql)).one()
+    for untouched in ("SELECT E'a\\'  b'", "SELECT $$a  b$$"):
+        assert statements.compact(untouched) == untouched
+
+
+@pytest.mark.parametrize("leaf", [None, "p20261211", "default"], ids=["any", "day", "default"])
+def test_the_workers_statements_fit_psycopgs_cache(leaf: str | None) -> None:
+    """psycopg converts a statement's placeholders once only when it is at most
+    MAX_CACHED_STATEMENT_LENGTH bytes with at most MAX_CACHED_STATEMENT_PARAMS parameters;
+    past that it converted the claim and success statements again on every run."""
+    built = {
+        "claim": transitions._claim_sql(worker=True, leaf=leaf),
+        "claim_many": transitions._claim_many_sql(leaf),
+        "succeed_many": transitions._succeed_many_sql(leaf),
+    }
+    for name, sql in built.items():
+        assert len(sql.encode()) <= MAX_CACHED_STATEMENT_LENGTH, name
+        assert len(set(re.findall(r"%\((\w+)\)s", sql))) <= MAX_CACHED_STATEMENT_PARAMS, name
