@@ -14,7 +14,9 @@ publisher, ``--batch`` delivery ids per message, and again one per message; and 
 as the sweeper publishes a backlog whose messages were lost, with the code's own
 ``sweep_once``, as retries, sweeps and replays are the sources of messages of one id); the clock runs
 from the first message taken to the last one done (``succeeded`` rows for ours; an empty queue with nothing
-unacknowledged for bare). Rounds alternate between the targets; the best round counts.
+unacknowledged for bare). A fourth drain: retries due at once (each delivery's first attempt
+failed, its retry waiting for admission), admitted and published by the worker's own
+dispatcher. Rounds alternate between the targets; the best round counts.
 Latency: events are then accepted at half of our measured rate (every 2 ms what has come due,
 in one statement, as the receiver's group commit does) and handed to the receiver's
 publisher; p50/p99 of ``succeeded_at - received_at`` (both the database's clock).
@@ -63,6 +65,7 @@ from compat import (
     DELIVER_TASK,
     DELIVERIES_QUEUE,
     ROOT,
+    Admission,
     Dispatch,
     NewReceipt,
     Publisher,
@@ -315,6 +318,51 @@ def swept_round(
     return drain_queued(client, conn, ids, queue_length(client), logdir)
 
 
+def retried_round(
+    s: Settings, client: redis.Redis, conn: psycopg.Connection[object],
+    source: tuple[int, str], n: int, logdir: Path,
+) -> Drain:  # fmt: skip
+    """Retries due at once, as when a downstream comes back after an outage: each delivery's
+    first attempt failed (``retrying``, one attempt, due now) and its retry waits for
+    admission, as ``tasks/steps/record.py`` schedules it; the worker's dispatcher admits them
+    within the route's budget and publishes what it admits together (retries, the sweeper
+    and replays were the sources of one-id messages). The clock runs from the first delivery
+    the worker claims."""
+    client.flushdb()
+    claims = redis.Redis.from_url(CLAIMS)
+    claims.flushdb()
+    ids = [i for k in range(0, n, 100) for i in accept(s, conn, source, min(100, n - k))]
+    conn.execute(
+        "UPDATE deliveries SET status = 'retrying', attempts = 1, "
+        "next_attempt_at = now() - interval '1 second' WHERE id BETWEEN %s AND %s",
+        (min(ids), max(ids)),
+    )
+    admission = Admission(claims)
+    for delivery_id in ids:
+        admission.schedule(delivery_id, 0.0)
+    worker = Worker(target("worker"), logdir)
+    try:
+        while True:
+            row = conn.execute(
+                "SELECT count(*) FROM deliveries WHERE status <> 'retrying' "
+                "AND id BETWEEN %s AND %s",
+                (min(ids), max(ids)),
+            ).fetchone()
+            if row and row[0]:  # type: ignore[index]
+                break
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: see {worker.log}")
+            time.sleep(0.002)
+        clock = Clock(worker.proc.pid)
+        while succeeded(conn, ids) < len(ids):
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: see {worker.log}")
+            time.sleep(0.05)
+        return clock.stop(len(ids))
+    finally:
+        worker.stop()
+
+
 def latency(
     s: Settings, conn: psycopg.Connection[object], source: tuple[int, str],
     rate: float, seconds: float, logdir: Path,
@@ -386,13 +434,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     client = redis.Redis.from_url(BROKER)
     logdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
     batch = args.batch or s.deliveries_per_message
-    drains: dict[str, list[Drain]] = {"ours": [], "single": [], "swept": [], "bare": []}
+    drains: dict[str, list[Drain]] = {
+        "ours": [], "single": [], "swept": [], "retried": [], "bare": []
+    }  # fmt: skip
     with psycopg.connect(s.psycopg_dsn, autocommit=True) as conn:
         for _ in range(args.rounds):
             drains["bare"].append(bare_round(app, client, args.events, logdir))
             drains["ours"].append(ours_round(s, client, conn, source, args.events, logdir, batch))
             drains["single"].append(ours_round(s, client, conn, source, args.events, logdir, 1))
             drains["swept"].append(swept_round(s, app, client, conn, source, args.events, logdir))
+            drains["retried"].append(retried_round(s, client, conn, source, args.events, logdir))
         best = {k: max(v) for k, v in drains.items()}
         p50, p99, count = latency(s, conn, source, best["ours"].rate / 2, args.seconds, logdir)
     client.flushdb()
@@ -409,7 +460,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
     drains = {k: [Drain(*d) for d in v] for k, v in result["drains"].items()}
-    ours, single, swept, bare = (max(drains[k]) for k in ("ours", "single", "swept", "bare"))
+    ours, single, swept, retried, bare = (
+        max(drains[k]) for k in ("ours", "single", "swept", "retried", "bare")
+    )
     batch = result["batch"]
     p50, p99, count = result["latency"]
 
@@ -426,10 +479,12 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
             row(f"ours, {batch:3d} ids/message", "ours", ours),
             row("ours,   1 id/message ", "single", single),
             row("ours, as swept       ", "swept", swept),
+            row("ours, retries due    ", "retried", retried),
             row("bare                 ", "bare", bare),
             f"ratio ours/bare: {ours.rate / bare.rate:.2f} at {batch} ids/message (floor 1.0), "
             f"{single.rate / bare.rate:.2f} at 1, {swept.rate / bare.rate:.2f} as the sweeper "
-            "publishes a lost backlog",
+            f"publishes a lost backlog, {retried.rate / bare.rate:.2f} as the dispatcher admits "
+            "retries due at once",
             f"latency receipt->succeeded at {ours.rate / 2:.0f} events/s offered for "
             f"{args.seconds:.0f} s after {WARMUP_S:.0f} s of warm-up ({count} events, published "
             f"as they came, linger {result['linger_ms']:.0f} ms): "
@@ -461,8 +516,8 @@ def against(args: argparse.Namespace) -> str:
         f"bench_workers against {args.against} ({rev}): {args.events} events per drain, "
         f"{args.rounds} runs each, alternating, -P {args.pool} -c {args.concurrency}, "
         f"{os.cpu_count()} CPUs, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
-        "run      ours batch/1 id/swept ev/s   bare ev/s   ratio batch / 1 / swept   "
-        "CPU ms/event at the batch: worker machine",
+        "run      ours batch/1 id/swept/retried ev/s   bare ev/s   "
+        "ratio batch / 1 / swept / retried   CPU ms/event at the batch: worker machine",
     ]
     try:
         for k in range(args.rounds):
@@ -472,10 +527,12 @@ def against(args: argparse.Namespace) -> str:
                 runs[name].append(d)
                 lines.append(
                     f"{name:5s} {k + 1:2d}  {d['ours'].rate:7.0f} {d['single'].rate:5.0f}"
-                    f" {d['swept'].rate:5.0f}   {d['bare'].rate:9.0f}   "
+                    f" {d['swept'].rate:5.0f} {d['retried'].rate:5.0f}   "
+                    f"{d['bare'].rate:9.0f}   "
                     f"{d['ours'].rate / d['bare'].rate:5.2f} / "
                     f"{d['single'].rate / d['bare'].rate:4.2f} / "
-                    f"{d['swept'].rate / d['bare'].rate:4.2f}   "
+                    f"{d['swept'].rate / d['bare'].rate:4.2f} / "
+                    f"{d['retried'].rate / d['bare'].rate:4.2f}   "
                     f"{d['ours'].worker_ms:17.3f} {d['ours'].machine_ms:7.3f}"
                 )
                 print(lines[-1], flush=True)
@@ -490,6 +547,7 @@ def against(args: argparse.Namespace) -> str:
         "ours/bare at the batch": lambda d: d["ours"].rate / d["bare"].rate,
         "ours/bare at 1 id": lambda d: d["single"].rate / d["bare"].rate,
         "ours/bare as swept": lambda d: d["swept"].rate / d["bare"].rate,
+        "ours/bare with retries due at once": lambda d: d["retried"].rate / d["bare"].rate,
         "ours events/s at the batch": lambda d: d["ours"].rate,
         "ours events/s at 1 id": lambda d: d["single"].rate,
         "bare events/s": lambda d: d["bare"].rate,
@@ -503,6 +561,7 @@ def against(args: argparse.Namespace) -> str:
         "worker CPU ms/event at 1 id": lambda d: d["single"].worker_ms,
         "machine CPU ms/event at 1 id": lambda d: d["single"].machine_ms,
         "worker CPU ms/event as swept": lambda d: d["swept"].worker_ms,
+        "worker CPU ms/event with retries due at once": lambda d: d["retried"].worker_ms,
     }
     for label, f in costs.items():
         this, other = mean("this", f), mean("rev", f)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the types: this tree's paths
     from core.settings import Settings, load_settings
     from core.ttl import expires_at
     from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many
+    from models.admission import Admission
     from models.catalog import create_source
     from models.db import make_engine, make_sessionmaker, upgrade
     from models.route_catalog import add_route
@@ -42,6 +43,7 @@ __all__ = [
     "DELIVERIES_QUEUE",
     "DELIVER_TASK",
     "ROOT",
+    "Admission",
     "Dispatch",
     "NewReceipt",
     "Publisher",
@@ -79,6 +81,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "Dispatch": ("core.messages", "tasks.config"),
     "DELIVER_TASK": ("core.messages", "tasks.config"),
     "message": ("core.messages", "tasks.config"),
+    "Admission": ("models.admission",),
     "build_runtime": ("tasks.runtime",),
     "sweep_once": ("tasks.sweeper",),
     "create_app": ("tasks.config",),

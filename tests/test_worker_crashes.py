@@ -118,8 +118,22 @@ def test_a_delivery_that_keeps_killing_its_worker_goes_dead_as_crashed(
         broker.publish(delivery_id)
         row = wait_status(engine, delivery_id, "dead", timeout=90)
         assert worker.alive()
+        [dead] = wait_for(
+            lambda: [
+                line
+                for line in worker.json_lines()
+                if line.get("event") == "delivery.dead" and line.get("delivery_id") == delivery_id
+            ],
+            timeout=30,
+            what="the crash loop's delivery.dead line",
+        )
     broker.close()
 
+    # The line says where the delivery belongs and how old its event is, as every other
+    # transition's line does (seed 004: attempt, age, scope).
+    assert (dead["reason"], dead["redeliveries"]) == ("crashed", 1)
+    assert (dead["source"], dead["route_id"]) == (source.public_id, source.route_ids[0])
+    assert dead["event_age_s"] >= 0
     assert (row.dead_reason, row.redeliveries) == ("crashed", 1)
     assert effects(engine, delivery_id) == []
     assert [(a.number, a.outcome) for a in attempts(engine, delivery_id)] == [(1, "crashed")]

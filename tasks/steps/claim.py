@@ -43,7 +43,7 @@ from tasks.connections import (
 )
 from tasks.policy import DEAD_CRASHED
 from tasks.runtime import Runtime
-from tasks.steps.outcome import Outcome, PublishRetry, Report, quiet, source_label
+from tasks.steps.outcome import Outcome, PublishRetry, Report, quiet, scope, source_label
 
 log = get_logger(__name__)
 
@@ -289,6 +289,7 @@ def _crash_looped(rt: Runtime, found: Claim, row: ClaimedEvent, fast: FastClaim)
         delivery_id=found.id,
         reason=DEAD_CRASHED,
         redeliveries=found.redeliveries,
+        **scope(found, row, found.at),
     )
     return Report.of(
         Outcome.DEAD,

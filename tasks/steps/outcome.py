@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
 from core.logs import get_logger
 from core.messages import Dispatch
@@ -83,6 +85,14 @@ def source_label(row: ClaimedEvent) -> str:
     """The ``source`` label of a claimed delivery's counters: its source's public id, read by
     the claim statement (no statement of its own); "" if its source row is gone."""
     return row.public_id or ""
+
+
+def scope(found: Claim, row: ClaimedEvent, at: datetime) -> dict[str, Any]:
+    """What a transition's log line says of where the delivery belongs and how old its event
+    is (seed 004: attempt, age, scope, transition): the source's public id, the route, and the
+    seconds since the event was received (the database's clock), never a payload."""
+    age = None if row.received_at is None else round((at - row.received_at).total_seconds(), 3)
+    return {"source": row.public_id, "route_id": found.route_id, "event_age_s": age}
 
 
 def quiet(delivery_id: int, outcome: Outcome) -> Report:

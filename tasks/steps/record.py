@@ -25,7 +25,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.orm import Session
@@ -60,7 +59,7 @@ from tasks.policy import DEAD_EXPIRED, DEAD_MAX_AGE, RetryPolicy, decide
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed
 from tasks.steps.inputs import Loaded
-from tasks.steps.outcome import Outcome, PublishRetry, Report, source_label
+from tasks.steps.outcome import Outcome, PublishRetry, Report, scope, source_label
 
 log = get_logger(__name__)
 
@@ -305,14 +304,6 @@ def succeeded(rt: Runtime, done: Done) -> Report:
         **scope(found, row, done.at),
     )
     return Report.of(Outcome.SUCCEEDED, found, row, finished=True)
-
-
-def scope(found: Claim, row: ClaimedEvent, at: datetime) -> dict[str, Any]:
-    """What a transition's log line says of where the delivery belongs and how old its event
-    is (seed 004: attempt, age, scope, transition): the source's public id, the route, and the
-    seconds since the event was received (the database's clock), never a payload."""
-    age = None if row.received_at is None else round((at - row.received_at).total_seconds(), 3)
-    return {"source": row.public_id, "route_id": found.route_id, "event_age_s": age}
 
 
 def lost(rt: Runtime, found: Claim, fast: FastClaim, row: ClaimedEvent) -> Report:
