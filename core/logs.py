@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,41 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
+# psycopg_pool logs "error connecting in 'pool-1': <why>" at each of its reconnection tries,
+# about every 2 s while Postgres is away or refuses us: 22 plain lines in 20 s from one
+# receiver. One structured line instead, then at most one a POOL_LINE_INTERVAL seconds,
+# saying how many were held back.
+POOL_LINE_INTERVAL = 60.0
+_POOL_PREFIX = "error connecting in "
+
+
+class _PoolConnectLines(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: float | None = None
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(_POOL_PREFIX):
+            return True
+        now = time.monotonic()
+        with self._lock:
+            if self._last is not None and now - self._last < POOL_LINE_INTERVAL:
+                self._held += 1
+                return False
+            held, self._held, self._last = self._held, 0, now
+        pool, _, reason = message.removeprefix(_POOL_PREFIX).partition(": ")
+        get_logger("psycopg.pool").warning(
+            "db.connect_failed",
+            pool=pool.strip("'"),
+            reason=" ".join(line.strip() for line in reason.splitlines())[:240],
+            held_back=held,
+        )
+        return False
+
+
 def configure_logging(level: str = "INFO", *, json: bool | None = None, lazy: bool = False) -> None:
     """Log records at ``level`` and above to stderr, as JSON lines or for a person.
 
@@ -74,6 +110,9 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None, lazy: bo
     # JSON carries a formatted traceback in a field; the console renderer formats it itself.
     as_json, colours, stream = wants_json(json), wants_colour(), sys.stderr
     logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s", force=False)
+    pool = logging.getLogger("psycopg.pool")
+    if not any(isinstance(f, _PoolConnectLines) for f in pool.filters):
+        pool.addFilter(_PoolConnectLines())
 
     def apply(structlog: ModuleType) -> None:
         tail: list[Any] = (

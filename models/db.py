@@ -42,6 +42,23 @@ def where(database_url: str) -> str:
     return f"{url.host or 'localhost'}:{url.port or 5432}/{url.database or ''}"
 
 
+def misconfigured(exc: BaseException) -> bool:
+    """Whether ``exc`` says the settings are wrong (an unknown database, a failed
+    authentication), not that Postgres is away for now: waiting changes nothing."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    if not isinstance(orig, psycopg.OperationalError):
+        return False
+    state = getattr(orig, "sqlstate", None)
+    text = str(orig).lower()
+    return (
+        state == _UNKNOWN_DATABASE
+        or state in _AUTHENTICATION
+        or ("database" in text and "does not exist" in text)
+        or "authentication failed" in text
+        or ("role" in text and "does not exist" in text)
+    )
+
+
 def describe_db_error(exc: BaseException, database_url: str) -> str | None:
     """One line for an error of Postgres a user can act on: where (host:port/database, never
     the password) and the cause: refused, unknown database, authentication, not migrated, or

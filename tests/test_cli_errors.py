@@ -4,7 +4,10 @@ receiver answers 503 with Retry-After for a source it cannot decrypt, never 500.
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
+import sys
 import tomllib
 import uuid
 from collections.abc import Iterator
@@ -31,6 +34,7 @@ from tests.conftest import (
 from tests.factories import make_source
 from tests.processes import receiver
 from tests.signing import sign
+from tests.workers import json_log_lines, wait_for
 
 OTHER_KEY = "another-secret-key-" + "z" * 32
 
@@ -255,3 +259,97 @@ def test_version_prints_the_installed_version_and_reads_no_setting() -> None:
         WEBHOOKS_SECRET_KEY="short",
     )
     assert (result.returncode, result.stdout, result.stderr) == (0, f"webhooks {expected}\n", "")
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        (
+            "postgresql://postgres@127.0.0.1:5432/webhooks_no_such_database",
+            "unknown database (WEBHOOKS_DATABASE_URL): run `webhooks db upgrade` to create it",
+        ),
+        (
+            "postgresql://webhooks_no_such_role@127.0.0.1:5432/postgres",
+            "authentication failed (the user or password in WEBHOOKS_DATABASE_URL)",
+        ),
+    ],
+    ids=["unknown-database", "unknown-role"],
+)
+def test_serve_refuses_to_start_on_a_database_it_can_never_use(url: str, says: str) -> None:
+    """Waiting changes nothing for a database that does not exist or a role Postgres refuses:
+    one line naming where and why, exit 1, nothing bound (it used to start, print the pool's
+    connection errors every 2 s and answer every webhook 503 after 5 s)."""
+    port = free_port()
+    result = webhooks("serve", "--port", str(port), WEBHOOKS_DATABASE_URL=url)
+    line = one_line(result)
+    assert line == f"error: Postgres at {url.split('@')[1]}: {says}"
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # never listened
+
+
+def test_serve_without_postgres_starts_and_says_so_in_structured_lines(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Postgres away (a port nobody listens on): the receiver starts (Postgres may come
+    later), says why in its start-up warning, answers a webhook 503 with Retry-After, and
+    the pool's reconnection tries are one structured ``db.connect_failed`` line, not a raw
+    line every 2 s."""
+    source = make_source(sessions, settings, provider="github")
+    headers, body = sign("github", source.secret, event_id="evt_no_postgres")
+    with receiver(WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{free_port()}/x") as rcv:
+        answer = httpx.post(
+            f"{rcv.url}/webhooks/{source.public_id}", content=body, headers=headers, timeout=30
+        )
+        lines = wait_for(
+            lambda: (
+                (found := json_log_lines(rcv.log_path))
+                and any(line["event"] == "db.connect_failed" for line in found)
+                and found
+            ),
+            timeout=30,
+            what="the pool's structured line",
+        )
+        raw = rcv.log_path.read_text()
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"]
+    [started] = [line for line in lines if line["event"] == "startup.checks_skipped"]
+    assert "connection refused (is Postgres running on that port?)" in started["reason"]
+    failed = [line for line in lines if line["event"] == "db.connect_failed"]
+    assert failed[0]["held_back"] == 0
+    assert "Connection refused" in failed[0]["reason"]
+    assert "error connecting in" not in raw
+    assert "Traceback" not in raw
+
+
+_POOL_LINES = """
+import logging
+from core import logs
+logs.configure_logging("INFO", json=True)
+pool = logging.getLogger("psycopg.pool")
+for _ in range(5):
+    pool.warning("error connecting in %r: %s", "pool-1", "connection failed: refused\\n\\tagain")
+logs.POOL_LINE_INTERVAL = 0.0
+pool.warning("error connecting in %r: %s", "pool-1", "connection failed: refused")
+pool.warning("the pool's other lines pass as they were")
+"""
+
+
+def test_the_pools_connection_errors_are_one_line_a_minute_with_the_count_held_back() -> None:
+    """psycopg_pool's "error connecting in 'pool-1': ..." warnings through the filter that
+    ``configure_logging`` installs (in a process of its own): the first becomes one
+    structured line, the next ones within POOL_LINE_INTERVAL are held back and counted in
+    the next line; the pool's other lines are untouched."""
+    run = subprocess.run(
+        [sys.executable, "-c", _POOL_LINES],
+        env=test_env(), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.splitlines()
+    emitted = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [(e["event"], e["pool"], e["held_back"]) for e in emitted] == [
+        ("db.connect_failed", "pool-1", 0),
+        ("db.connect_failed", "pool-1", 4),
+    ]
+    assert emitted[0]["reason"] == "connection failed: refused again"
+    assert "the pool's other lines pass as they were" in lines
+    assert not any("error connecting in" in line for line in lines)

@@ -96,13 +96,16 @@ def serve(
 
 def _check_database_if_reachable(e: Env) -> None:
     """Refuse to start (one line) on a database a migration behind this code (the accept
-    statement would fail every request: migration 0018 changed what it returns), or when
-    WEBHOOKS_SECRET_KEY cannot decrypt the stored secrets (every signed request would fail).
-    A database that cannot be reached now does not stop the receiver (one warning; it answers
-    503 until Postgres is back; each request still gets 503, never 500, if the key is wrong)."""
+    statement would fail every request: migration 0018 changed what it returns), when
+    WEBHOOKS_SECRET_KEY cannot decrypt the stored secrets (every signed request would fail),
+    or when WEBHOOKS_DATABASE_URL names a database that does not exist or credentials it
+    refuses (every request would wait for a connection, then get 503, for as long as it
+    runs). A database that cannot be reached now does not stop the receiver (one warning
+    naming why; it answers 503 until Postgres is back; each request still gets 503, never
+    500, if the key is wrong)."""
     from sqlalchemy.exc import DBAPIError
 
-    from models.db import UPGRADE_HINT, migrations_behind, where
+    from models.db import UPGRADE_HINT, describe_db_error, migrations_behind, misconfigured, where
 
     try:
         behind = migrations_behind(e.settings, e.engine)
@@ -114,9 +117,14 @@ def _check_database_if_reachable(e: Env) -> None:
             )
         e.check_keys()
     except DBAPIError as exc:
+        reason = describe_db_error(exc, e.settings.database_url)
+        if misconfigured(exc) and reason is not None:
+            raise CliError(reason) from None
         from core.logs import get_logger
 
-        get_logger("serve").warning("startup.checks_skipped", error_class=type(exc.orig).__name__)
+        get_logger("serve").warning(
+            "startup.checks_skipped", error_class=type(exc.orig).__name__, reason=reason
+        )
 
 
 def _admin_server(
