@@ -215,3 +215,52 @@ def test_the_demos_delivery_table_fits_80_columns_without_cutting_a_status() -> 
         assert st.handler in text
     assert text.count("succeeded") == 2
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def _fields(out: str) -> dict[str, str]:
+    """A table printed one field a line (``header  value``), as ``header -> value``."""
+    fields: dict[str, str] = {}
+    for line in out.splitlines():
+        header, _, value = line.strip().partition("  ")
+        if value.strip():
+            fields.setdefault(header.strip(), value.strip())
+    return fields
+
+
+def test_a_table_too_wide_for_80_columns_is_one_field_a_line_never_cut(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Issue 36: at 80 columns ``sources list --wide`` dropped its name, account, TTL and
+    active columns and ``events list`` cut ids and types (``evt_test_a…``) with every time
+    on two lines. A table that cannot fit whole is printed one field a line, each row a
+    block; at 200 columns the same command is the table it was."""
+    name = f"payments-production-{uuid.uuid4().hex[:12]}"
+    source = make_source(sessions, settings, provider="stripe", name=name)
+    event_type = "customer.subscription.trial_will_end"
+    event_id, _ = accept_event(
+        settings, source, event_id=f"evt_test_{uuid.uuid4().hex}", event_type=event_type
+    )
+    wide = webhooks(80, "sources", "list", "--wide")
+    assert wide.returncode == 0, wide.stderr
+    _fits(wide.stdout, 80)
+    block = wide.stdout[wide.stdout.index(f"id         {source.public_id}") :]
+    fields = _fields(block)
+    assert fields["name"] == name
+    assert fields["account"] == "default"
+    assert fields["url path"] == f"/webhooks/{source.public_id}"
+    assert fields["provider"] == "stripe"
+    assert fields["active"] == "yes"
+    assert fields["dedup ttl"].startswith("retry_window 3d")
+
+    listed = webhooks(80, "events", "list", "--source", source.public_id)
+    assert listed.returncode == 0, listed.stderr
+    _fits(listed.stdout, 80)
+    assert "…" not in listed.stdout
+    fields = _fields(listed.stdout)
+    assert (fields["source"], fields["type"], fields["event id"]) == (name, event_type, event_id)
+    assert len(fields["received (UTC)"]) == len("2026-12-07 02:48:49")  # one line
+
+    roomy = webhooks(200, "events", "list", "--source", source.public_id)
+    [line] = [ln for ln in roomy.stdout.splitlines() if event_id in ln]
+    assert name in line
+    assert event_type in line

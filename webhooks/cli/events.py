@@ -21,6 +21,7 @@ from webhooks.cli.common import console, env, handle_errors, print_json
 from webhooks.cli.render import (
     JsonOpt,
     SourceOpt,
+    fitted,
     parse_when,
     plain,
     print_delivery,
@@ -28,6 +29,7 @@ from webhooks.cli.render import (
     say,
     stamp,
     when,
+    whole,
 )
 
 if TYPE_CHECKING:
@@ -93,7 +95,7 @@ def events_list(
             r.event_id,
             states,
         )
-    console.print(table)
+    console.print(fitted(whole(table, "receipt", "received (UTC)", "source", "type", "event id")))
     if not rows:
         console.print("no events match")
     else:

@@ -27,12 +27,14 @@ from webhooks.cli.events import SinceOpt, TypeOpt, UntilOpt
 from webhooks.cli.render import (
     JsonOpt,
     SourceOpt,
+    fitted,
     login,
     plain,
     row,
     say,
     stamp,
     when,
+    whole,
 )
 from webhooks.cli.replay import replay, replays_app, selection
 
@@ -86,7 +88,7 @@ def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
             ", ".join(g.error_classes),
             " ".join(str(i) for i in g.sample_ids),
         )
-    console.print(table)
+    console.print(fitted(whole(table, "source", "route", "reason", "oldest (UTC)", "newest (UTC)")))
     total = sum(g.count for g in groups)
     say(
         f"{total} dead. Look one up: webhooks deliveries show ID. Replay: webhooks replay ID ... "
@@ -164,7 +166,7 @@ def dead_discard(
                 table, c.delivery_id, c.source, c.event_id, c.event_type, c.handler,
                 c.dead_reason or "",
             )  # fmt: skip
-        console.print(table)
+        console.print(fitted(whole(table, "delivery", "source", "event id", "type")))
         more = f" (showing {len(plan.sample)})" if plan.count > len(plan.sample) else ""
         console.print(f"would discard {plan.count} dead letters{more}", highlight=False)
         if dry_run:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
+import io
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -125,7 +127,7 @@ def print_delivery(d: delivery_history.DeliveryView) -> None:
         mark = marks.get(a.number)
         if mark is not None:
             if table.row_count:
-                console.print(table)
+                console.print(fitted(table))
             say(_replay_line(mark))
             table = _attempt_table()
         error = f"{a.error_class}: {a.error or ''}" if a.error_class else ""
@@ -143,7 +145,7 @@ def print_delivery(d: delivery_history.DeliveryView) -> None:
             error,
         )
     if table.row_count:
-        console.print(table)
+        console.print(fitted(table))
     for number, window in d.repeat_windows:
         say(f"  attempt {number}'s call may have reached the downstream too: {window}")
     for mark in d.replays:
@@ -162,7 +164,46 @@ def whole(table: Table, *headers: str) -> Table:
     return table
 
 
+def _squeezed(table: Table) -> bool:
+    """Whether rich, fitting ``table`` to the terminal, drops a column (its header is gone) or
+    cuts a cell of a column :func:`whole` keeps whole: the table as rich would print it at
+    this terminal's width (other columns may be cut on purpose, e.g. one-line prose)."""
+    plain = Console(width=console.width, color_system=None, file=io.StringIO())
+    with plain.capture() as captured:
+        plain.print(table)
+    shown = captured.get()
+    for column in table.columns:
+        words = str(column.header).split()
+        if words and words[0] not in shown:
+            return True
+        whole_cells = column.no_wrap and column.min_width is not None
+        if whole_cells and any(str(cell) not in shown for cell in column.cells):
+            return True
+    return False
+
+
+def fitted(table: Table) -> RenderableType:
+    """``table`` when it fits the terminal; else each row as a block of its own, one field a
+    line (``header  value``), so that at 80 columns no id is cut and no column is dropped
+    (rich squeezes a table that is too wide: it cut ids and dropped ``--wide``'s columns).
+    Every table of the CLI is printed through this."""
+    if not table.row_count or not _squeezed(table):
+        return table
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(overflow="fold")
+    cells = [list(column.cells) for column in table.columns]
+    for i in range(table.row_count):
+        if i:
+            grid.add_row("", "")
+        for column, values in zip(table.columns, cells, strict=True):
+            grid.add_row(Text(str(column.header)), values[i])
+    if table.title is None:
+        return grid
+    return Group(Text(str(table.title), style="italic"), grid)
+
+
 def show_table(table: Table, more: str = "--json for every field") -> None:
     """The table, then where the rest is (``--json``, ``--wide``, a ``show`` command)."""
-    console.print(table)
+    console.print(fitted(table))
     console.print(f"[dim]({escape(more)})[/dim]", highlight=False)

@@ -28,6 +28,7 @@ from webhooks.cli.render import (
     JsonOpt,
     SourceOpt,
     count,
+    fitted,
     login,
     parse_when,
     plain,
@@ -76,7 +77,7 @@ def _show_preview(plan: replays.Plan) -> None:
             c.status,
             c.dead_reason or "",
         )
-    console.print(table)
+    console.print(fitted(whole(table, "delivery", "source", "event id", "type")))
     states = ", ".join(f"{n} {s}" for s, n in sorted(plan.by_status.items()))
     more = f" (showing {len(plan.sample)})" if plan.count > len(plan.sample) else ""
     console.print(f"would replay {count(plan.count, 'delivery')}{more}: {states}")

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from core.durations import format_duration
 from webhooks.cli.common import CliError, Env, console, env, handle_errors, print_json
-from webhooks.cli.render import JsonOpt, say
+from webhooks.cli.render import JsonOpt, fitted, say
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -96,7 +96,7 @@ def ttl_explain(
             if term["name"] == "queue_lag":  # beside it, what the pipeline measured
                 table.add_row(*_measured_row(view["queue_lag_measured"]))
         table.add_row("= dedup_ttl", view["dedup_ttl"], str(view["dedup_ttl_seconds"]), "sum")
-        console.print(table)
+        console.print(fitted(table))
     if not ttl.covers_retries:
         raise CliError(
             f"source {row.name}: dedup TTL {ttl.describe()} is not above the retry window "

@@ -17,6 +17,7 @@ from webhooks.cli.render import (
     OperatorOpt,
     ReasonOpt,
     count,
+    fitted,
     login,
     row,
     say,
@@ -396,7 +397,7 @@ def handlers_list(
     for v in views:
         routes_text = " ".join(str(i) for i in v["active_routes"]) or "-"
         row(table, v["name"], v["origin"], routes_text, v["summary"])
-    console.print(table)
+    console.print(fitted(table))
     for handler, ids in sorted(unknown.items()):
         say(
             escape(

@@ -13,8 +13,10 @@ from webhooks.cli.common import CliError, console, env, handle_errors, print_jso
 from webhooks.cli.render import (
     JsonOpt,
     OperatorOpt,
+    fitted,
     login,
     row,
+    whole,
 )
 
 # The catalog, providers and crypto are imported by the commands that use them (see
@@ -75,7 +77,7 @@ def secrets_list(source: str, as_json: JsonOpt = False) -> None:
     table = Table("id", "created", "revoked")
     for v in views:
         row(table, v["id"], v["created_at"], v["revoked_at"] or "")
-    console.print(table)
+    console.print(fitted(whole(table, "id")))
 
 
 @secrets_app.command("revoke")
