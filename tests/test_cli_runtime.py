@@ -233,6 +233,30 @@ def test_run_refuses_a_taken_port_and_starts_nothing(
     assert row is None, "run migrated a database although a port was taken"
 
 
+@pytest.mark.parametrize("variable", ["WEBHOOKS_BROKER_URL", "WEBHOOKS_REDIS_URL"])
+def test_run_without_redis_says_which_and_starts_nothing(tmp_path: Path, variable: str) -> None:
+    """Issue 36: with Redis down, ``run`` started every child into a minute of retries and
+    then said only that the worker's /metrics did not answer. Now one line names the
+    variable and where (never its password), at once, and nothing is migrated or started."""
+    database = f"webhooks_test_runtime_{os.getpid()}_no_redis"
+    port = free_port()  # nobody listens there
+    env = run_env(
+        WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{database}",
+        **{variable: f"redis://:hunter2-redis-password@127.0.0.1:{port}/0"},
+    )
+    result = cli("run", env=env, cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: cannot reach 127.0.0.1:{port}/0 ({variable}): "), line
+    assert "refused" in line.lower()
+    assert "hunter2" not in result.stderr
+    assert "Traceback" not in result.stderr
+    with psycopg.connect(ADMIN_DSN) as conn:
+        row = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone()
+    assert row is None, "run migrated a database although Redis was unreachable"
+
+
 def test_run_refuses_two_children_on_one_port(tmp_path: Path) -> None:
     env = run_env()
     env["WEBHOOKS_FLOWER_PORT"] = env["WEBHOOKS_PORT"]

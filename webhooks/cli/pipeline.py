@@ -170,6 +170,38 @@ class Port:
         return f"[{self.host}]:{self.number}" if ":" in self.host else f"{self.host}:{self.number}"
 
 
+def redis_problem(settings: Settings) -> str | None:
+    """Why the pipeline cannot reach its broker or its Redis (one line naming the variable
+    and where, never a password), or None. Checked before anything starts: without them the
+    children came up one by one into 60 s of retries, and the only line said the worker's
+    /metrics did not answer."""
+    from urllib.parse import urlsplit
+
+    from kombu import Connection
+
+    def where(url: str) -> str:
+        try:
+            parts = urlsplit(url)
+            return f"{parts.hostname or 'localhost'}:{parts.port or ''}{parts.path}"
+        except ValueError:  # a URL it cannot parse is named by its variable alone
+            return "the URL"
+
+    checks = [
+        ("WEBHOOKS_BROKER_URL", settings.broker_url),
+        ("WEBHOOKS_REDIS_URL", settings.redis_url),
+    ]
+    for variable, url in dict.fromkeys(checks):
+        try:
+            with Connection(url, connect_timeout=2) as connection:
+                connection.ensure_connection(max_retries=1, interval_start=0, timeout=2)
+        except Exception as exc:  # noqa: BLE001 (kombu wraps the transport's errors variously)
+            reason = (
+                str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            )
+            return f"cannot reach {where(url)} ({variable}): {reason}"
+    return None
+
+
 def port_problem(ports: list[Port]) -> str | None:
     """Why the pipeline cannot have these ports (one line), or None when all are free."""
     seen: dict[int, Port] = {}
@@ -373,7 +405,7 @@ def run(
                 "set WEBHOOKS_FLOWER_PASSWORD (Flower runs with basic auth), or pass --no-flower"
             )
         ports.append(Port("Flower", "WEBHOOKS_FLOWER_PORT", "127.0.0.1", settings.flower_port))
-    problem = port_problem(ports)
+    problem = port_problem(ports) or redis_problem(settings)
     if problem is not None:
         raise CliError(problem)
 
