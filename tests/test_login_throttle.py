@@ -296,3 +296,17 @@ def test_a_throttled_login_is_counted_and_logged_by_webhooks_serve() -> None:
         ("api", "client", "127.0.0.2"),
     ]
     assert TOKEN not in running.log_path.read_text()
+
+
+def test_the_console_takes_a_token_as_the_setting_writes_it_name_colon_token() -> None:
+    """Issue 36: pasting the ``.env`` value ``ops:TOKEN`` at the login said "wrong token". It
+    signs in as ops; another token's name before the colon is a wrong token, refused and
+    counted like any other."""
+    with plane() as url, client("127.0.0.4") as http:
+        refused = console_login(http, url, f"ci:{TOKEN}")
+        assert refused.status_code == 401
+        assert "wrong token" in refused.text
+        assert console_login(http, url, f"ops:{TOKEN}").status_code == 303
+        page = http.get(f"{url}/console/")
+        assert page.status_code == 200
+        assert '<span class="who">ops</span>' in page.text

@@ -71,6 +71,18 @@ def _set_cookie(c: Console, request: Request, response: Response, name: str, val
     )
 
 
+def _named_match(c: Console, given: str) -> tuple[str, bytes] | None:
+    """The named token ``given`` is; also as written in WEBHOOKS_ADMIN_TOKENS, ``NAME:TOKEN``
+    (what an operator copies from ``.env``), when NAME is that token's own name."""
+    found = c.match(given)
+    if found is None and ":" in given:
+        name, _, token = given.partition(":")
+        named = c.match(token)
+        if named is not None and secrets.compare_digest(named[0].encode(), name.encode()):
+            return named
+    return found
+
+
 async def _login(c: Console, request: Request) -> Response:
     form = await read_form(request)
     expected = request.cookies.get(LOGIN_COOKIE)
@@ -82,7 +94,7 @@ async def _login(c: Console, request: Request) -> Response:
         response = _login_form(c, request, throttled(decision, client, "console"), 429)
         response.headers["Retry-After"] = str(decision.retry_after)
         return response
-    found = c.match(one(form, "token") or "")
+    found = _named_match(c, one(form, "token") or "")
     address = request.client.host if request.client else "unknown"
     if found is None:
         await run_in_threadpool(c.state.throttle.failed, client, decision)
