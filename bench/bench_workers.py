@@ -253,14 +253,20 @@ def drain_queued(
     """Start ours' worker on the ``messages`` queued and time it until every id succeeded."""
     worker = Worker(target("worker"), logdir)
     try:
-        clock = wait_first_taken(client, messages, worker)
-        while succeeded(conn, ids) < len(ids):
-            if worker.proc.poll() is not None:
-                raise RuntimeError(f"worker exited: see {worker.log}")
-            time.sleep(0.05)
-        return clock.stop(len(ids))
+        return until_succeeded(conn, ids, worker, wait_first_taken(client, messages, worker))
     finally:
         worker.stop()
+
+
+def until_succeeded(
+    conn: psycopg.Connection[object], ids: list[int], worker: Worker, clock: Clock
+) -> Drain:
+    """``clock`` stopped once every one of ``ids`` succeeded."""
+    while succeeded(conn, ids) < len(ids):
+        if worker.proc.poll() is not None:
+            raise RuntimeError(f"worker exited: see {worker.log}")
+        time.sleep(0.05)
+    return clock.stop(len(ids))
 
 
 def ours_round(
@@ -353,12 +359,7 @@ def retried_round(
             if worker.proc.poll() is not None:
                 raise RuntimeError(f"worker exited: see {worker.log}")
             time.sleep(0.002)
-        clock = Clock(worker.proc.pid)
-        while succeeded(conn, ids) < len(ids):
-            if worker.proc.poll() is not None:
-                raise RuntimeError(f"worker exited: see {worker.log}")
-            time.sleep(0.05)
-        return clock.stop(len(ids))
+        return until_succeeded(conn, ids, worker, Clock(worker.proc.pid))
     finally:
         worker.stop()
 
