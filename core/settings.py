@@ -72,8 +72,9 @@ class Settings(BaseSettings):
     redis_socket_timeout: float = Field(default=0.5, gt=0)
 
     # Secrets.
-    # One key, or several newest first (rotation: core/crypto.py), each >= 32 characters.
-    secret_key: SecretStr = Field(min_length=32)
+    # One key, or several newest first (rotation: core/crypto.py), each >= 32 characters
+    # (checked by _check_secret_keys, which names the short key's place in the list).
+    secret_key: SecretStr
     # Ciphertexts written before keys were stretched still decrypt (a SHA-256 of the key);
     # false once `webhooks secrets rekey --drop-legacy` found none left (core.crypto).
     secret_key_legacy: bool = True
@@ -490,5 +491,7 @@ def load_settings(**overrides: object) -> Settings:
         for err in exc.errors():
             loc = "_".join(str(p) for p in err["loc"]) if err["loc"] else ""
             name = f"WEBHOOKS_{loc.upper()}" if loc else "settings"
-            problems.append(f"{name}: {err['msg']}")
+            # A validator's own words, without pydantic's "Value error, " before them.
+            cause = err.get("ctx", {}).get("error") if err["type"] == "value_error" else None
+            problems.append(f"{name}: {cause if cause is not None else err['msg']}")
         raise SettingsError("invalid settings: " + "; ".join(problems)) from None

@@ -548,3 +548,20 @@ def test_drop_legacy_is_refused_while_a_secret_needs_it_then_retires_it(
     assert off.returncode == 0, off.stderr
     assert json.loads(off.stdout)["legacy_in_use"] == 0
     assert load_settings(secret_key=OLD, secret_key_legacy="false").secret_key_legacy is False
+
+
+@pytest.mark.parametrize(
+    ("key", "said"),
+    [
+        ("short", "key 1 of 1 is shorter than 32 characters"),
+        (f"{NEW},short", "key 2 of 2 is shorter than 32 characters"),
+        (f"{NEW},", "an empty key in the list"),
+    ],
+    ids=["short", "second-short", "empty"],
+)
+def test_a_bad_storage_key_is_named_in_plain_words(key: str, said: str) -> None:
+    """Issue 36: a short key read "Value should have at least 32 items after validation, not
+    5" (pydantic's words for a SecretStr); the check's own words now, without "Value error"."""
+    with pytest.raises(SettingsError) as refused:
+        load_settings(_env_file=None, secret_key=key)
+    assert str(refused.value) == f"invalid settings: WEBHOOKS_SECRET_KEY: {said}"
