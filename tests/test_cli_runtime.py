@@ -311,6 +311,9 @@ def test_run_says_running_only_once_every_child_answers_then_sigterm_stops_all(
         with fifo.open("w"):
             pass  # let the receiver start
         run.out.wait_for("pipeline running")
+        # The migration at start is said (issue 36: it happened without a word).
+        name = env["WEBHOOKS_DATABASE_URL"].rsplit("/", 1)[1]
+        assert f"database {name} migrated to the latest schema" in run.out.text
         assert len(list(scratch.glob("webhooks-run-*"))) == 1
         # The moment the banner is out, every child answers.
         assert answers(f"{receiver}/healthz") == 200
@@ -457,6 +460,9 @@ def test_a_child_that_dies_stops_the_pipeline_with_its_name_and_status(tmp_path:
     env = run_env(WEBHOOKS_LOG_JSON="true", TMPDIR=str(scratch))
     with pipeline(env, tmp_path, "--no-flower") as run:
         run.out.wait_for("pipeline running")
+        # The migration at start is said (issue 36: it happened without a word).
+        name = env["WEBHOOKS_DATABASE_URL"].rsplit("/", 1)[1]
+        assert f"database {name} migrated to the latest schema" in run.out.text
         assert len(list(scratch.glob("webhooks-run-*"))) == 1
         pids = descendants(run.proc.pid)
         [beat] = [

@@ -409,11 +409,14 @@ def run(
     if problem is not None:
         raise CliError(problem)
 
-    from models.db import upgrade
+    from models.db import ensure_database, upgrade
 
-    upgrade(settings)
-    e.check_keys()
     out = Output(relay=sys.stderr.isatty())
+    created = ensure_database(settings)
+    upgrade(settings)
+    verb = "created and migrated" if created else "migrated"
+    out.say(f"database {settings.database_name()} {verb} to the latest schema")
+    e.check_keys()
     if stop.event.is_set():
         out.say("pipeline stopped")
         return
