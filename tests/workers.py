@@ -188,10 +188,14 @@ class Worker(Process):
 
     def wait_ready(self, timeout: float = 120) -> None:
         # Generous: a worker starting beside a loaded suite took over 30 s to be ready.
+        # Ready first: a worker given its message before it started may finish it and be
+        # killed by the test's own hook (a kill -9 after a commit) within one poll.
         def ready() -> bool:
+            if " ready." in self.output():
+                return True
             if not self.alive():
                 raise RuntimeError(f"worker {self.name} exited early:\n{self.output()[-3000:]}")
-            return " ready." in self.output()
+            return False
 
         wait_for(ready, timeout=timeout, what=f"worker {self.name} to be ready")
 
