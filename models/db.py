@@ -42,20 +42,38 @@ def where(database_url: str) -> str:
     return f"{url.host or 'localhost'}:{url.port or 5432}/{url.database or ''}"
 
 
+def _cause(orig: psycopg.Error) -> str | None:
+    """What a Postgres error says is wrong: "not_migrated", "unknown_database",
+    "authentication", "refused", "unreachable" (any other connection failure), or None."""
+    state = getattr(orig, "sqlstate", None)
+    text = str(orig).lower()
+    if state == _UNDEFINED_TABLE or isinstance(orig, psycopg.errors.UndefinedTable):
+        return "not_migrated"
+    if not isinstance(orig, psycopg.OperationalError):
+        return None
+    if state == _UNKNOWN_DATABASE or ("database" in text and "does not exist" in text):
+        return "unknown_database"
+    if (
+        state in _AUTHENTICATION
+        or "authentication failed" in text
+        or "password" in text
+        or ("role" in text and "does not exist" in text)
+    ):
+        return "authentication"
+    return "refused" if "refused" in text else "unreachable"
+
+
+def _orig(exc: BaseException) -> BaseException | None:
+    return exc.orig if isinstance(exc, DBAPIError) else exc
+
+
 def misconfigured(exc: BaseException) -> bool:
     """Whether ``exc`` says the settings are wrong (an unknown database, a failed
     authentication), not that Postgres is away for now: waiting changes nothing."""
-    orig = exc.orig if isinstance(exc, DBAPIError) else exc
-    if not isinstance(orig, psycopg.OperationalError):
-        return False
-    state = getattr(orig, "sqlstate", None)
-    text = str(orig).lower()
-    return (
-        state == _UNKNOWN_DATABASE
-        or state in _AUTHENTICATION
-        or ("database" in text and "does not exist" in text)
-        or "authentication failed" in text
-        or ("role" in text and "does not exist" in text)
+    orig = _orig(exc)
+    return isinstance(orig, psycopg.Error) and _cause(orig) in (
+        "unknown_database",
+        "authentication",
     )
 
 
@@ -63,27 +81,21 @@ def describe_db_error(exc: BaseException, database_url: str) -> str | None:
     """One line for an error of Postgres a user can act on: where (host:port/database, never
     the password) and the cause: refused, unknown database, authentication, not migrated, or
     unreachable with the driver's reason. None when ``exc`` is no such error."""
-    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    orig = _orig(exc)
     if not isinstance(orig, psycopg.Error):
         return None
-    state = getattr(orig, "sqlstate", None)
-    text = str(orig).lower()
     place = f"Postgres at {where(database_url)}"
-    if state == _UNDEFINED_TABLE or isinstance(orig, psycopg.errors.UndefinedTable):
+    cause = _cause(orig)
+    if cause == "not_migrated":
         return f"{place} is not migrated (a table is missing): {UPGRADE_HINT}"
-    if not isinstance(orig, psycopg.OperationalError):
-        return None
-    if state == _UNKNOWN_DATABASE or ("database" in text and "does not exist" in text):
+    if cause == "unknown_database":
         return f"{place}: unknown database (WEBHOOKS_DATABASE_URL): {UPGRADE_HINT} to create it"
-    if (
-        state in _AUTHENTICATION
-        or "authentication failed" in text
-        or "password" in text
-        or ("role" in text and "does not exist" in text)
-    ):
+    if cause == "authentication":
         return f"{place}: authentication failed (the user or password in WEBHOOKS_DATABASE_URL)"
-    if "refused" in text:
+    if cause == "refused":
         return f"{place}: connection refused (is Postgres running on that port?)"
+    if cause is None:
+        return None
     reason = str(orig).strip().splitlines()[-1][:160] if str(orig).strip() else type(orig).__name__
     return f"{place}: cannot connect ({reason})"
 

@@ -70,14 +70,14 @@ def upsert(ended: str, receipts: str = "receipts") -> str:
     return _UPSERT.format(ended=ended, receipts=receipts)
 
 
-_RECORD = f"""
+_RECORD = placeholders(f"""
     WITH ended AS (
         SELECT receipt_id, expires_at, route_id, {ANY_END} AS outcome FROM deliveries
         WHERE id = ANY(CAST(:ids AS bigint[]))
           AND status IN ('succeeded', 'dead', 'discarded')
     ), {upsert("ended")}
     SELECT count(*) FROM ended
-"""  # noqa: S608 (fragments of this module, no input)
+""")  # noqa: S608 (fragments of this module, no input)
 
 
 def record(target: Target, delivery_ids: list[int]) -> int:
@@ -85,5 +85,5 @@ def record(target: Target, delivery_ids: list[int]) -> int:
     in the caller's transaction: for an ending whose own statement does not carry
     :func:`upsert` (a crash loop's dead letter, found by the claim). Returns the deliveries
     recorded."""
-    row = fetchone(target, placeholders(_RECORD), {"ids": list(delivery_ids)})
+    row = fetchone(target, _RECORD, {"ids": list(delivery_ids)})
     return 0 if row is None else int(row[0])

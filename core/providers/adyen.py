@@ -49,7 +49,7 @@ from core.providers.base import (
     event_id,
     event_type,
     events_cap,
-    object_start,
+    json_object,
     occurred_at,
     unb64,
     unhex,
@@ -100,13 +100,7 @@ def signed_string(item: Mapping[str, Any]) -> bytes:
 
 def _items(body: bytes, config: Mapping[str, Any]) -> list[Any]:
     """The ``notificationItems`` entries, counted (TooManyEvents) but not yet looked into."""
-    if not object_start(body):  # refused before it is parsed
-        raise MalformedEvent("bad_json")
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise MalformedEvent("bad_json") from None
-    wrapped = obj.get("notificationItems") if isinstance(obj, dict) else None
+    wrapped = json_object(body).get("notificationItems")  # not an object: refused unparsed
     if not isinstance(wrapped, list) or not wrapped:
         raise MalformedEvent("bad_json")
     limit = events_cap(config, MAX_EVENTS)
