@@ -12,10 +12,13 @@ by both: a new metric is never silently hidden.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 # Receiver.
@@ -425,3 +428,35 @@ def exposed(process: Process, source: Any) -> Any:
     registry = CollectorRegistry(auto_describe=False)  # nothing to describe at registration
     registry.register(_Without(source, hidden_from(process)))
     return registry
+
+
+# A multi-process file holds at least its 4-byte "used" header once its process has sized it.
+_SIZED = 4
+
+
+class SettledFiles(MultiProcessCollector):  # type: ignore[misc]
+    """The sum of a multi-process directory's files, leaving out a file its process has
+    created but not yet sized.
+
+    prometheus-client's own collector reads every ``*.db`` file it lists, and a process that
+    is creating its file (a pool child's first sample, a receiver process starting) leaves it
+    at 0 bytes for a moment: a scrape then fails whole with ``struct.error`` and ``/metrics``
+    answers 500 (prometheus/client_python#1199, open); a process killed in that moment leaves
+    the empty file for good. Such a file holds no sample yet, so leaving it out loses none.
+    A file that vanishes between the listing and the read (a dead child's live gauges) is
+    left out too."""
+
+    def __init__(self, path: str | None) -> None:
+        """``path``: the directory (None: ``PROMETHEUS_MULTIPROC_DIR``)."""
+        super().__init__(None, path=path)  # type: ignore[no-untyped-call]
+        self._directory = Path(self._path)
+
+    def collect(self) -> Iterable[Any]:
+        settled = []
+        for file in self._directory.glob("*.db"):
+            try:
+                if file.stat().st_size >= _SIZED:
+                    settled.append(os.fspath(file))
+            except FileNotFoundError:
+                continue
+        return self.merge(settled, accumulate=True)  # type: ignore[no-untyped-call,no-any-return]

@@ -120,10 +120,9 @@ def _serve_metrics(**_: Any) -> None:
     if settings is None or directory is None or settings.worker_metrics_port is None:
         return
     from prometheus_client import start_http_server  # noqa: PLC0415 (the metrics server: only a worker that serves one)
-    from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415 (likewise)
 
     # Imported now, not at the top: prepare() must run before core.metrics is imported.
-    from core.metrics import JOB_PERIOD, exposed  # noqa: PLC0415 (see above)
+    from core.metrics import JOB_PERIOD, SettledFiles, exposed  # noqa: PLC0415 (see above)
 
     # The periodic jobs' periods, beside their last successes (the stale-job alert).
     for job, period in (
@@ -133,7 +132,7 @@ def _serve_metrics(**_: Any) -> None:
     ):
         JOB_PERIOD.labels(job).set(period)
 
-    summed = MultiProcessCollector(None, path=str(directory))  # type: ignore[no-untyped-call]
+    summed = SettledFiles(str(directory))
     # The workers' own families only: the receiver's are defined in every process, at zero.
     registry = exposed("worker", summed)
     try:

@@ -196,12 +196,13 @@ def test_a_held_key_yields_to_postgres_from_the_sweepers_second_republish(
     # Publish grace 1 s. Without admission: the sweeper's picks are published as they come
     # (with it, a picked row stays in its route's in-flight set until the dispatcher's
     # reconcile frees it as lost, tests/test_route_limits.py; the claim's rule is the same).
-    settings = worker_settings(admission=False)
+    # A sweep picks the oldest due first, at most WEBHOOKS_SWEEP_BATCH: after the first
+    # re-publish these rows are due only a grace ahead, behind every row that earlier tests
+    # of this process left due, so the batch must reach past all of those.
+    settings = worker_settings(admission=False, sweep_batch=1_000_000)
     source = make_source(sessions, settings, routes=[{"handler": "effect"}])
     alone, in_batch = (accept_event(settings, source)[1].delivery_ids[0] for _ in range(2))
-    # First in the sweep's pick (oldest due first, at most WEBHOOKS_SWEEP_BATCH): rows that
-    # earlier tests of this process left due must not crowd them out of it.
-    with engine.begin() as conn:
+    with engine.begin() as conn:  # due for the first sweep whatever the accept set
         conn.execute(
             text("UPDATE deliveries SET next_attempt_at = now() - interval '10 years'"
                  " WHERE id = ANY(:ids)"),

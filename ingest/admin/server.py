@@ -16,7 +16,6 @@ from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
     generate_latest,
-    multiprocess,
     values,
 )
 from starlette.applications import Starlette
@@ -60,7 +59,7 @@ def metrics_source(multiprocess_dir: str | None = None) -> Any:
     if multiprocess_dir is None and in_memory:
         return REGISTRY
     source = CollectorRegistry()
-    multiprocess.MultiProcessCollector(source, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+    source.register(metrics.SettledFiles(multiprocess_dir))
     if in_memory:  # the supervisor's admin plane: its counts are in no file
         source.register(metrics.only(REGISTRY, metrics.ADMIN_PLANE))
     return source
