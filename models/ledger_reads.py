@@ -3,6 +3,7 @@ as ``webhooks events show``, the admin API and the console find it. Read-only.""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -12,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from models import queries
 from models.delivery_history import REMOVED_ROUTE
-from models.ledger import STATUS_OF_CODE
+from models.ledger import SEP, STATUS_OF_CODE
 from models.queries import EventDetail
 
 # The ledger's one-byte `via` (models/ledger.py) as receipts name it.
@@ -60,40 +61,86 @@ class LedgerEvent:
     found_in: str = "ledger"
 
 
-# Every source's probe of the unique index (sources are few): the hash is seeded with the
-# source, so an event id alone names one key per source.
+# The event id's rows, by the index on its hash; the kind names the source (and the type).
 _FIND = text(
     """
-    SELECT l.received_at, s.public_id, s.name, s.provider, l.event_id, l.event_type,
-           l.digest, l.outcomes, l.via
-    FROM sources s
-    JOIN ledger l ON hashtextextended(l.event_id, l.source_id) = hashtextextended(:e, s.id)
-                 AND l.source_id = s.id AND l.event_id = :e
-    WHERE CAST(:s AS bigint) IS NULL OR s.id = :s
+    SELECT l.received_at, s.public_id, s.name, s.provider, l.event_id, k.event_type,
+           l.digest, l.outcomes, k.via
+    FROM ledger l
+    JOIN ledger_kinds k ON k.id = l.kind
+    JOIN sources s ON s.id = k.source_id
+    WHERE hashtextextended(l.event_id, 0) = hashtextextended(:e, 0) AND l.event_id = :e
+      AND (CAST(:s AS bigint) IS NULL OR k.source_id = :s)
     ORDER BY l.received_at DESC, s.public_id
-    LIMIT 50
+    LIMIT 500
     """
 )
+# The runs shown, at most (the newest).
+MAX_RUNS = 50
+
+_ENTRY = re.compile(r"(\d+)\.(\d+)([a-z])(?::(.*))?", re.DOTALL)
+# Of two entries of one route at the same attempt, the later decision: an operator discards a
+# dead letter (d, then x); a success and a dead letter never end one attempt together.
+_LATER = {"d": 0, "s": 1, "x": 2}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One route's outcome as one ledger row wrote it."""
+
+    route_id: int
+    attempt: int
+    code: str  # s | d | x
+    detail: str | None  # the result reference or the dead reason
+
+
+def entries(outcomes: str) -> list[Entry]:
+    """A ledger row's entries (models/ledger.py); one that does not parse is left out."""
+    out = []
+    for part in outcomes.split(SEP):
+        found = _ENTRY.fullmatch(part)
+        if found:
+            route, attempt, code, detail = found.groups()
+            out.append(Entry(int(route), int(attempt), code, detail or None))
+    return out
+
+
+def merged(rows_outcomes: list[str]) -> dict[int, Entry]:
+    """Each route's final entry across a receipt's rows: the highest attempt's (pure)."""
+    final: dict[int, Entry] = {}
+    for outcomes in rows_outcomes:
+        for entry in entries(outcomes):
+            seen = final.get(entry.route_id)
+            if seen is None or (entry.attempt, _LATER.get(entry.code, -1)) > (
+                seen.attempt,
+                _LATER.get(seen.code, -1),
+            ):
+                final[entry.route_id] = entry
+    return final
 
 
 def find(session: Session, event_id: str, source_id: int | None = None) -> list[LedgerEntry]:
-    """The ledger's rows of this event id (of one source, or of every source), newest first."""
-    rows = session.execute(_FIND, {"e": event_id, "s": source_id}).all()
-    route_ids = {int(k) for r in rows for k in r.outcomes}
-    handlers = _handlers(session, route_ids)
+    """The ledger's receipts of this event id (of one source, or of every source), newest
+    first, each with its rows merged."""
+    receipts: dict[tuple[str, datetime], list[Any]] = {}
+    for r in session.execute(_FIND, {"e": event_id, "s": source_id}).all():
+        receipts.setdefault((r.public_id, r.received_at), []).append(r)
+    runs = list(receipts.values())[:MAX_RUNS]
+    finals = [merged([r.outcomes for r in rows]) for rows in runs]
+    handlers = _handlers(session, {route for final in finals for route in final})
     return [
         LedgerEntry(
-            source=r.public_id,
-            source_name=r.name,
-            provider=r.provider,
-            event_id=r.event_id,
-            event_type=r.event_type,
-            received_at=r.received_at,
-            digest=None if r.digest is None else bytes(r.digest).hex(),
-            arrived_via=ARRIVED_VIA_OF.get(str(r.via), "webhook"),
-            outcomes=_outcomes(r.outcomes, handlers),
+            source=rows[0].public_id,
+            source_name=rows[0].name,
+            provider=rows[0].provider,
+            event_id=rows[0].event_id,
+            event_type=rows[0].event_type,
+            received_at=rows[0].received_at,
+            digest=None if rows[0].digest is None else bytes(rows[0].digest).hex(),
+            arrived_via=ARRIVED_VIA_OF.get(str(rows[0].via), "webhook"),
+            outcomes=_outcomes(final, handlers),
         )
-        for r in rows
+        for rows, final in zip(runs, finals, strict=True)
     ]
 
 
@@ -107,21 +154,17 @@ def _handlers(session: Session, route_ids: set[int]) -> dict[int, str]:
     return {int(r[0]): str(r[1]) for r in rows}
 
 
-def _outcomes(stored: dict[str, Any], handlers: dict[int, str]) -> list[LedgerOutcome]:
-    out = []
-    for key, value in sorted(stored.items(), key=lambda kv: int(kv[0])):
-        route_id, code, detail = int(key), str(value)[:1], str(value)[2:] or None
-        status = STATUS_OF_CODE.get(code, code)
-        out.append(
-            LedgerOutcome(
-                route_id,
-                handlers.get(route_id, REMOVED_ROUTE),
-                status,
-                result_ref=detail if code == "s" else None,
-                dead_reason=detail if code == "d" else None,
-            )
+def _outcomes(final: dict[int, Entry], handlers: dict[int, str]) -> list[LedgerOutcome]:
+    return [
+        LedgerOutcome(
+            e.route_id,
+            handlers.get(e.route_id, REMOVED_ROUTE),
+            STATUS_OF_CODE.get(e.code, e.code),
+            result_ref=e.detail if e.code == "s" else None,
+            dead_reason=e.detail if e.code == "d" else None,
         )
-    return out
+        for e in sorted(final.values(), key=lambda e: e.route_id)
+    ]
 
 
 def _event_id_of(ref: str | int) -> str | None:

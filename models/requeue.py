@@ -113,13 +113,13 @@ def replay_many(
     return moved
 
 
-# The discard, and each discarded route's outcome in its receipt's ledger row (``x``).
+# The discard, and each discarded route's outcome appended to the ledger (``x``).
 _DISCARD_SQL = f"""
     WITH discarded AS (
         UPDATE deliveries SET status = 'discarded', next_attempt_at = NULL, updated_at = :now
         WHERE id = ANY(:ids) AND status = 'dead'
-        RETURNING id, receipt_id, expires_at, route_id, {ledger.DISCARDED} AS outcome
-    ), {ledger.upsert("discarded")}
+        RETURNING id, receipt_id, expires_at, {ledger.discarded()} AS outcome
+    ), {ledger.append("discarded")}
     SELECT id FROM discarded
     """  # noqa: S608 (fragments of models.ledger, no input)
 

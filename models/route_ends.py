@@ -55,7 +55,7 @@ _AGE_START = """CASE WHEN d.first_attempt_at IS NOT NULL OR d.attempts = 0
 
 # A dead letter's outcome in the ledger (models/ledger.py), written by the statement that
 # makes it.
-_DEAD_OUTCOME = ledger.DEAD.replace("dead_reason", "d.dead_reason")
+_DEAD_OUTCOME = ledger.dead("d")
 
 _EXPIRE_SQL = f"""
     WITH held AS (
@@ -90,7 +90,7 @@ _EXPIRE_SQL = f"""
                   {_DEAD_OUTCOME} AS outcome,
                   floor(extract(epoch FROM :now - due.breaker_opened_at)) AS open_for,
                   due.public_id
-    ), {ledger.upsert("dead")}
+    ), {ledger.append("dead")}
     SELECT id, route_id, open_for, public_id FROM dead
     """  # noqa: S608 (fragments of this module, no input)
 
@@ -152,7 +152,7 @@ _DISABLE_SQL = f"""
         WHERE d.source_id = off.source_id AND d.route_id = off.id
           AND d.status IN ('pending', 'retrying')
         RETURNING d.route_id, d.receipt_id, d.expires_at, {_DEAD_OUTCOME} AS outcome
-    ), {ledger.upsert("dead")}
+    ), {ledger.append("dead")}
     SELECT off.id, s.public_id, off.handler, off.events_glob, off.disabled_reason,
            floor(extract(epoch FROM :now - off.breaker_opened_at)), off.breaker_trips,
            (SELECT count(*) FROM dead WHERE dead.route_id = off.id)

@@ -460,7 +460,7 @@ _SUCCEED_MANY_SQL = """
           AND deliveries.status = 'processing' AND deliveries.attempts = want.attempt
           AND deliveries.generation = want.generation
         RETURNING deliveries.id, deliveries.expires_at, want.attempt, want.generation, want.at,
-                  deliveries.receipt_id, deliveries.route_id, {outcome} AS outcome
+                  deliveries.receipt_id, {outcome} AS outcome
     ), ended AS (
         UPDATE {attempts} SET ended_at = done.at, outcome = 'succeeded',
             error_class = NULL, error_message = NULL, committed_at = clock_timestamp()
@@ -478,8 +478,8 @@ def _succeed_many_sql(leaf: str | None) -> str:
     tables = _tables(_leaf(leaf))
     return placeholders(
         _SUCCEED_MANY_SQL.format(
-            outcome=ledger.SUCCEEDED.replace("result_ref", "deliveries.result_ref"),
-            ledger_row=ledger.upsert("done", tables["receipts"]),
+            outcome=ledger.succeeded("deliveries"),
+            ledger_row=ledger.append("done", tables["receipts"]),
             **tables,
         )
     )
@@ -519,8 +519,8 @@ def _finish_sql(assignments: str, leaf: str | None = None, final: str | None = N
     tables = _tables(_leaf(leaf))
     returning = "id"
     if final is not None:
-        returning += f", receipt_id, expires_at, route_id, {final} AS outcome"
-    ledger_row = "" if final is None else ", " + ledger.upsert("done", tables["receipts"])
+        returning += f", receipt_id, expires_at, {final} AS outcome"
+    ledger_row = "" if final is None else ", " + ledger.append("done", tables["receipts"])
     return placeholders(
         f"""
         WITH done AS (
@@ -586,7 +586,7 @@ def succeed(
     result_ref: str | None = None,
 ) -> None:
     """processing (this attempt) -> succeeded, with the handler's result reference (None:
-    none), and the route's outcome merged into the receipt's ledger row in the same
+    none), and the route's outcome appended to the ledger in the same
     statement (:mod:`models.ledger`). Raises IllegalTransition if the lease was lost.
 
     On a session it commits with the handler's writes; on a psycopg connection in autocommit
@@ -602,7 +602,7 @@ def succeed(
         outcome=AttemptOutcome.SUCCEEDED,
         params={"result_ref": result_ref},
         leaf=leaf,
-        final=ledger.SUCCEEDED,
+        final=ledger.succeeded(),
     )
 
 
@@ -657,5 +657,5 @@ def kill(
         error_class=error_class,
         error=error,
         params={"reason": reason},
-        final=ledger.DEAD,
+        final=ledger.dead(),
     )

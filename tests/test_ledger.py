@@ -14,18 +14,22 @@ import json
 import re
 import secrets
 import subprocess
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from alembic import command
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
-from models import ledger, ledger_layout, requeue, route_ends, transitions
+from models import ledger, ledger_layout, ledger_reads, requeue, route_ends, transitions
+from models.db import alembic_config
 from models.retention import run_maintenance
 from models.retention_layout import ensure_partitions
 from tasks.pipeline import run
@@ -37,11 +41,12 @@ from tests.leakcheck import remember
 from tests.operators_support import console_login
 from tests.processes import receiver
 from tests.retention_support import TTL, accept, claim, kill, own_database
-from tests.workers import worker_settings
+from tests.workers import wait_for, worker_settings
 
 LEDGER_DB = f"{TEST_DB}_ledger"
 T = datetime(2023, 1, 15, 12, tzinfo=UTC)  # a receipt's arrival, laid out by each test
 SEC = timedelta(seconds=1)
+DAY = timedelta(days=1)
 CONSOLE_TOKEN = "adm_ledger_" + secrets.token_urlsafe(24)
 remember(CONSOLE_TOKEN)
 
@@ -63,19 +68,52 @@ def _no_publish(delivery_id: int, countdown: float) -> None:
     raise AssertionError("nothing here retries")
 
 
-def ledger_of(engine: Engine, source: MadeSource) -> list[Any]:
-    """The source's ledger rows, oldest first, with the partition each one is in."""
+@dataclass(frozen=True)
+class Kept:
+    """One receipt as the ledger keeps it: its rows merged (models.ledger_reads.merged)."""
+
+    event_id: str
+    received_at: datetime
+    outcomes: dict[str, str]  # {"<route id>": "s[:ref]" | "d[:reason]" | "x"}
+    digest: bytes | None
+    via: str
+    part: str
+    rows: int
+
+
+def ledger_of(engine: Engine, source: MadeSource) -> list[Kept]:
+    """The source's receipts in the ledger, oldest first, with the partition they are in."""
     with engine.connect() as conn:
-        return list(
-            conn.execute(
-                text(
-                    "SELECT event_id, received_at, outcomes, digest, via,"
-                    " tableoid::regclass::text AS part FROM ledger"
-                    " WHERE source_id = :s ORDER BY received_at"
-                ),
-                {"s": source.id},
-            ).all()
+        found = conn.execute(
+            text(
+                "SELECT l.event_id, l.received_at, l.outcomes, l.digest, k.via,"
+                " l.tableoid::regclass::text AS part FROM ledger l"
+                " JOIN ledger_kinds k ON k.id = l.kind WHERE k.source_id = :s"
+                " ORDER BY l.received_at"
+            ),
+            {"s": source.id},
+        ).all()
+    receipts: dict[tuple[str, datetime], list[Any]] = {}
+    for r in found:
+        receipts.setdefault((r.event_id, r.received_at), []).append(r)
+    kept = []
+    for (event_id, received_at), rows in receipts.items():
+        final = ledger_reads.merged([r.outcomes for r in rows])
+        kept.append(
+            Kept(
+                event_id,
+                received_at,
+                {
+                    str(e.route_id): e.code + ("" if e.detail is None else f":{e.detail}")
+                    for e in final.values()
+                },
+                rows[0].digest,
+                rows[0].via,
+                rows[0].part,
+                len(rows),
+            )
         )
+    return kept
 
 
 def succeed_with(
@@ -155,9 +193,14 @@ def test_a_success_whose_ledger_row_fails_is_not_recorded(
     found = claim(sessions, delivery_id, datetime.now(UTC))
     refuse = f"""
         CREATE FUNCTION ledger_refuse_{source.id}() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN RAISE EXCEPTION 'ledger refused'; END $$;
+        BEGIN
+            IF NEW.kind IN (SELECT id FROM ledger_kinds WHERE source_id = {source.id}) THEN
+                RAISE EXCEPTION 'ledger refused';
+            END IF;
+            RETURN NEW;
+        END $$;
         CREATE TRIGGER ledger_refuse_{source.id} BEFORE INSERT ON ledger FOR EACH ROW
-            WHEN (NEW.source_id = {source.id}) EXECUTE FUNCTION ledger_refuse_{source.id}();
+            EXECUTE FUNCTION ledger_refuse_{source.id}();
     """
     with engine.begin() as conn:
         conn.execute(text(refuse))
@@ -209,6 +252,7 @@ def test_a_dead_letter_is_an_outcome_a_replay_that_succeeds_overwrites_and_each_
     succeed_with(sessions, dead, now + 3 * SEC)
     (row,) = ledger_of(engine, source)
     assert (row.event_id, row.outcomes) == (event_id, {str(first): "s", str(second): "s:order-1"})
+    assert row.rows == 3  # appended by each ending, never updated: the replay's attempt wins
 
     other = make_source(sessions, settings)
     (to_discard,) = accept_event(settings, other)[1].delivery_ids
@@ -246,6 +290,115 @@ def test_a_dead_letter_is_an_outcome_a_replay_that_succeeds_overwrites_and_each_
         assert ledger.record(session, [crashing]) == 1
     assert [r.outcomes for r in ledger_of(engine, looped)] == [
         {str(looped.route_ids[0]): "d:crashed"}
+    ]
+
+
+def test_two_endings_that_meet_a_new_kind_at_once_both_append_their_rows(
+    sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """The first ending of a source's event type adds its kind (ledger_kinds). Two endings in
+    two transactions that both meet it new: the second waits on the first's insert, and once
+    that commits it still names the kind (the kind's ``DO UPDATE``), where a plain ``DO
+    NOTHING`` would have left its row without a kind, and its success would have failed."""
+    settings = worker_settings()
+    source = make_source(sessions, settings)
+    now = datetime.now(UTC)
+    first, second = (
+        claim(sessions, accept_event(settings, source)[1].delivery_ids[0], now) for _ in range(2)
+    )
+    with (
+        psycopg.connect(settings.psycopg_dsn) as holding,
+        psycopg.connect(settings.psycopg_dsn, autocommit=True) as racing,
+    ):
+        transitions.succeed(holding, first, now=now + SEC)  # its kind inserted, not committed
+        ended: list[set[int]] = []
+        worker = threading.Thread(
+            target=lambda: ended.append(transitions.succeed_many(racing, [(second, now + SEC)]))
+        )
+        worker.start()
+        waiting = "SELECT count(*) FROM pg_locks WHERE NOT granted AND pid = %s"
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as watch:
+            wait_for(
+                lambda: watch.execute(waiting, (racing.info.backend_pid,)).fetchone() == (1,),
+                timeout=30,
+                what="the second ending to wait on the first's kind",
+            )
+        holding.commit()
+        worker.join(30)
+    assert ended == [{second.id}]
+    kept = ledger_of(engine, source)
+    assert sorted(k.outcomes[str(source.route_ids[0])] for k in kept) == ["s", "s"]
+    with engine.connect() as conn:
+        kinds = conn.execute(
+            text("SELECT count(*) FROM ledger_kinds WHERE source_id = :s"), {"s": source.id}
+        ).scalar_one()
+    assert kinds == 1
+
+
+def test_the_compact_layout_keeps_what_the_first_layout_held() -> None:
+    """Migration 0026 converts 0023's rows (one per receipt, outcomes as jsonb) into the
+    compact layout, in partitions of the same names, and its downgrade converts them back."""
+    name = f"{TEST_DB}_ledger_0026"
+    with own_database(name) as (settings, engine, _):
+        config = alembic_config(settings)
+        command.downgrade(config, "0025")
+        old_rows = [
+            (T, 7, "evt_a", "invoice.paid", b"\x01" * 8, {"3": "s:inv_1", "4": "d:permanent"}),
+            (T + SEC, 7, "evt_b", "invoice.paid", None, {"3": "x"}),
+            (T + 40 * DAY, 8, "evt_a", "charge.refunded", b"\x02" * 8, {"5": "s"}),
+        ]
+        ledger_layout.ensure_months(engine, T + 40 * DAY, ledger_layout.LedgerMaintenance())
+        with engine.begin() as conn:
+            months = partitions_of(conn)
+            for at, source_id, event_id, event_type, digest, outcomes in old_rows:
+                conn.execute(
+                    text(
+                        "INSERT INTO ledger (received_at, source_id, event_id, event_type,"
+                        " digest, outcomes, via) VALUES (:at, :s, :e, :t, :d, :o, :v)"
+                    ),
+                    {"at": at, "s": source_id, "e": event_id, "t": event_type, "d": digest,
+                     "o": json.dumps(outcomes), "v": "r" if digest is None else "w"},
+                )  # fmt: skip
+        command.upgrade(config, "0026")
+        with engine.connect() as conn:
+            assert partitions_of(conn) == months
+            converted = conn.execute(
+                text(
+                    "SELECT l.received_at, k.source_id, l.event_id, k.event_type, l.digest,"
+                    " l.outcomes, k.via FROM ledger l JOIN ledger_kinds k ON k.id = l.kind"
+                    " ORDER BY l.received_at"
+                )
+            ).all()
+        assert [
+            (r[0], r[1], r[2], r[3], r[4] and bytes(r[4]), {
+                str(e.route_id): e.code + (f":{e.detail}" if e.detail else "")
+                for e in ledger_reads.merged([r[5]]).values()
+            }, r[6])
+            for r in converted
+        ] == [(*row, "r" if row[4] is None else "w") for row in old_rows]  # fmt: skip
+        command.downgrade(config, "0025")
+        with engine.connect() as conn:
+            back = conn.execute(
+                text(
+                    "SELECT received_at, source_id, event_id, event_type, digest, outcomes"
+                    " FROM ledger ORDER BY received_at"
+                )
+            ).all()
+            assert partitions_of(conn) == months
+        assert [(*r[:4], r[4] and bytes(r[4]), r[5]) for r in back] == old_rows
+
+
+def partitions_of(conn: Any) -> list[tuple[str, str]]:
+    """The ledger's leaves and their bounds."""
+    return [
+        (str(r[0]), str(r[1]))
+        for r in conn.execute(
+            text(
+                "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i"
+                " JOIN pg_class c ON c.oid = i.inhrelid"
+                " WHERE i.inhparent = 'ledger'::regclass ORDER BY c.relname"
+            )
+        ).all()
     ]
 
 
