@@ -12,7 +12,7 @@ real success statements can end them:
 1. bytes per event: every delivery ended through :func:`models.transitions.succeed_many`
    (the worker's success of a message, 16 ids a statement, on the day's leaf partitions),
    which writes the ledger rows in the same statement; then ``pg_total_relation_size`` of
-   the ledger's partitions (table, unique index, free-space and visibility maps, after
+   the ledger's partitions (table, index, free-space and visibility maps, after
    VACUUM) / rows, and the average width of each column;
 2. the success statement's time with the ledger CTE and without it (the same statement
    built with no ledger row), one delivery a statement (a message of one id, the worker's
@@ -88,12 +88,12 @@ FROM pg_partition_tree('ledger') WHERE isleaf
 """
 
 WIDTHS = """
-SELECT avg(pg_column_size(received_at)), avg(pg_column_size(source_id)),
-       avg(pg_column_size(event_id)), avg(pg_column_size(event_type)),
-       avg(pg_column_size(digest)), avg(pg_column_size(outcomes)),
-       avg(pg_column_size(via)), avg(pg_column_size(l.*))
+SELECT avg(pg_column_size(received_at)), avg(pg_column_size(kind)),
+       avg(pg_column_size(event_id)), avg(pg_column_size(digest)),
+       avg(pg_column_size(outcomes)), avg(pg_column_size(l.*))
 FROM ledger l
 """
+KINDS = "SELECT count(*), pg_total_relation_size('ledger_kinds') FROM ledger_kinds"
 
 
 # transitions.succeed's assignments: the production statement, built by the same function.
@@ -155,7 +155,7 @@ def end_all(raw: psycopg.Connection[Any], claims: list[Claim]) -> float:
 def timed(raw: psycopg.Connection[Any], claims: list[Claim], *, with_ledger: bool) -> list[float]:
     """Seconds per success statement, one delivery each (the single-row form)."""
     leaf = leaf_suffix(claims[0].expires_at, "partition")
-    final = transitions.ledger.SUCCEEDED if with_ledger else None
+    final = transitions.ledger.succeeded() if with_ledger else None
     # The statement itself (transitions.succeed's), built with its ledger CTE and without.
     sql = transitions._finish_sql(SUCCESS, leaf, final)  # noqa: SLF001
     out = []
@@ -186,7 +186,7 @@ def executed(
     """Server-side execution seconds of the same statement (EXPLAIN ANALYZE's Execution Time:
     no planning, no commit, no client): what the ledger row adds inside Postgres."""
     leaf = leaf_suffix(claims[0].expires_at, "partition")
-    final = transitions.ledger.SUCCEEDED if with_ledger else None
+    final = transitions.ledger.succeeded() if with_ledger else None
     sql = transitions._finish_sql(SUCCESS, leaf, final)  # noqa: SLF001 (see timed)
     out = []
     for c in claims:
@@ -228,8 +228,10 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> None:
             total, heap = raw.execute(LEDGER_SIZE).fetchone() or (0, 0)
             widths = raw.execute(WIDTHS).fetchone()
             rows = raw.execute("SELECT count(*) FROM ledger").fetchone()
+            kinds = raw.execute(KINDS).fetchone()
         assert widths is not None
         assert rows is not None
+        assert kinds is not None
         assert rows[0] == args.rows, rows
         say(
             f"1. bytes per event ({rows[0]:,} ledger rows written in {seconds:.1f} s, {BATCH} a statement)"
@@ -238,10 +240,13 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> None:
             f"   table + index + maps: {total / args.rows:6.1f} bytes/event  ({total / 2**20:,.1f} MiB)"
         )
         say(
-            f"   of which the heap:    {heap / args.rows:6.1f} bytes/event; the unique index and maps: {(total - heap) / args.rows:.1f}"
+            f"   of which the heap:    {heap / args.rows:6.1f} bytes/event; the index and maps: {(total - heap) / args.rows:.1f}"
         )
-        names = ("received_at", "source_id", "event_id", "event_type", "digest", "outcomes",
-                 "via", "whole row (in memory, 4-byte varlena headers)")  # fmt: skip
+        say(
+            f"   and ledger_kinds, once: {kinds[0]} kinds (source, type, arrival) in {kinds[1] / 1024:,.0f} KiB"
+        )
+        names = ("received_at", "kind", "event_id", "digest", "outcomes",
+                 "whole row (in memory, 4-byte varlena headers)")  # fmt: skip
         say("   average column widths (pg_column_size):")
         for name, width in zip(names, widths, strict=True):
             say(f"     {name:<46} {float(width):5.1f}")
