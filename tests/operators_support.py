@@ -78,21 +78,30 @@ def accept(
     return list(outcome.delivery_ids)
 
 
-def _claim(session: Session, delivery_id: int, now: datetime) -> transitions.Claim:
+def _claim(
+    session: Session, delivery_id: int, now: datetime, worker: str = "test:0"
+) -> transitions.Claim:
     found = transitions.claim(
         session, delivery_id, now=now, lease=timedelta(minutes=5), max_redeliveries=3,
-        worker="test:0",
+        worker=worker,
     )  # fmt: skip
     assert found is not None, f"delivery {delivery_id} could not be claimed"
     return found
 
 
-def kill(sessions: sessionmaker[Session], ids: list[int], *, reason: str = "permanent") -> None:
-    """pending -> processing -> dead, as a worker whose handler failed permanently."""
+def kill(
+    sessions: sessionmaker[Session],
+    ids: list[int],
+    *,
+    reason: str = "permanent",
+    worker: str = "test:0",
+) -> None:
+    """pending -> processing -> dead, as a worker (named ``worker``) whose handler failed
+    permanently."""
     now = datetime.now(UTC)
     with sessions() as session, session.begin():
         for delivery_id in ids:
-            found = _claim(session, delivery_id, now)
+            found = _claim(session, delivery_id, now, worker)
             transitions.kill(
                 session, found, now=now, reason=reason, error_class="PermanentError",
                 error="tests.handlers:1",
@@ -195,3 +204,12 @@ def console_login(http: httpx.Client, url: str, token: str) -> httpx.Response:
         data={"csrf": csrf.group(1), "token": token},
         follow_redirects=False,
     )
+
+
+# A page's elements matching a selector that the browser laid out on several lines (their
+# texts): for page.evaluate(WRAPPED, selector).
+WRAPPED = """(selector) => [...document.querySelectorAll(selector)].filter((el) => {
+    const range = document.createRange();
+    range.selectNodeContents(el);
+    return new Set([...range.getClientRects()].map((r) => Math.round(r.top))).size > 1;
+}).map((el) => el.textContent)"""

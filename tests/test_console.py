@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.clock import FrozenClock
 from core.settings import Settings
 from ingest.admin import AdminServer
+from ingest.console.base import back_to
 from ingest.console.sessions import SessionStore, digest
 from models import breaker, transitions
 from models.catalog import Change
@@ -36,6 +37,7 @@ from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
 from tests.operators_support import (
     OPS,
+    WRAPPED,
     accept,
     cli,
     flush,
@@ -591,6 +593,8 @@ def test_a_delivery_shows_the_result_reference_its_handler_returned(
         transitions.succeed(session, found, now=at, result_ref="<b>ord_42</b>")
     page.goto(f"{api.admin_url}/console/deliveries/{done}")
     expect(page.locator("#result-ref")).to_have_text("<b>ord_42</b>")
+    # Never replayed: no count "since the last replay" (a replayed one's page has it).
+    assert "since the last replay" not in page.inner_text("dl.facts")
     assert page.locator("#result-ref b").count() == 0
     page.locator("dl.facts a").first.click()
     expect(page.locator("#deliveries .result-ref")).to_have_text("<b>ord_42</b>")
@@ -634,6 +638,7 @@ def test_replay_one_dead_letter_from_its_page_and_watch_it_succeed(
     wait_status(engine, dead, "succeeded", timeout=30)
     page.goto(f"{api.admin_url}/console/deliveries/{dead}")
     assert page.inner_text("#status") == "succeeded"
+    assert "(1 since the last replay)" in page.inner_text("dl.facts")
     history = page.locator("#attempts tbody tr").all_inner_texts()
     assert len(history) == 3
     assert "dead" in history[0]
@@ -829,6 +834,10 @@ def test_routes_pause_resume_and_remove_follow_the_cli_rules(
         row.locator("button:text-is('Remove')").click()
     assert answer.value.status == 409
     assert "still has 1 dead" in page.inner_text("#message")
+    # The refusal links back to where the operator was (the console sends no Referer).
+    assert page.inner_text("#back") == "Back to the sources and routes"
+    page.click("#back")
+    page.wait_for_url(f"{api.admin_url}/console/routes")
     with engine.connect() as conn:
         actions = conn.execute(
             text("SELECT action, operator, reason, via FROM audit_log"
@@ -841,6 +850,22 @@ def test_routes_pause_resume_and_remove_follow_the_cli_rules(
         ("route.pause", "dora", "downstream maintenance", "console"),
         ("route.resume", "dora", "back", "console"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "back"),
+    [
+        ("/console/replays/7/cancel", ("/console/replays/7", "replay 7")),
+        ("/console/dead/confirm", ("/console/dead", "the dead letters")),
+        ("/console/events/999", ("/console/events", "the events")),
+        ("/console/ledger", ("/console/events", "the events")),
+        ("/console/sources/src_x/pause", ("/console/routes", "the sources and routes")),
+        ("/console/nowhere", ("/console/", "the overview")),
+        ("/console/", ("/console/", "the overview")),
+    ],
+)
+def test_a_refusal_links_back_to_the_page_it_came_from(path: str, back: tuple[str, str]) -> None:
+    assert back_to(path) == back
 
 
 def test_the_overview_counts_per_route_and_shows_pause_state(
@@ -924,7 +949,7 @@ def test_the_pages_fit_a_390_pixel_wide_phone(
 ) -> None:
     source = source_with(sessions, ops, "log")
     [delivery] = accept(ops, source, event_type="phone." + "long_segment_" * 8)
-    kill(sessions, [delivery])
+    kill(sessions, [delivery], worker="celery@webhooks-worker-7f9c2d.internal:4242")
     ctx = browser.new_context(viewport={"width": 390, "height": 844})
     try:
         page = login(ctx, api)
@@ -945,5 +970,7 @@ def test_the_pages_fit_a_390_pixel_wide_phone(
             page.goto(f"{api.admin_url}{path}")
             width = page.evaluate("document.scrollingElement.scrollWidth")
             assert width <= 390, (path, width)
+            # Nothing breaks mid-word: a status pill and a worker's name stay on one line.
+            assert page.evaluate(WRAPPED, ".pill, td.worker") == [], path
     finally:
         ctx.close()

@@ -183,7 +183,36 @@ class Console:
         return self.page(visit.request, name, context, status=status, session=visit.session)
 
     def error(self, visit: Visit, message: str, status: int = 400) -> Response:
-        return self.show(visit, "error.html", {"message": message}, status)
+        """A refusal: why, and a link back to the page the operator was on."""
+        href, label = back_to(visit.request.url.path)
+        context = {"message": message, "back_href": href, "back_label": label}
+        return self.show(visit, "error.html", context, status)
+
+
+ROOT = "/console"
+# The page each part of the console is reached from: where a refusal links back to (the
+# console sends no Referer, so the path decides).
+_BACK = {
+    "dead": ("/console/dead", "the dead letters"),
+    "replays": ("/console/dead", "the dead letters"),
+    "events": ("/console/events", "the events"),
+    "ledger": ("/console/events", "the events"),
+    "deliveries": ("/console/events", "the events"),
+    "routes": ("/console/routes", "the sources and routes"),
+    "sources": ("/console/routes", "the sources and routes"),
+    "audit": ("/console/audit", "the audit log"),
+}
+
+
+def back_to(path: str) -> tuple[str, str]:
+    """(href, label) of the page a refusal at ``path`` links back to (pure): a delivery's or
+    a replay's own page when the refusal was an action on it, else its part's list, else
+    the overview."""
+    parts = [p for p in path.removeprefix(ROOT).split("/") if p]
+    if len(parts) >= 3 and parts[0] in {"deliveries", "replays"} and parts[1].isdigit():
+        noun = "delivery" if parts[0] == "deliveries" else "replay"
+        return f"{ROOT}/{parts[0]}/{parts[1]}", f"{noun} {parts[1]}"
+    return _BACK.get(parts[0] if parts else "", (f"{ROOT}/", "the overview"))
 
 
 def _ago(value: timedelta | None) -> str:
