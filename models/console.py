@@ -23,7 +23,7 @@ from models.candidates import (
     ReplayFilter,
     candidates_by_ids,
 )
-from models.catalog import get_source
+from models.catalog import CatalogError, get_source
 from models.schema import AuditEntry, Conflict, Delivery, Receipt, Replay, Route, Source
 
 WINDOWS = (("hour", timedelta(hours=1)), ("day", timedelta(days=1)))
@@ -99,6 +99,172 @@ def overview(session: Session) -> Overview:
             RouteCounts(*row) for row in session.execute(_ROUTE_COUNTS, {"since": since})
         ]
     return Overview(accepted, routes, int(backlog), oldest, now)
+
+
+# The charts' windows: (name, length, bucket). A day at 15-minute buckets, shown per minute.
+CHART_WINDOWS = (
+    ("hour", timedelta(hours=1), timedelta(minutes=1)),
+    ("day", timedelta(days=1), timedelta(minutes=15)),
+)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a chart counts: everything, one source's or one route's deliveries."""
+
+    source_id: int | None = None
+    route_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Activity:
+    """Counts per bucket of one window, oldest bucket first, on the database's clock:
+    events accepted (receipts; a route's: its deliveries made), deliveries that succeeded,
+    attempts that ended in a retry, deliveries that went dead (and are still dead), and the
+    p50 and p99 receipt-to-success seconds of each bucket's successes (None: none)."""
+
+    window: str
+    start: datetime
+    step: timedelta
+    accepted: list[int]
+    succeeded: list[int]
+    retrying: list[int]
+    dead: list[int]
+    p50: list[float | None]
+    p99: list[float | None]
+
+
+_BUCKET = "floor(extract(epoch FROM {at} - :start) / :step_s)::int"
+_SCOPE = (
+    "(CAST(:source AS bigint) IS NULL OR d.source_id = :source)"
+    " AND (CAST(:route AS bigint) IS NULL OR d.route_id = :route)"
+)
+_ACCEPTED_PER_BUCKET = text(
+    f"""
+    SELECT {_BUCKET.format(at="r.received_at")} AS b, count(*) FROM receipts r
+    WHERE r.received_at >= :start AND r.received_at < :end
+      AND (CAST(:source AS bigint) IS NULL OR r.source_id = :source)
+    GROUP BY b
+    """  # noqa: S608 (fragments of this module)
+)
+_MADE_PER_BUCKET = text(
+    f"""
+    SELECT {_BUCKET.format(at="d.created_at")} AS b, count(*) FROM deliveries d
+    WHERE d.created_at >= :start AND d.created_at < :end AND {_SCOPE}
+    GROUP BY b
+    """  # noqa: S608 (fragments of this module)
+)
+_SUCCEEDED_PER_BUCKET = text(
+    f"""
+    SELECT b, count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY lag),
+           percentile_cont(0.99) WITHIN GROUP (ORDER BY lag)
+    FROM (SELECT {_BUCKET.format(at="d.succeeded_at")} AS b,
+                 extract(epoch FROM d.succeeded_at - d.created_at) AS lag
+          FROM deliveries d
+          WHERE d.status = 'succeeded' AND d.succeeded_at >= :start AND d.succeeded_at < :end
+            AND {_SCOPE}) s
+    GROUP BY b
+    """  # noqa: S608 (fragments of this module)
+)
+_RETRIES_PER_BUCKET = text(
+    f"""
+    SELECT {_BUCKET.format(at="a.ended_at")} AS b, count(*) FROM attempts a
+    JOIN deliveries d ON d.id = a.delivery_id AND d.expires_at = a.expires_at
+    WHERE a.outcome = 'retry' AND a.ended_at >= :start AND a.ended_at < :end AND {_SCOPE}
+    GROUP BY b
+    """  # noqa: S608 (fragments of this module)
+)
+_DEAD_PER_BUCKET = text(
+    f"""
+    SELECT {_BUCKET.format(at="d.dead_at")} AS b, count(*) FROM deliveries d
+    WHERE d.status = 'dead' AND d.dead_at >= :start AND d.dead_at < :end AND {_SCOPE}
+    GROUP BY b
+    """  # noqa: S608 (fragments of this module)
+)
+
+
+@dataclass(frozen=True)
+class Charted:
+    """The overview's counts, and the charts' activity of a scope (named for the page)."""
+
+    overview: Overview
+    activity: list[Activity]
+    scope: str | None  # None: everything; else "source NAME" or "route N HANDLER"
+
+
+def charted(session: Session, source: str | None, route: str | None) -> Charted:
+    """:func:`overview` and :func:`activity` of everything, a source (public id or name) or a
+    route (its id). QueryError for one that does not exist."""
+    counts = overview(session)
+    scope, label = Scope(), None
+    if route is not None:
+        if not route.isdigit():
+            raise queries.QueryError(f"route must be a route id, not {route!r}", "bad_input")
+        found = session.get(Route, int(route))
+        if found is None:
+            raise queries.NotFoundError(f"no such route: {route}")
+        scope, label = Scope(route_id=found.id), f"route {found.id} {found.handler}"
+    elif source is not None:
+        try:
+            named = get_source(session, source)
+        except CatalogError as exc:
+            raise queries.NotFoundError(str(exc)) from None
+        scope, label = Scope(source_id=named.id), f"source {named.name}"
+    return Charted(counts, activity(session, counts.now, scope), label)
+
+
+def _per_bucket(
+    session: Session, statement: Any, params: dict[str, Any], buckets: int
+) -> list[int]:
+    per = [0] * buckets
+    for b, n in session.execute(statement, params):
+        if 0 <= b < buckets:
+            per[b] = int(n)
+    return per
+
+
+def activity(session: Session, now: datetime, scope: Scope) -> list[Activity]:
+    """Each of :data:`CHART_WINDOWS` up to ``now`` (the database's clock), its last bucket the
+    one ``now`` is in."""
+    out = []
+    for window, length, step in CHART_WINDOWS:
+        buckets = int(length / step)
+        epoch = datetime.fromtimestamp(0, now.tzinfo)
+        end = epoch + ((now - epoch) // step + 1) * step
+        start = end - buckets * step
+        params = {
+            "start": start,
+            "end": end,
+            "step_s": step.total_seconds(),
+            "source": scope.source_id,
+            "route": scope.route_id,
+        }
+
+        succeeded = [0] * buckets
+        p50: list[float | None] = [None] * buckets
+        p99: list[float | None] = [None] * buckets
+        for b, n, q50, q99 in session.execute(_SUCCEEDED_PER_BUCKET, params):
+            if 0 <= b < buckets:
+                succeeded[b], p50[b], p99[b] = int(n), float(q50), float(q99)
+        out.append(
+            Activity(
+                window,
+                start,
+                step,
+                _per_bucket(
+                    session,
+                    _MADE_PER_BUCKET if scope.route_id else _ACCEPTED_PER_BUCKET,
+                    params,
+                    buckets,
+                ),
+                succeeded,
+                _per_bucket(session, _RETRIES_PER_BUCKET, params, buckets),
+                _per_bucket(session, _DEAD_PER_BUCKET, params, buckets),
+                p50,
+                p99,
+            )
+        )
+    return out
 
 
 @dataclass(frozen=True)

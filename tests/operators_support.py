@@ -95,10 +95,11 @@ def kill(
     *,
     reason: str = "permanent",
     worker: str = "test:0",
+    at: datetime | None = None,
 ) -> None:
     """pending -> processing -> dead, as a worker (named ``worker``) whose handler failed
-    permanently."""
-    now = datetime.now(UTC)
+    permanently (``at``: when; now by default)."""
+    now = at or datetime.now(UTC)
     with sessions() as session, session.begin():
         for delivery_id in ids:
             found = _claim(session, delivery_id, now, worker)
@@ -108,11 +109,22 @@ def kill(
             )  # fmt: skip
 
 
-def succeed(sessions: sessionmaker[Session], ids: list[int]) -> None:
-    now = datetime.now(UTC)
+def succeed(sessions: sessionmaker[Session], ids: list[int], *, at: datetime | None = None) -> None:
+    now = at or datetime.now(UTC)
     with sessions() as session, session.begin():
         for delivery_id in ids:
             transitions.succeed(session, _claim(session, delivery_id, now), now=now)
+
+
+def retry(sessions: sessionmaker[Session], ids: list[int], *, at: datetime) -> None:
+    """pending -> processing -> retrying at ``at``, due an hour later."""
+    with sessions() as session, session.begin():
+        for delivery_id in ids:
+            transitions.retry_later(
+                session, _claim(session, delivery_id, at), now=at,
+                next_attempt_at=at + timedelta(hours=1), error_class="HTTPError",
+                error="503 from the downstream",
+            )  # fmt: skip
 
 
 def status_of(engine: Engine, ids: list[int]) -> dict[int, str]:

@@ -45,7 +45,9 @@ from tests.operators_support import (
     ops_env,
     ops_receiver,
     ops_settings,
+    retry,
     source_with,
+    succeed,
 )
 from tests.processes import Receiver
 from tests.signing import sign
@@ -866,6 +868,53 @@ def test_routes_pause_resume_and_remove_follow_the_cli_rules(
 )
 def test_a_refusal_links_back_to_the_page_it_came_from(path: str, back: tuple[str, str]) -> None:
     assert back_to(path) == back
+
+
+def _series(page: Page, chart: str, series: str) -> list[str]:
+    values = page.locator(f'figure[data-chart="{chart}"] g[data-series="{series}"]')
+    return (values.get_attribute("data-values") or "").split(",")
+
+
+def test_the_overview_charts_a_seeded_hour_per_source_and_route(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """Issue 36 item 4: accepted, succeeded, retried and dead per minute over the last hour
+    and day, and the receipt-to-success p50 and p99, as inline SVG from the database, for a
+    source and for a route."""
+    source = source_with(sessions, ops, "log")
+    now = datetime.now(UTC)
+    ago = [now - timedelta(minutes=m) for m in (50, 30, 30, 10)]
+    first, second, third, fourth = (accept(ops, source, now=at)[0] for at in ago)
+    succeed(sessions, [first], at=ago[0] + timedelta(seconds=60))
+    succeed(sessions, [second], at=ago[1] + timedelta(seconds=90))
+    retry(sessions, [third], at=ago[2] + timedelta(minutes=5))
+    kill(sessions, [fourth], at=ago[3] + timedelta(minutes=5))
+    for scope in (f"source={source.public_id}", f"route={source.route_ids[0]}"):
+        page.goto(f"{api.admin_url}/console/?{scope}")
+        assert page.locator("svg[role=img]").count() == 4  # events and lag, hour and day
+        hour = {
+            name: [int(v) for v in _series(page, "Events, last hour", name)]
+            for name in ("accepted", "succeeded", "retrying", "dead")
+        }
+        assert all(len(values) == 60 for values in hour.values())
+        assert {name: sum(values) for name, values in hour.items()} == {
+            "accepted": 4,
+            "succeeded": 2,
+            "retrying": 1,
+            "dead": 1,
+        }
+        # Each in its minute: 50, 30 (two) and 10 minutes ago; a success 1 minute after.
+        accepted = [i for i, n in enumerate(hour["accepted"]) for _ in range(n)]
+        assert [i - accepted[0] for i in accepted] == [0, 20, 20, 40]
+        assert hour["succeeded"].index(1) - accepted[0] in (1, 2)
+        assert sum(int(v) for v in _series(page, "Events, last day", "accepted")) == 4
+        lag = [v for v in _series(page, "Receipt to success, last hour", "p50") if v]
+        assert lag == ["60", "90"]
+        assert "accepted: 4" in page.inner_text('figure[data-chart="Events, last hour"]')
+    assert page.inner_text("#charts-of").startswith(f"Activity of route {source.route_ids[0]}")
+    page.goto(f"{api.admin_url}/console/?source=src_nope")
+    assert "no such source" in page.inner_text("#message")
+    assert page.inner_text("#back") == "Back to the overview"
 
 
 def test_the_overview_counts_per_route_and_shows_pause_state(

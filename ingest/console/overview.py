@@ -9,6 +9,7 @@ from starlette.routing import Route
 
 from core import metrics
 from ingest.console.base import Console, Visit, args_of, opt, parse_when
+from ingest.console.charts import charts_of
 from models import console as reads
 from models import queries
 
@@ -48,10 +49,23 @@ def _fail_open_signal(c: Console) -> str | None:
 
 
 async def overview(c: Console, v: Visit) -> Response:
-    data = await c.db(reads.overview)
+    """The counts, and charts of everything, or of ``?source=`` (id or name) or ``?route=``."""
+    args = args_of(v.request.query_params, ("source", "route"))
+    try:
+        source, route = opt(args["source"]), opt(args["route"])
+        data = await c.db(lambda s: reads.charted(s, source, route))
+    except queries.QueryError as exc:
+        return c.error(v, str(exc), 404 if isinstance(exc, queries.NotFoundError) else 400)
     sources = await c.db(reads.catalog)
     degraded = await run_in_threadpool(_fail_open_signal, c)
-    return c.show(v, "overview.html", {"o": data, "sources": sources, "degraded": degraded})
+    context = {
+        "o": data.overview,
+        "charts": [chart for window in data.activity for chart in charts_of(window)],
+        "scope": data.scope,
+        "sources": sources,
+        "degraded": degraded,
+    }
+    return c.show(v, "overview.html", context)
 
 
 async def audit_page(c: Console, v: Visit) -> Response:
