@@ -10,6 +10,8 @@ the rest succeeded. Then the admin plane (``ingest.admin.AdminServer``, the serv
   preview   POST /console/dead/preview, all dead letters matching source=S (the count and
             sample of a bulk replay)
   delivery  GET /console/deliveries/ID (random ids: dead and succeeded)
+  overview  GET /console/ and /console/?source=S (the counts per route over an hour and a
+            day, and, from session 19, the charts of the last hour and day)
 
 Targets: events p95 <= 200 ms, preview <= 500 ms, delivery p95 <= 100 ms. The plans of the
 statements behind each page (captured while the page's query functions run) are printed
@@ -356,6 +358,17 @@ def main() -> None:
                 runs.append(ms)
             assert count is not None
             results[f"dead preview (count {int(count.group(1)):,})"] = runs
+            for name, url in (
+                ("overview", f"{base}/console/"),
+                ("overview of a source", f"{base}/console/?source={source}"),
+            ):
+                timed(lambda url=url: client.get(url))  # warm
+                runs = []
+                for _ in range(max(5, args.requests // 4)):
+                    ms, response = timed(lambda url=url: client.get(url))
+                    assert response.status_code == 200, response.status_code
+                    runs.append(ms)
+                results[name] = runs
             rng = random.Random(7)
             ids = [rng.randrange(1, args.receipts + 1) for _ in range(args.requests)]
             ids[: args.requests // 2] = [100 * rng.randrange(1, args.receipts // 100) for _ in
