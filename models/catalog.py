@@ -126,6 +126,7 @@ def create_source(
     allow_weak_secret: bool = False,
     operator: str | None = None,
     validate_config: ConfigValidator | None = None,
+    via: str = "cli",
 ) -> tuple[Source, CreatedSecret]:
     """Create a source with one secret (generated when ``secret`` is None). A given secret
     below the minimum strength is refused before anything is written; ``allow_weak_secret``
@@ -188,17 +189,23 @@ def create_source(
         "provider": provider,
         "secret": created.id,
     }
-    audit_config(session, "source.add", target, operator, "source added")
+    audit_config(session, "source.add", target, operator, "source added", via=via)
     return source, created
 
 
 def audit_config(
-    session: Session, action: str, target: dict[str, Any], operator: str | None, reason: str
+    session: Session,
+    action: str,
+    target: dict[str, Any],
+    operator: str | None,
+    reason: str,
+    *,
+    via: str = "cli",
 ) -> int:
     """The audit row of a configuration change (every one is audited): who (``operator``,
-    default this process's login name: the OS user for the CLI), what, on the database's
-    clock, in the change's own transaction."""
-    change = Change(operator=(operator or "").strip() or login_name(), reason=reason, via="cli")
+    default this process's login name: the OS user for the CLI), what, through what
+    (``via``: cli or console), on the database's clock, in the change's own transaction."""
+    change = Change(operator=(operator or "").strip() or login_name(), reason=reason, via=via)
     return record_audit(session, change, action, target, count=1, now=None)
 
 

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from core.states import REPLAYABLE
 from models import queries
-from models.breaker import RouteState, state_of
+from models.breaker import RouteState, limits_view, state_of
 from models.candidates import (
     Candidate,
     ReplayFilter,
@@ -335,6 +335,7 @@ class RouteRow:
     events: str
     active: bool
     state: RouteState
+    limits: dict[str, Any]  # models.breaker.limits_view: max_in_flight, rate_limit (None: unset)
 
 
 @dataclass(frozen=True)
@@ -353,7 +354,14 @@ def catalog(session: Session) -> list[SourceRow]:
     by_source: dict[int, list[RouteRow]] = {s.id: [] for s in sources}
     for route in session.scalars(select(Route).order_by(Route.id)):
         by_source.setdefault(route.source_id, []).append(
-            RouteRow(route.id, route.handler, route.events_glob, route.active, state_of(route))
+            RouteRow(
+                route.id,
+                route.handler,
+                route.events_glob,
+                route.active,
+                state_of(route),
+                limits_view(route),
+            )
         )
     return [SourceRow(s.public_id, s.name, s.provider, s.active, by_source[s.id]) for s in sources]
 

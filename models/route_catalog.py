@@ -49,6 +49,7 @@ def add_route(
     max_attempts: int | None = None,
     max_age: timedelta | None = None,
     operator: str | None = None,
+    via: str = "cli",
 ) -> tuple[Route, str | None]:
     """Bind a handler (audited: ``operator``, default this process's login name).
     ``forward`` routes get their own signing secret (returned once, never audited)."""
@@ -79,7 +80,12 @@ def add_route(
         route.signing_ciphertext = box.seal(signing_plain, route_secret_place(route.id))
         session.flush()
     audit_config(
-        session, "route.add", route_target(route, source.public_id), operator, "route added"
+        session,
+        "route.add",
+        route_target(route, source.public_id),
+        operator,
+        "route added",
+        via=via,
     )
     return route, signing_plain
 

@@ -297,6 +297,9 @@ def test_a_post_without_its_csrf_token_is_403_and_changes_nothing(
         ("/console/dead/preview", {"action": "replay", "ids": str(delivery)}),
         (f"/console/routes/{route}/pause", {"reason": "csrf test"}),
         (f"/console/sources/{source.public_id}/disable", {"reason": "csrf test"}),
+        ("/console/sources/new", {"name": "csrf-test", "provider": "stripe"}),
+        (f"/console/sources/{source.public_id}/routes", {"handler": "log"}),
+        (f"/console/routes/{route}/limits", {"rate": "5/s", "reason": "csrf test"}),
         ("/console/logout", {}),
     ]
     for path, form in posts:
@@ -434,8 +437,8 @@ def test_every_console_action_that_changes_data_is_audited(
     changes data writes an audit row under the session's operator (``via: console``): a
     route disabled, enabled (here), paused, resumed, removed (test_routes_pause_resume...),
     a source disabled and enabled (here), dead letters replayed (a ``replays`` row) or
-    discarded, a replay cancelled, a login. The console creates no source and no route
-    (``webhooks sources add`` and ``routes add`` do, audited: tests/test_cli_audit.py)."""
+    discarded, a replay cancelled, a login, a source created, a route added, a route's
+    limits set (test_a_source_and_its_routes_are_created_and_limited_from_the_page)."""
     from ingest.console.app import create_console
     from ingest.plane import OperatorTokens, PlaneState
 
@@ -447,7 +450,10 @@ def test_every_console_action_that_changes_data_is_audited(
         "/login",  # login, login.failed
         "/logout",  # ends this process's session: nothing stored
         "/replays/{replay}/cancel",  # replay.cancel
+        "/routes/{route}/limits",  # route.limits
         "/routes/{route}/{action}",  # route.enable|disable|pause|resume|remove
+        "/sources/new",  # source.add
+        "/sources/{source}/routes",  # route.add
         "/sources/{source}/{action}",  # source.enable|disable
     ]
     source = source_with(sessions, ops, "log")
@@ -455,7 +461,7 @@ def test_every_console_action_that_changes_data_is_audited(
     first = _last_audit_id(engine)
     for button, reason in (("Disable", "route off"), ("Enable", "route on")):
         page.goto(f"{api.admin_url}/console/routes")
-        row = page.locator(f"tr[data-route='{route}']")
+        row = page.locator(f"tr[data-route='{route}'] form.route-change")
         row.locator("input[name=reason]").fill(reason)
         row.locator(f"button:text-is('{button}')").click()
         page.wait_for_url(f"{api.admin_url}/console/routes")
@@ -819,19 +825,19 @@ def test_routes_pause_resume_and_remove_follow_the_cli_rules(
     route = source.route_ids[0]
     page.goto(f"{api.admin_url}/console/routes")
     row = page.locator(f"tr[data-route='{route}']")
-    row.locator("input[name=reason]").fill("downstream maintenance")
+    row.locator("form.route-change input[name=reason]").fill("downstream maintenance")
     row.locator("button:text-is('Pause')").click()
     page.wait_for_url(f"{api.admin_url}/console/routes")
     row = page.locator(f"tr[data-route='{route}']")
     assert "paused" in row.locator("td.route-state").inner_text()
     assert "downstream maintenance" in row.locator("td.route-state").inner_text()
-    row.locator("input[name=reason]").fill("back")
+    row.locator("form.route-change input[name=reason]").fill("back")
     row.locator("button:text-is('Resume')").click()
     page.wait_for_url(f"{api.admin_url}/console/routes")
     row = page.locator(f"tr[data-route='{route}']")
     assert row.locator("td.route-state").inner_text() == "active"
     # A route with a dead letter cannot be removed (the CLI's rule): refused, nothing changed.
-    row.locator("input[name=reason]").fill("cleanup")
+    row.locator("form.route-change input[name=reason]").fill("cleanup")
     with page.expect_response(lambda r: r.url.endswith(f"/routes/{route}/remove")) as answer:
         row.locator("button:text-is('Remove')").click()
     assert answer.value.status == 409
@@ -917,6 +923,106 @@ def test_the_overview_charts_a_seeded_hour_per_source_and_route(
     page.goto(f"{api.admin_url}/console/?source=src_nope")
     assert "no such source" in page.inner_text("#message")
     assert page.inner_text("#back") == "Back to the overview"
+
+
+def test_a_source_and_its_routes_are_created_and_limited_from_the_page(
+    page: Page, api: Receiver, engine: Engine
+) -> None:
+    """Issue 36 item 4: a source created in the page (its generated secret shown once, and it
+    signs a webhook the receiver accepts), a route and a forward route added (the forward's
+    signing secret shown once), a route's limits set; each audited under the operator, via
+    the console. Bad input: a clear refusal, nothing created."""
+    name = f"made-in-console-{secrets.token_hex(3)}"
+    page.goto(f"{api.admin_url}/console/routes")
+    page.click("#new-source summary")
+    page.fill("#new-source input[name=name]", name)
+    page.select_option("#new-source select[name=provider]", "stripe")
+    with page.expect_response(lambda r: r.url.endswith("/console/sources/new")) as answer:
+        page.click("#new-source button[type=submit]")
+    assert answer.value.status == 201
+    facts = dict(zip(page.locator("#created dt").all_inner_texts(),
+                     page.locator("#created dd").all_inner_texts(), strict=True))  # fmt: skip
+    public_id = facts["source id"]
+    secret = page.inner_text("#secret").strip()
+    remember(secret)
+    assert secret.startswith("whsec_")
+    assert facts["url path"] == f"/webhooks/{public_id}"
+    headers, body = sign("stripe", secret, event_id="evt_console_made")
+    sent = httpx.post(f"{api.url}/webhooks/{public_id}", headers=headers, content=body)
+    assert (sent.status_code, sent.json()["status"]) == (202, "accepted"), sent.text
+
+    page.click("#back")
+    section = page.locator(f"section[data-source='{public_id}']")
+    section.locator("details.create summary").click()
+    section.locator("select[name=handler]").select_option("log")
+    section.locator("input[name=events]").fill("invoice.*")
+    section.locator("form.add-route button[type=submit]").click()
+    assert page.inner_text("h1") == "Created: route " + page.inner_text("#created dd") + (
+        ": log for invoice.*"
+    )
+    assert page.locator("#secret").count() == 0  # a log route has no secret
+    page.click("#back")
+    section = page.locator(f"section[data-source='{public_id}']")
+    section.locator("details.create summary").click()
+    section.locator("select[name=handler]").select_option("forward")
+    section.locator("input[name=url]").fill("https://downstream.example/hooks")
+    section.locator("form.add-route button[type=submit]").click()
+    forward_id = int(page.inner_text("#created dd"))
+    signing = page.inner_text("#secret").strip()
+    remember(signing)
+    assert signing.startswith("whsec_")
+
+    page.click("#back")
+    row = page.locator(f"tr[data-route='{forward_id}']")
+    row.locator("input[name=rate]").fill("50/s")
+    row.locator("input[name=max_in_flight]").fill("8")
+    row.locator("form.route-limits input[name=reason]").fill("downstream asked for 50/s")
+    row.locator("form.route-limits button").click()
+    page.wait_for_url(f"{api.admin_url}/console/routes")
+    with engine.connect() as conn:
+        limits = conn.execute(
+            text("SELECT rate_count, rate_period_s, max_in_flight FROM routes WHERE id = :r"),
+            {"r": forward_id},
+        ).one()
+        audited = conn.execute(
+            text(
+                "SELECT action, operator, via FROM audit_log WHERE target->>'source' = :s"
+                " ORDER BY id"
+            ),
+            {"s": public_id},
+        ).all()
+    assert tuple(limits) == (50, 1, 8)
+    assert [tuple(a) for a in audited] == [
+        ("source.add", "dora", "console"),
+        ("route.add", "dora", "console"),
+        ("route.add", "dora", "console"),
+        ("route.limits", "dora", "console"),
+    ]
+
+    # Bad input: refused with the reason, nothing created or changed.
+    csrf = page.input_value("header .logout input[name=csrf]")
+    request = page.context.request
+    for path, form, says in (
+        ("/console/sources/new", {"name": "", "provider": "stripe"}, "name must not be empty"),
+        ("/console/sources/new", {"name": name, "provider": "stripe"}, "already has a source"),
+        ("/console/sources/new", {"name": "x", "provider": "nope"}, "nope"),
+        (f"/console/sources/{public_id}/routes", {"handler": "no_such"}, "no_such"),
+        (f"/console/sources/{public_id}/routes", {"handler": "forward"}, "url"),
+        (f"/console/routes/{forward_id}/limits", {"rate": "fast", "reason": "x"}, "rate limit"),
+    ):
+        refused = request.post(f"{api.admin_url}{path}", form={"csrf": csrf, **form})
+        assert refused.status == 400, (path, form)
+        assert says in refused.text(), (path, refused.text())
+    with engine.connect() as conn:
+        count = conn.execute(
+            text(
+                "SELECT (SELECT count(*) FROM sources WHERE name IN (:n, 'x')),"
+                " (SELECT count(*) FROM routes r JOIN sources s ON s.id = r.source_id"
+                "  WHERE s.public_id = :s)"
+            ),
+            {"n": name, "s": public_id},
+        ).one()
+    assert tuple(count) == (1, 2)
 
 
 def test_the_overview_counts_per_route_and_shows_pause_state(

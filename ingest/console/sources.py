@@ -1,25 +1,40 @@
 """The console's sources and routes: the catalog with each route's pause and breaker state,
-and the audited changes (a route enabled, disabled, removed, paused or resumed; a source
-enabled or disabled), the session's token name as the operator, ``via: console``."""
+and the audited changes (a source created, enabled or disabled; a route added, enabled,
+disabled, removed, paused or resumed, or its limits set), the session's token name as the
+operator, ``via: console``. A created source's generated signing secret and a forward
+route's are shown once, on the page that answers the form, as ``webhooks sources add`` and
+``routes add`` print them: never logged, never stored in the clear."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from sqlalchemy.orm import Session
 from starlette.responses import Response
 from starlette.routing import Route
 
+from core.crypto import SecretBox
+from core.errors import WebhooksError
+from core.ttl import known_providers
 from ingest.console.base import Console, Visit, log, one, redirect
 from models import breaker, catalog, queries, route_catalog
 from models import console as reads
+from models.admission import parse_max_in_flight, parse_rate
 from models.catalog import CatalogError, Change
+from models.retention_layout import ensure_partitions
+from tasks.handlers.registry import load_registry
 
 ROUTE_ACTIONS = ("enable", "disable", "remove", "pause", "resume")
 SOURCE_ACTIONS = ("enable", "disable")
 
 
 def routes(c: Console) -> list[Route]:
+    # The named forms before the generic actions (Starlette takes the first match).
     return [
         c.get("/routes", routes_page),
+        c.post("/sources/new", source_new),
+        c.post("/sources/{source}/routes", route_new),
+        c.post("/routes/{route}/limits", route_limits),
         c.post("/routes/{route}/{action}", route_action),
         c.post("/sources/{source}/{action}", source_action),
     ]
@@ -27,7 +42,120 @@ def routes(c: Console) -> list[Route]:
 
 async def routes_page(c: Console, v: Visit) -> Response:
     sources = await c.db(reads.catalog)
-    return c.show(v, "routes.html", {"sources": sources, "message": None})
+    context = {
+        "sources": sources,
+        "message": None,
+        "providers": known_providers(),
+        "handlers": load_registry(c.settings.handler_modules).names(),
+    }
+    return c.show(v, "routes.html", context)
+
+
+def _box(c: Console) -> SecretBox:
+    key = c.settings.secret_key.get_secret_value()
+    return SecretBox(key, legacy=c.settings.secret_key_legacy)
+
+
+async def source_new(c: Console, v: Visit) -> Response:
+    """A new source (audited): its id, URL path and, when generated, its secret (once)."""
+    name = (one(v.form, "name") or "").strip()
+    provider = (one(v.form, "provider") or "").strip()
+    account = (one(v.form, "account") or "").strip() or "default"
+    secret = one(v.form, "secret") or None
+    try:
+
+        def create(s: Session) -> tuple[str, str, str | None]:
+            source, created = catalog.create_source(
+                s,
+                _box(c),
+                c.settings,
+                name=name,
+                provider=provider,
+                account=account,
+                secret=secret,
+                operator=v.session.operator,
+                via="console",
+            )
+            return source.public_id, created.id, created.plaintext
+
+        public_id, secret_id, plaintext = await c.db(create)
+        # A longer TTL needs partitions further ahead (as `sources add` lays them out).
+        await c.db(lambda s: ensure_partitions(s.get_bind(), c.settings, None))  # type: ignore[arg-type]
+    except WebhooksError as exc:
+        return c.error(v, str(exc))
+    log.info("console.source_created", source=public_id, operator=v.session.operator)
+    context = {
+        "what": f"source {name}",
+        "facts": [
+            ("source id", public_id),
+            ("url path", f"/webhooks/{public_id}"),
+            ("secret id", secret_id),
+        ],
+        "secret": plaintext,
+        "secret_for": "the provider's webhook settings",
+    }
+    return c.show(v, "created.html", context, 201)
+
+
+async def route_new(c: Console, v: Visit) -> Response:
+    """A new route on a source (audited); a forward route's signing secret, once."""
+    ref = v.request.path_params["source"]
+    handler = (one(v.form, "handler") or "").strip()
+    events = (one(v.form, "events") or "").strip() or "*"
+    url = (one(v.form, "url") or "").strip()
+    attempts = (one(v.form, "max_attempts") or "").strip()
+    try:
+        load_registry(c.settings.handler_modules).require(handler)
+        if attempts and not attempts.isdigit():
+            raise queries.QueryError(f"max attempts must be a whole number, not {attempts!r}")
+        options = {"url": url} if url else {}
+
+        def add(s: Session) -> tuple[int, str | None, str | None]:
+            source = catalog.get_source(s, ref)
+            route, signing = route_catalog.add_route(
+                s,
+                _box(c),
+                source,
+                handler=handler,
+                events=events,
+                options=options,
+                max_attempts=int(attempts) if attempts else None,
+                operator=v.session.operator,
+                via="console",
+            )
+            return route.id, signing, route_catalog.unsigned_type_warning(source, events)
+
+        route_id, signing, warning = await c.db(add)
+    except WebhooksError as exc:
+        return c.error(v, str(exc))
+    log.info("console.route_added", route=route_id, operator=v.session.operator)
+    context = {
+        "what": f"route {route_id}: {handler} for {events}",
+        "facts": [("route id", str(route_id))],
+        "secret": signing,
+        "secret_for": "the downstream, to verify what this route forwards",
+        "warning": warning,
+    }
+    return c.show(v, "created.html", context, 201)
+
+
+async def route_limits(c: Console, v: Visit) -> Response:
+    """A route's admission limits (audited: before and after)."""
+    change = Change(v.session.operator, one(v.form, "reason") or "", via="console")
+    rate = (one(v.form, "rate") or "").strip()
+    in_flight = (one(v.form, "max_in_flight") or "").strip()
+    try:
+        route_id = queries.parse_id(v.request.path_params["route"], "route id")
+        values: dict[str, Any] = {}
+        if rate:
+            values["rate"] = parse_rate(rate)
+        if in_flight:
+            values["max_in_flight"] = parse_max_in_flight(in_flight)
+        await c.db(lambda s: breaker.set_limits(s, route_id, change, now=None, **values))
+    except WebhooksError as exc:
+        return c.error(v, str(exc))
+    log.info("console.route_changed", route=route_id, action="limits", operator=change.operator)
+    return redirect("/console/routes")
 
 
 def _change(c: Console, v: Visit, allowed: tuple[str, ...]) -> tuple[str, Change] | Response:
