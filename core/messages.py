@@ -17,6 +17,9 @@ RECONCILE_TASK = "webhooks.reconcile"
 RECONCILE_TICK = 60.0
 DELIVERIES_QUEUE = "deliveries"
 MAINTENANCE_QUEUE = "maintenance"
+# The task message header that maps each delivery id (as text) to its event's traceparent
+# (core/tracing.py), present only when traces are on.
+TRACE_HEADER = "webhooks_traceparents"
 
 
 # What admission reads of a delivery's route: (route id, max_in_flight, rate_count,
@@ -34,6 +37,8 @@ class Dispatch(NamedTuple):
     # Its route's limits as the accept read them (the receiver's deliveries): admission
     # needs no statement of its own for them. None: admission reads them (routes_of).
     route: RouteRow | None = None
+    # Its event's trace (a W3C traceparent, core/tracing.py) when traces are on.
+    trace: str | None = None
 
     def reprs(self) -> dict[str, str]:
         """``argsrepr`` / ``kwargsrepr`` of its task message, the same from every publisher
@@ -65,14 +70,15 @@ def batch_time_limits(settings: Settings) -> tuple[float, float]:
 
 def message(dispatches: Sequence[Dispatch], settings: Settings) -> Message:
     """The message for one delivery (its id as the one argument, as ever) or several (a list
-    of ids, with the event ids and sources beside them for Flower, and the batch's limits)."""
+    of ids, with the event ids and sources beside them for Flower, and the batch's limits);
+    with the header :data:`TRACE_HEADER` when a delivery carries a trace."""
+    options: dict[str, Any]
     if len(dispatches) == 1:
-        return Message((dispatches[0].delivery_id,), dispatches[0].reprs())
-    ids = [d.delivery_id for d in dispatches]
-    hard, soft = batch_time_limits(settings)
-    return Message(
-        (ids,),
-        {
+        options = dict(dispatches[0].reprs())
+    else:
+        ids = [d.delivery_id for d in dispatches]
+        hard, soft = batch_time_limits(settings)
+        options = {
             "argsrepr": f"({ids!r},)",
             "kwargsrepr": repr(
                 {
@@ -82,8 +88,13 @@ def message(dispatches: Sequence[Dispatch], settings: Settings) -> Message:
             ),
             "time_limit": hard,
             "soft_time_limit": soft,
-        },
-    )
+        }
+    traces = {str(d.delivery_id): d.trace for d in dispatches if d.trace}
+    if traces:
+        options["headers"] = {TRACE_HEADER: traces}
+    if len(dispatches) == 1:
+        return Message((dispatches[0].delivery_id,), options)
+    return Message(([d.delivery_id for d in dispatches],), options)
 
 
 def batches(dispatches: Sequence[Dispatch], size: int) -> list[Sequence[Dispatch]]:

@@ -50,11 +50,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from core import metrics, send_marks
+from core import metrics, send_marks, tracing
 from core.clock import Clock, SystemClock, pinned
 from core.crypto import SecretBox, SecretDecryptError, SecretMisplaced, SecretUnbound
 from core.errors import WebhooksError
 from core.logs import configure_logging, get_logger
+from core.messages import Dispatch
 from core.providers import (
     AuthError,
     Batch,
@@ -298,7 +299,10 @@ class Receiver:
             metrics.TTL_RAISED.labels(label).inc()
         # After the commit: hand the ids to the publisher thread; its failures are counted
         # there and the sweeper covers them, so the answer does not wait for the broker.
-        self.publisher.submit(label, outcome.dispatches(meta.event_id, source.public_id))
+        dispatches = outcome.dispatches(meta.event_id, source.public_id)
+        if tracing.STATE.on:
+            dispatches = traced(dispatches, source, started, headers.get("traceparent"))
+        self.publisher.submit(label, dispatches)
         metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
         return self._answer(
             label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id
@@ -398,6 +402,8 @@ class Receiver:
         if source.ttl_raised:
             metrics.TTL_RAISED.labels(label).inc()
         if dispatches:
+            if tracing.STATE.on:
+                dispatches = traced(dispatches, source, started, None)
             self.publisher.submit(label, dispatches)
         metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
         accepted = sum(1 for r in results if r["status"] == "accepted")
@@ -562,6 +568,30 @@ def _record_fingerprint(settings: Settings) -> Heartbeat:
     return heartbeat
 
 
+def traced(
+    dispatches: list[Dispatch], source: SourceRecord, started: float, parent: str | None
+) -> list[Dispatch]:
+    """Traces on (core/tracing.py): each accepted event's span, from the request's start to
+    its commit (the child of the request's own ``traceparent`` if a proxy sent one), and its
+    deliveries carrying it to the publisher, the broker and the workers."""
+    start_ns = time.time_ns() - int((perf_counter() - started) * 1e9)
+    spans: dict[str | None, str | None] = {}
+    out = []
+    for d in dispatches:
+        if d.event_id not in spans:
+            attributes = {
+                "webhooks.source": source.public_id,
+                "webhooks.provider": source.provider,
+                "webhooks.event_id": d.event_id or "",
+            }
+            spans[d.event_id] = tracing.record(
+                "webhooks.accept", parent=parent, start_ns=start_ns, kind="server",
+                attributes=attributes,
+            )  # fmt: skip
+        out.append(d._replace(trace=spans[d.event_id]))
+    return out
+
+
 def _counted_repeat(label: str, status: str) -> bool:
     """Count an accept that recorded nothing new to deliver (a duplicate, or a conflict:
     the same event id with another body); False for any other outcome."""
@@ -624,6 +654,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
         # with the other processes' by maintenance and `webhooks ttl check` (issue 35 item 3).
         fingerprint = await loop.run_in_executor(None, _record_fingerprint, settings)
         await store.open()
+        tracing.setup("receiver")  # only when an OTLP endpoint is set (core/tracing.py)
         # Everything loaded so far (modules, settings, the providers) lives as long as the
         # process: out of the collector's sight, a full collection no longer walks it, and
         # its pauses, which every request in flight waited out, stay short.
@@ -634,6 +665,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
             await store.close()
             publisher.close()
             await loop.run_in_executor(None, fingerprint.stop)
+            tracing.shutdown()
 
     # The public port serves these three and nothing else: the admin API and /metrics are on
     # the admin address (ingest/admin/server.py).

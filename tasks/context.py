@@ -157,6 +157,9 @@ class HandlerContext:
     io_timeout: float = 10.0
     # Seconds this attempt's lease has left (tasks.steps.claim.Claimed.lease_left).
     lease_left: Callable[[], float] = field(default=lambda: math.inf, repr=False)
+    # The handler's span (a W3C traceparent) when traces are on (core/tracing.py): a handler
+    # that calls a service makes its call's span a child of it and sends it on.
+    traceparent: str | None = None
 
     def fence(self) -> None:
         """Raise :class:`~tasks.errors.LeaseFenced` unless this attempt's lease outlives a

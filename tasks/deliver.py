@@ -17,9 +17,10 @@ from typing import Any
 from celery import Celery, Task
 from celery.exceptions import Retry
 
+from core import tracing
 from core.errors import WebhooksError
 from core.logs import get_logger
-from core.messages import DELIVER_TASK, Dispatch
+from core.messages import DELIVER_TASK, TRACE_HEADER, Dispatch
 from core.settings import MAX_DELIVERY_BATCH
 from models.admission import Admission
 from models.db import DatabaseUnavailable
@@ -137,7 +138,8 @@ def deliver_message(
     alone = not isinstance(delivery_id, list)
     try:
         rt = runtime()  # a worker started during an outage builds it on its first task
-        reports = run(rt, ids, publish_retry=publish_retry, alone=alone)
+        traces = message_traces(task) if tracing.STATE.on else None
+        reports = run(rt, ids, publish_retry=publish_retry, alone=alone, traces=traces)
     except CONNECTION_ERRORS as exc:
         # A handled condition (a lost connection, a restarted database, a host cut off from
         # it): one line, never a traceback. The message goes back to the broker for another
@@ -155,6 +157,18 @@ def deliver_message(
         raise Retry(text, exc=DatabaseUnavailable(text)) from None
     release_slots(rt, reports)
     return celery_state(reports[0]) if alone else celery_batch_state(reports)
+
+
+def message_traces(task: Task[Any, Any]) -> dict[str, str]:
+    """The traceparent of each delivery id the message's header names (core/tracing.py);
+    empty when it names none or something else."""
+    request = task.request
+    found = getattr(request, TRACE_HEADER, None)
+    if found is None:
+        found = (getattr(request, "headers", None) or {}).get(TRACE_HEADER)
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): v for k, v in found.items() if isinstance(v, str)}
 
 
 def requeue(task: Task[Any, Any], argument: int | list[int]) -> bool:

@@ -12,8 +12,11 @@ classes, never payloads or secrets.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
 
+from core import tracing
 from tasks.pools import in_flight
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed, claim, held_of
@@ -35,17 +38,43 @@ def run(
     *,
     publish_retry: PublishRetry,
     alone: bool = False,
+    traces: Mapping[str, str] | None = None,
 ) -> list[Report]:
     """Run the deliveries of one message; one report per distinct id, in the message's order.
 
     ``alone``: the message is one bare id, whose Celery time limits are its handler's own, so
     the calling thread runs that handler, under them (a list, even of one, carries the batch
-    backstop limits: its handlers get limits of their own, see :func:`in_waves`)."""
+    backstop limits: its handlers get limits of their own, see :func:`in_waves`).
+    ``traces``: the message's traceparent of each delivery id (core/tracing.py), when on."""
     ids = list(dict.fromkeys(delivery_ids))
     reports: dict[int, Report] = {}
-    claimed = claim(rt, ids, reports, publish_retry)
+    if tracing.STATE.on:
+        started_ns = time.time_ns()
+        claimed = traced_claims(claim(rt, ids, reports, publish_retry), traces or {}, started_ns)
+    else:
+        claimed = claim(rt, ids, reports, publish_retry)
     with in_flight([held_of(c.found) for c in claimed]):
         return _run_claimed(rt, ids, claimed, reports, publish_retry, inline=alone)
+
+
+def traced_claims(
+    claimed: list[Claimed], traces: Mapping[str, str], started_ns: int
+) -> list[Claimed]:
+    """Each claimed delivery with its claim's span (from before the message's claim to now),
+    the child of the publish span its message named; a new trace for a delivery published
+    without one (the sweeper's, a retry's, one admission held)."""
+    out = []
+    for c in claimed:
+        attributes = {"webhooks.delivery_id": c.found.id, "webhooks.attempt": c.found.attempt}
+        span = tracing.record(
+            "webhooks.claim",
+            parent=traces.get(str(c.found.id)),
+            start_ns=started_ns,
+            kind="consumer",
+            attributes=attributes,
+        )
+        out.append(dataclasses.replace(c, trace=span))
+    return out
 
 
 def deliver_one(rt: Runtime, delivery_id: int, *, publish_retry: PublishRetry) -> Outcome:

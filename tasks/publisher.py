@@ -41,7 +41,7 @@ import psycopg
 import redis
 from kombu.utils import json as kombu_json
 
-from core import metrics
+from core import metrics, tracing
 from core.logs import get_logger
 from core.messages import DELIVER_TASK, DELIVERIES_QUEUE, Dispatch, batches, message
 from core.settings import Settings
@@ -63,6 +63,23 @@ RESTART_DELAY = 1.0
 
 # Called with each batch the thread is about to publish (tests inject a fault here).
 BeforePublish = Callable[[Sequence[Dispatch]], None]
+
+
+def spans_for(spans: contextlib.ExitStack, dispatches: Sequence[Dispatch]) -> list[Dispatch]:
+    """Each traced dispatch with a publish span of its own (open until ``spans`` closes, after
+    the send), the child of its event's accept; the message carries the publish span's
+    traceparent, which the worker's spans continue (one trace per event)."""
+    out = []
+    for d in dispatches:
+        if not d.trace:
+            out.append(d)
+            continue
+        attributes = {"webhooks.delivery_id": d.delivery_id, "messaging.system": "celery"}
+        child = spans.enter_context(
+            tracing.span("webhooks.publish", parent=d.trace, kind="producer", attributes=attributes)
+        )
+        out.append(d._replace(trace=child or d.trace))
+    return out
 
 
 class Publisher:
@@ -265,6 +282,13 @@ class Publisher:
     def publish_sync(self, dispatches: Sequence[Dispatch]) -> None:
         """Publish now; raises on failure. One thread per Publisher calls this: the background
         thread behind :meth:`submit`, or a caller that never uses submit (replays)."""
+        if tracing.STATE.on and any(d.trace for d in dispatches):
+            with contextlib.ExitStack() as spans:
+                self._publish(spans_for(spans, dispatches))
+            return
+        self._publish(dispatches)
+
+    def _publish(self, dispatches: Sequence[Dispatch]) -> None:
         if self._redis_broker:
             self._lpush(dispatches)
             return
@@ -289,9 +313,12 @@ class Publisher:
         wire = []
         for group in batches(dispatches, self.batch):
             args, options = message(group, self.settings)
+            extra = options.pop("headers", None)
             headers, properties, body, _ = amqp.as_task_v2(
                 str(uuid.uuid4()), DELIVER_TASK, args=args, **options
             )
+            if extra:
+                headers.update(extra)
             wire_message = channel.prepare_message(
                 json.dumps(body),
                 0,

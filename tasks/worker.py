@@ -26,6 +26,7 @@ from celery.signals import (
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from core import tracing
 from core.logs import configure_logging, get_logger
 from core.settings import Settings
 from models.catalog import report_raised_ttls
@@ -58,6 +59,7 @@ class WorkerProcess:
             with self._lock:
                 if self._runtime is None:
                     self._runtime = build_runtime(self.settings)
+                    tracing.setup("worker")  # only with an OTLP endpoint (core/tracing.py)
         return self._runtime
 
     def after_fork(self, **_: Any) -> None:
@@ -71,6 +73,7 @@ class WorkerProcess:
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
+        tracing.shutdown()  # what is buffered is exported
 
     def configure_logging(self, **_: Any) -> None:
         configure_logging(self.settings.log_level, json=self.settings.log_json)
@@ -98,6 +101,7 @@ def build_app(settings: Settings) -> Celery:
     beat_init.connect(report_ttls, weak=False)
     worker_process_init.connect(process.after_fork, weak=False)
     worker_process_shutdown.connect(process.close, weak=False)
+    worker_shutdown.connect(lambda **_: tracing.shutdown(), weak=False)  # a pool of threads
     worker_ready.connect(lambda **_: _start_watchdog(settings), weak=False)
     worker_ready.connect(lambda **_: _start_dispatcher(settings), weak=False)
     # The worker's TTL inputs in Postgres (issue 35 item 3), from its main process once the

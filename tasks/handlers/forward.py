@@ -5,9 +5,11 @@
 Headers: ``Idempotency-Key`` carries the downstream key (the same on every retry and replay
 of one event), and Standard Webhooks headers (``webhook-id`` = that key,
 ``webhook-timestamp``, ``webhook-signature``) are made with the route's own signing secret, so
-the downstream verifies us with any Standard Webhooks library. Connect and read timeouts are
-``WEBHOOKS_HANDLER_IO_TIMEOUT`` (below the soft time limit). 2xx succeeds; 408, 429, 5xx,
-timeouts and connection errors retry, honouring ``Retry-After`` within the policy's cap;
+the downstream verifies us with any Standard Webhooks library; with traces on
+(core/tracing.py), ``traceparent`` names the call's span in the event's trace. Connect and
+read timeouts are ``WEBHOOKS_HANDLER_IO_TIMEOUT`` (below the soft time limit). 2xx
+succeeds; 408, 429, 5xx, timeouts and connection errors retry, honouring ``Retry-After``
+within the policy's cap;
 redirects and other 4xx are permanent. 5xx, timeouts and connection errors raise
 :class:`~tasks.errors.DownstreamError`, which the route's circuit breaker counts. Errors name
 the status, never the URL (it may carry a token) nor the body.
@@ -46,6 +48,7 @@ from urllib.parse import quote, urlsplit
 
 from standardwebhooks.webhooks import Webhook
 
+from core import tracing
 from core.addresses import AddressRefused, allows_private, check_host
 from core.metrics import RETRY_AFTER_IGNORED
 from tasks.context import Event, HandlerContext
@@ -156,14 +159,29 @@ def forward(event: Event, ctx: HandlerContext) -> None:
         raise PermanentError("forward route has no signing secret", reason="misconfigured")
     now = ctx.clock.now()
     headers = signed_headers(event, ctx, ctx.route.signing_secret, now)
-    answer = post(
-        url,
-        event.body,
-        headers,
-        timeout=ctx.io_timeout,
-        allow_private=allows_private(options),
-        fence=ctx.fence,
-    )
+    if ctx.traceparent is None:
+        answer = post(
+            url,
+            event.body,
+            headers,
+            timeout=ctx.io_timeout,
+            allow_private=allows_private(options),
+            fence=ctx.fence,
+        )
+    else:  # traces on: the call is a span of the event's trace, and the downstream's parent
+        # The host only: a URL may carry a token.
+        attributes = {"http.request.method": "POST", "server.address": urlsplit(url).hostname or ""}
+        with tracing.span(
+            "webhooks.downstream", parent=ctx.traceparent, kind="client", attributes=attributes
+        ) as call:
+            answer = post(
+                url,
+                event.body,
+                {**headers, "traceparent": call or ctx.traceparent},
+                timeout=ctx.io_timeout,
+                allow_private=allows_private(options),
+                fence=ctx.fence,
+            )
     status = answer.status
     if 200 <= status < 300:
         return

@@ -61,6 +61,8 @@ class Claimed:
     fast: FastClaim
     leaf: str | None
     started: float
+    # The claim's span (a traceparent) when traces are on: the handler's parent.
+    trace: str | None = None
 
     def now(self, clock: Clock) -> datetime:
         """Now on the database's clock: the claim's instant (read by the claim statement)

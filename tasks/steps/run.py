@@ -9,6 +9,7 @@ others' successes are recorded together by :func:`tasks.steps.record.finish`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -20,6 +21,7 @@ import redis
 from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.orm import Session
 
+from core import tracing
 from core.logs import get_logger
 from core.settings import MAX_DELIVERY_BATCH
 from models import transitions
@@ -82,14 +84,17 @@ def attempt(
             pace(rt, found.route_id, Rate(claimed.row.rate_count, claimed.row.rate_period_s))
         # Frozen or starved since the claim (or paced), past what a call needs: no handler.
         ctx.fence()
-        returned = run_limited(
-            handler,
-            loaded.event,
-            ctx,
-            soft=rt.settings.soft_time_limit,
-            hard=rt.settings.hard_time_limit,
-            held=held_of(found),
-        )
+        if tracing.STATE.on:
+            returned = _traced_handler(rt, claimed, handler, loaded, ctx)
+        else:
+            returned = run_limited(
+                handler,
+                loaded.event,
+                ctx,
+                soft=rt.settings.soft_time_limit,
+                hard=rt.settings.hard_time_limit,
+                held=held_of(found),
+            )
         ref = _result_ref(found.id, returned)
         session.flush()
         done_at = claimed.now(rt.clock)
@@ -165,6 +170,32 @@ def pace(rt: Runtime, route_id: int, rate: Rate) -> None:
                 return
     except redis.RedisError as exc:
         log.warning("delivery.pace_unavailable", route_id=route_id, error_class=type(exc).__name__)
+
+
+def _traced_handler(
+    rt: Runtime,
+    claimed: Claimed,
+    handler: Callable[..., object],
+    loaded: Loaded,
+    ctx: HandlerContext,
+) -> object:
+    """The handler's run as a span of its event's trace (core/tracing.py), the child of the
+    claim's span; the handler gets the span's traceparent to hand on (``forward`` sends it)."""
+    attributes = {
+        "webhooks.delivery_id": claimed.found.id,
+        "webhooks.attempt": claimed.found.attempt,
+        "webhooks.handler": loaded.route.handler,
+        "webhooks.event_id": loaded.event.event_id,
+    }
+    with tracing.span("webhooks.handler", parent=claimed.trace, attributes=attributes) as own:
+        return run_limited(
+            handler,
+            loaded.event,
+            dataclasses.replace(ctx, traceparent=own),
+            soft=rt.settings.soft_time_limit,
+            hard=rt.settings.hard_time_limit,
+            held=held_of(claimed.found),
+        )
 
 
 def _result_ref(delivery_id: int, returned: object) -> str | None:
