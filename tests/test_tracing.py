@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from core import tracing
 from core.settings import Settings
 from tests.factories import make_source
 from tests.leakcheck import remember
+from tests.loopback import Loopback, Quiet
 from tests.processes import receiver
 from tests.signing import sign
 from tests.workers import BROKER_URL, CLAIMS_URL, flush_redis, running_worker, wait_for, wait_status
@@ -44,72 +43,45 @@ class Span:
     end_ns: int
 
 
-class Collector:
+class Collector(Loopback):
     """An OTLP/HTTP trace endpoint on loopback: every span the exporters send, decoded."""
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
         collector = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
                 request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
+                request.ParseFromString(self.rfile.read(int(self.headers["content-length"])))
                 for resource in request.resource_spans:
                     for scope in resource.scope_spans:
-                        for s in scope.spans:
-                            attributes = {
-                                a.key: getattr(a.value, a.value.WhichOneof("value"))
-                                for a in s.attributes
-                            }
-                            collector.spans.append(
-                                Span(s.name, s.trace_id.hex(), s.span_id.hex(),
-                                     s.parent_span_id.hex(), attributes,
-                                     s.start_time_unix_nano, s.end_time_unix_nano)
-                            )  # fmt: skip
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
+                        collector.spans += [_span(s) for s in scope.spans]
+                self.answer()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
-class Downstream:
+def _span(s: Any) -> Span:
+    attributes = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes}
+    return Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), attributes,
+                s.start_time_unix_nano, s.end_time_unix_nano)  # fmt: skip
+
+
+class Downstream(Loopback):
     """A forward route's downstream: records each request's headers, answers 200."""
 
     def __init__(self) -> None:
         self.headers: list[dict[str, str]] = []
         downstream = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
                 downstream.headers.append({k.lower(): v for k, v in self.headers.items()})
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
+                self.answer()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler, "/hook")
 
 
 @pytest.fixture
