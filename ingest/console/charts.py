@@ -97,7 +97,7 @@ def charts_of(activity: Activity) -> list[Chart]:
         ("accepted", "accepted", list(map(float, activity.accepted))),
         ("succeeded", "succeeded", list(map(float, activity.succeeded))),
         ("retrying", "retried", list(map(float, activity.retrying))),
-        ("dead", "went dead", list(map(float, activity.dead))),
+        ("dead", "dead, not replayed", list(map(float, activity.dead))),
     ]
     lag: list[tuple[str, str, list[float | None]]] = [
         ("p50", "p50", list(activity.p50)),
