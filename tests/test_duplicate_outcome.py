@@ -13,6 +13,7 @@ line that does not quote it.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
@@ -201,9 +202,15 @@ def test_duplicates_in_a_batch_each_carry_their_outcome(
         config={"public_url": HUBSPOT_URL},
     )
     old, new = f"{uuid.uuid4().int % 10**12}", f"{uuid.uuid4().int % 10**12}"
+    # One instant for both requests: each event's occurredAt comes from it, and HubSpot
+    # re-sends an event with the occurredAt it first had (two seconds would make the old
+    # event's body differ: a conflict, not a duplicate).
+    sent_at = int(time.time())
 
     def post(event_ids: list[str]) -> httpx.Response:
-        headers, body = sign_hubspot(source.secret, event_ids=event_ids, url=HUBSPOT_URL)
+        headers, body = sign_hubspot(
+            source.secret, event_ids=event_ids, url=HUBSPOT_URL, timestamp=sent_at
+        )
         remember(body)
         return httpx.post(
             f"{rcv.url}/webhooks/{source.public_id}", headers=headers, content=body, timeout=10
