@@ -105,6 +105,21 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+def _settle(task: asyncio.Future[Any]) -> None:
+    """How a statement that outlived its request ended: a lost or unreachable database is
+    one structured line (the request already answered 503); anything else is a bug, logged
+    with its traceback."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is None:
+        return
+    if isinstance(exc, (*CONNECTION_ERRORS, psycopg.Error)):
+        log.warning("db.late_failure", error_class=type(exc).__name__)
+    else:
+        log.error("db.late_failure", error_class=type(exc).__name__, exc_info=exc)
+
+
 @dataclass(frozen=True)
 class SourceRecord:
     id: int
@@ -202,8 +217,15 @@ class Store:
 
     async def within(self, work: Awaitable[T]) -> T:
         """``work``'s result, or TimeoutError once ``db_answer_timeout`` has passed (the
-        request then answers 503): ``work`` itself goes on, shielded, in the background."""
-        return await asyncio.wait_for(asyncio.shield(work), self.settings.db_answer_timeout)
+        request then answers 503): ``work`` itself goes on, shielded, in the background, and
+        how it ends is still read (:func:`_settle`): left unread, asyncio would log its
+        exception with a traceback when the task is collected."""
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self.settings.db_answer_timeout)
+        except TimeoutError:
+            task.add_done_callback(_settle)
+            raise
 
     async def _again_once(
         self, statement: Callable[[], Awaitable[T]], wanted: Callable[[], bool] = lambda: True

@@ -293,21 +293,24 @@ def test_serve_without_postgres_starts_and_says_so_in_structured_lines(
     """Postgres away (a port nobody listens on): the receiver starts (Postgres may come
     later), says why in its start-up warning, answers a webhook 503 with Retry-After, and
     the pool's reconnection tries are one structured ``db.connect_failed`` line, not a raw
-    line every 2 s."""
+    line every 2 s. The request answers at its deadline (0.5 s) while its statement waits on
+    for a connection (5 s): that statement's end is one ``db.late_failure`` line, never
+    asyncio's "exception was never retrieved" traceback."""
     source = make_source(sessions, settings, provider="github")
     headers, body = sign("github", source.secret, event_id="evt_no_postgres")
-    with receiver(WEBHOOKS_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{free_port()}/x") as rcv:
+    away = f"postgresql://postgres@127.0.0.1:{free_port()}/x"
+    with receiver(WEBHOOKS_DATABASE_URL=away, WEBHOOKS_DB_ANSWER_TIMEOUT="0.5") as rcv:
         answer = httpx.post(
             f"{rcv.url}/webhooks/{source.public_id}", content=body, headers=headers, timeout=30
         )
         lines = wait_for(
             lambda: (
                 (found := json_log_lines(rcv.log_path))
-                and any(line["event"] == "db.connect_failed" for line in found)
+                and {"db.connect_failed", "db.late_failure"} <= {line["event"] for line in found}
                 and found
             ),
             timeout=30,
-            what="the pool's structured line",
+            what="the pool's structured line and the late statement's",
         )
         raw = rcv.log_path.read_text()
     assert answer.status_code == 503
@@ -317,6 +320,8 @@ def test_serve_without_postgres_starts_and_says_so_in_structured_lines(
     failed = [line for line in lines if line["event"] == "db.connect_failed"]
     assert failed[0]["held_back"] == 0
     assert "Connection refused" in failed[0]["reason"]
+    [late] = [line for line in lines if line["event"] == "db.late_failure"]
+    assert late["error_class"] == "PoolTimeout"
     assert "error connecting in" not in raw
     assert "Traceback" not in raw
 

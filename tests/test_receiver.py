@@ -608,7 +608,7 @@ def test_broker_unreachable_is_202_with_delivery_left_pending(
 def test_health_and_readiness(receivers: list[Receiver], client: httpx.Client) -> None:
     assert client.get(f"{receivers[0].url}/healthz").json() == {"status": "ok"}
     ready = client.get(f"{receivers[0].url}/readyz")
-    assert ready.status_code == 200
+    assert ready.status_code == 200, ready.text
     assert ready.json() == {"status": "ready", "database": "ok", "broker": "ok", "publisher": "ok"}
 
 
