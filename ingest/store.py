@@ -456,5 +456,10 @@ class Store:
         return await self.within(read())
 
     async def ping(self) -> None:
+        """One round trip (``/readyz``): after a restart, on a fresh connection once the
+        dead pooled ones are found (:meth:`_again_once`), as a request's statement is."""
+        await self._again_once(self._ping)
+
+    async def _ping(self) -> None:
         async with self.pool.connection() as conn:
             await conn.execute("SELECT 1")

@@ -564,6 +564,25 @@ def test_the_first_request_after_a_postgres_restart_is_accepted(
     assert event_id in [e for e, _ in receipts_of(engine, source)]
 
 
+# It restarts the machine's Postgres: serial.
+@pytest.mark.serial
+def test_the_first_readiness_check_after_a_postgres_restart_says_ready(
+    sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """``/readyz`` meets the pool's dead connections first after a restart: it checks them
+    and pings again on a fresh one, ready at once, where it said the database unreachable."""
+    source = new_source(sessions, settings, "standard")
+    with receiver() as rcv, httpx.Client(timeout=10) as client:
+        for _ in range(4):  # several pooled connections
+            _, headers, body = signed(source)
+            assert post(client, rcv, source, headers, body).status_code == 202
+        assert client.get(f"{rcv.url}/readyz").status_code == 200
+        subprocess.run(["pg_ctlcluster", "15", "main", "restart", "-m", "fast"], check=True)
+        wait_for(_postgres_answers, timeout=60, what="Postgres to accept connections again")
+        ready = client.get(f"{rcv.url}/readyz")
+        assert (ready.status_code, ready.json()["database"]) == (200, "ok"), ready.text
+
+
 def _postgres_answers() -> bool:
     try:
         with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", connect_timeout=2):
