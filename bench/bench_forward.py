@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -143,6 +143,63 @@ def machine_cpu() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu() -> dict[int, tuple[str, int, float]]:
+    """Every process's (command name, parent, CPU seconds so far), from /proc."""
+    found: dict[int, tuple[str, int, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            head, rest = (entry / "stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        found[int(entry.name)] = (
+            head.split("(", 1)[1],
+            int(fields[1]),
+            (int(fields[11]) + int(fields[12])) / tick,
+        )
+    return found
+
+
+# The process groups CPU is split into: the worker and the receiver by process tree, the
+# downstream by its pid, Postgres and Redis by command name, this script; "other" is the
+# rest of the machine's busy CPU (/proc/stat), so the groups add up to the machine figure:
+# other processes, the kernel's own work, and processes that exited within the span.
+GROUPS = ("worker", "receiver", "downstream", "postgres", "redis", "bench", "other")
+_ROLE_PIDS: dict[str, int] = {}
+
+
+def group_of(pid: int, procs: dict[int, tuple[str, int, float]]) -> str:
+    name = procs[pid][0]
+    if name.startswith("postgres"):
+        return "postgres"
+    if name.startswith("redis-server"):
+        return "redis"
+    if pid == os.getpid():
+        return "bench"
+    roots = {v: k for k, v in _ROLE_PIDS.items()}
+    seen = pid
+    for _ in range(6):
+        if seen in roots:
+            return roots[seen]
+        seen = procs.get(seen, ("", 0, 0.0))[1]
+        if seen <= 1:
+            break
+    return "other"
+
+
+def group_cpu() -> dict[str, float]:
+    """CPU seconds so far per group, for the processes alive now (a process that exits
+    between two readings loses its share: the groups' sum is checked against /proc/stat)."""
+    procs = process_cpu()
+    totals = dict.fromkeys(GROUPS, 0.0)
+    for pid, (_, _, cpu) in procs.items():
+        totals[group_of(pid, procs)] += cpu
+    return totals
+
+
 def rss_mib(pid: int) -> float:
     total = 0
     for p in tree(pid):
@@ -195,6 +252,11 @@ class Drain:
     # The whole machine's busy CPU per event over the same span (every process: the worker's
     # own is cpu_ms); steadier than events/s on a shared machine.
     machine_ms: float = 0.0
+    # CPU ms per event per process group (GROUPS) over the same span.
+    groups: dict[str, float] = field(default_factory=dict)
+
+    def split(self) -> str:
+        return " ".join(f"{g} {self.groups.get(g, 0.0):.2f}" for g in GROUPS)
 
     @property
     def rate_with_boot(self) -> float:
@@ -217,13 +279,25 @@ class Sustained:
     commit_p99_ms: float | None = None
 
 
+# One kept-alive client for the script's own calls to the downstream. Until 2026-12-07 each
+# call was ``httpx.get``, a new client and TLS context every time: bare's drain polls the
+# count 50 times a second, and that cost this script 2.4 ms of CPU per event, about 40% of
+# a core taken from bare's worker (its figures were low by that much).
+_stats_client = httpx.Client(base_url=f"http://127.0.0.1:{DOWNSTREAM_PORT}")
+
+
+def downstream_count() -> int:
+    """How many requests the downstream answered (``/stats?count``: no latencies)."""
+    return int(_stats_client.get("/stats", params={"count": "1"}).json()["count"])
+
+
 def downstream_stats() -> dict[str, object]:
-    result: dict[str, object] = httpx.get(f"http://127.0.0.1:{DOWNSTREAM_PORT}/stats").json()
+    result: dict[str, object] = _stats_client.get("/stats").json()
     return result
 
 
 def reset_downstream() -> None:
-    httpx.delete(f"http://127.0.0.1:{DOWNSTREAM_PORT}/stats")
+    _stats_client.delete("/stats")
 
 
 class Lane:
@@ -345,6 +419,8 @@ def drain(worker: Worker, n: int, taken: Callable[[], bool], done: object) -> Dr
     while not taken():
         worker.check()
         time.sleep(0.002)
+    _ROLE_PIDS["worker"] = worker.proc.pid
+    groups0 = group_cpu()
     start, cpu0, machine0 = time.perf_counter(), cpu_seconds(worker.proc.pid), machine_cpu()
     while done() < n:  # type: ignore[operator]
         worker.check()
@@ -352,9 +428,19 @@ def drain(worker: Worker, n: int, taken: Callable[[], bool], done: object) -> Dr
     elapsed = time.perf_counter() - start
     cpu, rss = cpu_seconds(worker.proc.pid) - cpu0, rss_mib(worker.proc.pid)
     machine = machine_cpu() - machine0
+    groups1 = group_cpu()
+    split = {g: 1000 * (groups1[g] - groups0[g]) / n for g in GROUPS if g != "other"}
+    split["other"] = 1000 * machine / n - sum(split.values())
     progress(f"drained {n} in {elapsed:.1f} s")
     return Drain(
-        n / elapsed, 1000 * cpu / n, rss, start - launched, cpu0 - boot_cpu0, n, 1000 * machine / n
+        n / elapsed,
+        1000 * cpu / n,
+        rss,
+        start - launched,
+        cpu0 - boot_cpu0,
+        n,
+        1000 * machine / n,
+        split,
     )
 
 
@@ -398,7 +484,9 @@ class Bench:
     def receiver(self) -> subprocess.Popen[bytes]:
         """``code``'s receiver (``ingest.app`` or where it moved), on ``env``'s database."""
         app = target("receiver", self.code)
-        return uvicorn(app, RECEIVER_PORT, self.env, self.logdir / "receiver.log", self.code)
+        proc = uvicorn(app, RECEIVER_PORT, self.env, self.logdir / "receiver.log", self.code)
+        _ROLE_PIDS["receiver"] = proc.pid
+        return proc
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -423,9 +511,7 @@ class Bench:
         self.publish_bare(n)
         worker = self.bare_worker()
         try:
-            return drain(
-                worker, n, lambda: queued(self.broker) < n, lambda: downstream_stats()["count"]
-            )
+            return drain(worker, n, lambda: queued(self.broker) < n, downstream_count)
         finally:
             worker.stop()
 
@@ -464,7 +550,7 @@ class Bench:
                         FORWARD_TASK, args=[HOOK, body], queue=DELIVERIES_QUEUE, producer=producer
                     )
                     sent += 1
-            while int(downstream_stats()["count"]) < sent:  # type: ignore[call-overload]
+            while downstream_count() < sent:
                 worker.check()
                 time.sleep(0.05)
             elapsed = time.perf_counter() - start
@@ -601,6 +687,7 @@ def main() -> None:
                     {**env, "BENCH_DELAY_MS": str(delay)},
                     logdir / "downstream.log",
                 )
+                _ROLE_PIDS["downstream"] = downstream.pid
                 try:
                     bare: list[Drain] = []
                     ours: list[Drain] = []
@@ -670,6 +757,7 @@ def against(args: argparse.Namespace, env: dict[str, str]) -> str:
                     "bench.downstream_app:app", DOWNSTREAM_PORT,
                     {**this.env, "BENCH_DELAY_MS": str(delay)}, logdir / "downstream.log",
                 )  # fmt: skip
+                _ROLE_PIDS["downstream"] = downstream.pid
                 runs: dict[str, list[tuple[Drain, Drain]]] = {"this": [], "rev": []}
                 sustained: dict[str, Sustained] = {}
                 try:
@@ -684,7 +772,9 @@ def against(args: argparse.Namespace, env: dict[str, str]) -> str:
                                 f" {d.rate / bare.rate:10.2f} {d.cpu_ms:26.2f} {bare.cpu_ms:5.2f}"
                                 f" {d.rss:13.0f} {d.machine_ms:27.2f} {bare.machine_ms:5.2f}"
                             )
-                            print(lines[-1], flush=True)
+                            lines.append(f"    CPU ms/event by group: ours {d.split()}")
+                            lines.append(f"                           bare {bare.split()}")
+                            print("\n".join(lines[-3:]), flush=True)
                     slowest = min(max(d.rate for d, _ in runs[n]) for n in runs)
                     rate = min(args.rate, 0.9 * slowest)
                     sustained["bare"] = this.bare_sustained(this_conn, rate)
@@ -760,6 +850,8 @@ def report(
         f"{best_ours.cpu_ms:>18.2f}{best_ours.rss:>17.0f}{best_ours.machine_ms:>23.2f}",
         f"  bare       {best_bare.rate:8.0f} ({rounds(bare)})"
         f"{best_bare.cpu_ms:>18.2f}{best_bare.rss:>17.0f}{best_bare.machine_ms:>23.2f}",
+        f"  CPU ms/event by group: ours {best_ours.split()}",
+        f"                         bare {best_bare.split()}",
         f"  ratio ours/bare: {best_ours.rate / best_bare.rate:.2f} events/s, "
         f"{best_ours.cpu_ms / best_bare.cpu_ms:.2f} CPU per event",
         f"  ours with its worker's boot counted (the measure before session 9): "

@@ -1,6 +1,6 @@
 """The downstream of bench_forward.py: answers 200 after ``BENCH_DELAY_MS`` and remembers,
 for each request, how long after the event was sent (``sent_at`` in its JSON body) it
-answered. ``GET /stats`` returns the count and those latencies; ``DELETE /stats`` resets."""
+answered. ``GET /stats`` returns the count and those latencies (``?count=1``: the count only); ``DELETE /stats`` resets."""
 
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["path"] == "/stats":
         if method == "DELETE":
             _latencies.clear()
-        payload = orjson.dumps({"count": len(_latencies), "latencies": _latencies})
+        if scope.get("query_string") == b"count=1":
+            payload = orjson.dumps({"count": len(_latencies)})
+        else:
+            payload = orjson.dumps({"count": len(_latencies), "latencies": _latencies})
     else:
         await asyncio.sleep(DELAY)
         try:
