@@ -13,6 +13,7 @@ import os
 import re
 from datetime import timedelta
 from functools import cached_property
+from pathlib import Path
 from typing import Literal
 
 from pydantic import (
@@ -251,6 +252,9 @@ class Settings(BaseSettings):
     console_idle_timeout: timedelta = timedelta(minutes=30)
     console_secure_cookies: bool = False
     console_flower_url: str | None = None
+    # The docs' markdown the console serves at /console/docs/ (core/docs.py): unset, the
+    # checkout's docs/ beside the packages; the image sets /app/docs.
+    console_docs_dir: Path | None = None
     # The login throttle (models/login_throttle.py), over the console's login form, the admin
     # API's bearer token and the docs' password alike: failed logins one client address may
     # make at once, then that many a minute; and the same for every address together. A

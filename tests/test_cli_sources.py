@@ -217,4 +217,6 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(engine: Engine) -> None:
         assert result.returncode == 1, (args, result.stdout)
         assert message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+        # Issue 36 item 4: the error names the docs section on sources and routes.
+        assert result.stderr.rstrip().endswith("(see docs/providers.md#providers)"), args
     assert (count(engine, "sources"), count(engine, "routes")) == (sources, routes)

@@ -25,6 +25,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.clock import FrozenClock
+from core.docs import TOPICS
 from core.settings import Settings
 from ingest.admin import AdminServer
 from ingest.console.base import back_to
@@ -874,6 +875,35 @@ def test_routes_pause_resume_and_remove_follow_the_cli_rules(
 )
 def test_a_refusal_links_back_to_the_page_it_came_from(path: str, back: tuple[str, str]) -> None:
     assert back_to(path) == back
+
+
+def test_the_docs_are_one_click_away_and_a_refusal_links_to_its_section(
+    page: Page, api: Receiver
+) -> None:
+    """Issue 36 item 4: the nav's Docs, a refusal's link to the section explaining it, the
+    section's anchor on the rendered page, and the page's pictures served under the CSP."""
+    page.click("nav >> text=Docs")
+    page.wait_for_url(f"{api.admin_url}/console/docs")
+    page.click("#docs-pages >> text=Operating it")
+    assert page.locator("#docs h1").inner_text() == "Operating it"
+    shots = page.locator("#docs img")
+    assert shots.count() >= 5
+    first = shots.first
+    first.scroll_into_view_if_needed()
+    assert first.evaluate("img => img.complete && img.naturalWidth > 0")
+    refused = page.goto(f"{api.admin_url}/console/replays/999999")
+    assert refused is not None
+    assert refused.status == 404
+    link = page.locator("#doc")
+    topic = TOPICS["dead-letters"]
+    assert link.get_attribute("href") == topic.href
+    link.click()
+    page.wait_for_url(f"{api.admin_url}{topic.href}")
+    assert page.locator(f"#{topic.anchor}").inner_text() == topic.heading
+    missing = page.goto(f"{api.admin_url}/console/docs/..%2Fpyproject")
+    assert missing is not None
+    assert missing.status == 404
+    assert httpx.get(f"{api.admin_url}/console/docs/operating").status_code in {302, 303, 307}
 
 
 def _series(page: Page, chart: str, series: str) -> list[str]:

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from core import docs
 from core.logs import get_logger
 from ingest.console import sessions as sess
 from ingest.console.plans import PlanStore
@@ -185,7 +186,14 @@ class Console:
     def error(self, visit: Visit, message: str, status: int = 400) -> Response:
         """A refusal: why, and a link back to the page the operator was on."""
         href, label = back_to(visit.request.url.path)
-        context = {"message": message, "back_href": href, "back_label": label}
+        topic = docs_for(visit.request.url.path)
+        context = {
+            "message": message,
+            "back_href": href,
+            "back_label": label,
+            "doc_href": topic.href,
+            "doc_title": topic.title,
+        }
         return self.show(visit, "error.html", context, status)
 
 
@@ -202,6 +210,23 @@ _BACK = {
     "sources": ("/console/routes", "the sources and routes"),
     "audit": ("/console/audit", "the audit log"),
 }
+
+
+# The docs section that explains each part of the console, linked from its refusals.
+_DOCS = {
+    "dead": "dead-letters",
+    "replays": "dead-letters",
+    "deliveries": "dead-letters",
+    "ledger": "ledger",
+    "routes": "sources",
+    "sources": "sources",
+}
+
+
+def docs_for(path: str) -> docs.Topic:
+    """The docs section a refusal at ``path`` links to (pure): its part's, else the console's."""
+    parts = [p for p in path.removeprefix(ROOT).split("/") if p]
+    return docs.TOPICS[_DOCS.get(parts[0] if parts else "", "console")]
 
 
 def back_to(path: str) -> tuple[str, str]:

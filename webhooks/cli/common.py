@@ -210,7 +210,7 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
             return func(*args, **kwargs)
         except Exception as exc:
             if isinstance(exc, (CliError, ValueError, *_loaded(_USER_ERRORS))):
-                say_error(str(exc))
+                say_error(with_docs(str(exc), docs_topic(func, exc)))
                 raise typer.Exit(1) from None
             if not isinstance(exc, _loaded(_DATABASE_ERRORS)):
                 raise
@@ -221,6 +221,39 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+# The docs section an error of a command points to (core/docs.py), by the command's module,
+# or by the error's class where that says more than the command does.
+_MODULE_DOCS = {
+    "replay": "dead-letters",
+    "reconcile": "reconciliation",
+    "sources": "sources",
+    "source_secrets": "sources",
+    "routes": "sources",
+    "providers": "sources",
+    "retention": "retention",
+}
+_ERROR_DOCS = {"SettingsError": "settings", "KeyMismatch": "security"}
+
+
+def docs_topic(func: Callable[..., object], exc: BaseException) -> str | None:
+    """The docs topic of an error ``func`` (a command) raised; None where none explains it."""
+    by_error = _ERROR_DOCS.get(type(exc).__name__)
+    if by_error is not None:
+        return by_error
+    if func.__name__.startswith("dead_"):
+        return "dead-letters"
+    return _MODULE_DOCS.get(func.__module__.rsplit(".", 1)[-1])
+
+
+def with_docs(message: str, topic: str | None) -> str:
+    """``message`` with the docs section that explains it, on the same line."""
+    if topic is None:
+        return message
+    from core.docs import see  # noqa: PLC0415 (only on an error)
+
+    return f"{message} ({see(topic)})"
 
 
 # The errors :func:`handle_errors` turns into one line, by module and name: printed as they are
