@@ -59,6 +59,9 @@ BUILTIN_MODULES: Final = (
     "sendgrid",
 )
 
+# Built-in modules named otherwise than their provider.
+_MODULE_OF: Final = {"hmac": "generic_hmac"}
+
 _lock = threading.Lock()
 _loaded: Mapping[str, Provider] | None = None
 
@@ -169,6 +172,20 @@ def providers() -> Mapping[str, Provider]:
 
 def names() -> tuple[str, ...]:
     return tuple(providers())
+
+
+def get_one(name: str) -> Provider:
+    """:func:`get`, importing only ``name``'s module when it is a built-in and the registry is
+    not loaded yet: what reads one stored event by its provider's rules (``webhooks events
+    show``) needs, and no other provider's module. Any other name loads the registry
+    (built-ins and plug-ins) as :func:`get` does; so does a module whose provider is named
+    otherwise (a plug-in may not reuse a built-in's name, so a built-in's is final)."""
+    module = _MODULE_OF.get(name, name)
+    if _loaded is None and module in BUILTIN_MODULES:
+        provider = importlib.import_module(f"core.providers.{module}").PROVIDER
+        if isinstance(provider, Provider) and provider.name == name:
+            return provider
+    return get(name)
 
 
 def get(name: str) -> Provider:
