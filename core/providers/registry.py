@@ -19,7 +19,9 @@ from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 from typing import Any, Final
 
+from core.durations import parse_duration
 from core.errors import WebhooksError
+from core.providers import descriptions
 from core.providers.base import Provider
 
 ENTRY_POINT_GROUP: Final = "webhooks.providers"
@@ -186,6 +188,18 @@ def get_one(name: str) -> Provider:
         if isinstance(provider, Provider) and provider.name == name:
             return provider
     return get(name)
+
+
+def retry_window_of(name: str) -> tuple[timedelta, str]:
+    """``name``'s documented retry window and its citation. A built-in's come from its row of
+    descriptions.toml, which is what its module's ``described()`` reads them from, so no
+    provider module is imported (``webhooks sources list`` needs no other fact of a provider);
+    a plug-in's from the registry. UnknownProvider otherwise."""
+    row = descriptions.table().get(name) if _loaded is None else None
+    if row is not None and _MODULE_OF.get(name, name) in BUILTIN_MODULES:
+        return parse_duration(row["retry_window"]), str(row["citation"])
+    found = get(name)
+    return found.retry_window, found.citation
 
 
 def get(name: str) -> Provider:
