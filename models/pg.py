@@ -47,12 +47,12 @@ DEAD_PEER: dict[str, int] = {
 def connect(settings: Settings) -> psycopg.Connection[Any]:
     """One connection as the engine's (:func:`models.db.make_engine`) are made: the same
     connect timeout and dead-peer limits; rows are named tuples (``row.id``)."""
-    return psycopg.connect(
-        settings.psycopg_dsn,
-        connect_timeout=max(1, int(settings.db_connect_timeout)),
-        row_factory=namedtuple_row,
+    # libpq's parameters, as a dict of Any: psycopg types its keyword arguments.
+    params: dict[str, Any] = {
+        "connect_timeout": max(1, int(settings.db_connect_timeout)),
         **DEAD_PEER,
-    )
+    }
+    return psycopg.connect(settings.psycopg_dsn, row_factory=namedtuple_row, **params)
 
 
 def where(database_url: str) -> str:
