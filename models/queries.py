@@ -6,7 +6,10 @@ plain dataclasses so the CLI and the admin API render the same facts. Payloads a
 never selected for display: an event shows its size and whether retention dropped it.
 
 Beside it: :mod:`models.event_walk` (events by a rare status), :mod:`models.delivery_history`
-(a delivery's attempts and replays), :mod:`models.candidates` (what a replay would move).
+(a delivery's attempts and replays), :mod:`models.candidates` (what a replay would move). The
+types and the pure rules are in :mod:`models.views`; the CLI's read commands run these reads
+on plain psycopg (:mod:`models.reads`, held to the same answers by tests/test_cli_lazy.py), so
+a change to a query here is made there too.
 """
 
 from __future__ import annotations

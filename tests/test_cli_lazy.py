@@ -170,6 +170,17 @@ def test_a_read_commands_errors_import_no_orm_either() -> None:
         assert _heavy(report["modules"]) == [], args
 
 
+def test_plain_reads_use_the_orm_reads_constants() -> None:
+    from models import catalog, event_walk
+
+    assert reads.KEY_SAMPLE == catalog.KEY_SAMPLE
+    assert reads.RARE_STATUS_ROWS == event_walk.RARE_STATUS_ROWS
+    assert (reads.WALK_FIRST_BATCH, reads.WALK_GROWTH) == (
+        event_walk.WALK_FIRST_BATCH,
+        event_walk.WALK_GROWTH,
+    )
+
+
 def test_plain_reads_answer_as_the_orm_queries(
     seeded: dict[str, Any], sessions: sessionmaker[Session], settings: Settings
 ) -> None:
