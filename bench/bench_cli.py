@@ -1,15 +1,18 @@
-"""CLI start-up benchmark: the median wall time and user CPU of a few ``webhooks`` commands,
-each run as a new process (as an operator, and the test suite, run them).
+"""CLI start-up benchmark: the median wall time and user CPU of ``webhooks`` commands, each run
+as a new process (as an operator, and the test suite, run them), beside the floor: ``python -c
+'import psycopg'`` in the same run, each command's wall time as a ratio to it (issue 36 item 1:
+every read command within 0.4 s and at most 3x the floor).
 
-Commands: ``--help``; ``events show 5``, ``dead list``, ``sources list`` (settings, the key
-check, one query; 5 is no event, so it ends with its one-line error); a bad input
-(``events list --since`` a time that does not parse). They run against a database of their
-own, migrated, with one source (and so one stored secret: the key check derives the key).
+Commands: the six read commands (``events list``, ``events show 5``, ``dead list``,
+``deliveries show 5``, ``sources list``, ``routes list``: settings, the key check, the
+queries; 5 is no event and no delivery, so those end with their one-line error), ``--help``,
+and a bad input (``events list --since`` a time that does not parse). They run against a
+database of their own, migrated, with one source and one route (and so one stored secret: the
+key check derives the key).
 Python's bytecode cache is on (a directory of its own, filled by a first, uncounted run), as
-in the suite's subprocesses. This tree's storage key is a generated one (``whk_``, HKDF: what
-``make .env`` writes), or with ``--passphrase`` a passphrase (scrypt); REV's is a passphrase
-(what its ``make .env`` wrote). Each tree has a database of its own, its secret sealed under
-its key.
+in the suite's subprocesses. Both trees' storage keys are generated ones (``whk_``, HKDF: what
+``make .env`` writes), or with ``--passphrase`` passphrases (scrypt). Each tree has a database
+of its own, its secret sealed under its key.
 
 Against a revision (``--against REV``): the same commands from a git worktree of REV
 (``bench/revisions.py``), run alternately with this tree's, each ``--runs`` times. User CPU is
@@ -35,13 +38,19 @@ from revisions import remove_worktree, worktree
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_DSN = os.environ.get("BENCH_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 COMMANDS = [
-    ["--help"],
+    ["events", "list"],
     ["events", "show", "5"],
     ["dead", "list"],
+    ["deliveries", "show", "5"],
     ["sources", "list"],
+    ["routes", "list"],
+    ["--help"],
     ["events", "list", "--since", "not-a-time"],
 ]
 PROGRAM = "import sys; sys.argv[0] = 'webhooks'; from webhooks.cli import main; main()"
+# The floor, run by the same interpreter in each tree's environment: the driver alone.
+FLOOR = "import psycopg"
+FLOOR_NAME = "python -c 'import psycopg'"
 
 
 # Fixed, so that both trees decrypt the one stored secret: 32 bytes, base64url.
@@ -68,10 +77,12 @@ def environment(code: Path, database: str, key: str) -> dict[str, str]:
 
 
 def run(code: Path, args: list[str], env: dict[str, str]) -> tuple[float, float, int]:
-    """Wall seconds, user CPU seconds and exit code of one ``webhooks`` process."""
+    """Wall seconds, user CPU seconds and exit code of one ``webhooks`` process (of the floor
+    for ``args`` [FLOOR_NAME])."""
+    argv = ["-c", FLOOR] if args == [FLOOR_NAME] else ["-c", PROGRAM, *args]
     start = time.perf_counter()
     proc = subprocess.Popen(  # noqa: S603
-        [sys.executable, "-c", PROGRAM, *args],
+        [sys.executable, *argv],
         cwd=code,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -92,32 +103,43 @@ def measure(
             run(code, args, envs[label])
     for i in range(runs):
         order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]
-        for args in COMMANDS:
+        for args in [[FLOOR_NAME], *COMMANDS]:
             for label, code in order:
                 results.setdefault((label, " ".join(args)), []).append(run(code, args, envs[label]))
     return results
 
 
 def report(results: dict[tuple[str, str], list], labels: list[str], runs: int) -> str:
-    lines = [f"webhooks CLI, median of {runs} runs each (wall s / user CPU s, exit code)"]
-    head = f"{'command':<34}" + "".join(f"{label:>24}" for label in labels)
+    """Per command and tree: median wall / user CPU (exit codes), the wall time's ratio to the
+    floor's in that tree; with two trees, this tree's wall and user CPU against REV's."""
+    lines = [
+        f"webhooks CLI, median of {runs} runs each (wall s / user CPU s (exit code), x floor:"
+        f" wall as a multiple of {FLOOR_NAME}'s median wall in the same tree and run)"
+    ]
+    head = f"{'command':<34}" + "".join(f"{label:>32}" for label in labels)
     if len(labels) == 2:
-        head += f"{'user CPU ratio':>16}"
+        head += f"{'wall ratio':>12}{'CPU ratio':>11}"
     lines.append(head)
-    for args in COMMANDS:
+    floors = {
+        label: statistics.median(r[0] for r in results[(label, FLOOR_NAME)]) for label in labels
+    }
+    for args in [[FLOOR_NAME], *COMMANDS]:
         name = " ".join(args)
         line = f"{name:<34}"
-        users = []
+        walls, users = [], []
         for label in labels:
             rows = results[(label, name)]
             wall = statistics.median(r[0] for r in rows)
             user = statistics.median(r[1] for r in rows)
             codes = sorted({r[2] for r in rows})
+            walls.append(wall)
             users.append(user)
-            cell = f"{wall:.3f} / {user:.3f} ({','.join(map(str, codes))})"
-            line += f"{cell:>24}"
-        if len(users) == 2:
-            line += f"{users[0] / users[1]:>15.2f}x"
+            cell = (
+                f"{wall:.3f} / {user:.3f} ({','.join(map(str, codes))}) {wall / floors[label]:.1f}x"
+            )
+            line += f"{cell:>32}"
+        if len(labels) == 2:
+            line += f"{walls[0] / walls[1]:>11.2f}x{users[0] / users[1]:>10.2f}x"
         lines.append(line)
     return "\n".join(lines)
 
@@ -136,16 +158,19 @@ def main() -> None:
         path, fresh = worktree(args.against)
         made = path if fresh else None
         trees[args.against] = path
-    keys = dict.fromkeys(trees, PASSPHRASE)
-    if not args.passphrase:
-        keys["this tree"] = GENERATED_KEY
+    # Both trees with the same kind of key (main reads generated keys since 5f2d77f's successor).
+    keys = dict.fromkeys(trees, PASSPHRASE if args.passphrase else GENERATED_KEY)
     databases = {label: f"webhooks_bench_cli_{uuid.uuid4().hex[:8]}" for label in trees}
     envs = {label: environment(trees[label], databases[label], keys[label]) for label in trees}
     try:
         for label, database in databases.items():
             with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
                 conn.execute(f'CREATE DATABASE "{database}"')
-            for setup in (["db", "upgrade"], ["sources", "add", "bench", "--provider", "standard"]):
+            for setup in (
+                ["db", "upgrade"],
+                ["sources", "add", "bench", "--provider", "standard"],
+                ["routes", "add", "bench", "--handler", "log"],
+            ):
                 subprocess.run(  # noqa: S603
                     [sys.executable, "-c", PROGRAM, *setup],
                     cwd=trees[label], env=envs[label], check=True, capture_output=True,
@@ -164,9 +189,15 @@ def main() -> None:
             capture_output=True, text=True, check=False,
         ).stdout.strip()  # fmt: skip
         revision = f" against {args.against} ({sha})"
-    load = os.getloadavg()[0]
-    kind = "passphrase keys" if args.passphrase else "this tree: a generated key; REV: passphrase"
-    print(f"bench_cli{revision}: {len(COMMANDS)} commands, {kind}, load average {load:.1f}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],  # noqa: S607
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    kind = "passphrase keys (scrypt)" if args.passphrase else "generated keys (HKDF)"
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"# {stamp}, rev {head} (this tree), load average {load}")
+    print(f"bench_cli{revision}: {len(COMMANDS)} commands, {kind}, load average {load}")
     print(report(results, list(trees), args.runs))
 
 

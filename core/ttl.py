@@ -27,8 +27,7 @@ def provider_retry_window(provider: str) -> tuple[timedelta, str]:
     registry (each provider module cites its own). UnknownProvider (a ValueError) otherwise."""
     from core.providers import registry  # noqa: PLC0415 (the provider package imports every built-in provider module, ~40 ms of a CLI run that names no provider)
 
-    found = registry.get(provider)
-    return found.retry_window, found.citation
+    return registry.retry_window_of(provider)
 
 
 def unknown_provider(name: str) -> str:

@@ -67,6 +67,18 @@ import redis
 from core import metrics
 from core.errors import WebhooksError
 from core.messages import Dispatch
+from models.views import (
+    SPACING,
+    Rate,
+)
+
+# Defined in models.views (no database library: the CLI's fast reads build them too),
+# importable from here, where they were first defined.
+__all__ = [
+    "SPACING",
+    "Rate",
+]
+
 
 PREFIX = "adm:"
 # Waiting deliveries one dispatch admits at most (it runs again at once when it hit this).
@@ -84,30 +96,6 @@ _PERIODS = {"s": 1, "m": 60, "h": 3600}
 
 class LimitError(WebhooksError, ValueError):
     """A limit that cannot be set (its text says which and why)."""
-
-
-# Calls are spaced this much wider than the rate. The downstream sees each call some
-# milliseconds to tens of milliseconds after its slot (scheduling, the connection, a busy
-# host), and its promise is the rate + 5% in any one-second window as the downstream counts:
-# spaced exactly, 50 ms of such jitter already shows 22 calls in a second at 20/s; spaced 5%
-# wider, it takes 100 ms. The cost: a route runs at most at 95% of its rate.
-SPACING = 1.05
-
-
-@dataclass(frozen=True)
-class Rate:
-    """``count`` calls per ``period_s`` seconds, evenly spaced (:data:`SPACING` wider)."""
-
-    count: int
-    period_s: int
-
-    @property
-    def interval_ms(self) -> float:
-        return SPACING * 1000.0 * self.period_s / self.count
-
-    def __str__(self) -> str:
-        unit = {1: "s", 60: "m", 3600: "h"}.get(self.period_s)
-        return f"{self.count}/{unit}" if unit else f"{self.count}/{self.period_s}s"
 
 
 def parse_rate(text: str) -> Rate | None:

@@ -63,6 +63,20 @@ from models.catalog import CatalogError, Change, Changed, record_audit
 from models.route_catalog import get_route, route_target
 from models.schema import Route, Source
 from models.statements import placeholders, sql_text
+from models.views import (
+    RouteState,
+    limits_view,
+    state_of,
+)
+
+# Defined in models.views (no database library: the CLI's fast reads build them too),
+# importable from here, where they were first defined.
+__all__ = [
+    "RouteState",
+    "limits_view",
+    "state_of",
+]
+
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 # The gauge's value per state (webhooks_route_breaker_state).
@@ -287,73 +301,6 @@ def held(conn: psycopg.Connection[Any], ids: list[int]) -> set[int]:
     return {int(r[0]) for r in conn.execute(_HELD, {"ids": ids}).fetchall()}
 
 
-@dataclass(frozen=True)
-class RouteState:
-    """A route's pause and breaker, as operators read them."""
-
-    route_id: int
-    paused: bool
-    paused_at: datetime | None
-    pause_reason: str | None
-    breaker_state: str
-    breaker_opened_at: datetime | None
-    breaker_probe_at: datetime | None
-    probe_delivery: int | None
-    breaker_trips: int
-    window_started_at: datetime | None
-    window_requests: int
-    window_failures: int
-    limits: dict[str, Any]
-    # When and why the route was disabled (None while active, or disabled before 0022).
-    disabled_at: datetime | None = None
-    disabled_reason: str | None = None
-
-    def view(self) -> dict[str, Any]:
-        """JSON-ready (the CLI's --json and the admin API)."""
-
-        def iso(value: datetime | None) -> str | None:
-            return None if value is None else value.isoformat()
-
-        return {
-            "limits": self.limits,
-            "paused": self.paused,
-            "paused_at": iso(self.paused_at),
-            "pause_reason": self.pause_reason,
-            "disabled_at": iso(self.disabled_at),
-            "disabled_reason": self.disabled_reason,
-            "breaker": {
-                "state": self.breaker_state,
-                "opened_at": iso(self.breaker_opened_at),
-                "probe_at": iso(self.breaker_probe_at),
-                "probe_delivery": self.probe_delivery,
-                "trips": self.breaker_trips,
-                "window_started_at": iso(self.window_started_at),
-                "window_requests": self.window_requests,
-                "window_failures": self.window_failures,
-            },
-        }
-
-
-def state_of(route: Route) -> RouteState:
-    return RouteState(
-        route.id,
-        route.paused_at is not None,
-        route.paused_at,
-        route.pause_reason,
-        route.breaker_state,
-        route.breaker_opened_at,
-        route.breaker_probe_at,
-        route.probe_delivery,
-        route.breaker_trips,
-        route.window_started_at,
-        route.window_requests,
-        route.window_failures,
-        limits_view(route),
-        route.disabled_at,
-        route.disabled_reason,
-    )
-
-
 def route_state(session: Session, route_id: int) -> RouteState:
     """Raises CatalogError for an unknown route."""
     session.expire_all()
@@ -431,13 +378,3 @@ def set_limits(
     target = {**route_target(route, source), "before": before, "after": limits_view(route)}
     audit_id = record_audit(session, change, "route.limits", target, count=1, now=now)
     return Changed(audit_id, target, 0)
-
-
-def limits_view(route: Route) -> dict[str, Any]:
-    """The route's limits as operators read them (``None``: the default budget / no rate)."""
-    from models.admission import Rate  # noqa: PLC0415 (admission imports nothing of ours)
-
-    rate = (
-        None if route.rate_count is None else str(Rate(route.rate_count, route.rate_period_s or 1))
-    )
-    return {"max_in_flight": route.max_in_flight, "rate_limit": rate}

@@ -25,7 +25,6 @@ from core.crypto import (
     public_id,
     source_secret_place,
 )
-from core.errors import WebhooksError
 from core.logs import get_logger
 from core.settings import Settings
 from core.states import UNFINISHED
@@ -45,12 +44,20 @@ from models.schema import (
     Source,
     SourceSecret,
 )
+from models.views import (
+    CatalogError,
+    glob_to_like,
+)
+
+# Defined in models.views (no database library: the CLI's fast reads build them too),
+# importable from here, where they were first defined.
+__all__ = [
+    "CatalogError",
+    "glob_to_like",
+]
+
 
 log = get_logger("catalog")
-
-
-class CatalogError(WebhooksError, ValueError):
-    """Bad input for a source, secret or route; nothing was changed."""
 
 
 #: ``(provider, options) -> normalised options`` (ValueError naming a bad option). Storage does
@@ -76,21 +83,6 @@ WEAK_SECRET_REASON = "weak secret allowed"  # noqa: S105
 class CreatedSecret:
     id: str
     plaintext: str | None  # only set when we generated it (printed once, never stored in clear)
-
-
-def glob_to_like(pattern: str) -> str:
-    """``invoice.*`` -> ``invoice.%`` (``?`` -> ``_``; LIKE's own metacharacters escaped)."""
-    out = []
-    for ch in pattern:
-        if ch == "*":
-            out.append("%")
-        elif ch == "?":
-            out.append("_")
-        elif ch in "%_\\":
-            out.append("\\" + ch)
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def get_source(session: Session, ref: str) -> Source:

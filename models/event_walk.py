@@ -3,6 +3,8 @@
 :func:`models.queries.list_events` starts from the deliveries when few are in the status
 asked for (:func:`is_rare_status`): a source's dead letters are walked newest first
 (:func:`walk_by_created`), any other rare status has every key probed (:func:`probe_every_key`).
+:mod:`models.reads` runs the same statements on plain psycopg for the CLI (with these
+constants: tests/test_cli_lazy.py holds both to one answer).
 """
 
 from __future__ import annotations

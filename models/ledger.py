@@ -32,19 +32,20 @@ the result reference), ``d`` dead (the reason) or ``x`` discarded.
 
 from __future__ import annotations
 
-from core.states import DeliveryStatus
 from models.statements import Target, fetchone, placeholders
+from models.views import (
+    CODES,
+    SEP,
+    STATUS_OF_CODE,
+)
 
-# What each final status is written as (an entry's code).
-CODES = {
-    DeliveryStatus.SUCCEEDED: "s",
-    DeliveryStatus.DEAD: "d",
-    DeliveryStatus.DISCARDED: "x",
-}
-STATUS_OF_CODE = {code: status for status, code in CODES.items()}
-# Between a row's entries: a control character, which result references (printable only,
-# tasks.context.result_reference) and dead reasons (codes) never hold.
-SEP = "\x1f"
+# Defined in models.views (no database library: the CLI's fast reads build them too),
+# importable from here, where they were first defined.
+__all__ = [
+    "CODES",
+    "SEP",
+    "STATUS_OF_CODE",
+]
 
 
 def _entry(code: str, detail: str | None, row: str) -> str:

@@ -3,8 +3,6 @@ as ``webhooks events show``, the admin API and the console find it. Read-only.""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -12,53 +10,36 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from models import queries
-from models.delivery_history import REMOVED_ROUTE
-from models.ledger import SEP, STATUS_OF_CODE
 from models.queries import EventDetail
+from models.views import (
+    ARRIVED_VIA_OF,
+    FROM_LEDGER,
+    MAX_RUNS,
+    Entry,
+    LedgerEntry,
+    LedgerEvent,
+    LedgerOutcome,
+    _event_id_of,
+    _outcomes,
+    entries,
+    merged,
+)
 
-# The ledger's one-byte `via` (models/ledger.py) as receipts name it.
-ARRIVED_VIA_OF = {"w": "webhook", "r": "reconcile", "t": "test"}
-
-# Why an event shown from the ledger is not shown from its receipt.
-FROM_LEDGER = "receipt expired; from the ledger"
-
-
-@dataclass(frozen=True)
-class LedgerOutcome:
-    """One route's final outcome, as the ledger recorded it."""
-
-    route_id: int
-    handler: str  # REMOVED_ROUTE once the route is gone
-    status: str  # succeeded | dead | discarded
-    result_ref: str | None = None  # a success's result reference
-    dead_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class LedgerEntry:
-    """One receipt of an event, from the ledger."""
-
-    source: str
-    source_name: str
-    provider: str
-    event_id: str
-    event_type: str
-    received_at: datetime
-    digest: str | None  # hex, the first 8 bytes of the body's SHA-256; None when reconciled
-    arrived_via: str  # webhook | reconcile
-    outcomes: list[LedgerOutcome] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class LedgerEvent:
-    """An event whose receipt is gone, as the ledger keeps it: every receipt of it the ledger
-    holds (a redelivery after the TTL was new work, with a row of its own), newest first."""
-
-    source: str
-    event_id: str
-    runs: list[LedgerEntry]
-    note: str = FROM_LEDGER
-    found_in: str = "ledger"
+# Defined in models.views (no database library: the CLI's fast reads build them too),
+# importable from here, where they were first defined.
+__all__ = [
+    "ARRIVED_VIA_OF",
+    "FROM_LEDGER",
+    "MAX_RUNS",
+    "Entry",
+    "LedgerEntry",
+    "LedgerEvent",
+    "LedgerOutcome",
+    "_event_id_of",
+    "_outcomes",
+    "entries",
+    "merged",
+]
 
 
 # The event id's rows, by the index on its hash; the kind names the source (and the type).
@@ -75,48 +56,6 @@ _FIND = text(
     LIMIT 500
     """
 )
-# The runs shown, at most (the newest).
-MAX_RUNS = 50
-
-_ENTRY = re.compile(r"(\d+)\.(\d+)([a-z])(?::(.*))?", re.DOTALL)
-# Of two entries of one route at the same attempt, the later decision: an operator discards a
-# dead letter (d, then x); a success and a dead letter never end one attempt together.
-_LATER = {"d": 0, "s": 1, "x": 2}
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One route's outcome as one ledger row wrote it."""
-
-    route_id: int
-    attempt: int
-    code: str  # s | d | x
-    detail: str | None  # the result reference or the dead reason
-
-
-def entries(outcomes: str) -> list[Entry]:
-    """A ledger row's entries (models/ledger.py); one that does not parse is left out."""
-    out = []
-    for part in outcomes.split(SEP):
-        found = _ENTRY.fullmatch(part)
-        if found:
-            route, attempt, code, detail = found.groups()
-            out.append(Entry(int(route), int(attempt), code, detail or None))
-    return out
-
-
-def merged(rows_outcomes: list[str]) -> dict[int, Entry]:
-    """Each route's final entry across a receipt's rows: the highest attempt's (pure)."""
-    final: dict[int, Entry] = {}
-    for outcomes in rows_outcomes:
-        for entry in entries(outcomes):
-            seen = final.get(entry.route_id)
-            if seen is None or (entry.attempt, _LATER.get(entry.code, -1)) > (
-                seen.attempt,
-                _LATER.get(seen.code, -1),
-            ):
-                final[entry.route_id] = entry
-    return final
 
 
 def find(session: Session, event_id: str, source_id: int | None = None) -> list[LedgerEntry]:
@@ -152,29 +91,6 @@ def _handlers(session: Session, route_ids: set[int]) -> dict[int, str]:
         {"ids": sorted(route_ids)},
     ).all()
     return {int(r[0]): str(r[1]) for r in rows}
-
-
-def _outcomes(final: dict[int, Entry], handlers: dict[int, str]) -> list[LedgerOutcome]:
-    return [
-        LedgerOutcome(
-            e.route_id,
-            handlers.get(e.route_id, REMOVED_ROUTE),
-            STATUS_OF_CODE.get(e.code, e.code),
-            result_ref=e.detail if e.code == "s" else None,
-            dead_reason=e.detail if e.code == "d" else None,
-        )
-        for e in sorted(final.values(), key=lambda e: e.route_id)
-    ]
-
-
-def _event_id_of(ref: str | int) -> str | None:
-    """The provider event id an operator's reference names (None: a receipt or delivery id,
-    which the ledger does not keep)."""
-    key = str(ref).strip()
-    for prefix in (queries.RECEIPT_PREFIX, queries.DELIVERY_PREFIX):
-        if key.startswith(prefix) and key[len(prefix) :].isdigit():
-            return None
-    return key.removeprefix(queries.EVENT_PREFIX)
 
 
 def get_event(

@@ -6,25 +6,25 @@ plain dataclasses so the CLI and the admin API render the same facts. Payloads a
 never selected for display: an event shows its size and whether retention dropped it.
 
 Beside it: :mod:`models.event_walk` (events by a rare status), :mod:`models.delivery_history`
-(a delivery's attempts and replays), :mod:`models.candidates` (what a replay would move).
+(a delivery's attempts and replays), :mod:`models.candidates` (what a replay would move). The
+types and the pure rules are in :mod:`models.views`; the CLI's read commands run these reads
+on plain psycopg (:mod:`models.reads`, held to the same answers by tests/test_cli_lazy.py), so
+a change to a query here is made there too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import exists, func, select, tuple_
 from sqlalchemy.orm import Session
 
-from core.durations import DurationError, parse_duration
-from core.errors import WebhooksError
-from core.providers import registry
 from core.states import DeliveryStatus
 from models.catalog import get_source, glob_to_like
-from models.delivery_history import REMOVED_ROUTE, DeliveryView, delivery_of_receipt, delivery_views
+from models.delivery_history import REMOVED_ROUTE, delivery_of_receipt, delivery_views
 from models.event_walk import EVENT_COLUMNS, is_rare_status, probe_every_key, walk_by_created
 from models.schema import (
     Delivery,
@@ -32,158 +32,59 @@ from models.schema import (
     Route,
     Source,
 )
+from models.views import (
+    DELIVERY_PREFIX,
+    EVENT_PREFIX,
+    MAX_ID,
+    MAX_LIST_LIMIT,
+    RECEIPT_PREFIX,
+    DeadGroup,
+    DeliveryDetail,
+    EventDetail,
+    EventFilter,
+    EventSummary,
+    KeyOf,
+    NotFoundError,
+    QueryError,
+    _delivery_number_message,
+    _fits,
+    _window,
+    check_status,
+    is_number,
+    parse_delivery_ref,
+    parse_id,
+    parse_time,
+    receipt_ref,
+    unsigned_type_of,
+)
 
-MAX_LIST_LIMIT = 1000
-# Operators' unambiguous id forms: ``receipt:12``, ``delivery:11``, ``event:evt_1``.
-RECEIPT_PREFIX = "receipt:"
-DELIVERY_PREFIX = "delivery:"
-EVENT_PREFIX = "event:"
-# Ids are Postgres bigints: a number beyond this is refused before it reaches a query.
-MAX_ID = 2**63 - 1
-
-
-def receipt_ref(receipt_id: int) -> str:
-    """How a receipt id is printed: a bare number could also be a delivery id."""
-    return f"{RECEIPT_PREFIX}{receipt_id}"
-
-
-class QueryError(WebhooksError, ValueError):
-    """Bad operator input (unknown status, unparseable time, ...); nothing was read."""
-
-    def __init__(self, message: str, reason: str = "bad_query") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class NotFoundError(QueryError):
-    """The id, event or delivery asked for does not exist (``reason`` ``not_found``)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "not_found")
-
-
-def is_number(text: str) -> bool:
-    """ASCII digits only (``str.isdigit`` also accepts ``²`` and other scripts' digits)."""
-    return text.isascii() and text.isdigit()
-
-
-def _fits(digits: str) -> bool:
-    # The length first: int() of thousands of digits raises ValueError (and costs time).
-    return len(digits) <= len(str(MAX_ID)) and int(digits) <= MAX_ID
-
-
-def parse_id(text: str, what: str = "id") -> int:
-    """An operator's numeric id: ASCII digits within a bigint; QueryError otherwise."""
-    if not is_number(text):
-        raise QueryError(f"not a {what}: {text!r} (a number)", "bad_id")
-    if not _fits(text):
-        raise QueryError(f"{what} out of range: {text!r} (at most {MAX_ID})", "out_of_range")
-    return int(text)
-
-
-def parse_time(text: str, *, now: datetime) -> datetime:
-    """``2026-05-01T10:00``, ``2026-05-01`` (UTC when no offset) or a duration ago (``2h``);
-    QueryError for anything else, including a time or duration beyond what can be stored."""
-    value = text.strip()
-    out_of_range = QueryError(f"time out of range: {text!r}", "out_of_range")
-    try:
-        return now - parse_duration(value)
-    except DurationError:
-        pass
-    except OverflowError:  # a duration beyond timedelta, or a time before year 1
-        raise out_of_range from None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise QueryError(
-            f"not a time: {text!r} (use an ISO time such as 2026-05-01T10:00Z, "
-            "or 2h for two hours ago)"
-        ) from None
-    if parsed.tzinfo is None:
-        return parsed.replace(tzinfo=UTC)
-    try:  # 0001-01-01T00:00+14:00 is before year 1 in UTC: no datetime can hold it
-        parsed.astimezone(UTC)
-    except OverflowError:
-        raise out_of_range from None
-    return parsed
-
-
-def check_status(status: str | None, allowed: Sequence[str] = tuple(DeliveryStatus)) -> None:
-    if status is not None and status not in allowed:
-        raise QueryError(f"unknown status {status!r}; one of {', '.join(allowed)}")
-
-
-def _window(since: datetime | None, until: datetime | None) -> None:
-    if since is not None and until is not None and since >= until:
-        raise QueryError("--since must be before --until")
-
-
-@dataclass(frozen=True)
-class EventFilter:
-    source: str | None = None  # public id or unambiguous name
-    event_type: str | None = None  # glob: invoice.*
-    status: str | None = None  # events having at least one delivery in this state
-    since: datetime | None = None  # received_at >= since
-    until: datetime | None = None  # received_at < until
-    limit: int = 50
-    # Cursor pagination (the console): only receipts older than (received_at, id).
-    before: tuple[datetime, int] | None = None
-
-
-@dataclass(frozen=True)
-class EventSummary:
-    """One received event and how many of its deliveries are in each state."""
-
-    id: int
-    source: str
-    source_name: str
-    event_id: str
-    event_type: str
-    received_at: datetime
-    occurred_at: datetime | None
-    deliveries: dict[str, int]  # status -> count
-    payload_dropped: bool
-
-
-@dataclass(frozen=True)
-class EventDetail:
-    """A receipt with its deliveries and attempts; the payload's size, never its content."""
-
-    id: int
-    source: str
-    source_name: str
-    provider: str
-    event_id: str
-    event_type: str
-    occurred_at: datetime | None
-    received_at: datetime
-    expires_at: datetime
-    content_type: str | None
-    payload_bytes: int | None
-    payload_dropped_at: datetime | None
-    deliveries: list[DeliveryView]
-    # or reconcile (webhooks reconcile recovered it), or test (`webhooks send` minted it)
-    arrived_via: str = "webhook"
-    # Where the type was read from when the signature does not cover it (``X-GitHub-Event``),
-    # judged by the provider's rules under the source's current options; None: signed, or
-    # recovered from the provider's API (:func:`unsigned_type_of`).
-    type_unsigned: str | None = None
-
-
-@dataclass(frozen=True)
-class DeadGroup:
-    """Dead deliveries of one source, route and reason."""
-
-    source: str
-    source_name: str
-    route_id: int
-    handler: str
-    reason: str | None
-    count: int
-    oldest: datetime
-    newest: datetime
-    error_classes: list[str]
-    sample_ids: list[int]  # newest first, for `webhooks replay ID ...`
+# Defined in models.views (no database library: the CLI's fast reads build them too),
+# importable from here, where they were first defined.
+__all__ = [
+    "DELIVERY_PREFIX",
+    "EVENT_PREFIX",
+    "MAX_ID",
+    "MAX_LIST_LIMIT",
+    "RECEIPT_PREFIX",
+    "DeadGroup",
+    "DeliveryDetail",
+    "EventDetail",
+    "EventFilter",
+    "EventSummary",
+    "KeyOf",
+    "NotFoundError",
+    "QueryError",
+    "_delivery_number_message",
+    "_fits",
+    "_window",
+    "check_status",
+    "is_number",
+    "parse_delivery_ref",
+    "parse_id",
+    "parse_time",
+    "receipt_ref",
+    "unsigned_type_of",
+]
 
 
 def source_id_of(session: Session, ref: str | None) -> int | None:
@@ -361,19 +262,6 @@ def _find_receipt(session: Session, ref: str | int, source: str | None) -> Any:
     return rows[0]
 
 
-def _delivery_number_message(number: int, also_event: bool) -> str:
-    what = f"both delivery {number} and receipt {number}" if also_event else "a delivery id"
-    if also_event:
-        return (
-            f"{number} is {what}: use `webhooks deliveries show {number}` for the delivery, or "
-            f"`webhooks events show {RECEIPT_PREFIX}{number}` for the receipt"
-        )
-    return (
-        f"{number} is {what}, not a receipt: use `webhooks deliveries show {number}` "
-        f"(or `webhooks events show {DELIVERY_PREFIX}{number}` for its event)"
-    )
-
-
 def get_event(session: Session, ref: str | int, *, source: str | None = None) -> EventDetail:
     """One receipt with its deliveries, by ``receipt:N``, ``delivery:N``, ``event:X``, a
     provider event id (``source`` narrows it), or a bare receipt number that is no delivery
@@ -396,57 +284,6 @@ def get_event(session: Session, ref: str | int, *, source: str | None = None) ->
         arrived_via=r.arrived_via,
         type_unsigned=unsigned_type_of(r.provider, r.config, r.event_type, r.arrived_via),
     )
-
-
-def unsigned_type_of(
-    provider: str, config: dict[str, Any] | None, event_type: str, arrived_via: str
-) -> str | None:
-    """Where a stored event's type came from when unsigned (``X-GitHub-Event``), by its
-    provider's rules under its source's options; None when signed, when the event was
-    recovered from the provider's API (no header involved), or when the provider is no longer
-    installed (nothing to judge by). Receipts store no such mark: the rules decide it from the
-    type itself (GitHub: whether the body identifies the event, else the request was refused;
-    WooCommerce: action.* topics), so a source's options changed since are judged as now."""
-    if arrived_via == "reconcile":
-        return None
-    try:
-        found = registry.get(provider)
-    except registry.UnknownProvider:
-        return None
-    return found.unsigned_type(config or {}, event_type)
-
-
-@dataclass(frozen=True)
-class DeliveryDetail:
-    """One delivery as the operator looks it up by the id Flower, the logs and ``dead list``
-    show: its event, its route and handler, its state and its attempt history."""
-
-    id: int
-    receipt: str  # receipt:12, for `webhooks events show`
-    receipt_id: int
-    source: str
-    source_name: str
-    provider: str
-    event_id: str
-    event_type: str
-    received_at: datetime
-    route_events: str | None  # None once the route is removed
-    route_active: bool | None
-    idempotency_key: str | None  # the downstream key of the current generation
-    delivery: DeliveryView
-
-
-# (source id, event id, route id, generation) -> the downstream idempotency key.
-KeyOf = Callable[[int, str, int, int], str]
-
-
-def parse_delivery_ref(ref: str | int) -> int:
-    key = str(ref).strip().removeprefix(DELIVERY_PREFIX)
-    if not is_number(key):
-        raise QueryError(
-            f"not a delivery id: {str(ref)!r} (a number, as `dead list` and Flower show it)"
-        )
-    return parse_id(key, "delivery id")
 
 
 def get_delivery(

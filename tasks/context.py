@@ -20,7 +20,6 @@ it returns is not stored (:func:`result_reference`): the success stands either w
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,9 +32,14 @@ import orjson
 from sqlalchemy.orm import Session
 
 from core.clock import Clock
+from core.idempotency import KEY_PREFIX, idempotency_key
 from tasks.errors import LeaseFenced, PermanentError
 
-KEY_PREFIX = "whk_"
+# The key is defined in core.idempotency (the CLI's `deliveries show` computes it without
+# importing this package, which loads the settings, and this module sqlalchemy.orm);
+# importable from here as before.
+__all__ = ["KEY_PREFIX", "idempotency_key"]
+
 FORM_TYPE = "application/x-www-form-urlencoded"
 # What a lease must have left beyond a call's I/O timeout for the call to start: the time to
 # record its outcome once it has answered (one synchronous commit).
@@ -57,16 +61,6 @@ def result_reference(returned: object) -> tuple[str | None, str | None]:
     if not returned.isprintable():
         return None, "not printable"
     return returned, None
-
-
-def idempotency_key(source_id: int, event_id: str, route_id: int, generation: int) -> str:
-    """The downstream idempotency key of one event on one route, in one key generation.
-
-    The source id is the dedup scope (one account's integration, stable across secret
-    rotation), so the same provider event id seen by two accounts never shares a key.
-    """
-    material = f"{source_id}\x1f{event_id}\x1f{route_id}\x1f{generation}".encode()
-    return KEY_PREFIX + hashlib.sha256(material).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Any
 
 from core.providers import reconcile_options as options
 from core.providers import registry
@@ -55,8 +55,17 @@ from core.providers.base import (
 )
 from core.providers.registry import ProviderPluginError, UnknownProvider
 
-# The built-in providers' names, in listing order (plug-ins: ``registry.names()``).
-BUILTIN_PROVIDERS: Final = registry.builtin_names()
+
+def __getattr__(name: str) -> Any:
+    """``BUILTIN_PROVIDERS``: the built-in providers' names, in listing order (plug-ins:
+    ``registry.names()``). Computed on first use, not at import: it imports every built-in
+    provider module, which a CLI read that names no provider (``sources list``) never needs."""
+    if name != "BUILTIN_PROVIDERS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    names = registry.builtin_names()
+    globals()["BUILTIN_PROVIDERS"] = names
+    return names
+
 
 __all__ = [
     "AUTH_REASONS",

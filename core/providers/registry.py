@@ -19,7 +19,9 @@ from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 from typing import Any, Final
 
+from core.durations import parse_duration
 from core.errors import WebhooksError
+from core.providers import descriptions
 from core.providers.base import Provider
 
 ENTRY_POINT_GROUP: Final = "webhooks.providers"
@@ -58,6 +60,9 @@ BUILTIN_MODULES: Final = (
     "adyen",
     "sendgrid",
 )
+
+# Built-in modules named otherwise than their provider.
+_MODULE_OF: Final = {"hmac": "generic_hmac"}
 
 _lock = threading.Lock()
 _loaded: Mapping[str, Provider] | None = None
@@ -169,6 +174,32 @@ def providers() -> Mapping[str, Provider]:
 
 def names() -> tuple[str, ...]:
     return tuple(providers())
+
+
+def get_one(name: str) -> Provider:
+    """:func:`get`, importing only ``name``'s module when it is a built-in and the registry is
+    not loaded yet: what reads one stored event by its provider's rules (``webhooks events
+    show``) needs, and no other provider's module. Any other name loads the registry
+    (built-ins and plug-ins) as :func:`get` does; so does a module whose provider is named
+    otherwise (a plug-in may not reuse a built-in's name, so a built-in's is final)."""
+    module = _MODULE_OF.get(name, name)
+    if _loaded is None and module in BUILTIN_MODULES:
+        provider = importlib.import_module(f"core.providers.{module}").PROVIDER
+        if isinstance(provider, Provider) and provider.name == name:
+            return provider
+    return get(name)
+
+
+def retry_window_of(name: str) -> tuple[timedelta, str]:
+    """``name``'s documented retry window and its citation. A built-in's come from its row of
+    descriptions.toml, which is what its module's ``described()`` reads them from, so no
+    provider module is imported (``webhooks sources list`` needs no other fact of a provider);
+    a plug-in's from the registry. UnknownProvider otherwise."""
+    row = descriptions.table().get(name) if _loaded is None else None
+    if row is not None and _MODULE_OF.get(name, name) in BUILTIN_MODULES:
+        return parse_duration(row["retry_window"]), str(row["citation"])
+    found = get(name)
+    return found.retry_window, found.citation
 
 
 def get(name: str) -> Provider:

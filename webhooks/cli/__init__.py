@@ -1,26 +1,104 @@
-"""The ``webhooks`` command line. Each area registers its own commands."""
+"""The ``webhooks`` command line. Each area registers its own commands.
+
+The areas' modules are imported lazily: a command imports its own module (and what that
+imports) when it runs, never the others' (``events list`` does not import the pipeline's
+``run``, nor ``db`` Alembic's). :data:`COMMANDS` names each top-level command's module, in the
+order help lists them; tests/test_cli_lazy.py checks it against every module's ``register``.
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import typer.core
+import typer.main
 
-from webhooks.cli import (
-    db,
-    operators,
-    pipeline,
-    providers,
-    reconcile,
-    retention,
-    routes,
-    send,
-    source_secrets,
-    sources,
-)
 from webhooks.cli.common import OPTIONS
+
+# Each top-level command and the module whose ``register(app)`` adds it, in the order Typer
+# listed them when every module was registered at import (commands first, then groups).
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("send", "send"),
+    ("serve", "pipeline"),
+    ("run", "pipeline"),
+    ("replay", "operators"),
+    ("demo", "operators"),
+    ("reconcile", "reconcile"),
+    ("db", "db"),
+    ("sources", "sources"),
+    ("secrets", "source_secrets"),
+    ("routes", "routes"),
+    ("handlers", "routes"),
+    ("providers", "providers"),
+    ("events", "operators"),
+    ("deliveries", "operators"),
+    ("dead", "operators"),
+    ("replays", "operators"),
+    ("audit", "operators"),
+    ("ttl", "retention"),
+    ("maintenance", "retention"),
+)
+# The read commands' groups come from their own modules, not through operators (which imports
+# replay and demo too): what `events list` or `dead list` needs and no more.
+_LIGHTEST = {"events": "events", "deliveries": "events"}
+
+
+def module_commands(module: str) -> dict[str, Any]:
+    """The click commands ``webhooks.cli.<module>.register`` adds, by name."""
+    found = importlib.import_module(f"webhooks.cli.{module}")
+    scratch = typer.Typer()
+    found.register(scratch)
+    return dict(typer.main.get_group(scratch).commands)
+
+
+class _LazyCommands(MutableMapping[str, Any]):
+    """The root group's commands: every name known at once, each command built (its module
+    imported) on first access."""
+
+    def __init__(self, given: MutableMapping[str, Any]) -> None:
+        self._built: dict[str, Any] = dict(given)
+        self._names = [name for name, _ in COMMANDS] + [n for n in given if n not in _MODULES]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._built:
+            module = _LIGHTEST.get(name) or _MODULES[name]  # KeyError: no such command
+            for built_name, command in module_commands(module).items():
+                self._built.setdefault(built_name, command)
+        return self._built[name]
+
+    def __setitem__(self, name: str, command: Any) -> None:
+        if name not in self._names:
+            self._names.append(name)
+        self._built[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        self._names.remove(name)
+        self._built.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
+_MODULES = dict(COMMANDS)
+
+
+class LazyGroup(typer.core.TyperGroup):
+    """The root ``webhooks`` group, its commands loaded on demand (:class:`_LazyCommands`)."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        self.commands = _LazyCommands(self.commands)
+
 
 app = typer.Typer(
     name="webhooks",
@@ -28,6 +106,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=LazyGroup,
 )
 
 
@@ -67,21 +146,6 @@ def _options(
 ) -> None:
     """Webhook pipeline: receiver, workers, operators' tools."""
     OPTIONS.env_file = env_file
-
-
-for module in (
-    db,
-    sources,
-    source_secrets,
-    routes,
-    send,
-    providers,
-    pipeline,
-    operators,
-    retention,
-    reconcile,
-):
-    module.register(app)
 
 
 def _plain_help() -> None:

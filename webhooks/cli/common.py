@@ -26,6 +26,7 @@ from core.errors import WebhooksError
 # and so in every module of this package: each `webhooks` process pays for what it imports,
 # `webhooks --help` imports neither pydantic nor SQLAlchemy, and `providers list` no SQLAlchemy.
 if TYPE_CHECKING:
+    import psycopg
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, sessionmaker
 
@@ -147,6 +148,23 @@ class Env:
 
     keys_checked: bool = False
 
+    @contextmanager
+    def reads(self) -> Iterator[psycopg.Connection[Any]]:
+        """One plain psycopg connection in one transaction, for :mod:`models.reads` (the read
+        commands: no SQLAlchemy), after the same key check as :meth:`session`."""
+        from models import pg, reads
+
+        with pg.connect(self.settings) as conn:
+            if not self.keys_checked:
+                from core.crypto import SecretBox
+
+                secret = self.settings.secret_key.get_secret_value()
+                reads.check_stored_keys(
+                    conn, SecretBox(secret, legacy=self.settings.secret_key_legacy)
+                )
+                self.keys_checked = True
+            yield conn
+
     def check_keys(self) -> None:
         """Before the first session: WEBHOOKS_SECRET_KEY must decrypt the stored secrets
         (:class:`core.crypto.KeyMismatch`, one line, otherwise). ``secrets rekey``, the
@@ -260,7 +278,7 @@ def with_docs(message: str, topic: str | None) -> str:
 # (settings, database unavailable, key mismatch), or as :func:`database_error` words them.
 _USER_ERRORS = (
     ("core.settings", "SettingsError"),
-    ("models.db", "DatabaseUnavailable"),
+    ("models.pg", "DatabaseUnavailable"),
     ("core.crypto", "KeyMismatch"),
 )
 _DATABASE_ERRORS = (("sqlalchemy.exc", "DBAPIError"), ("psycopg", "Error"))
@@ -277,7 +295,7 @@ def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ..
 def database_error(exc: BaseException) -> str | None:
     """One line for a Postgres error a user can fix (refused, unknown database, authentication,
     not migrated), naming host:port/database; None for any other error."""
-    from models.db import describe_db_error
+    from models.pg import describe_db_error
 
     url = OPTIONS.database_url or os.environ.get("WEBHOOKS_DATABASE_URL", "")
     return describe_db_error(exc, url)

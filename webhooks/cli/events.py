@@ -33,7 +33,7 @@ from webhooks.cli.render import (
 )
 
 if TYPE_CHECKING:
-    from models.ledger_reads import LedgerEvent
+    from models.views import LedgerEvent
 
 events_app = typer.Typer(
     help="Received events, their deliveries and attempts.", no_args_is_help=True
@@ -69,13 +69,13 @@ def events_list(
     as_json: JsonOpt = False,
 ) -> None:
     """List received events, newest first, with their deliveries' states."""
-    from models import queries
-    from models.queries import EventFilter, receipt_ref
+    from models import reads
+    from models.views import EventFilter, receipt_ref
 
     e = env()
     flt = EventFilter(source, event_type, status, parse_when(e, since), parse_when(e, until), limit)
-    with e.session() as session:
-        rows = queries.list_events(session, flt)
+    with e.reads() as conn:
+        rows = reads.list_events(conn, flt)
     if as_json:
         print_json([plain(r) for r in rows])
         return
@@ -124,13 +124,12 @@ def events_show(
 ) -> None:
     """One event: the receipt, its deliveries and every attempt with its error. Once the
     receipt has expired (its dedup TTL), what the processed-events ledger kept of it."""
-    from models import ledger_reads
-    from models.ledger_reads import LedgerEvent
-    from models.queries import receipt_ref
+    from models import reads
+    from models.views import LedgerEvent, receipt_ref
 
     e = env()
-    with e.session() as session:
-        detail = ledger_reads.get_event(session, event, source=source)
+    with e.reads() as conn:
+        detail = reads.get_event_or_ledger(conn, event, source=source)
     if as_json:
         print_json(plain(detail))
         return
@@ -205,12 +204,12 @@ def deliveries_show(
 ) -> None:
     """One delivery: its event, route and handler, status, attempts (replays marked), dead
     reason and downstream idempotency key."""
-    from models import queries
-    from tasks.context import idempotency_key
+    from core.idempotency import idempotency_key
+    from models import reads
 
     e = env()
-    with e.session() as session:
-        detail = queries.get_delivery(session, delivery, key_of=idempotency_key)
+    with e.reads() as conn:
+        detail = reads.get_delivery(conn, delivery, key_of=idempotency_key)
     if as_json:
         print_json(plain(detail))
         return

@@ -54,11 +54,11 @@ audit_app = typer.Typer(
 @handle_errors
 def dead_list(source: SourceOpt = None, as_json: JsonOpt = False) -> None:
     """Dead deliveries grouped by source, route and reason, with counts."""
-    from models import queries
+    from models import reads
 
     e = env()
-    with e.session() as session:
-        groups = queries.dead_letters(session, source=source)
+    with e.reads() as conn:
+        groups = reads.dead_letters(conn, source=source)
     if as_json:
         print_json([plain(g) for g in groups])
         return

@@ -23,7 +23,7 @@ from rich.text import Text
 from webhooks.cli.common import Env, console
 
 if TYPE_CHECKING:
-    from models import delivery_history
+    from models import views as delivery_history
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 SourceOpt = Annotated[str | None, typer.Option("--source", help="Source id or name.")]
@@ -66,9 +66,9 @@ def count(n: int, singular: str, plural: str | None = None) -> str:
 
 
 def parse_when(e: Env, text: str | None) -> datetime | None:
-    from models import queries
+    from models.views import parse_time
 
-    return None if text is None else queries.parse_time(text, now=e.clock.now())
+    return None if text is None else parse_time(text, now=e.clock.now())
 
 
 def plain(obj: Any) -> Any:

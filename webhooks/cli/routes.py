@@ -38,7 +38,8 @@ handlers_app = typer.Typer(help="The handlers this installation registers.", no_
 
 
 def route_view(r: Any) -> dict[str, Any]:
-    from models import breaker
+    """A route (the ORM's row, or :mod:`models.reads`' with the same columns) as printed."""
+    from models import views as breaker
 
     return {
         "id": r.id,
@@ -118,19 +119,16 @@ def routes_list(
     as_json: JsonOpt = False,
 ) -> None:
     """A source's routes, or every route with its source."""
-    from models import catalog, route_catalog
+    from models import reads
 
     e = env()
-    with e.session() as session:
+    with e.reads() as conn:
         if source is not None:
-            views = [
-                route_view(r)
-                for r in route_catalog.list_routes(session, catalog.get_source(session, source))
-            ]
+            views = [route_view(r) for r in reads.list_routes(conn, reads.source_id(conn, source))]
         else:
             views = [
-                {"source": s.public_id, "source_name": s.name, **route_view(r)}
-                for s, r in route_catalog.list_all_routes(session)
+                {"source": r.source_public_id, "source_name": r.source_name, **route_view(r)}
+                for r in reads.list_all_routes(conn)
             ]
     if as_json:
         print_json(views)

@@ -132,11 +132,15 @@ def _lay_out_partitions(e: Env) -> None:
 
 
 def _source_view(e: Env, source: Source) -> dict[str, Any]:
-    from core.ttl import TtlConfigError
-    from models import catalog
+    """A source (the ORM's row, or :func:`models.reads.list_sources`' with the same columns)
+    as ``sources list|show`` print it."""
+    from core.ttl import TtlConfigError, TtlOverrides, effective_ttl
 
-    try:
-        ttl = catalog.source_effective_ttl(source, e.settings)
+    overrides = TtlOverrides.from_seconds(
+        source.retry_window_s, source.queue_lag_s, source.clock_skew_s, source.replay_grace_s
+    )
+    try:  # models.catalog.source_effective_ttl, without the catalog (SQLAlchemy)
+        ttl = effective_ttl(source.provider, overrides, e.settings, source_name=source.name)
     except TtlConfigError as exc:
         if exc.reason != "unknown_provider":
             raise
@@ -385,13 +389,11 @@ def sources_list(
     ] = False,
 ) -> None:
     """List sources (never a secret). Each source's URL is /webhooks/ID on the receiver."""
-    from sqlalchemy import select
-
-    from models.schema import Source
+    from models import reads
 
     e = env()
-    with e.session() as session:
-        views = [_source_view(e, s) for s in session.scalars(select(Source).order_by(Source.id))]
+    with e.reads() as conn:
+        views = [_source_view(e, s) for s in reads.list_sources(conn)]
     if as_json:
         print_json(views)
         return
