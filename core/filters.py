@@ -153,9 +153,9 @@ def _check_pattern(expression: str, pattern: Any) -> None:
     try:
         _pattern(pattern)
     except re.error as exc:
-        raise FilterError(
-            expression, f"matches(): bad pattern: {exc.msg}", _find(expression, pattern)
-        ) from None
+        quoted = _find(expression, f"'{pattern}'")  # the literal, not an earlier match
+        at = None if quoted is None else quoted + 1 + (exc.pos or 0)
+        raise FilterError(expression, f"matches(): bad pattern: {exc.msg}", at) from None
 
 
 def _find(expression: str, fragment: str) -> int | None:
