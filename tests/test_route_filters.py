@@ -26,6 +26,7 @@ import httpx
 import orjson
 import psycopg
 import pytest
+from alembic import command
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,6 +41,8 @@ from core.filters import (
 )
 from core.settings import Settings
 from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many
+from models.db import alembic_config
+from tests.conftest import TEST_DB
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
 from tests.operators_support import (
@@ -54,6 +57,7 @@ from tests.operators_support import (
     queued_ids,
 )
 from tests.processes import Receiver
+from tests.retention_support import own_database
 from tests.signing import sign
 from tests.workers import attempts, running_worker, scrape_metrics, wait_for, wait_status
 
@@ -523,3 +527,33 @@ def test_a_changed_filter_applies_to_the_events_accepted_afterwards(
         (BIG, "body.data.object.amount >= `1`"),
         ("body.data.object.amount >= `1`", None),
     ]
+
+
+def test_migration_0027_goes_down_and_up_again() -> None:
+    """Downgrade drops what the old code cannot read (the filtered deliveries, the column) and
+    restores 0018's accept functions; upgrade brings the filters back to working."""
+    with own_database(f"{TEST_DB}_filters_0027") as (settings, engine, sessions):
+        made = make_source(
+            sessions, settings, provider="stripe", routes=[{"handler": "log", "filter": BIG}]
+        )
+        receipt = _receipt(made)
+        verdict = evaluate(
+            made.route_ids[0], BIG, document(receipt.payload, receipt.event_type, {})
+        )
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                ACCEPT_MANY_SQL, accept_many_params([_with(receipt, verdict)], NO_GRACE)
+            ).fetchall()
+        assert decide_many([receipt], rows)[0].filtered_routes == made.route_ids
+        config = alembic_config(settings)
+        command.downgrade(config, "0026")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM deliveries")).scalar_one() == 0
+            assert conn.execute(text("SELECT count(*) FROM receipts")).scalar_one() == 1
+        command.upgrade(config, "head")
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE routes SET filter = :f"), {"f": BIG})
+        again = replace(_receipt(made), verdicts=(verdict,))
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+            rows = conn.execute(ACCEPT_MANY_SQL, accept_many_params([again], NO_GRACE)).fetchall()
+        assert decide_many([again], rows)[0].filtered_routes == made.route_ids
