@@ -40,6 +40,7 @@ from core.filters import (
     evaluate,
 )
 from core.settings import Settings
+from models import queue_lag
 from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many
 from models.db import alembic_config
 from tests.conftest import TEST_DB
@@ -461,6 +462,12 @@ def test_a_filtered_event_makes_no_work_shows_everywhere_and_replays_on_purpose(
         ).scalar_one()
     with _console(rcv) as http:
         page = _text(http.get(f"{rcv.admin_url}/console/events/{receipt}").text)
+        listed = http.get(
+            f"{rcv.admin_url}/console/events",
+            params={"source": made.public_id, "status": "filtered"},
+        ).text
+    assert small in listed
+    assert big not in listed
     assert f"log filtered 0 filtered route {route}: filter did not match" in page
 
     with running_worker("filters", tmp_path, concurrency=2, **OPS):
@@ -557,3 +564,23 @@ def test_migration_0027_goes_down_and_up_again() -> None:
         with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
             rows = conn.execute(ACCEPT_MANY_SQL, accept_many_params([again], NO_GRACE)).fetchall()
         assert decide_many([again], rows)[0].filtered_routes == made.route_ids
+
+
+def test_a_filtered_delivery_is_no_queue_lag(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """A filtered delivery never ends, so it has no lag: counted, it would look like work
+    waiting since its event arrived and inflate the measured p99 the TTL is checked with."""
+    made = make_source(
+        sessions, settings, provider="stripe", routes=[{"handler": "log", "filter": BIG}]
+    )
+    receipt = _receipt(made)
+    verdict = evaluate(made.route_ids[0], BIG, document(receipt.payload, receipt.event_type, {}))
+    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            ACCEPT_MANY_SQL, accept_many_params([_with(receipt, verdict)], NO_GRACE)
+        ).fetchall()
+    assert decide_many([receipt], rows)[0].filtered_routes == made.route_ids
+    with engine.connect() as conn:
+        later = datetime.now(UTC) + timedelta(hours=1)
+        assert queue_lag.measure(conn, later, timedelta(days=1), made.id) == {}
