@@ -306,7 +306,8 @@ def sent_audit_params(
     provider: str,
 ) -> dict[str, Any]:
     """SENT_AUDIT_SQL's parameters (pure): a target per receipt whose accept was authorised
-    (a revoked secret wrote nothing, so there is nothing to audit)."""
+    (a revoked secret, or a route filter changed since it was judged, wrote nothing, so there
+    is nothing to audit)."""
     targets = [
         {
             "source": source,
@@ -317,7 +318,7 @@ def sent_audit_params(
             "outcome": o.status,
         }
         for r, o in zip(receipts, outcomes, strict=True)
-        if o.status != "revoked"
+        if o.status not in ("revoked", "stale")
     ]
     return {
         "now": receipts[0].received_at if receipts else None,

@@ -515,12 +515,35 @@ def test_a_changed_filter_applies_to_the_events_accepted_afterwards(
     cleared = cli("routes", "update", route, "--filter", "none", env=env)
     assert cleared.returncode == 0, cleared.stderr
     assert "filter none" in cleared.stdout
-    fourth = _post(rcv, made, 10)
-
-    statuses = [_deliveries(engine, made, e)[0].status for e in (first, second, third, fourth)]
-    assert statuses == ["pending", "filtered", "pending", "pending"]
     shown = cli("routes", "show", route, env=env)
     assert "filter: none (every event of its types)" in shown.stdout
+    fourth = _post(rcv, made, 10)
+
+    # A test send (`webhooks send`, audited in the accept's transaction) through a stale
+    # cache again: one audit row, for the accept that wrote, none for the one that did not.
+    sent_id = f"evt_sent_{uuid.uuid4().hex}"
+    again = cli("routes", "update", route, "--filter", BIG, env=env)
+    assert again.returncode == 0, again.stderr
+    sent = cli(
+        "send", made.public_id, "--url", rcv.url, "--type", "charge.succeeded",
+        "--id", sent_id, "--data", '{"id": "ch_9", "amount": 10}', env=env,
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    assert "202" in sent.stdout
+
+    statuses = [
+        _deliveries(engine, made, e)[0].status for e in (first, second, third, fourth, sent_id)
+    ]
+    assert statuses == ["pending", "filtered", "pending", "pending", "filtered"]
+    with engine.connect() as conn:
+        sends = conn.execute(
+            text(
+                "SELECT target->>'outcome' FROM audit_log WHERE action = 'event.send'"
+                " AND target->>'event_id' = :e"
+            ),
+            {"e": sent_id},
+        ).all()
+    assert [s[0] for s in sends] == ["accepted"]
     with engine.connect() as conn:
         changes = conn.execute(
             text(
@@ -533,6 +556,7 @@ def test_a_changed_filter_applies_to_the_events_accepted_afterwards(
         (None, BIG),
         (BIG, "body.data.object.amount >= `1`"),
         ("body.data.object.amount >= `1`", None),
+        (None, BIG),
     ]
 
 
