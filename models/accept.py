@@ -51,7 +51,7 @@ ACCEPT_MANY_SQL = """
 SELECT ord, authorised, receipt_id, existing_digest, delivery_ids, route_limits,
        filtered_routes, stale
 FROM webhooks_accept_many(%(items)s::json, %(digests)b::bytea[], %(payloads)b::bytea[],
-                          %(grace)s, %(now)s::timestamptz)
+                          %(grace)s, %(now)s::timestamptz, %(verdicts)s::json)
 """
 
 
@@ -150,7 +150,6 @@ def accept_many_params(receipts: Sequence[NewReceipt], grace: timedelta) -> dict
             "expires_at": r.expires_at,
             "ttl_s": r.ttl.total_seconds(),
             "content_type": r.content_type,
-            "verdicts": verdict_rows(r.verdicts),
         }
         for position, r in enumerate(receipts, start=1)
     ]
@@ -160,6 +159,13 @@ def accept_many_params(receipts: Sequence[NewReceipt], grace: timedelta) -> dict
         "payloads": [r.payload for r in receipts],
         "grace": grace,
         "now": receipts[0].received_at if receipts else None,
+        "verdicts": orjson.dumps(
+            [
+                {"ord": position, **row}
+                for position, r in enumerate(receipts, start=1)
+                for row in verdict_rows(r.verdicts)
+            ]
+        ).decode(),
     }
 
 

@@ -3,7 +3,9 @@
 Issue 37 item 1. A route may hold a filter, a JMESPath expression over the event
 (:mod:`core.filters`). The receiver evaluates the filters of a source's routes before its
 accept statement and passes what it decided, per route, with the filter text it evaluated
-(``verdicts``, JSON: ``[{"route_id", "filter", "matched", "reason"}]``). The accept then:
+(``p_verdicts``, JSON: ``[{"route_id", "filter", "matched", "reason"}]``, with the element's
+``ord`` for ``webhooks_accept_many``: its own parameter, read once into a materialised CTE,
+so a batch without filters joins an empty set). The accept then:
 
 - writes a route whose filter did not match as a delivery in the final status ``filtered``
   (``last_error_class`` ``filtered``, ``last_error`` the reason: which route's filter and
@@ -16,8 +18,10 @@ accept statement and passes what it decided, per route, with the filter text it 
   changed filter applies to every event accepted after the change commits, whatever any
   receiver had cached.
 
-A route with no filter costs the accept nothing new but a join that finds no verdict. The
-deliveries are inserted in route order (their ids follow it, as they did without the join).
+A call without verdicts (a source none of whose routes holds a filter) passes the stale check
+and then runs 0018's statement unchanged; only a call with verdicts runs the statement that
+joins them. The deliveries are inserted in route order (their ids follow it, as they did
+without the join).
 
 The bodies are 0018's (loaded from that revision's file and extended at marked places, each
 asserted to occur once). The signatures and return types change: each function is dropped and
@@ -57,6 +61,12 @@ _VERDICTS = (
     " AS v(route_id bigint, filter text, matched boolean, reason text)"
 )
 
+# The verdicts of a batch's elements, each naming its element (``ord``).
+_MANY_VERDICTS = (
+    "json_to_recordset(coalesce(p_verdicts, '[]'::json))"
+    " AS v(ord integer, route_id bigint, filter text, matched boolean, reason text)"
+)
+
 _ONE_STALE = """
     -- A route that applies to this event and holds a filter the receiver did not evaluate as
     -- it stands now: nothing is written, and the receiver reads its routes again.
@@ -80,6 +90,10 @@ _ONE_EDITS = (
      "                 delivery_ids bigint[], route_limits bigint[], filtered_routes bigint[],\n"
      "                 stale boolean)"),
     ("\n    RETURN QUERY\n", _ONE_STALE),
+    ("    WITH authorised AS (\n",
+     "    WITH verdict AS MATERIALIZED (\n"
+     "        SELECT v.* FROM <verdicts:p_verdicts>\n"
+     "    ), authorised AS (\n"),
     ("""        INSERT INTO deliveries (expires_at, receipt_id, source_id, route_id, status,
                                 next_attempt_at, created_at, updated_at)
         SELECT receipt.expires_at, receipt.id, p_source_id, rt.id, 'pending',
@@ -98,7 +112,7 @@ _ONE_EDITS = (
                CASE WHEN v.matched IS FALSE THEN v.reason END
         FROM receipt JOIN routes rt
           ON rt.source_id = p_source_id AND rt.active AND p_event_type LIKE rt.events_like
-        LEFT JOIN <verdicts:p_verdicts> ON v.route_id = rt.id AND v.filter = rt.filter
+        LEFT JOIN verdict v ON v.route_id = rt.id AND v.filter = rt.filter
         ORDER BY rt.id
         RETURNING deliveries.id, deliveries.route_id, deliveries.status
 """),
@@ -118,11 +132,12 @@ _MANY_STALE = """
     -- evaluate as it stands now: nothing of the batch is written, every element answers
     -- stale, and each request reads its routes again.
     IF EXISTS (SELECT 1 FROM json_to_recordset(p_items)
-                             AS e(source_id bigint, event_type text, verdicts json)
+                             AS e(ord integer, source_id bigint, event_type text)
                JOIN routes rt ON rt.source_id = e.source_id AND rt.active
                              AND rt.filter IS NOT NULL AND e.event_type LIKE rt.events_like
-               WHERE NOT EXISTS (SELECT 1 FROM <verdicts:e.verdicts>
-                                 WHERE v.route_id = rt.id AND v.filter = rt.filter)) THEN
+               WHERE NOT EXISTS (SELECT 1 FROM <many-verdicts>
+                                 WHERE v.ord = e.ord AND v.route_id = rt.id
+                                   AND v.filter = rt.filter)) THEN
         RETURN QUERY SELECT e.ord, false, NULL::bigint, NULL::bytea, '{}'::bigint[],
                             '{}'::bigint[], '{}'::bigint[], true
                      FROM json_to_recordset(p_items) AS e(ord integer) ORDER BY e.ord;
@@ -136,11 +151,14 @@ _MANY_EDITS = (
      "                 delivery_ids bigint[], route_limits bigint[], filtered_routes bigint[],\n"
      "                 stale boolean)"),
     ("\n    RETURN QUERY\n", _MANY_STALE),
-    ("               e.content_type, p_digests[e.ord] AS digest, p_payloads[e.ord] AS payload\n",
-     "               e.content_type, p_digests[e.ord] AS digest, p_payloads[e.ord] AS payload,\n"
-     "               e.verdicts\n"),
-    ("            content_type text)\n",
-     "            content_type text, verdicts json)\n"),
+    ("    p_items json, p_digests bytea[], p_payloads bytea[], p_grace interval,"
+     " p_now timestamptz\n",
+     "    p_items json, p_digests bytea[], p_payloads bytea[], p_grace interval,"
+     " p_now timestamptz,\n    p_verdicts json\n"),
+    ("    WITH item AS MATERIALIZED (\n",
+     "    WITH verdict AS MATERIALIZED (\n"
+     "        SELECT v.* FROM <many-verdicts>\n"
+     "    ), item AS MATERIALIZED (\n"),
     ("""        SELECT r.expires_at, r.id, r.source_id, rt.id, 'pending',
                v_now + p_grace, v_now, v_now
         FROM receipt r JOIN routes rt
@@ -156,8 +174,7 @@ _MANY_EDITS = (
         JOIN candidate c ON c.source_id = r.source_id AND c.event_id = r.event_id
         JOIN routes rt
           ON rt.source_id = r.source_id AND rt.active AND r.event_type LIKE rt.events_like
-        LEFT JOIN LATERAL (SELECT v.matched, v.reason FROM <verdicts:c.verdicts>
-                           WHERE v.route_id = rt.id AND v.filter = rt.filter LIMIT 1) v ON true
+        LEFT JOIN verdict v ON v.ord = c.ord AND v.route_id = rt.id AND v.filter = rt.filter
         ORDER BY r.id, rt.id
         RETURNING deliveries.id, deliveries.receipt_id, deliveries.route_id, deliveries.status
 """),
@@ -186,6 +203,9 @@ DROP_ONE_NEW = (
     " timestamptz, bytea, text, bytea, interval, interval, json)"
 )
 DROP_MANY = "DROP FUNCTION webhooks_accept_many(json, bytea[], bytea[], interval, timestamptz)"
+DROP_MANY_NEW = (
+    "DROP FUNCTION webhooks_accept_many(json, bytea[], bytea[], interval, timestamptz, json)"
+)
 
 
 def _revision_0018() -> object:
@@ -197,19 +217,64 @@ def _edited(body: str, edits: Sequence[tuple[str, str]]) -> str:
         if body.count(old) != 1:
             raise RuntimeError(f"0018's function body changed: {old.strip()!r}")
         body = body.replace(old, new)
-    for src in ("p_verdicts", "e.verdicts", "c.verdicts"):
-        body = body.replace(f"<verdicts:{src}>", _VERDICTS.format(src=src))
-    return body
+    body = body.replace("<verdicts:p_verdicts>", _VERDICTS.format(src="p_verdicts"))
+    return body.replace("<many-verdicts>", _MANY_VERDICTS)
+
+
+# The main statement of a body: from its RETURN QUERY ... WITH to the function's END.
+_QUERY_START = "    RETURN QUERY\n    WITH "
+_QUERY_END = "END\n$fn$;"
+
+
+def _query(body: str) -> tuple[int, int]:
+    start, end = body.index(_QUERY_START), body.index(_QUERY_END)
+    if body.count(_QUERY_START) != 1 or body.count(_QUERY_END) != 1:
+        raise RuntimeError("a function body without exactly one main statement")
+    return start, end
+
+
+def _two_ways(old: str, new: str, old_tail: tuple[str, str]) -> str:
+    """``new``, whose main statement runs only when the call carries verdicts: without any
+    (every call for a source with no filtered route, once the stale check has passed) the
+    old statement runs as it was, returning no filtered route, so that the accept costs a
+    source without filters only the check (bench/results_filters.txt)."""
+    o_start, o_end = _query(old)
+    unchanged = _edited_once(old[o_start:o_end], *old_tail)
+    n_start, n_end = _query(new)
+    return (
+        new[:n_start]
+        + "    IF json_array_length(coalesce(p_verdicts, '[]'::json)) = 0 THEN\n"
+        + unchanged
+        + "    ELSE\n"
+        + new[n_start:n_end]
+        + "    END IF;\n"
+        + new[n_end:]
+    )
+
+
+def _edited_once(body: str, old: str, new: str) -> str:
+    if body.count(old) != 1:
+        raise RuntimeError(f"0018's function body changed: {old.strip()!r}")
+    return body.replace(old, new)
 
 
 def accept_function() -> str:
     body: str = _revision_0018().accept_function()  # type: ignore[attr-defined]
-    return _edited(body, _ONE_EDITS)
+    tail = (
+        "ORDER BY delivery.id);\n",
+        "ORDER BY delivery.id),\n           '{}'::bigint[], false;\n",
+    )
+    return _two_ways(body, _edited(body, _ONE_EDITS), tail)
 
 
 def accept_many_function() -> str:
     body: str = _revision_0018().accept_many_function()  # type: ignore[attr-defined]
-    return _edited(body, _MANY_EDITS)
+    tail = (
+        "                     WHERE d.receipt_id = r.id), '{}')\n    FROM item i\n",
+        "                     WHERE d.receipt_id = r.id), '{}'),\n"
+        "           '{}'::bigint[], false\n    FROM item i\n",
+    )
+    return _two_ways(body, _edited(body, _MANY_EDITS), tail)
 
 
 def upgrade() -> None:
@@ -224,7 +289,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute(DROP_ONE_NEW)
-    op.execute(DROP_MANY)
+    op.execute(DROP_MANY_NEW)
     old = _revision_0018()
     op.execute(old.accept_function())  # type: ignore[attr-defined]
     op.execute(old.accept_many_function())  # type: ignore[attr-defined]
