@@ -30,6 +30,7 @@ from alembic import command
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.crypto import SecretBox
 from core.filters import (
     FilterError,
     RouteFilter,
@@ -43,6 +44,8 @@ from core.settings import Settings
 from models import queue_lag
 from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many
 from models.db import alembic_config
+from tasks.reconcile.paging import ProviderEvent
+from tasks.reconcile.run import accept_recovered, load_target
 from tests.conftest import TEST_DB
 from tests.factories import MadeSource, make_source
 from tests.leakcheck import remember
@@ -608,3 +611,39 @@ def test_a_filtered_delivery_is_no_queue_lag(
     with engine.connect() as conn:
         later = datetime.now(UTC) + timedelta(hours=1)
         assert queue_lag.measure(conn, later, timedelta(days=1), made.id) == {}
+
+
+def test_a_recovered_event_is_judged_by_its_routes_filters(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """Reconciliation accepts an event the provider's API lists through the same statement:
+    its routes' filters judge it too (no request headers), read in its own transaction."""
+    made = make_source(
+        sessions,
+        settings,
+        provider="stripe",
+        routes=[{"handler": "log", "filter": "body.data.object.amount >= `1000`"}],
+    )
+    box = SecretBox(settings.secret_key.get_secret_value())
+    with sessions() as session:
+        target = load_target(session, box, settings, made.public_id)
+    events = {
+        amount: ProviderEvent(
+            f"evt_{uuid.uuid4().hex}",
+            "charge.succeeded",
+            datetime.now(UTC),
+            orjson.dumps({"data": {"object": {"amount": amount}}}),
+        )
+        for amount in (10, 5000)
+    }
+    with psycopg.connect(settings.psycopg_dsn) as conn:
+        small = accept_recovered(conn, settings, target, events[10])
+        big = accept_recovered(conn, settings, target, events[5000])
+    assert small == ("accepted", ())
+    assert big[0] == "accepted"
+    assert len(big[1]) == 1
+    statuses = {
+        amount: [d.status for d in _deliveries(engine, made, e.event_id)]
+        for amount, e in events.items()
+    }
+    assert statuses == {10: ["filtered"], 5000: ["pending"]}

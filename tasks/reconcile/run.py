@@ -440,14 +440,16 @@ def accept_recovered(
             payload=event.body,
             ttl=target.ttl,
         )
-        # Its routes' filters judged in this transaction, with no request headers; the
-        # accept re-checks them (a filter changed meanwhile: stale, an error to retry later).
-        filters = route_filters_sync(conn, target.id)
-        verdicts = decide_filters(filters, event.body, event.event_type, {})
-        params = accept_params(replace(receipt, verdicts=verdicts), settings.publish_grace)
-        params["digest"] = None  # not the body the provider signs: compares with nothing
         conn.execute("SELECT set_config('webhooks.arrived_via', 'reconcile', true)")
-        outcome = decide(conn.execute(ACCEPT_SQL, params).fetchone())
-    if outcome.status == "stale":
-        raise FiltersChanged(f"route filters of source {target.public_id} changed meanwhile")
-    return outcome.status, outcome.delivery_ids
+        # Its routes' filters judged here, with no request headers; the accept re-checks
+        # them: one changed between the read and the accept (stale, nothing written) is
+        # read and judged again, once.
+        for _ in range(2):
+            filters = route_filters_sync(conn, target.id)
+            verdicts = decide_filters(filters, event.body, event.event_type, {})
+            params = accept_params(replace(receipt, verdicts=verdicts), settings.publish_grace)
+            params["digest"] = None  # not the body the provider signs: compares with nothing
+            outcome = decide(conn.execute(ACCEPT_SQL, params).fetchone())
+            if outcome.status != "stale":
+                return outcome.status, outcome.delivery_ids
+    raise FiltersChanged(f"route filters of source {target.public_id} changed twice meanwhile")
