@@ -123,14 +123,14 @@ def compile_filter(expression: str) -> ParsedResult:
         raise FilterError(expression, str(exc).splitlines()[0]) from None
     for name, args in _function_calls(parsed.parsed):
         if name not in _KNOWN_FUNCTIONS:
-            raise FilterError(expression, f"unknown function {name}()", _find(expression, name))
+            raise FilterError(expression, f"unknown function {name}()", _call_at(expression, name))
         wanted = len(_FUNCTIONS.FUNCTION_TABLE[name]["signature"])
         variadic = any(a.get("variadic") for a in _FUNCTIONS.FUNCTION_TABLE[name]["signature"])
         if len(args) != wanted and not variadic:
             raise FilterError(
                 expression,
                 f"{name}() takes {wanted} arguments, given {len(args)}",
-                _find(expression, name),
+                _call_at(expression, name),
             )
         if name == "matches" and len(args) == 2 and args[1].get("type") == "literal":  # noqa: PLR2004
             _check_pattern(expression, args[1].get("value"))
@@ -156,6 +156,12 @@ def _check_pattern(expression: str, pattern: Any) -> None:
         quoted = _find(expression, f"'{pattern}'")  # the literal, not an earlier match
         at = None if quoted is None else quoted + 1 + (exc.pos or 0)
         raise FilterError(expression, f"matches(): bad pattern: {exc.msg}", at) from None
+
+
+def _call_at(expression: str, name: str) -> int | None:
+    """Where a call of ``name`` starts (``name`` then ``(``, spaces allowed between)."""
+    found = re.search(rf"(?<![\w.]){re.escape(name)}\s*\(", expression)
+    return None if found is None else found.start()
 
 
 def _find(expression: str, fragment: str) -> int | None:

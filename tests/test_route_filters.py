@@ -139,6 +139,8 @@ def test_a_filter_never_sees_a_credential_header() -> None:
         ("body.amount = 3", 12, "Unknown token"),
         ("nope(body)", 0, "unknown function nope()"),
         ("contains(type)", 0, "contains() takes 2 arguments, given 1"),
+        ("body.nope && nope (type)", 13, "unknown function nope()"),  # the call, not the field
+        ("body.contains && contains(type)", 17, "contains() takes 2 arguments"),
         ("matches(type, '[a')", 15, "bad pattern"),
         ("   ", 0, "empty expression"),
     ],
