@@ -29,6 +29,13 @@ DUPLICATES = Counter(
     "webhooks_duplicates_total", "Duplicate deliveries (same id, same body)", ["source"]
 )
 CONFLICTS = Counter("webhooks_conflicts_total", "Same event id, different body", ["source"])
+# An accepted event a route's filter did not match (core.filters): a ``filtered`` delivery,
+# no work for that route's workers. ``route``: the route's id.
+FILTERED = Counter(
+    "webhooks_filtered_total",
+    "Accepted events a route's filter did not match, by source and route",
+    ["source", "route"],
+)
 # A stored secret refused where it was read (core.crypto): ``misplaced``, sealed for another row
 # or purpose (copied there: alerted); ``unbound``, written before binding (run db upgrade).
 SECRETS_REFUSED = Counter(
@@ -322,6 +329,7 @@ RECEIVER_ONLY: tuple[Any, ...] = (
     REQUESTS,
     DUPLICATES,
     CONFLICTS,
+    FILTERED,
     PUBLISH_FAILURES,
     PUBLISH_DEFERRED,
     PUBLISHER_DEATHS,

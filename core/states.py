@@ -21,6 +21,9 @@ class DeliveryStatus(StrEnum):
     RETRYING = "retrying"
     DEAD = "dead"
     DISCARDED = "discarded"
+    # Final at the accept: the route's filter did not match the event (core.filters); no
+    # work was made for it, ``last_error`` says why. Replayed only when chosen by its id.
+    FILTERED = "filtered"
 
 
 #: Work not finished yet: it holds its receipt and keeps a route from being removed.
@@ -79,6 +82,7 @@ _OUTCOME_ORDER = (
     DeliveryStatus.DEAD,
     DeliveryStatus.SUCCEEDED,
     DeliveryStatus.DISCARDED,
+    DeliveryStatus.FILTERED,
 )
 #: The outcome of a receipt no route matched: recorded, nothing to deliver.
 NO_ROUTES = "no_routes"
@@ -86,8 +90,8 @@ NO_ROUTES = "no_routes"
 
 def receipt_outcome(counts: Mapping[str, int]) -> str:
     """One word for where a receipt's deliveries stand, from their statuses counted: the
-    first of processing, retrying, pending (still in flight), dead, succeeded, discarded that
-    any of them holds, or ``no_routes`` when it has none (pure)."""
+    first of processing, retrying, pending (still in flight), dead, succeeded, discarded,
+    filtered that any of them holds, or ``no_routes`` when it has none (pure)."""
     for status in _OUTCOME_ORDER:
         if counts.get(status, 0) > 0:
             return status.value

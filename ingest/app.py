@@ -54,6 +54,7 @@ from core import metrics, send_marks, tracing
 from core.clock import Clock, SystemClock, pinned
 from core.crypto import SecretBox, SecretDecryptError, SecretMisplaced, SecretUnbound
 from core.errors import WebhooksError
+from core.filters import FiltersChanged
 from core.logs import configure_logging, get_logger
 from core.messages import Dispatch
 from core.providers import (
@@ -71,8 +72,9 @@ from core.providers import (
 )
 from core.settings import Settings, load_settings
 from core.ttl import expires_at
+from ingest.filtering import accept_judged
 from ingest.store import SourceRecord, Store
-from models.accept import NewReceipt
+from models.accept import NewReceipt, Outcome
 from tasks.publisher import Publisher
 
 if TYPE_CHECKING:
@@ -274,16 +276,13 @@ class Receiver:
             return await self._challenge(label, source, secret_id, meta)
         if isinstance(meta, Batch):
             return await self._receive_batch(
-                label, source, secret_id, meta, body, now, started, sent
+                label, source, secret_id, meta, body, now, started, sent, headers
             )
 
         receipt = self._receipt(source, secret_id, meta, body, headers.get("content-type"), now)
         try:
-            if sent is None:
-                outcome = await self._accept(receipt)
-            else:
-                [outcome] = await self._accept_sent([receipt], source, sent)
-        except DB_ERRORS:
+            [outcome] = await self._judged(source, [receipt], headers, sent, one=True)
+        except (*DB_ERRORS, FiltersChanged):
             return self._unavailable(label)
 
         if outcome.status == "revoked":
@@ -366,6 +365,7 @@ class Receiver:
         now: Any,
         started: float,
         sent: send_marks.TestSend | None,
+        headers: Any,
     ) -> Response:
         """Several events in one request: one receipt each, deduplicated on its own id, all
         accepted in one transaction (all or nothing); the answer is the provider's own."""
@@ -378,11 +378,8 @@ class Receiver:
         content_type = None
         receipts = [self._receipt(source, secret_id, e, body, content_type, now) for e in events]
         try:
-            if sent is None:
-                outcomes = await self._accept_all(receipts)
-            else:
-                outcomes = await self._accept_sent(receipts, source, sent)
-        except DB_ERRORS:
+            outcomes = await self._judged(source, receipts, headers, sent, one=False)
+        except (*DB_ERRORS, FiltersChanged):
             return self._unavailable(label)
         if any(o.status == "revoked" for o in outcomes):
             self.store.forget(source.public_id)
@@ -480,6 +477,22 @@ class Receiver:
             if fresh is None:
                 raise
             return verify(fresh)
+
+    async def _judged(
+        self,
+        source: SourceRecord,
+        receipts: list[NewReceipt],
+        headers: Any,
+        sent: send_marks.TestSend | None,
+        *,
+        one: bool,
+    ) -> list[Outcome]:  # the accept, route filters judged first (ingest.filtering)
+        async def run(judged: list[NewReceipt]) -> list[Outcome]:
+            if sent is not None:
+                return await self._accept_sent(judged, source, sent)
+            return [await self._accept(judged[0])] if one else await self._accept_all(judged)
+
+        return await accept_judged(self.store, source, receipts, headers, run)
 
     async def _accept_all(self, receipts: list[NewReceipt]) -> list[Any]:
         return await self._partitioned(lambda: self.store.accept_all(receipts))

@@ -37,6 +37,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from core import metrics
 from core.crypto import SecretBox, source_secret_place
+from core.filters import RouteFilter
 from core.logs import get_logger
 from core.providers import registry
 from core.settings import Settings
@@ -86,7 +87,10 @@ SELECT s.id, s.provider, s.config, s.tolerance_s, s.max_body_bytes,
        coalesce(array_agg(ss.id ORDER BY ss.created_at DESC)
                 FILTER (WHERE ss.id IS NOT NULL), '{}'),
        coalesce(array_agg(ss.ciphertext ORDER BY ss.created_at DESC)
-                FILTER (WHERE ss.id IS NOT NULL), '{}')
+                FILTER (WHERE ss.id IS NOT NULL), '{}'),
+       ARRAY(SELECT ARRAY[rt.id::text, rt.events_glob, rt.filter] FROM routes rt
+             WHERE rt.source_id = s.id AND rt.active AND rt.filter IS NOT NULL
+             ORDER BY rt.id)
 FROM sources s
 LEFT JOIN source_secrets ss ON ss.source_id = s.id AND ss.revoked_at IS NULL
 WHERE s.public_id = %s
@@ -135,6 +139,9 @@ class SourceRecord:
     loaded_at: float
     # False: `webhooks sources disable` (410 Gone); seen within settings.source_cache_ttl.
     active: bool = True
+    # Its active routes that hold a filter. A cache older than a change is caught by the
+    # accept (``stale``: migration 0027), which the receiver answers by reading them again.
+    filters: tuple[RouteFilter, ...] = ()
 
 
 class Store:
@@ -266,7 +273,10 @@ class Store:
         return None if cached is None else cached.loaded_at
 
     def _record(self, public_id: str, row: TupleRow) -> SourceRecord:
-        (sid, provider, config, tolerance_s, max_body, rw, ql, cs, rg, name, active, ids, cts) = row
+        (sid, provider, config, tolerance_s, max_body, rw, ql, cs, rg, name, active, ids, cts) = (
+            row[:13]
+        )
+        filters = tuple(RouteFilter(int(r), glob, expr) for r, glob, expr in row[13])
         if provider in registry.providers():
             ttl = effective_ttl(
                 provider, TtlOverrides.from_seconds(rw, ql, cs, rg), self.settings, source_name=name
@@ -290,6 +300,7 @@ class Store:
             ),
             loaded_at=time.monotonic(),
             active=bool(active),
+            filters=filters,
         )
 
     async def accept(self, receipt: NewReceipt) -> Outcome:

@@ -28,6 +28,7 @@ import orjson
 import psycopg
 from psycopg.rows import TupleRow
 
+from core.filters import RouteFilter, Verdict
 from core.messages import Dispatch, RouteRow
 from core.states import receipt_outcome
 
@@ -35,10 +36,11 @@ from core.states import receipt_outcome
 # per-event advisory lock, then inserts the receipt unless a live one exists, one delivery per
 # matching route, and a conflict row when the digest differs; all or nothing.
 ACCEPT_SQL = """
-SELECT authorised, receipt_id, existing_digest, delivery_ids, route_limits
+SELECT authorised, receipt_id, existing_digest, delivery_ids, route_limits, filtered_routes,
+       stale
 FROM webhooks_accept(%(source_id)s, %(secret_id)s, %(event_id)s, %(event_type)s,
                      %(occurred_at)s, %(expires_at)s, %(now)s::timestamptz, %(digest)s,
-                     %(content_type)s, %(payload)s, %(grace)s, %(ttl)s)
+                     %(content_type)s, %(payload)s, %(grace)s, %(ttl)s, %(verdicts)s::json)
 """
 
 
@@ -46,9 +48,10 @@ FROM webhooks_accept(%(source_id)s, %(secret_id)s, %(event_id)s, %(event_type)s,
 # array, the digests and bodies as binary arrays (``%b``: the text array format would escape
 # every quote of every JSON body); one row per element with its 1-based position.
 ACCEPT_MANY_SQL = """
-SELECT ord, authorised, receipt_id, existing_digest, delivery_ids, route_limits
+SELECT ord, authorised, receipt_id, existing_digest, delivery_ids, route_limits,
+       filtered_routes, stale
 FROM webhooks_accept_many(%(items)s::json, %(digests)b::bytea[], %(payloads)b::bytea[],
-                          %(grace)s, %(now)s::timestamptz)
+                          %(grace)s, %(now)s::timestamptz, %(verdicts)s::json)
 """
 
 
@@ -56,12 +59,15 @@ FROM webhooks_accept_many(%(items)s::json, %(digests)b::bytea[], %(payloads)b::b
 class Outcome:
     """What the accept transaction decided."""
 
-    status: str  # "accepted" | "duplicate" | "conflict" | "revoked"
+    status: str  # "accepted" | "duplicate" | "conflict" | "revoked" | "stale"
     receipt_id: int | None
     delivery_ids: tuple[int, ...]
     # For each delivery id, in order, what admission reads of its route (migration 0018:
     # route id, max_in_flight, rate_count, rate_period_s, held), as the accept read it.
     route_limits: tuple[RouteRow, ...] = ()
+    # The routes whose filter did not match: each has a ``filtered`` delivery, not published
+    # (migration 0027).
+    filtered_routes: tuple[int, ...] = ()
 
     def dispatches(self, event_id: str, source: str) -> list[Dispatch]:
         """Its deliveries to publish, each with its route's limits when the accept read them."""
@@ -92,6 +98,18 @@ class NewReceipt:
     content_type: str | None
     payload: bytes
     ttl: timedelta
+    # The source's route filters decided for this event (core.filters), each with the text
+    # it evaluated: the accept refuses to decide (``stale``) when a route's filter is not
+    # among them as it now stands (migration 0027).
+    verdicts: tuple[Verdict, ...] = ()
+
+
+def verdict_rows(verdicts: Sequence[Verdict]) -> list[dict[str, Any]]:
+    """The verdicts as the accept functions read them (migration 0027; pure)."""
+    return [
+        {"route_id": v.route_id, "filter": v.expression, "matched": v.matched, "reason": v.reason}
+        for v in verdicts
+    ]
 
 
 def accept_params(receipt: NewReceipt, grace: timedelta) -> dict[str, Any]:
@@ -108,6 +126,7 @@ def accept_params(receipt: NewReceipt, grace: timedelta) -> dict[str, Any]:
         "payload": receipt.payload,
         "grace": grace,
         "ttl": receipt.ttl,
+        "verdicts": orjson.dumps(verdict_rows(receipt.verdicts)).decode(),
     }
 
 
@@ -140,6 +159,13 @@ def accept_many_params(receipts: Sequence[NewReceipt], grace: timedelta) -> dict
         "payloads": [r.payload for r in receipts],
         "grace": grace,
         "now": receipts[0].received_at if receipts else None,
+        "verdicts": orjson.dumps(
+            [
+                {"ord": position, **row}
+                for position, r in enumerate(receipts, start=1)
+                for row in verdict_rows(r.verdicts)
+            ]
+        ).decode(),
     }
 
 
@@ -159,7 +185,9 @@ def decide(row: TupleRow | None) -> Outcome:
     """Interpret the accept statement's single row (pure)."""
     if row is None:
         raise RuntimeError("accept statement returned no row")
-    authorised, receipt_id, _existing_digest, delivery_ids, route_limits = row
+    authorised, receipt_id, _existing_digest, delivery_ids, route_limits, filtered, stale = row
+    if stale:
+        return Outcome("stale", None, ())
     if not authorised:
         return Outcome("revoked", None, ())
     if receipt_id is not None:
@@ -167,8 +195,23 @@ def decide(row: TupleRow | None) -> Outcome:
         routes = tuple(tuple(r) for r in route_limits)
         if len(routes) != len(ids):
             raise RuntimeError("accept statement returned route limits that do not match")
-        return Outcome("accepted", int(receipt_id), ids, routes)
+        return Outcome(
+            "accepted", int(receipt_id), ids, routes, tuple(int(r) for r in filtered or ())
+        )
     return Outcome("duplicate", None, ())
+
+
+# A source's active routes that hold a filter, as the receiver's source read has them
+# (ingest.store.SOURCE_SQL): for the accepts that do not go through the receiver.
+ROUTE_FILTERS_SQL = """
+SELECT rt.id, rt.events_glob, rt.filter FROM routes rt
+WHERE rt.source_id = %(source_id)s AND rt.active AND rt.filter IS NOT NULL ORDER BY rt.id
+"""
+
+
+def route_filters_sync(conn: psycopg.Connection[Any], source_id: int) -> tuple[RouteFilter, ...]:
+    rows = conn.execute(ROUTE_FILTERS_SQL, {"source_id": source_id}).fetchall()
+    return tuple(RouteFilter(int(r), glob, expr) for r, glob, expr in rows)
 
 
 def accept_sync(conn: psycopg.Connection[Any], receipt: NewReceipt, grace: timedelta) -> Outcome:
@@ -269,7 +312,8 @@ def sent_audit_params(
     provider: str,
 ) -> dict[str, Any]:
     """SENT_AUDIT_SQL's parameters (pure): a target per receipt whose accept was authorised
-    (a revoked secret wrote nothing, so there is nothing to audit)."""
+    (a revoked secret, or a route filter changed since it was judged, wrote nothing, so there
+    is nothing to audit)."""
     targets = [
         {
             "source": source,
@@ -280,7 +324,7 @@ def sent_audit_params(
             "outcome": o.status,
         }
         for r, o in zip(receipts, outcomes, strict=True)
-        if o.status != "revoked"
+        if o.status not in ("revoked", "stale")
     ]
     return {
         "now": receipts[0].received_at if receipts else None,

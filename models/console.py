@@ -336,6 +336,7 @@ class RouteRow:
     active: bool
     state: RouteState
     limits: dict[str, Any]  # models.breaker.limits_view: max_in_flight, rate_limit (None: unset)
+    filter: str | None = None  # its JMESPath filter (core.filters), None: every event
 
 
 @dataclass(frozen=True)
@@ -361,6 +362,7 @@ def catalog(session: Session) -> list[SourceRow]:
                 route.active,
                 state_of(route),
                 limits_view(route),
+                route.filter,
             )
         )
     return [SourceRow(s.public_id, s.name, s.provider, s.active, by_source[s.id]) for s in sources]

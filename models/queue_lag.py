@@ -47,7 +47,7 @@ WITH clock AS MATERIALIZED (
     JOIN deliveries d ON d.receipt_id = r.id AND d.expires_at = r.expires_at
     WHERE r.received_at >= (SELECT now FROM clock) - CAST(:window AS interval)
       AND r.received_at < (SELECT now FROM clock)
-      AND d.status <> 'discarded' AND d.attempt_base = 0 {source}
+      AND d.status NOT IN ('discarded', 'filtered') AND d.attempt_base = 0 {source}
 ), backlog AS (
     SELECT d.source_id,
            extract(epoch FROM (SELECT now FROM clock) - r.received_at) AS lag

@@ -1,8 +1,8 @@
 """The transitions that put a delivery back in line, or take it out, guarded like every
-other (:mod:`models.transitions`): an operator's replay (dead -> pending), re-run (succeeded
--> pending, generation + 1) and discard (dead -> discarded), and the sweeper's pick of the
-deliveries whose message was lost (:func:`due_for_publish`). Time as there: the database's
-clock unless a test pins ``now``."""
+other (:mod:`models.transitions`): an operator's replay (dead -> pending; filtered -> pending,
+only for deliveries named by id), re-run (succeeded -> pending, generation + 1) and discard
+(dead -> discarded), and the sweeper's pick of the deliveries whose message was lost
+(:func:`due_for_publish`). Time as there: the database's clock unless a test pins ``now``."""
 
 from __future__ import annotations
 
@@ -74,7 +74,9 @@ _REPLAY_MANY_SQL = """
     UPDATE deliveries d SET status = 'pending', attempt_base = d.attempts, redeliveries = 0,
         generation = d.generation + :bump, succeeded_at = NULL, dead_reason = NULL,
         dead_at = NULL, first_attempt_at = NULL, next_attempt_at = :now + :grace,
-        updated_at = :now
+        updated_at = :now,
+        last_error_class = CASE WHEN d.status = 'filtered' THEN NULL ELSE d.last_error_class END,
+        last_error = CASE WHEN d.status = 'filtered' THEN NULL ELSE d.last_error END
     WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.status = :status
       AND (SELECT r.payload IS NOT NULL FROM receipts r
            WHERE r.id = d.receipt_id AND r.expires_at = d.expires_at)
@@ -89,14 +91,20 @@ def replay_many(
     now: datetime | None,
     publish_grace: timedelta,
 ) -> set[int]:
-    """:func:`replay` (``dead``) and :func:`rerun` (``succeeded``) for many (delivery id, status
-    the plan saw) pairs, one statement per status, each row guarded on its own; a row whose
-    payload retention dropped is not moved. Returns the ids that moved (the others: the
-    caller asks why). Run it in a transaction of its own: it turns JIT compilation off there
-    (planning a statement over every partition, Postgres would spend seconds compiling it)."""
+    """:func:`replay` (``dead``, and ``filtered``: a delivery its route's filter kept from
+    running, replayed on purpose, its filter's reason cleared) and :func:`rerun`
+    (``succeeded``) for many (delivery id, status the plan saw) pairs, one statement per
+    status, each row guarded on its own; a row whose payload retention dropped is not moved.
+    Returns the ids that moved (the others: the caller asks why). Run it in a transaction of
+    its own: it turns JIT compilation off there (planning a statement over every partition,
+    Postgres would spend seconds compiling it)."""
     session.execute(text("SET LOCAL jit = off"))
     moved: set[int] = set()
-    for status, bump in ((DeliveryStatus.DEAD, 0), (DeliveryStatus.SUCCEEDED, 1)):
+    for status, bump in (
+        (DeliveryStatus.DEAD, 0),
+        (DeliveryStatus.SUCCEEDED, 1),
+        (DeliveryStatus.FILTERED, 0),
+    ):
         ids = [i for i, seen in wanted if seen == status]
         if ids:
             rows = session.execute(

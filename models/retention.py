@@ -71,7 +71,7 @@ EXPIRING_TABLES = ("deliveries", "attempts", "receipts", "conflicts")
 
 # What the batched delete may remove: finished for good.
 _REMOVABLE = (
-    "(status IN ('succeeded', 'discarded') OR (status = 'dead' AND dead_at IS NOT NULL"
+    "(status IN ('succeeded', 'discarded', 'filtered') OR (status = 'dead' AND dead_at IS NOT NULL"
     " AND dead_at <= CAST(:now AS timestamptz) - :retention))"
 )
 

@@ -18,6 +18,7 @@ from core.crypto import (
     generate_secret,
     route_secret_place,
 )
+from core.filters import compile_filter
 from core.providers import registry
 from core.states import DeliveryStatus
 from models.catalog import (
@@ -48,11 +49,14 @@ def add_route(
     options: dict[str, str] | None = None,
     max_attempts: int | None = None,
     max_age: timedelta | None = None,
+    filter: str | None = None,  # noqa: A002 (the option's and the column's name)
     operator: str | None = None,
     via: str = "cli",
 ) -> tuple[Route, str | None]:
     """Bind a handler (audited: ``operator``, default this process's login name).
-    ``forward`` routes get their own signing secret (returned once, never audited)."""
+    ``forward`` routes get their own signing secret (returned once, never audited). A
+    ``filter`` is checked first (:func:`check_filter`): a bad one saves nothing."""
+    expression = check_filter(filter)
     if not handler.strip():
         raise CatalogError("handler name must not be empty")
     if not events.strip():
@@ -73,6 +77,7 @@ def add_route(
         options=opts,
         max_attempts=max_attempts,
         max_age_s=whole_seconds(max_age),
+        filter=expression,
     )
     session.add(route)
     session.flush()
@@ -88,6 +93,36 @@ def add_route(
         via=via,
     )
     return route, signing_plain
+
+
+def check_filter(expression: str | None) -> str | None:
+    """The filter to store: None for none (``None``, empty, or ``none``), else the expression
+    as given once it compiles; :class:`core.filters.FilterError` with the position of what is
+    wrong otherwise. The one check every way of saving a filter goes through."""
+    if expression is None or expression.strip() in ("", "none"):
+        return None
+    compile_filter(expression)
+    return expression
+
+
+def set_filter(
+    session: Session, route_id: int, expression: str | None, change: Change, *, now: datetime | None
+) -> Changed:
+    """Set or clear a route's filter (audited ``route.filter``, the old and new text). It
+    applies to the events accepted after this commits: every accept checks that it judged
+    each filter as it stands (migration 0027); events accepted before keep their deliveries."""
+    change.check()
+    stored = check_filter(expression)
+    route = session.scalars(select(Route).where(Route.id == route_id).with_for_update()).first()
+    if route is None:
+        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
+    before = route.filter
+    route.filter = stored
+    session.flush()
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = {**route_target(route, source), "before": before, "after": stored}
+    audit_id = record_audit(session, change, "route.filter", target, count=1, now=now)
+    return Changed(audit_id, target, 0)
 
 
 def unsigned_type_warning(source: Source, events: str) -> str | None:
@@ -167,12 +202,15 @@ def active_routes(session: Session) -> list[tuple[Route, str]]:
 
 
 def route_target(route: Route, source: str) -> dict[str, Any]:
-    return {
+    target = {
         "route": route.id,
         "source": source,
         "handler": route.handler,
         "events": route.events_glob,
     }
+    if route.filter is not None:
+        target["filter"] = route.filter
+    return target
 
 
 def set_route_active(

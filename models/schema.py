@@ -166,6 +166,9 @@ class Route(Base):
     # breaker open past WEBHOOKS_ROUTE_DISABLE_AFTER, or by an operator. NULL while active.
     disabled_at: Mapped[datetime | None] = mapped_column()
     disabled_reason: Mapped[str | None] = mapped_column(Text)
+    # A JMESPath predicate over the event (core.filters, migration 0027); NULL: every event
+    # of its types. Checked when saved (models.route_catalog.check_filter).
+    filter: Mapped[str | None] = mapped_column(Text)
 
 
 receipt_id_seq = Sequence("receipts_id_seq", metadata=Base.metadata)

@@ -301,6 +301,7 @@ def test_a_post_without_its_csrf_token_is_403_and_changes_nothing(
         ("/console/sources/new", {"name": "csrf-test", "provider": "stripe"}),
         (f"/console/sources/{source.public_id}/routes", {"handler": "log"}),
         (f"/console/routes/{route}/limits", {"rate": "5/s", "reason": "csrf test"}),
+        (f"/console/routes/{route}/filter", {"filter": "`false`", "reason": "csrf test"}),
         ("/console/logout", {}),
     ]
     for path, form in posts:
@@ -439,7 +440,8 @@ def test_every_console_action_that_changes_data_is_audited(
     route disabled, enabled (here), paused, resumed, removed (test_routes_pause_resume...),
     a source disabled and enabled (here), dead letters replayed (a ``replays`` row) or
     discarded, a replay cancelled, a login, a source created, a route added, a route's
-    limits set (test_a_source_and_its_routes_are_created_and_limited_from_the_page)."""
+    limits set (test_a_source_and_its_routes_are_created_and_limited_from_the_page), a
+    route's filter set (tests/test_route_filters.py)."""
     from ingest.console.app import create_console
     from ingest.plane import OperatorTokens, PlaneState
 
@@ -451,6 +453,7 @@ def test_every_console_action_that_changes_data_is_audited(
         "/login",  # login, login.failed
         "/logout",  # ends this process's session: nothing stored
         "/replays/{replay}/cancel",  # replay.cancel
+        "/routes/{route}/filter",  # route.filter (tests/test_route_filters.py)
         "/routes/{route}/limits",  # route.limits
         "/routes/{route}/{action}",  # route.enable|disable|pause|resume|remove
         "/sources/new",  # source.add

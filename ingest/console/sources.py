@@ -1,6 +1,6 @@
 """The console's sources and routes: the catalog with each route's pause and breaker state,
 and the audited changes (a source created, enabled or disabled; a route added, enabled,
-disabled, removed, paused or resumed, or its limits set), the session's token name as the
+disabled, removed, paused or resumed, or its limits or filter set), the session's token name as the
 operator, ``via: console``. A created source's generated signing secret and a forward
 route's are shown once, on the page that answers the form, as ``webhooks sources add`` and
 ``routes add`` print them: never logged, never stored in the clear."""
@@ -35,6 +35,7 @@ def routes(c: Console) -> list[Route]:
         c.post("/sources/new", source_new),
         c.post("/sources/{source}/routes", route_new),
         c.post("/routes/{route}/limits", route_limits),
+        c.post("/routes/{route}/filter", route_filter),
         c.post("/routes/{route}/{action}", route_action),
         c.post("/sources/{source}/{action}", source_action),
     ]
@@ -104,6 +105,7 @@ async def route_new(c: Console, v: Visit) -> Response:
     events = (one(v.form, "events") or "").strip() or "*"
     url = (one(v.form, "url") or "").strip()
     attempts = (one(v.form, "max_attempts") or "").strip()
+    expression = (one(v.form, "filter") or "").strip() or None
     try:
         load_registry(c.settings.handler_modules).require(handler)
         if attempts and not attempts.isdigit():
@@ -120,6 +122,7 @@ async def route_new(c: Console, v: Visit) -> Response:
                 events=events,
                 options=options,
                 max_attempts=int(attempts) if attempts else None,
+                filter=expression,
                 operator=v.session.operator,
                 via="console",
             )
@@ -155,6 +158,20 @@ async def route_limits(c: Console, v: Visit) -> Response:
     except WebhooksError as exc:
         return c.error(v, str(exc))
     log.info("console.route_changed", route=route_id, action="limits", operator=change.operator)
+    return redirect("/console/routes")
+
+
+async def route_filter(c: Console, v: Visit) -> Response:
+    """Set or clear a route's filter (audited: before and after); a bad expression is refused
+    with its position and nothing is saved."""
+    change = Change(v.session.operator, one(v.form, "reason") or "", via="console")
+    expression = (one(v.form, "filter") or "").strip() or None
+    try:
+        route_id = queries.parse_id(v.request.path_params["route"], "route id")
+        await c.db(lambda s: route_catalog.set_filter(s, route_id, expression, change, now=None))
+    except WebhooksError as exc:
+        return c.error(v, str(exc))
+    log.info("console.route_changed", route=route_id, action="filter", operator=change.operator)
     return redirect("/console/routes")
 
 

@@ -15,7 +15,7 @@ later is a duplicate, and so is a recovery arriving after the webhook.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -27,12 +27,14 @@ from core import metrics
 from core.crypto import SecretBox, SecretMisplaced, SecretUnbound, reconcile_place
 from core.durations import format_duration
 from core.errors import WebhooksError
+from core.filters import FiltersChanged
+from core.filters import decide as decide_filters
 from core.logs import get_logger
 from core.providers import reconcile_options as options
 from core.settings import Settings
 from core.ttl import expires_at
 from models import catalog
-from models.accept import ACCEPT_SQL, NewReceipt, accept_params, decide
+from models.accept import ACCEPT_SQL, NewReceipt, accept_params, decide, route_filters_sync
 from models.schema import SourceSecret
 from tasks.reconcile.paging import (
     MAX_WAIT,
@@ -438,8 +440,16 @@ def accept_recovered(
             payload=event.body,
             ttl=target.ttl,
         )
-        params = accept_params(receipt, settings.publish_grace)
-        params["digest"] = None  # not the body the provider signs: compares with nothing
         conn.execute("SELECT set_config('webhooks.arrived_via', 'reconcile', true)")
-        outcome = decide(conn.execute(ACCEPT_SQL, params).fetchone())
-    return outcome.status, outcome.delivery_ids
+        # Its routes' filters judged here, with no request headers; the accept re-checks
+        # them: one changed between the read and the accept (stale, nothing written) is
+        # read and judged again, once.
+        for _ in range(2):
+            filters = route_filters_sync(conn, target.id)
+            verdicts = decide_filters(filters, event.body, event.event_type, {})
+            params = accept_params(replace(receipt, verdicts=verdicts), settings.publish_grace)
+            params["digest"] = None  # not the body the provider signs: compares with nothing
+            outcome = decide(conn.execute(ACCEPT_SQL, params).fetchone())
+            if outcome.status != "stale":
+                return outcome.status, outcome.delivery_ids
+    raise FiltersChanged(f"route filters of source {target.public_id} changed twice meanwhile")

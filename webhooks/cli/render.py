@@ -118,8 +118,10 @@ def print_delivery(d: delivery_history.DeliveryView) -> None:
         line += f", result {escape(d.result_ref)}"
     if d.next_attempt_at is not None:
         line += f", next attempt {when(d.next_attempt_at)}"
+    if d.status == "filtered":  # no work was made: why, on the delivery's own line
+        line += f": {escape(d.last_error or 'its filter did not match')}"
     say(line)
-    if d.last_error_class:
+    if d.last_error_class and d.status != "filtered":
         say(f"  last error: {escape(d.last_error_class)}: {escape(d.last_error or '')}")
     marks = {m.first_attempt: m for m in d.replays if m.first_attempt is not None}
     table = _attempt_table()

@@ -83,6 +83,8 @@ def _show_preview(plan: replays.Plan) -> None:
     console.print(f"would replay {count(plan.count, 'delivery')}{more}: {states}")
     if plan.by_status.get(DeliveryStatus.SUCCEEDED):
         console.print("succeeded ones run again under a NEW downstream key (--rerun-succeeded)")
+    if plan.by_status.get(DeliveryStatus.FILTERED):
+        console.print("filtered ones run although their route's filter did not match them")
     if plan.without_payload:
         console.print(
             f"{plan.without_payload} of them lost their payload to retention and will be skipped"

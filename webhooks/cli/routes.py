@@ -11,7 +11,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from webhooks.cli.catalog_input import DurationOpt, change_by, duration_or_none, pairs, secret_box
-from webhooks.cli.common import Env, console, env, err_console, handle_errors, print_json
+from webhooks.cli.common import (
+    CliError,
+    Env,
+    console,
+    env,
+    err_console,
+    handle_errors,
+    print_json,
+)
 from webhooks.cli.render import (
     JsonOpt,
     OperatorOpt,
@@ -31,6 +39,15 @@ if TYPE_CHECKING:
     from models import catalog
 
 
+FilterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--filter",
+        help="JMESPath predicate over body, type, headers, e.g. "
+        '"body.data.object.amount >= `1000`"; none clears it (docs/routing.md).',
+    ),
+]
+
 routes_app = typer.Typer(help="Handlers bound to a source.", no_args_is_help=True)
 
 
@@ -48,6 +65,7 @@ def route_view(r: Any) -> dict[str, Any]:
         "options": r.options,
         "max_attempts": r.max_attempts,
         "max_age_s": r.max_age_s,
+        "filter": r.filter,
         "active": r.active,
         **breaker.state_of(r).view(),
     }
@@ -70,13 +88,16 @@ def routes_add(
     ] = None,
     max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
     max_age: DurationOpt = None,
+    filter_: FilterOpt = None,
     operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Bind a handler to a source, optionally for matching event types only (audited).
 
     The handler must be registered here (webhooks handlers list). A route on types its
-    source's provider reads from an unsigned header is added with a warning saying so."""
+    source's provider reads from an unsigned header is added with a warning saying so.
+    --filter: a JMESPath predicate over body, type and headers (docs/routing.md); a bad one
+    is refused with its position and nothing is saved."""
     from models import catalog, route_catalog
 
     e = env()
@@ -92,6 +113,7 @@ def routes_add(
             options=pairs(option, "--option"),
             max_attempts=max_attempts,
             max_age=duration_or_none(max_age),
+            filter=filter_,
             operator=operator or login(),
         )
         view = route_view(route)
@@ -104,6 +126,8 @@ def routes_add(
         print_json(view)
         return
     say(escape(f"route {view['id']}: {handler} for {events}"))
+    if view["filter"] is not None:
+        say(escape(f"filter: {view['filter']}"))
     if warning is not None:
         err_console.print(f"warning: {escape(warning)}", highlight=False, soft_wrap=True)
     if signing is not None:
@@ -143,6 +167,8 @@ def routes_list(
         default_budget = e.settings.route_max_in_flight
         for v in views:
             options = "\n".join(f"{k}={o}" for k, o in v["options"].items())
+            if v["filter"] is not None:
+                options = "\n".join(x for x in (options, f"filter: {v['filter']}") if x)
             limits = _limits_cell(v, default_budget).replace(", ", ",\n")
             row(
                 table,
@@ -254,6 +280,7 @@ def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
         return
     b = view["breaker"]
     say(escape(f"route {view['id']}: {view['handler']} for {view['events']}"))
+    say(escape(f"filter: {view['filter'] or 'none (every event of its types)'}"))
     if not view["active"]:
         since = f" since {view['disabled_at']}: {view['disabled_reason']}"
         say(escape(f"disabled{since if view['disabled_at'] else ''}"))
@@ -286,12 +313,15 @@ def routes_update(
             help="Most deliveries in flight at once, or none (the default budget).",
         ),
     ] = None,
+    filter_: FilterOpt = None,
     reason: ReasonOpt = None,
     operator: OperatorOpt = None,
 ) -> None:
     """Set the route's delivery limits (audited): they hold across every worker and host;
-    waiting for them is not an attempt."""
-    from models import breaker
+    waiting for them is not an attempt. --filter sets its filter (``none`` clears it): it
+    applies to the events accepted after the change; a bad one is refused with its position
+    and nothing is saved."""
+    from models import breaker, route_catalog
     from models.admission import parse_max_in_flight, parse_rate
 
     values: dict[str, Any] = {}
@@ -299,17 +329,30 @@ def routes_update(
         values["rate"] = parse_rate(rate_limit)
     if max_in_flight is not None:
         values["max_in_flight"] = parse_max_in_flight(max_in_flight)
+    if not values and filter_ is None:
+        raise CliError("nothing to change: give --rate-limit, --max-in-flight and/or --filter")
+    if filter_ is not None:
+        route_catalog.check_filter(filter_)  # before anything is written
     e = env()
     with e.session() as session:
-        changed = breaker.set_limits(
-            session, route_id, change_by(operator, reason or "limits updated"), now=None, **values
+        limits = None
+        if values:
+            change = change_by(operator, reason or "limits updated")
+            limits = breaker.set_limits(session, route_id, change, now=None, **values)
+        filtered = None
+        if filter_ is not None:
+            change = change_by(operator, reason or "filter updated")
+            filtered = route_catalog.set_filter(session, route_id, filter_, change, now=None)
+    if limits is not None:
+        after = limits.target["after"]
+        _say_route(
+            "updated",
+            limits,
+            f": {_limits_cell({'limits': after}, e.settings.route_max_in_flight)}",
         )
-    after = changed.target["after"]
-    _say_route(
-        "updated",
-        changed,
-        f": {_limits_cell({'limits': after}, e.settings.route_max_in_flight)}",
-    )
+    if filtered is not None:
+        now = filtered.target["after"]
+        _say_route("updated", filtered, f": filter {now if now is not None else 'none'}")
 
 
 @routes_app.command("pause")
