@@ -48,6 +48,12 @@ TOPICS: dict[str, Topic] = {
     ),
     "traces": Topic("operating", "Traces across the pipeline", "Traces"),
     "sources": Topic("providers", "Providers", "Sources and providers"),
+    "routes": Topic("routing", "", "Routing: event types and content filters"),
+    "filters": Topic(
+        "routing",
+        "Saving a filter: checked once, nothing saved when it is wrong",
+        "Content filters",
+    ),
     "settings": Topic("providers", "Settings and secrets", "Settings and secrets"),
     "retention": Topic("retention", "", "Retention"),
     "ledger": Topic("retention", "The processed-events ledger", "The processed-events ledger"),

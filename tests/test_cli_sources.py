@@ -218,5 +218,6 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(engine: Engine) -> None:
         assert message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
         # Issue 36 item 4: the error names the docs section on sources and routes.
-        assert result.stderr.rstrip().endswith("(see docs/providers.md#providers)"), args
+        doc = "docs/routing.md" if args[0] == "routes" else "docs/providers.md#providers"
+        assert result.stderr.rstrip().endswith(f"(see {doc})"), args
     assert (count(engine, "sources"), count(engine, "routes")) == (sources, routes)

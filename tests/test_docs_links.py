@@ -69,7 +69,7 @@ def test_pages_link_to_each_other_inside_the_console_and_escape_raw_html(tmp_pat
         ("/console/replays/7/cancel", "dead-letters"),
         ("/console/deliveries/5/replay", "dead-letters"),
         ("/console/sources/src_x/pause", "sources"),
-        ("/console/routes", "sources"),
+        ("/console/routes", "routes"),
         ("/console/ledger", "ledger"),
         ("/console/events/9", "console"),
         ("/console/", "console"),

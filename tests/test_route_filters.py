@@ -31,6 +31,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.crypto import SecretBox
+from core.docs import TOPICS
 from core.filters import (
     FilterError,
     RouteFilter,
@@ -358,6 +359,9 @@ def test_a_bad_filter_is_refused_at_save_and_nothing_is_saved(
     )  # fmt: skip
     assert updated.returncode == 1
     assert "filter refused at position 0: unknown function nope()" in updated.stderr
+    # Issue 36 item 4: the refusal names the section on saving a filter.
+    filters = TOPICS["filters"].path
+    assert added.stderr.rstrip().endswith(f"(see {filters})"), added.stderr
     assert _routes(engine, made) == before
     assert _audits(engine) == audits
 

@@ -218,7 +218,7 @@ _DOCS = {
     "replays": "dead-letters",
     "deliveries": "dead-letters",
     "ledger": "ledger",
-    "routes": "sources",
+    "routes": "routes",
     "sources": "sources",
 }
 

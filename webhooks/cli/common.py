@@ -248,11 +248,11 @@ _MODULE_DOCS = {
     "reconcile": "reconciliation",
     "sources": "sources",
     "source_secrets": "sources",
-    "routes": "sources",
+    "routes": "routes",
     "providers": "sources",
     "retention": "retention",
 }
-_ERROR_DOCS = {"SettingsError": "settings", "KeyMismatch": "security"}
+_ERROR_DOCS = {"SettingsError": "settings", "KeyMismatch": "security", "FilterError": "filters"}
 
 
 def docs_topic(func: Callable[..., object], exc: BaseException) -> str | None:
