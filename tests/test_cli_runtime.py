@@ -565,10 +565,13 @@ def test_a_missing_setting_says_where_the_cli_looked(tmp_path: Path) -> None:
     assert line == (
         "error: invalid settings: WEBHOOKS_SECRET_KEY: required, not set; settings read from "
         f"the environment and {without_key} (WEBHOOKS_ENV_FILE)"
+        " (see docs/providers.md#settings-and-secrets)"
     )
     missing = cli("--env-file", "nowhere.env", "replays", "list", env=_bare_env(), cwd=tmp_path)
     assert missing.returncode == 1
-    assert missing.stderr.strip() == "error: --env-file nowhere.env: no such file"
+    assert missing.stderr.strip() == (
+        "error: --env-file nowhere.env: no such file (see docs/providers.md#settings-and-secrets)"
+    )
 
     if (ROOT / ".env").exists():
         return  # after `make run` the project's .env is found: nothing else to list
@@ -577,7 +580,9 @@ def test_a_missing_setting_says_where_the_cli_looked(tmp_path: Path) -> None:
     [line] = nothing.stderr.splitlines()
     assert line.startswith("error: invalid settings: WEBHOOKS_SECRET_KEY: required, not set")
     assert f"no {ROOT / '.env'} (project root), no {tmp_path / '.env'} (current directory)" in line
-    assert line.endswith("pass --env-file PATH or set WEBHOOKS_ENV_FILE")
+    assert line.endswith(
+        "pass --env-file PATH or set WEBHOOKS_ENV_FILE (see docs/providers.md#settings-and-secrets)"
+    )
 
 
 def test_env_file_search_order(tmp_path: Path) -> None:

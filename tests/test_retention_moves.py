@@ -314,7 +314,7 @@ def accept_plan(settings: Settings, source: MadeSource, now: datetime) -> str:
         conn.execute("SET client_min_messages = 'notice'")
         conn.execute(
             "SELECT * FROM webhooks_accept(%s, %s, 'evt_plan', 'test.event', NULL,"
-            " %s, %s, '\\x00', NULL, '\\x00', interval '1 s', interval '4 days')",
+            " %s, %s, '\\x00', NULL, '\\x00', interval '1 s', interval '4 days', NULL)",
             (source.id, source.secret_id, now + TTL, now),
         )
     return "\n".join(notices)

@@ -43,7 +43,12 @@ ENV_FILE_VAR = "WEBHOOKS_ENV_FILE"
 
 
 class CliError(WebhooksError):
-    """A user-facing error: printed without a traceback, exit code 1."""
+    """A user-facing error: printed without a traceback, exit code 1; ``doc`` names the docs
+    topic (core/docs.py) that explains it, where the command's own would not."""
+
+    def __init__(self, message: str, *, doc: str | None = None) -> None:
+        super().__init__(message)
+        self.doc = doc
 
 
 @dataclass
@@ -93,7 +98,7 @@ def find_env_file(
             path = Path(given).expanduser()
             path = path if path.is_absolute() else cwd / path
             if not path.is_file():
-                raise CliError(f"{how} {given}: no such file")
+                raise CliError(f"{how} {given}: no such file", doc="settings")
             return ConfigSource(path.resolve(), how)
     candidates = [(root / ".env", "project root")] if root is not None else []
     candidates.append((cwd / ".env", "current directory"))
@@ -196,7 +201,7 @@ def env() -> Env:
         settings = load_settings(_env_file=None)
     except SettingsError as exc:
         message = str(exc).replace("Field required", "required, not set")
-        raise CliError(f"{message}; {source.describe()}") from None
+        raise CliError(f"{message}; {source.describe()}", doc="settings") from None
     # Commands print their results on stdout (--json must stay parseable): logs go to stderr.
     # Lazily: structlog is loaded by the first line logged, and most commands log none.
     configure_logging("WARNING", json=settings.log_json, lazy=True)
@@ -257,7 +262,7 @@ _ERROR_DOCS = {"SettingsError": "settings", "KeyMismatch": "security", "FilterEr
 
 def docs_topic(func: Callable[..., object], exc: BaseException) -> str | None:
     """The docs topic of an error ``func`` (a command) raised; None where none explains it."""
-    by_error = _ERROR_DOCS.get(type(exc).__name__)
+    by_error = getattr(exc, "doc", None) or _ERROR_DOCS.get(type(exc).__name__)
     if by_error is not None:
         return by_error
     if func.__name__.startswith("dead_"):
