@@ -52,6 +52,8 @@ BROKER = f"redis://127.0.0.1:{REDIS_PORT}/13"
 ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 FLOORS = {"rev": 1.0, "naive": 2.0, "naive_insert": 3.5}  # ours / target (issue 24)
 P99_FLOOR_MS = 50.0
+STACK_FLOOR = 3.0  # ours' serving-stack CPU per request / the bare app's (issue 33 item 3)
+CPU_KEYS = ("cpu_ms", "db_cpu_ms", "redis_cpu_ms", "stack_ms", "machine_ms")
 
 LUA = r"""
 -- Standard Webhooks request, signed per request: HMAC-SHA256 from wrk's own libcrypto (FFI).
@@ -296,6 +298,20 @@ def backend_cpu(db: str) -> float:
     return sum(cpu_seconds(int(pid)) for (pid,) in rows)
 
 
+def redis_cpu() -> float:
+    """CPU time of the bench's redis-server (the broker and admission's Redis): the publish's
+    share of the serving stack."""
+    pid = int(redis.Redis(port=REDIS_PORT).info("server")["process_id"])
+    return cpu_seconds(pid)
+
+
+def machine_cpu() -> float:
+    """Busy CPU seconds of every core since boot (/proc/stat: all but idle and iowait): the
+    server, Postgres, Redis, wrk and whatever else this shared machine runs."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def commits(db: str) -> int:
     """Transactions committed in ``db`` so far (group commit: fewer than one per request)."""
     with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
@@ -315,6 +331,96 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def descendants(pid: int) -> list[int]:
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                kids = [int(c) for c in (task / "children").read_text().split()]
+                found += kids
+                pending += kids
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+# Frames that only carry a request through the server and the event loop: left out of the
+# inclusive table, which is about where the work goes.
+_CARRIERS = (
+    "multiprocessing/",
+    "uvicorn/_subprocess",
+    "uvicorn/supervisors",
+    "uvicorn/server.py",
+    "uvicorn/_compat",
+    "asyncio/runners",
+    "threading.py",
+    "<module>",
+)
+
+
+def profile(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    lua_args: list[str],
+    script: Path,
+    log: Path,
+    run_id: str,
+) -> None:
+    """py-spy (sampling, non-blocking) on each of ours' processes under wrk: the share of the
+    samples in each function, inclusive and self, over every process; frames of the idle
+    event loop's wait are C (uvloop) and show as the loop's own frame."""
+    spy = BIN / "py-spy"
+    if not spy.exists():
+        sys.exit("py-spy is needed: it comes with the project's dev extra (make install)")
+    proc = start("ours", env, args.workers, log, ROOT)
+    out = Path(tempfile.mkdtemp(prefix="bench-profile-"))
+    try:
+        wrk(script, [*lua_args, f"warm_{run_id}"], 3, args.connections)
+        spies = [
+            subprocess.Popen(  # noqa: S603
+                [
+                    *(str(spy), "record", "--nonblocking", "-r", "250", "-d", str(args.profile)),
+                    *("-f", "raw", "-o", str(out / f"{pid}.txt"), "-p", str(pid)),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for pid in descendants(proc.pid)
+        ]
+        r = wrk(script, [*lua_args, f"prof_{run_id}"], args.profile + 2, args.connections)
+        for s in spies:
+            s.wait()
+    finally:
+        stop(proc)
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for raw in out.glob("*.txt"):
+        for line in raw.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            total += n
+            frames = [f for f in stack.split(";") if f]
+            own[frames[-1]] = own.get(frames[-1], 0) + n
+            for f in {re.sub(r":\d+\)$", ")", f) for f in frames}:
+                if not any(c in f for c in _CARRIERS):
+                    inclusive[f] = inclusive.get(f, 0) + n
+    shutil.rmtree(out, ignore_errors=True)
+    print(
+        f"profile: py-spy at 250 Hz on {args.workers} server processes for {args.profile} s "
+        f"under wrk ({r['rps']:.0f} req/s, {int(r['total'])} requests); {total} samples"
+    )
+    print("inclusive (a function and what it calls), % of samples:")
+    for f, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:40]:
+        print(f"  {100 * n / total:5.1f}%  {f[:110]}")
+    print("self (the function's own line), % of samples:")
+    for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"  {100 * n / total:5.1f}%  {f[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=int, default=8)
@@ -332,6 +438,13 @@ def main() -> None:
         default=[],
         metavar="WEBHOOKS_X=VALUE",
         help="a setting for ours only (a value to try against --against's defaults)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        metavar="SECONDS",
+        help="instead of the rounds: py-spy on ours' processes under wrk for this long, and "
+        "the top costs per request by function",
     )
     parser.add_argument(
         "--layout-days",
@@ -378,7 +491,8 @@ def main() -> None:
         proc = start(target, envs[target], args.workers, tmp / f"{target}.log", code[target])
         try:
             before = receipts(dbs[target]) if target in dbs else 0
-            cpu = cpu_seconds(proc.pid)
+            db0 = backend_cpu(dbs[target]) if target in dbs else 0.0
+            cpu, rcpu, mcpu = cpu_seconds(proc.pid), redis_cpu(), machine_cpu()
             xacts = commits(dbs[target]) if target in dbs else 0
             r = wrk(
                 script,
@@ -387,8 +501,16 @@ def main() -> None:
                 args.connections,
                 delay_ms,
             )
-            r["cpu_ms"] = 1000 * (cpu_seconds(proc.pid) - cpu) / max(1, r["total"])
-            r["db_cpu_ms"] = 1000 * backend_cpu(dbs[target]) / r["total"] if target in dbs else 0
+            n = max(1, r["total"])
+            r["cpu_ms"] = 1000 * (cpu_seconds(proc.pid) - cpu) / n
+            r["redis_cpu_ms"] = 1000 * (redis_cpu() - rcpu) / n
+            r["machine_ms"] = 1000 * (machine_cpu() - mcpu) / n
+            # The backends connect at the server's start: what they spent before wrk began
+            # (the pool's connections, the warm-up) is left out.
+            r["db_cpu_ms"] = 1000 * (backend_cpu(dbs[target]) - db0) / n if target in dbs else 0
+            # The serving stack: the server's processes, its Postgres backends and Redis (wrk
+            # and the rest of the machine excluded), issue 33 item 3's measure.
+            r["stack_ms"] = r["cpu_ms"] + r["db_cpu_ms"] + r["redis_cpu_ms"]
             if target in dbs:
                 r["xacts"] = (commits(dbs[target]) - xacts) / r["total"]
                 r["durable"] = receipts(dbs[target]) - before
@@ -397,6 +519,12 @@ def main() -> None:
             broker.flushdb()
         return r
 
+    if args.profile:
+        profile(args, envs["ours"], lua_args["ours"], script, tmp / "ours.log", run_id)
+        for db in dbs.values():
+            drop(db)
+        return
+
     for rnd in range(args.rounds):
         order = targets if rnd % 2 == 0 else list(reversed(targets))
         for target in order:
@@ -404,7 +532,9 @@ def main() -> None:
             results[target].append(r)
             print(
                 f"round {rnd + 1} {target:13s} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.2f} ms  "
-                f"p99 {r['p99_ms']:.2f} ms  cpu {r['cpu_ms']:.3f} (db {r['db_cpu_ms']:.3f}) ms/req  "
+                f"p99 {r['p99_ms']:.2f} ms  stack {r['stack_ms']:.3f} = server {r['cpu_ms']:.3f} + db "
+                f"{r['db_cpu_ms']:.3f} + redis {r['redis_cpu_ms']:.3f} ms/req  machine "
+                f"{r['machine_ms']:.3f}  "
                 f"xacts/req {r.get('xacts', 0):.2f}  non-2xx {int(r['non2xx'])}  "
                 f"load {loadavg()}",
                 flush=True,
@@ -419,14 +549,18 @@ def main() -> None:
     )
     print(
         f"{'target':14s} {'req/s (median)':>15s} {'best':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
-        f"{'cpu ms/req':>10s}"
+        f"{'server':>7s} {'db':>6s} {'redis':>6s} {'stack':>6s} {'machine':>7s}  (CPU ms/req)"
     )
     for t, rs in results.items():
         p50 = statistics.median(x["p50_ms"] for x in rs)
         p99 = statistics.median(x["p99_ms"] for x in rs)
         best = max(x["rps"] for x in rs)
-        cpu = statistics.median(x["cpu_ms"] for x in rs)
-        print(f"{t:14s} {med[t]:15.0f} {best:8.0f} {p50:8.2f} {p99:8.2f} {cpu:10.3f}")
+        c = {k: statistics.median(x[k] for x in rs) for k in CPU_KEYS}
+        print(
+            f"{t:14s} {med[t]:15.0f} {best:8.0f} {p50:8.2f} {p99:8.2f} {c['cpu_ms']:7.3f} "
+            f"{c['db_cpu_ms']:6.3f} {c['redis_cpu_ms']:6.3f} {c['stack_ms']:6.3f} "
+            f"{c['machine_ms']:7.3f}"
+        )
     for t in dbs:
         if t in results:
             rs = results[t]
@@ -444,6 +578,16 @@ def main() -> None:
                 print(f"ratio ours / {t:13s} {ratio:5.2f}  (floor {floor}: {verdict})")
         if "bare" in med:
             print(f"ratio ours / bare          {med['ours'] / med['bare']:5.2f}  (the ceiling)")
+            stack = {t: statistics.median(x["stack_ms"] for x in results[t]) for t in results}
+            ratio = stack["ours"] / stack["bare"]
+            verdict = "met" if ratio <= STACK_FLOOR else "NOT met"
+            print(
+                f"stack CPU per request, ours / bare  {ratio:5.2f}  (issue 33 item 3: at most "
+                f"{STACK_FLOOR:.0f}x: {verdict})"
+            )
+        if "rev" in results:
+            stack = {t: statistics.median(x["stack_ms"] for x in results[t]) for t in results}
+            print(f"stack CPU per request, ours / rev   {stack['ours'] / stack['rev']:5.2f}")
         if not args.no_p99:
             best = max(x["rps"] for x in results["ours"])
             rate = 0.8 * best
