@@ -15,8 +15,12 @@ comparison of a string with a number, a function given the wrong type) does not 
 reason recorded says so, never the event's values.
 
 Beyond JMESPath's own functions (``contains``, ``starts_with``, ``ends_with``, ``length``,
-...), :class:`FilterFunctions` adds ``matches(subject, pattern)``: Python's ``re.search``, each
-pattern compiled once and cached.
+...), :class:`FilterFunctions` adds ``matches(subject, pattern)``: a search with the ``regex``
+package (Python's ``re`` syntax), each pattern compiled once and cached, and each search cut
+off after :data:`MATCH_TIMEOUT_S`. The subject is the sender's payload and the receiver judges
+filters on its event loop: a pattern that backtracks catastrophically on some body (``(a|aa)+$``
+against forty ``a`` and a ``b``) would otherwise hold the receiver for minutes. A search cut
+off is a filter that failed on this event (``TimeoutError``): the event does not match.
 
 Everything here is pure: :func:`compile_filter` checks an expression once (when the route is
 saved, and again when a receiver first meets it: :func:`compiled` caches per text) and
@@ -32,6 +36,7 @@ from typing import Any
 
 import jmespath
 import orjson
+import regex
 from jmespath import exceptions as jp_exceptions
 from jmespath import functions as jp_functions
 from jmespath.parser import ParsedResult
@@ -74,9 +79,14 @@ class FiltersChanged(WebhooksError, RuntimeError):
     after the routes were read afresh: nothing was written; the sender (or the next run) retries."""
 
 
+# The longest one ``matches()`` search may take (seconds): far above any linear pattern's time
+# on a body the receiver accepts, far below what a sender's retry would wait for.
+MATCH_TIMEOUT_S = 0.05
+
+
 @lru_cache(maxsize=_PATTERN_CACHE_SIZE)
-def _pattern(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def _pattern(pattern: str) -> regex.Pattern[str]:
+    return regex.compile(pattern)
 
 
 class FilterFunctions(jp_functions.Functions):  # type: ignore[misc]
@@ -84,7 +94,7 @@ class FilterFunctions(jp_functions.Functions):  # type: ignore[misc]
 
     @jp_functions.signature({"types": ["string"]}, {"types": ["string"]})  # type: ignore[untyped-decorator]
     def _func_matches(self, subject: str, pattern: str) -> bool:
-        return _pattern(pattern).search(subject) is not None
+        return _pattern(pattern).search(subject, timeout=MATCH_TIMEOUT_S) is not None
 
 
 _FUNCTIONS = FilterFunctions()
@@ -152,7 +162,7 @@ def _check_pattern(expression: str, pattern: Any) -> None:
         return
     try:
         _pattern(pattern)
-    except re.error as exc:
+    except regex.error as exc:
         quoted = _find(expression, f"'{pattern}'")  # the literal, not an earlier match
         at = None if quoted is None else quoted + 1 + (exc.pos or 0)
         raise FilterError(expression, f"matches(): bad pattern: {exc.msg}", at) from None
@@ -206,7 +216,7 @@ def evaluate(route_id: int, expression: str, document: dict[str, Any]) -> Verdic
         value = compiled(expression).search(document, options=_OPTIONS)
     except FilterError:
         return Verdict(route_id, expression, False, f"route {route_id}: filter does not compile")
-    except (jp_exceptions.JMESPathError, TypeError, ValueError, re.error) as exc:
+    except (jp_exceptions.JMESPathError, TypeError, ValueError, regex.error, TimeoutError) as exc:
         reason = f"route {route_id}: filter failed on this event ({type(exc).__name__})"
         return Verdict(route_id, expression, False, reason)
     if _truthy(value):

@@ -125,6 +125,18 @@ def test_the_filter_language(expression: str, matched: bool) -> None:
         assert "eur" not in verdict.reason
 
 
+def test_a_pattern_that_backtracks_on_the_body_is_cut_off_as_a_failure() -> None:
+    """matches() runs on the receiver's event loop over the sender's payload: a pattern that
+    backtracks catastrophically on some body (with Python's re, (a|aa)+$ over 40 'a' and a 'b'
+    takes minutes) stops at core.filters.MATCH_TIMEOUT_S and the event does not match."""
+    doc = {"body": {"name": "a" * 40 + "b"}, "type": "x", "headers": {}}
+    verdict = evaluate(3, "matches(body.name, '(a|aa)+$')", doc)
+    assert verdict.matched is False
+    assert verdict.reason == "route 3: filter failed on this event (TimeoutError)"
+    # The same pattern on a body it does not backtrack on still decides.
+    assert evaluate(3, "matches(body.name, '(a|aa)+$')", {**doc, "body": {"name": "aaa"}}).matched
+
+
 def test_a_filter_never_sees_a_credential_header() -> None:
     assert set(DOC["headers"]) == {"user-agent", "x-shop-domain"}
     for name in ("stripe-signature", "authorization", "x-api-key", "webhooks-test-send"):
@@ -142,7 +154,7 @@ def test_a_filter_never_sees_a_credential_header() -> None:
         ("contains(type)", 0, "contains() takes 2 arguments, given 1"),
         ("body.nope && nope (type)", 13, "unknown function nope()"),  # the call, not the field
         ("body.contains && contains(type)", 17, "contains() takes 2 arguments"),
-        ("matches(type, '[a')", 15, "bad pattern"),
+        ("matches(type, '[a')", 17, "bad pattern"),  # where ']' is missing
         ("   ", 0, "empty expression"),
     ],
 )
@@ -378,7 +390,9 @@ def test_a_bad_filter_is_refused_at_save_and_nothing_is_saved(
             data={"csrf": csrf, "filter": "matches(type, '(')", "reason": "try"},
         )
         assert page.status_code == 400, page.status_code
-        assert "filter refused at position 15: matches(): bad pattern" in _text(page.text)
+        assert "filter refused at position 16: matches(): bad pattern: missing )" in _text(
+            page.text
+        )
     assert _routes(engine, made) == before
     assert _audits(engine) == audits
 
