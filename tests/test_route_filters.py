@@ -10,6 +10,7 @@ and ``webhooks_filtered_total``; replayed only when named by its id.
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import re
@@ -34,6 +35,7 @@ from core.crypto import SecretBox
 from core.docs import TOPICS
 from core.filters import (
     FilterError,
+    FiltersChanged,
     RouteFilter,
     Verdict,
     compile_filter,
@@ -42,8 +44,16 @@ from core.filters import (
     evaluate,
 )
 from core.settings import Settings
+from ingest.filtering import accept_judged
+from ingest.store import Store
 from models import queue_lag
-from models.accept import ACCEPT_MANY_SQL, NewReceipt, accept_many_params, decide_many
+from models.accept import (
+    ACCEPT_MANY_SQL,
+    NewReceipt,
+    Outcome,
+    accept_many_params,
+    decide_many,
+)
 from models.db import alembic_config
 from tasks.reconcile.paging import ProviderEvent
 from tasks.reconcile.run import accept_recovered, load_target
@@ -247,6 +257,59 @@ def test_the_batch_accept_writes_filtered_and_refuses_an_unjudged_filter(
     assert found[0].last_error == f"route {filtered_route}: filter did not match"
     assert found[0].next_attempt_at is None  # the sweeper never picks it
     assert outcome.delivery_ids == (found[1].id,)
+
+
+def test_a_filter_changed_again_while_the_receiver_rereads_is_unavailable(
+    sessions: sessionmaker[Session], settings: Settings, engine: Engine
+) -> None:
+    """The receiver judges, the accept answers stale, the receiver reads the routes again and
+    judges once more; when an operator changed the filter yet again in between, the second
+    accept is stale too: FiltersChanged (the receiver answers 503 and the sender retries), and
+    nothing of the event is written. One change only: the second accept writes."""
+    made = make_source(
+        sessions, settings, provider="stripe", routes=[{"handler": "log", "filter": BIG}]
+    )
+    [route] = made.route_ids
+    filters = iter([f"{BIG} || type == 'a'", f"{BIG} || type == 'b'", f"{BIG} || type == 'c'"])
+
+    def change_filter() -> None:  # an operator's update, committed between two statements
+        with engine.begin() as c:
+            c.execute(
+                text("UPDATE routes SET filter = :f WHERE id = :r"),
+                {"f": next(filters), "r": route},
+            )
+
+    async def scenario(changes: int, receipt: NewReceipt) -> list[Outcome]:
+        store = Store(settings, SecretBox(settings.secret_key.get_secret_value()))
+        await store.open()
+        try:
+            source = await store.source(made.public_id)
+            assert source is not None
+            left = [changes]
+
+            async def run(judged: list[NewReceipt]) -> list[Outcome]:
+                if left[0]:
+                    left[0] -= 1
+                    change_filter()
+                return await store.accept_all(judged)
+
+            return await accept_judged(store, source, [receipt], {}, run)
+        finally:
+            await store.close()
+
+    twice = _receipt(made)
+    with pytest.raises(FiltersChanged, match="changed twice"):
+        asyncio.run(scenario(2, twice))
+    once = _receipt(made)
+    [outcome] = asyncio.run(scenario(1, once))
+    assert outcome.status == "accepted"
+    with engine.connect() as c:
+        written = (
+            c.execute(text("SELECT event_id FROM receipts WHERE source_id = :s"), {"s": made.id})
+            .scalars()
+            .all()
+        )
+    assert written == [once.event_id]  # the event changed twice under it: nothing written
 
 
 def _with(receipt: NewReceipt, *verdicts: Verdict) -> NewReceipt:
