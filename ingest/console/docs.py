@@ -35,12 +35,19 @@ def _folder(c: Console) -> Path | None:
 
 
 def _pages(folder: Path) -> list[tuple[str, str]]:
-    """(stem, first heading) of each page, by name."""
-    found = []
-    for path in sorted(folder.glob("*.md")):
-        first = next((ln for ln in path.read_text().splitlines() if ln.startswith("# ")), "")
-        found.append((path.stem, first.removeprefix("# ").strip() or path.stem))
-    return found
+    """(stem, first heading) of each page, by name: each file read once per version (its
+    mtime), not on every view of the index."""
+    return [
+        (path.stem, _title(str(path), path.stat().st_mtime_ns))
+        for path in sorted(folder.glob("*.md"))
+    ]
+
+
+@lru_cache(maxsize=256)
+def _title(path: str, mtime_ns: int) -> str:  # noqa: ARG001 (the cache's key: the file's version)
+    with Path(path).open() as lines:
+        first = next((ln for ln in lines if ln.startswith("# ")), "")
+    return first.removeprefix("# ").strip() or Path(path).stem
 
 
 async def docs_index(c: Console, v: Visit) -> Response:
