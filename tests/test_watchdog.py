@@ -231,6 +231,12 @@ def test_a_stripe_endpoint_turning_disabled_is_one_finding_until_it_is_enabled_a
         assert code == 1
         assert f"open: {made.public_id} ({made.name}) disabled since" in said
         assert "see docs/provider-side.md#the-subscription-watchdog" in said
+        asked = len(fake.seen)
+        code, view, _ = _check(made.name, "--stored", "--json")
+        assert code == 1
+        assert view["checked"] == []
+        assert [f["kind"] for f in view["open"]] == ["disabled"]
+        assert len(fake.seen) == asked  # --stored asks no provider
         assert len(_findings(engine, made.id)) == 1  # seen three times, opened once
 
         fake.endpoint_status = "enabled"
@@ -508,6 +514,67 @@ def test_a_hanging_api_is_cut_at_the_timeout_and_the_beat_keeps_its_period(
     finally:
         rt.close()
     assert len(_findings(engine, made.id)) == 1
+
+
+@pytest.mark.parametrize("status", [401, 403, 429, 503])
+def test_a_github_api_that_refuses_or_fails_is_a_cannot_check_finding_without_a_traceback(
+    status: int,
+    engine: Engine,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    runtime: Any,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    fake = FakeGitHub(_key("ghp"), HOOK)
+    with serving(fake):
+        made = _source(sessions, settings, fake)
+        fake.fail(len(fake.seen) + 1, status)
+        capfd.readouterr()
+        assert _beat(engine, runtime, made) == [made.public_id]
+        out = capfd.readouterr()
+        assert _open(engine, made.id) == {"cannot_check"}
+        [row] = _findings(engine, made.id)
+        assert f"({status})" in row.detail
+        assert "Traceback" not in out.out + out.err
+        assert "watchdog.cannot_check" in out.out + out.err
+        assert fake.token not in out.out + out.err + row.detail
+        assert _gauge(made.public_id) == {"cannot_check": 1.0}
+        _alerting(made.public_id, {"WebhookSubscriptionCannotCheck": ["cannot_check"]})
+        assert _beat(engine, runtime, made) == [made.public_id]  # answered again: closed
+        assert _open(engine, made.id) == set()
+
+
+def test_racing_checks_open_a_finding_once_and_close_it_once(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Eight checks at once on real Postgres: one open row, one audit row; then eight
+    closes: one close, one audit row."""
+    import threading  # noqa: PLC0415
+
+    from models.findings import record  # noqa: PLC0415
+
+    made = make_source(sessions, settings, provider="stripe")
+    barrier = threading.Barrier(8)
+    found = [judge.Finding("disabled", "stripe has the endpoint disabled")]
+
+    def one(findings: list[judge.Finding]) -> None:
+        with sessions() as session, session.begin():
+            session.execute(text("SELECT 1"))
+            barrier.wait()
+            record(session, made.id, made.public_id, findings, answered=True, via="beat")
+
+    for findings in (found, []):
+        threads = [threading.Thread(target=one, args=(findings,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    [row] = _findings(engine, made.id)
+    assert row.closed_at is not None
+    assert _audits(engine, made.public_id) == [
+        ("finding.open", "disabled", "watchdog"),
+        ("finding.close", "disabled", "watchdog"),
+    ]
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def _stripe_call(base: str, request: Any) -> Any:
     except stripe.InvalidRequestError as exc:
         if exc.http_status == 404:
             return None
-        raise CannotCheck(exc.http_status, f"Stripe API error {exc.http_status}") from None
+        raise CannotCheck(exc.http_status, f"Stripe API error ({exc.http_status})") from None
     except (stripe.AuthenticationError, stripe.PermissionError) as exc:
         raise CannotCheck(
             exc.http_status,
@@ -57,7 +57,7 @@ def _stripe_call(base: str, request: Any) -> Any:
             raise CannotCheck(None, f"Stripe API at {base} did not answer in time") from None
         raise CannotCheck(None, f"Stripe API at {base} did not answer") from None
     except stripe.StripeError as exc:
-        raise CannotCheck(exc.http_status, f"Stripe API error {exc.http_status}") from None
+        raise CannotCheck(exc.http_status, f"Stripe API error ({exc.http_status})") from None
     except ApiError as exc:  # the transport's refusals (redirect, size, address)
         raise CannotCheck(exc.status, str(exc)) from None
 
@@ -142,7 +142,7 @@ def _github_answer(base: str, call: Any) -> View:
             " on the hook named by --config hook=...",
         )
     if status >= 400:
-        raise CannotCheck(status, f"GitHub API error {status}")
+        raise CannotCheck(status, f"GitHub API error ({status})")
     try:
         body = answer.json()
         last = body.get("last_response") or {}

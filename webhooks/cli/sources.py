@@ -632,6 +632,7 @@ def _fix(
 ) -> Any:
     from core.watchdog import DISABLED
     from tasks.watchdog import run as watch
+    from tasks.watchdog.endpoints import CannotCheck
 
     if not watch.fixable(checked):
         kinds = ", ".join(f.kind for f in checked.found) or "none"
@@ -656,7 +657,7 @@ def _fix(
             operator=operator or login(),
             reason=reason or f"re-enable the {DISABLED} {thing}",
         )
-    except watch.CannotCheck as exc:
+    except CannotCheck as exc:
         raise CliError(f"{checked.provider} refused the re-enable: {exc}", doc="watchdog") from None
     say(escape(f"re-enabled {checked.source}'s {thing} at {checked.provider} (audited)"))
     return after
