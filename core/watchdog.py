@@ -4,7 +4,8 @@ expects (its URL, the event types its routes listen for), as findings.
 
 Kinds (one open finding per source and kind, ``subscription_findings``):
 
-- ``disabled``: Stripe's endpoint ``status`` is ``disabled``, GitHub's hook ``active`` false.
+- ``disabled``: Stripe's endpoint ``status`` is ``disabled``, GitHub's hook ``active`` false,
+  Svix's endpoint ``disabled`` true.
 - ``deleted``: the provider answered 404 for the endpoint or hook.
 - ``url_mismatch``: it posts to another URL than this source's (``endpoint_url`` option, or
   ``WEBHOOKS_PUBLIC_BASE_URL`` + ``/webhooks/{source id}``; neither set: not compared).
@@ -30,16 +31,17 @@ CANNOT_CHECK: Final = "cannot_check"
 JUDGED: Final = (DISABLED, DELETED, URL_MISMATCH, EVENTS_MISSING)
 KINDS: Final = (*JUDGED, CANNOT_CHECK)
 # The providers whose endpoint the watchdog reads, and which of them --fix can re-enable.
-WATCHED: Final = ("stripe", "github")
-# Where each provider's endpoint is named in the source's config.
-ENDPOINT_OPTION: Final = {"stripe": "endpoint_id", "github": "hook"}
+WATCHED: Final = ("stripe", "github", "svix")
+# Where each provider's endpoint is named in the source's config (Svix: with app_id).
+ENDPOINT_OPTION: Final = {"stripe": "endpoint_id", "github": "hook", "svix": "endpoint_id"}
 
 
 @dataclass(frozen=True)
 class View:
-    """The provider's view of our endpoint: ``status`` enabled, disabled or deleted (a 404);
-    the URL it posts to; the event types it sends (Stripe's ``enabled_events``, GitHub's
-    hook ``events``; ``*``: all); GitHub's ``last_response`` (code and status) if any."""
+    """The provider's view of our endpoint: ``status`` enabled, disabled (GitHub: inactive)
+    or deleted (a 404); the URL it posts to; the event types it sends (Stripe's
+    ``enabled_events``, GitHub's hook ``events``, Svix's ``filterTypes``; ``*``: all);
+    GitHub's ``last_response`` (code and status) if any."""
 
     status: str
     url: str | None = None

@@ -445,6 +445,12 @@ class FakeSvix:
         self.seen: list[Seen] = []
         self.script: dict[int, Scripted] = {}
         self.on_recover: Any = None
+        # The endpoint as Svix holds it, read and PATCHed by the subscription watchdog (a
+        # deleted one is answered 404); filter_types None: every type.
+        self.disabled = False
+        self.endpoint_url = "https://example.invalid/webhooks/src"
+        self.filter_types: list[str] | None = None
+        self.endpoint_deleted = False
         self.lock = threading.Lock()
         self.url = ""
 
@@ -467,6 +473,27 @@ class FakeSvix:
     def fail(self, nth: int, status: int) -> None:
         self.script[nth] = Scripted(status, {}, {"code": "scripted", "detail": f"{status}"})
 
+    def endpoint_requests(self, method: str | None = None) -> list[Seen]:
+        path = f"/api/v1/app/{self.app_id}/endpoint/{self.endpoint_id}"
+        return [s for s in self.seen if s.path == path and method in (None, s.method)]
+
+    def endpoint(self) -> dict[str, Any]:
+        """The endpoint, as Svix's API documents EndpointOut."""
+        return {
+            "id": self.endpoint_id,
+            "uid": None,
+            "description": "",
+            "url": self.endpoint_url,
+            "version": 1,
+            "rateLimit": None,
+            "disabled": self.disabled,
+            "filterTypes": self.filter_types,
+            "channels": None,
+            "metadata": {},
+            "createdAt": "2026-01-01T00:00:00Z",
+            "updatedAt": "2026-12-01T00:00:00Z",
+        }
+
     def answer(
         self, method: str, path: str, query: dict[str, list[str]], auth: str | None
     ) -> tuple[int, dict[str, str], Any]:
@@ -481,6 +508,13 @@ class FakeSvix:
         if early is not None:
             return early
         app = f"/api/v1/app/{self.app_id}"
+        if path == f"{app}/endpoint/{self.endpoint_id}" and method in ("GET", "PATCH"):
+            if self.endpoint_deleted:
+                seen.status = 404
+                return 404, {}, {"code": "not_found", "detail": "Endpoint not found"}
+            if method == "PATCH" and isinstance(self.last_body.get("disabled"), bool):
+                self.disabled = self.last_body["disabled"]
+            return 200, {}, self.endpoint()
         if method == "GET" and path.rstrip("/") == f"{app}/msg":
             after = datetime.fromisoformat(query["after"][0].replace("Z", "+00:00"))
             with self.lock:

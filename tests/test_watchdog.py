@@ -25,7 +25,7 @@ from core import watchdog as judge
 from core.settings import Settings
 from tests.conftest import test_env
 from tests.factories import MadeSource, make_source
-from tests.fake_providers import FakeGitHub, FakeStripe, Scripted, serving
+from tests.fake_providers import FakeGitHub, FakeStripe, FakeSvix, Scripted, serving
 from tests.leakcheck import remember
 from tests.operators_support import cli
 
@@ -47,7 +47,7 @@ def _url(made: MadeSource) -> str:
 def _source(
     sessions: sessionmaker[Session],
     settings: Settings,
-    fake: FakeStripe | FakeGitHub,
+    fake: FakeStripe | FakeGitHub | FakeSvix,
     *,
     events: tuple[str, ...] = ("*",),
     api_key: str | None = None,
@@ -55,23 +55,28 @@ def _source(
 ) -> MadeSource:
     """A source of ``fake``'s provider with one route per event glob, its API credential and
     its endpoint named; the fake posts to the source's URL (``endpoint_url``)."""
-    provider = "stripe" if isinstance(fake, FakeStripe) else "github"
     routes = [{"handler": "log", "events": glob} for glob in events]
+    if isinstance(fake, FakeStripe):
+        provider, key, endpoint = "stripe", fake.api_key, [f"endpoint_id={fake.endpoint_id}"]
+    elif isinstance(fake, FakeGitHub):
+        provider, key, endpoint = "github", fake.token, [f"hook={HOOK}"]
+    else:
+        provider, key = "svix", fake.token
+        endpoint = [f"app_id={fake.app_id}", f"endpoint_id={fake.endpoint_id}"]
     made = make_source(sessions, settings, provider=provider, routes=routes)
     remember(made.secret)
-    endpoint = f"endpoint_id={fake.endpoint_id}" if isinstance(fake, FakeStripe) else f"hook={HOOK}"
-    key = api_key or (fake.api_key if isinstance(fake, FakeStripe) else fake.token)
+    configs = [x for e in endpoint for x in ("--config", e)]
     done = cli(
-        "sources", "update", made.name, "--api-key", key,
-        "--config", f"api_base={api_base or fake.url}", "--config", endpoint,
+        "sources", "update", made.name, "--api-key", api_key or key,
+        "--config", f"api_base={api_base or fake.url}", *configs,
         "--config", f"endpoint_url={_url(made)}",
         env=test_env(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    if isinstance(fake, FakeStripe):
-        fake.endpoint_url = _url(made)
-    else:
+    if isinstance(fake, FakeGitHub):
         fake.hook_url = _url(made)
+    else:
+        fake.endpoint_url = _url(made)
     return made
 
 
@@ -422,6 +427,48 @@ def test_a_github_hook_turning_inactive_is_a_finding_and_fix_patches_it_once(
     ]
 
 
+# Svix -----------------------------------------------------------------------------------------
+
+
+def test_a_disabled_svix_endpoint_and_its_filter_types_are_findings_fix_patches_it_once(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings, runtime: Any
+) -> None:
+    fake = FakeSvix(_key("sk"), "app_watch", "ep_watch")
+    with serving(fake):
+        made = _source(sessions, settings, fake, events=("invoice.paid",))
+        assert _beat(engine, runtime, made) == [made.public_id]
+        assert _open(engine, made.id) == set()  # filterTypes null: every type
+
+        fake.disabled = True
+        fake.filter_types = ["customer.created"]
+        assert _beat(engine, runtime, made) == [made.public_id]
+        assert _open(engine, made.id) == {"disabled", "events_missing"}
+        _alerting(made.public_id, {"WebhookSubscriptionFinding": ["disabled", "events_missing"]})
+        code, said, _ = _check(made.name, "--fix", "--yes")
+        assert code == 1, said  # enabled again; the filter types are the operator's to fix
+        assert f"re-enabled {made.public_id}'s endpoint at svix" in said
+        [patch] = fake.endpoint_requests("PATCH")
+        assert patch.authorised
+        assert fake.disabled is False
+        assert _open(engine, made.id) == {"events_missing"}
+
+        fake.filter_types = ["invoice.paid", "customer.created"]
+        code, _, _ = _check(made.name)
+        assert code == 0
+        fake.endpoint_deleted = True
+        code, view, _ = _check(made.name, "--json")
+        assert code == 1
+        assert [f["kind"] for f in view["open"]] == ["deleted"]
+    assert [a[:2] for a in _audits(engine, made.public_id)] == [
+        ("finding.open", "disabled"),
+        ("finding.open", "events_missing"),
+        ("subscription.enable", "enabled"),
+        ("finding.close", "disabled"),
+        ("finding.close", "events_missing"),
+        ("finding.open", "deleted"),
+    ]
+
+
 # The API cannot say ---------------------------------------------------------------------------
 
 
@@ -599,7 +646,7 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
     for args, words in (
         (("sources", "check", "no-such-source"), "no-such-source"),
         (("sources", "check", "--fix"), "--fix needs one SOURCE"),
-        (("sources", "check", other.name), "the watchdog reads stripe and github endpoints"),
+        (("sources", "check", other.name), "the watchdog reads stripe, github, svix endpoints"),
     ):
         done = cli(*args, env=test_env())
         assert done.returncode == 1, args

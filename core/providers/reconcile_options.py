@@ -61,7 +61,7 @@ SPECS: dict[str, ApiSpec] = {
 OPTIONS: dict[str, tuple[str, ...]] = {
     "stripe": ("api_base", ALLOW_PRIVATE, "endpoint_id", "endpoint_url"),
     "github": ("api_base", ALLOW_PRIVATE, "hook", "endpoint_url"),
-    "svix": ("api_base", ALLOW_PRIVATE, "app_id", "endpoint_id"),
+    "svix": ("api_base", ALLOW_PRIVATE, "app_id", "endpoint_id", "endpoint_url"),
 }
 ALL_OPTIONS = frozenset(o for names in OPTIONS.values() for o in names)
 

@@ -8,6 +8,11 @@ judged at connect time, no redirect, a size cap, each call within its timeout).
 - GitHub, with httpx: ``GET /repos/{owner}/{repo}/hooks/{id}`` (or ``/orgs/{org}/hooks/{id}``:
   ``active``, ``config.url``, ``events``, ``last_response``); re-enable: ``PATCH`` the hook
   with ``{"active": true}``.
+- Svix, with httpx: ``GET /api/v1/app/{app_id}/endpoint/{endpoint_id}`` (``disabled``,
+  ``url``, ``filterTypes``: absent or null for every type); re-enable: ``PATCH`` it with
+  ``{"disabled": false}``. Read as JSON rather than through the ``svix`` library: its 2.x
+  models name the types ``eventTypes`` where the API (and Svix's other clients) say
+  ``filterTypes``, so both names are read.
 
 A 404 is the endpoint deleted (a :class:`~core.watchdog.View`); every other failure (401,
 403, 429, 5xx, a timeout, no answer, an answer it cannot read) is :class:`CannotCheck` with
@@ -155,6 +160,65 @@ def _github_answer(base: str, call: Any) -> View:
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         raise CannotCheck(status, f"GitHub API at {base} answered a hook it cannot read") from None
+
+
+def _svix(token: str, base: str, allow_private: bool, timeout: float) -> httpx.Client:
+    return api_client(
+        base,
+        f"Svix API at {base}",
+        allow_private=allow_private,
+        timeout=timeout,
+        headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+    )
+
+
+def _svix_answer(base: str, call: Any) -> View:
+    try:
+        answer = call()
+    except httpx.TimeoutException:
+        raise CannotCheck(None, f"Svix API at {base} did not answer in time") from None
+    except httpx.HTTPError:
+        raise CannotCheck(None, f"Svix API at {base} did not answer") from None
+    except ApiError as exc:
+        raise CannotCheck(exc.status, str(exc)) from None
+    status = answer.status_code
+    if status == 404:
+        return View("deleted")
+    if status == 429:
+        raise CannotCheck(status, "Svix rate limited the check (429)")
+    if status in (401, 403):
+        raise CannotCheck(status, f"Svix refused the API token ({status})")
+    if status >= 400:
+        raise CannotCheck(status, f"Svix API error ({status})")
+    try:
+        body = answer.json()
+        types = body.get("filterTypes", body.get("eventTypes"))
+        return View(
+            status="disabled" if body.get("disabled") is True else "enabled",
+            url=str(body["url"]),
+            events=("*",) if not types else tuple(str(t) for t in types),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CannotCheck(
+            status, f"Svix API at {base} answered an endpoint it cannot read"
+        ) from None
+
+
+def svix_view(token: str, base: str, endpoint: str, *, allow_private: bool, timeout: float) -> View:
+    """``endpoint``: ``APP_ID/ENDPOINT_ID``."""
+    app, _, ep = endpoint.partition("/")
+    with _svix(token, base, allow_private, timeout) as client:
+        return _svix_answer(base, lambda: client.get(f"/api/v1/app/{app}/endpoint/{ep}"))
+
+
+def svix_enable(
+    token: str, base: str, endpoint: str, *, allow_private: bool, timeout: float
+) -> View:
+    """``{"disabled": false}`` on the endpoint (one call); the endpoint as Svix then has it."""
+    app, _, ep = endpoint.partition("/")
+    with _svix(token, base, allow_private, timeout) as client:
+        path = f"/api/v1/app/{app}/endpoint/{ep}"
+        return _svix_answer(base, lambda: client.patch(path, json={"disabled": False}))
 
 
 def github_view(token: str, base: str, hook: str, *, allow_private: bool, timeout: float) -> View:

@@ -34,6 +34,8 @@ from tasks.watchdog.endpoints import (
     github_view,
     stripe_enable,
     stripe_view,
+    svix_enable,
+    svix_view,
 )
 
 log = get_logger("watchdog")
@@ -87,7 +89,7 @@ def load_subject(session: Session, box: SecretBox, ref: str) -> Subject:
     if source.provider not in judge.WATCHED:
         raise WatchError(
             f"source {source.public_id} ({source.name}): the watchdog reads "
-            f"{' and '.join(judge.WATCHED)} endpoints, not {source.provider!r}"
+            f"{', '.join(judge.WATCHED)} endpoints, not {source.provider!r}"
         )
     globs = session.scalars(
         select(Route.events_glob).where(Route.source_id == source.id, Route.active.is_(True))
@@ -112,20 +114,29 @@ Reader = Callable[..., judge.View]
 _READERS: dict[str, tuple[Reader, Reader]] = {
     "stripe": (stripe_view, stripe_enable),
     "github": (github_view, github_enable),
+    "svix": (svix_view, svix_enable),
+}
+
+
+_EXAMPLE = {
+    "stripe": "--config endpoint_id=we_...",
+    "github": "--config hook=repos/OWNER/REPO/hooks/ID",
+    "svix": "--config app_id=APP --config endpoint_id=ENDPOINT",
 }
 
 
 def _endpoint(subject: Subject) -> str:
+    """The endpoint's name in the provider's API (Svix: ``APP_ID/ENDPOINT_ID``)."""
     option = judge.ENDPOINT_OPTION[subject.provider]
     value = subject.config.get(option)
-    if not isinstance(value, str) or not value:
-        example = "we_..." if subject.provider == "stripe" else "repos/OWNER/REPO/hooks/ID"
+    app = subject.config.get("app_id") if subject.provider == "svix" else ""
+    if not isinstance(value, str) or not value or not isinstance(app, str):
         raise CannotCheck(
             None,
             f"source {subject.public_id} names no {subject.provider} endpoint: webhooks sources"
-            f" update {subject.name} --config {option}={example}",
+            f" update {subject.name} {_EXAMPLE[subject.provider]}",
         )
-    return value
+    return f"{app}/{value}" if subject.provider == "svix" else value
 
 
 def _call(settings: Settings, subject: Subject, enable: bool) -> judge.View:
@@ -206,8 +217,8 @@ class Fixed:
 
 
 def fixable(checked: Checked) -> bool:
-    """Only a disabled (inactive) endpoint is re-enabled: never created, deleted or
-    re-pointed."""
+    """Only a disabled (inactive) endpoint is re-enabled (Stripe, GitHub, Svix): never
+    created, deleted or re-pointed."""
     return any(f.kind == judge.DISABLED for f in checked.found)
 
 

@@ -530,8 +530,9 @@ def sources_check(
         bool,
         typer.Option(
             "--fix",
-            help="Re-enable SOURCE's disabled endpoint (Stripe) or inactive hook (GitHub) "
-            "at its provider, after a confirmation (audited). Never creates or deletes one.",
+            help="Re-enable SOURCE's disabled endpoint (Stripe, Svix) or inactive hook "
+            "(GitHub) at its provider, after a confirmation (audited). Never creates or "
+            "deletes one.",
         ),
     ] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
@@ -645,7 +646,7 @@ def _fix(
             )
         )
         return checked
-    thing = "endpoint" if checked.provider == "stripe" else "hook"
+    thing = "hook" if checked.provider == "github" else "endpoint"
     if not yes:
         typer.confirm(f"Re-enable {checked.source}'s {thing} at {checked.provider}?", abort=True)
     try:
