@@ -524,7 +524,7 @@ def test_a_hanging_api_is_cut_at_the_timeout_and_the_beat_keeps_its_period(
     WEBHOOKS_WATCH_TIMEOUT as a cannot_check finding, the task finishes (its last success
     set), and the source is not checked again before its period."""
     from tasks.runtime import build_runtime  # noqa: PLC0415
-    from tasks.watchdog.schedule import watch_task  # noqa: PLC0415
+    from tasks.watchdog.schedule import run_due, watch_task  # noqa: PLC0415
 
     fake = FakeStripe(_key("rk_test"))
     with serving(fake):
@@ -558,9 +558,30 @@ def test_a_hanging_api_is_cut_at_the_timeout_and_the_beat_keeps_its_period(
                 {"every": quick.watch_every, "s": made.id},
             )
         assert watch_task(lambda: rt) == 1  # the next period
+        # Two sources due, both hanging: a tick past its budget claims no new one; the
+        # other stays due, for the next tick.
+        with serving(fake):
+            second = _source(sessions, settings, fake, api_base=f"http://127.0.0.1:{silent_port}")
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE sources SET watched_at = CASE WHEN id = ANY(:both) THEN NULL"
+                    " ELSE now() END"
+                ),
+                {"both": [made.id, second.id]},
+            )
+        started = time.monotonic()
+        first = run_due(rt, budget=0.5)
+        assert len(first) == 1
+        assert time.monotonic() - started < 4.0
+        assert run_due(rt, budget=0.5) == [
+            next(iter({made.public_id, second.public_id} - set(first)))
+        ]
+        assert run_due(rt, budget=0.5) == []
     finally:
         rt.close()
     assert len(_findings(engine, made.id)) == 1
+    assert _open(engine, second.id) == {"cannot_check"}
 
 
 @pytest.mark.parametrize("status", [401, 403, 429, 503])

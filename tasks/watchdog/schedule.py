@@ -7,11 +7,13 @@ A source is claimed by one guarded UPDATE on the database's clock (``watched_at`
 ``now()`` only if the period has passed; SKIP LOCKED), before its provider is asked: two
 workers, or a beat that ran twice, never check one source twice in a period, and a check
 that failed or hung (each call is cut at ``WEBHOOKS_WATCH_TIMEOUT``) waits for its next
-period, as a ``cannot_check`` finding.
+period, as a ``cannot_check`` finding. A tick claims no new source after :data:`BUDGET`
+seconds, so hanging APIs cannot stretch it past its own period.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,10 @@ log = get_logger("watchdog")
 
 TICK = WATCH_TICK
 MAX_SOURCES_PER_TICK = 20
+# A tick claims no new source after this many seconds: with every API hanging, a tick lasts
+# at most this plus one WEBHOOKS_WATCH_TIMEOUT, within its period (the stale-job alert reads
+# two), and the sources left wait for the next tick, still due.
+BUDGET = TICK / 2
 
 CLAIM_DUE = text(
     """
@@ -60,10 +66,12 @@ def claim_due(rt: Runtime) -> str | None:
         return found.scalar()
 
 
-def run_due(rt: Runtime, *, limit: int = MAX_SOURCES_PER_TICK) -> list[str]:
-    """Check each due source (at most ``limit``); returns their public ids."""
+def run_due(rt: Runtime, *, limit: int = MAX_SOURCES_PER_TICK, budget: float = BUDGET) -> list[str]:
+    """Check each due source (at most ``limit``, and no new one once ``budget`` seconds have
+    passed: the rest stay due for the next tick); returns their public ids."""
     done: list[str] = []
-    while len(done) < limit:
+    started = time.monotonic()
+    while len(done) < limit and time.monotonic() - started < budget:
         public_id = claim_due(rt)
         if public_id is None:
             break
