@@ -618,7 +618,7 @@ def _source_id(session: Any, ref: str) -> int:
 
 def _say_checked(c: Any) -> None:
     head = f"{c.source} ({c.name}, {c.provider})"
-    if c.view is not None:
+    if c.view is not None and c.view.status != "deleted":
         v = c.view
         url = "" if c.url is not None else "; url not compared (no endpoint_url, no public base)"
         say(escape(f"{head}: {v.status}, url {v.url}, events {','.join(v.events) or 'none'}{url}"))
