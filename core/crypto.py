@@ -78,7 +78,10 @@ class SecretDecryptError(WebhooksError):
 
 # What a stored secret is for: the purpose half of its binding (and a metric label).
 SIGNING: Final = "signing_secret"  # source_secrets.ciphertext: verifies a provider's requests
-RECONCILE: Final = "reconcile_credential"  # sources.reconcile_ciphertext: the provider's API key
+# sources.reconcile_ciphertext: the source's provider API key, for its reconciliation and its
+# subscription watchdog (reading the webhook endpoint, re-enabling it on --fix): one
+# credential per source and provider account, never sent anywhere but its api_base.
+RECONCILE: Final = "reconcile_credential"
 ROUTE_SIGNING: Final = "route_secret"  # routes.signing_ciphertext: signs forwarded requests
 PURPOSES: Final = (SIGNING, RECONCILE, ROUTE_SIGNING)
 # How an operator puts a refused secret right, by its purpose.

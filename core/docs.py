@@ -46,6 +46,9 @@ TOPICS: dict[str, Topic] = {
         "Reconciliation: events the provider sent that never arrived",
         "Reconciliation",
     ),
+    "watchdog": Topic(
+        "provider-side", "The subscription watchdog", "The provider's view of each endpoint"
+    ),
     "traces": Topic("operating", "Traces across the pipeline", "Traces"),
     "sources": Topic("providers", "Providers", "Sources and providers"),
     "routes": Topic("routing", "", "Routing: event types and content filters"),

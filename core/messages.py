@@ -15,6 +15,10 @@ MAINTENANCE_TASK = "webhooks.maintenance"
 RECONCILE_TASK = "webhooks.reconcile"
 # Beat checks for sources due for reconciliation this often (tasks.reconcile.schedule).
 RECONCILE_TICK = 60.0
+WATCH_TASK = "webhooks.watch"
+# Beat checks for sources whose endpoint is due for the watchdog this often (tasks.watchdog;
+# a source's period: WEBHOOKS_WATCH_EVERY).
+WATCH_TICK = 60.0
 DELIVERIES_QUEUE = "deliveries"
 MAINTENANCE_QUEUE = "maintenance"
 # The task message header that maps each delivery id (as text) to its event's traceparent

@@ -241,8 +241,8 @@ QUEUE_LAG_BUDGET = Gauge(
 # the latest success over every process, including exited pool children.
 JOB_LAST_SUCCESS = Gauge(
     "webhooks_job_last_success_timestamp_seconds",
-    "When each periodic job (sweep, maintenance, reconcile) last finished without an error,"
-    " Unix time",
+    "When each periodic job (sweep, maintenance, reconcile, watchdog) last finished without an"
+    " error, Unix time",
     ["job"],
     multiprocess_mode="max",
 )
@@ -323,6 +323,17 @@ RECONCILE_API_ERRORS = Counter(
     ["source", "status"],
 )
 
+# The subscription watchdog (issue 38 item 1, tasks.watchdog): 1 per open finding about a
+# source's endpoint at its provider (disabled, deleted, url_mismatch, events_missing,
+# cannot_check), 0 once closed; set from the findings table by each of beat's ticks.
+SUBSCRIPTION_FINDINGS = Gauge(
+    "webhooks_subscription_findings",
+    "Open findings of the subscription watchdog about a source's endpoint at its provider"
+    " (1: open; 0: closed), by kind",
+    ["source", "kind"],
+    multiprocess_mode="mostrecent",
+)
+
 # Which process exposes which families (by family name: a counter's without ``_total``).
 Process = Literal["receiver", "worker"]
 RECEIVER_ONLY: tuple[Any, ...] = (
@@ -344,6 +355,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     RECONCILE_MISSING,
     RECONCILE_RECOVERED,
     RECONCILE_API_ERRORS,
+    SUBSCRIPTION_FINDINGS,
     DELIVERIES,
     RETRIES,
     DEAD_LETTERS,

@@ -207,6 +207,15 @@ class Settings(BaseSettings):
     publish_grace: timedelta = timedelta(seconds=30)
     sweep_batch: int = Field(default=500, ge=1)
     maintenance_interval: timedelta = timedelta(minutes=10)
+    # The subscription watchdog (tasks.watchdog, issue 38 item 1): every source with an API
+    # credential has its endpoint read at its provider this often (one call per source and
+    # period), each call within watch_timeout (a hanging API cannot hold beat's period).
+    # public_base_url: the receiver's URL as the providers post to it; a source's endpoint
+    # is expected at {public_base_url}/webhooks/{source id} unless its endpoint_url option
+    # says otherwise (neither: the URL is not compared).
+    watch_every: timedelta = Field(default=timedelta(minutes=15), ge=timedelta(minutes=1))
+    watch_timeout: timedelta = Field(default=timedelta(seconds=10), gt=timedelta(0))
+    public_base_url: str | None = None
 
     # Retention (issue 5): global defaults for the dedup TTL terms that are not provider ones.
     queue_lag_budget: timedelta = timedelta(days=1)

@@ -100,6 +100,40 @@ class Source(Base):
     reconcile_ciphertext: Mapped[bytes | None] = mapped_column(LargeBinary)
     reconcile_every_s: Mapped[int | None] = mapped_column(BigInteger)
     reconciled_at: Mapped[datetime | None] = mapped_column()
+    # The subscription watchdog (tasks.watchdog, migration 0030): its last scheduled check
+    # (claimed on the database's clock) and the provider's view of the endpoint then.
+    watched_at: Mapped[datetime | None] = mapped_column()
+    watch_view: Mapped[dict[str, Any] | None] = mapped_column()
+
+
+# What the watchdog finds wrong with a source's endpoint at its provider (core.watchdog).
+FINDING_KINDS = ("disabled", "deleted", "url_mismatch", "events_missing", "cannot_check")
+
+
+class SubscriptionFinding(Base):
+    """One finding of the subscription watchdog (issue 38 item 1): opened once, closed when
+    the provider's view is back to normal, both on the database's clock."""
+
+    __tablename__ = "subscription_findings"
+    __table_args__ = (
+        CheckConstraint(
+            "kind IN (" + ", ".join(f"'{k}'" for k in FINDING_KINDS) + ")", name="kind"
+        ),
+        Index(
+            "ix_subscription_findings_open",
+            "source_id",
+            "kind",
+            unique=True,
+            postgresql_where=text("closed_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    source_id: Mapped[int] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(Text)
+    detail: Mapped[str] = mapped_column(Text)
+    opened_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    closed_at: Mapped[datetime | None] = mapped_column()
 
 
 class SourceSecret(Base):

@@ -22,6 +22,8 @@ from core.messages import (
     RECONCILE_TASK,
     RECONCILE_TICK,
     SWEEP_TASK,
+    WATCH_TASK,
+    WATCH_TICK,
     batch_time_limits,
 )
 from core.settings import Settings
@@ -91,6 +93,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             SWEEP_TASK: {"queue": MAINTENANCE_QUEUE},
             MAINTENANCE_TASK: {"queue": MAINTENANCE_QUEUE},
             RECONCILE_TASK: {"queue": MAINTENANCE_QUEUE},
+            WATCH_TASK: {"queue": MAINTENANCE_QUEUE},
         },
         "worker_concurrency": settings.worker_slots,
         # No worker_pool here: the pool is named with -P, which must match
@@ -104,6 +107,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             },
             # Each source's own period is its --reconcile-every (off by default).
             "reconcile": {"task": RECONCILE_TASK, "schedule": RECONCILE_TICK},
+            # Each source's endpoint at its provider, every WEBHOOKS_WATCH_EVERY.
+            "watchdog": {"task": WATCH_TASK, "schedule": WATCH_TICK},
         },
         "timezone": "UTC",
         "enable_utc": True,

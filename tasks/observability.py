@@ -32,7 +32,7 @@ from celery.signals import worker_process_shutdown, worker_ready, worker_shutdow
 
 from core.errors import WebhooksError
 from core.logs import get_logger
-from core.messages import RECONCILE_TICK
+from core.messages import RECONCILE_TICK, WATCH_TICK
 from core.settings import Settings
 
 log = get_logger(__name__)
@@ -129,6 +129,7 @@ def _serve_metrics(**_: Any) -> None:
         ("sweep", settings.sweep_interval.total_seconds()),
         ("maintenance", settings.maintenance_interval.total_seconds()),
         ("reconcile", RECONCILE_TICK),
+        ("watchdog", WATCH_TICK),
     ):
         JOB_PERIOD.labels(job).set(period)
 

@@ -41,6 +41,7 @@ from tasks.observability import is_worker_command
 from tasks.pools import check_pool, set_crash_reporter, start_watchdog
 from tasks.reconcile import schedule
 from tasks.runtime import Runtime, build_runtime
+from tasks.watchdog import schedule as subscriptions
 
 
 class WorkerProcess:
@@ -90,6 +91,7 @@ def build_app(settings: Settings) -> Celery:
     delivery = deliver.register(app, process.runtime)
     sweeper.register(app, process.runtime, delivery)
     schedule.register(app, process.runtime)
+    subscriptions.register(app, process.runtime)
 
     def report_ttls(sender: Any = None, **_: Any) -> None:
         _report_raised_ttls(settings, sender)

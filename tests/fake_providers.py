@@ -59,6 +59,14 @@ class FakeStripe:
         self.page_size = page_size
         self.endpoint_id = "we_1Recon"
         self.enabled_events = list(enabled_events)
+        # The endpoint as Stripe holds it (the subscription watchdog reads and re-enables it):
+        # status enabled or disabled, the URL it posts to; deleted: answered 404.
+        self.endpoint_status = "enabled"
+        self.endpoint_url = "https://example.invalid/webhooks/src"
+        self.endpoint_deleted = False
+        # Scripted answers of the n-th endpoint request (GET or POST), 1-based.
+        self.endpoint_script: dict[int, Scripted] = {}
+        self.last_body: dict[str, Any] = {}  # set by the handler before answer
         self.events: list[dict[str, Any]] = []
         self.seen: list[Seen] = []
         self.script: dict[int, Scripted] = {}
@@ -89,6 +97,26 @@ class FakeStripe:
     def events_requests(self) -> list[Seen]:
         return [s for s in self.seen if s.path == "/v1/events"]
 
+    def endpoint_requests(self, method: str | None = None) -> list[Seen]:
+        path = f"/v1/webhook_endpoints/{self.endpoint_id}"
+        return [s for s in self.seen if s.path == path and method in (None, s.method)]
+
+    def endpoint(self) -> dict[str, Any]:
+        """The webhook endpoint object, as the API documents it (``secret`` only at creation)."""
+        return {
+            "id": self.endpoint_id,
+            "object": "webhook_endpoint",
+            "api_version": None,
+            "application": None,
+            "created": 1_700_000_000,
+            "description": None,
+            "enabled_events": self.enabled_events,
+            "livemode": False,
+            "metadata": {},
+            "status": self.endpoint_status,
+            "url": self.endpoint_url,
+        }
+
     def answer(
         self, method: str, path: str, query: dict[str, list[str]], auth: str | None
     ) -> tuple[int, dict[str, str], dict[str, Any]]:
@@ -99,20 +127,29 @@ class FakeStripe:
             if not authorised:
                 seen.status = 401
                 return 401, {}, {"error": {"type": "invalid_request_error", "message": "bad key"}}
-            if method == "GET" and path == f"/v1/webhook_endpoints/{self.endpoint_id}":
-                return (
-                    200,
-                    {},
-                    {
-                        "id": self.endpoint_id,
-                        "object": "webhook_endpoint",
-                        "api_version": None,
-                        "enabled_events": self.enabled_events,
-                        "status": "enabled",
-                        "url": "https://example.invalid/webhooks/src",
-                        "livemode": False,
-                    },
-                )
+            if path == f"/v1/webhook_endpoints/{self.endpoint_id}" and method in ("GET", "POST"):
+                scripted = self.endpoint_script.pop(len(self.endpoint_requests()), None)
+                if scripted is not None:
+                    seen.status = scripted.status
+                    return scripted.status, scripted.headers, scripted.body
+                if self.endpoint_deleted:
+                    seen.status = 404
+                    return (
+                        404,
+                        {},
+                        {
+                            "error": {
+                                "type": "invalid_request_error",
+                                "code": "resource_missing",
+                                "message": "No such",
+                            }
+                        },
+                    )
+                if method == "POST":  # update: disabled=true|false is the only field used
+                    disabled = str(self.last_body.get("disabled", "")).lower()
+                    if disabled in ("true", "false"):
+                        self.endpoint_status = "disabled" if disabled == "true" else "enabled"
+                return 200, {}, self.endpoint()
             if method != "GET" or path != "/v1/events":
                 seen.status = 404
                 return 404, {}, {"error": {"type": "invalid_request_error", "message": "no"}}
@@ -144,6 +181,16 @@ class FakeStripe:
             )
 
 
+def _body(raw: bytes, content_type: str) -> dict[str, Any]:
+    """A request's body: JSON (GitHub, Svix), or a form (the ``stripe`` library's POSTs)."""
+    if not raw:
+        return {}
+    if content_type.startswith("application/x-www-form-urlencoded"):
+        return {k: v[-1] for k, v in parse_qs(raw.decode()).items()}
+    loaded: dict[str, Any] = json.loads(raw)
+    return loaded
+
+
 class _Resets:
     """Which requests (1-based, in the order the server reads them) get their connection
     reset instead of an answer."""
@@ -172,7 +219,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         length = int(self.headers.get("Content-Length") or 0)
         raw_in = self.rfile.read(length) if length else b""
-        self.fake.last_body = json.loads(raw_in) if raw_in else {}
+        self.fake.last_body = _body(raw_in, self.headers.get("Content-Type") or "")
         status, headers, body = self.fake.answer(
             self.command, parts.path, parse_qs(parts.query), self.headers.get("Authorization")
         )
@@ -197,6 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_GET = _serve  # noqa: N815
     do_POST = _serve  # noqa: N815
+    do_PATCH = _serve  # noqa: N815
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         pass
@@ -268,6 +316,41 @@ class FakeGitHub:
         self.lock = threading.Lock()
         self.url = ""
         self._ids = iter(range(90_000_000, 99_999_999))
+        # The hook as GitHub holds it, read and PATCHed by the subscription watchdog (a
+        # deleted one is answered 404).
+        self.active = True
+        self.events = ["*"]
+        self.hook_url = "https://example.invalid/webhooks/src"
+        self.hook_deleted = False
+        self.last_response: dict[str, Any] = {"code": 200, "status": "active", "message": "OK"}
+        self.last_body: dict[str, Any] = {}  # set by the handler before answer
+
+    def hook_requests(self, method: str | None = None) -> list[Seen]:
+        return [s for s in self.seen if s.path == f"/{self.hook}" and method in (None, s.method)]
+
+    def hook_object(self) -> dict[str, Any]:
+        """The hook, as GitHub's REST API documents "Get a repository webhook"."""
+        number = int(self.hook.rsplit("/", 1)[-1])
+        api = f"https://api.github.com/{self.hook}"
+        return {
+            "type": "Repository",
+            "id": number,
+            "name": "web",
+            "active": self.active,
+            "events": self.events,
+            "config": {
+                "content_type": "json",
+                "insecure_ssl": "0",
+                "url": self.hook_url,
+            },
+            "updated_at": "2026-12-01T00:00:00Z",
+            "created_at": "2026-01-01T00:00:00Z",
+            "url": api,
+            "test_url": f"{api}/test",
+            "ping_url": f"{api}/pings",
+            "deliveries_url": f"{api}/deliveries",
+            "last_response": self.last_response,
+        }
 
     def add_delivery(
         self, guid: str, delivered_at: datetime, *, status_code: int, event: str = "issues"
@@ -307,6 +390,13 @@ class FakeGitHub:
         seen, early = _record(self, method, path, query, auth, {"message": "Bad credentials"})
         if early is not None:
             return early
+        if path == f"/{self.hook}" and method in ("GET", "PATCH"):
+            if self.hook_deleted:
+                seen.status = 404
+                return 404, {}, {"message": "Not Found"}
+            if method == "PATCH" and isinstance(self.last_body.get("active"), bool):
+                self.active = self.last_body["active"]
+            return 200, {}, self.hook_object()
         prefix = f"/{self.hook}/deliveries"
         if method == "GET" and path == prefix:
             with self.lock:
@@ -355,6 +445,12 @@ class FakeSvix:
         self.seen: list[Seen] = []
         self.script: dict[int, Scripted] = {}
         self.on_recover: Any = None
+        # The endpoint as Svix holds it, read and PATCHed by the subscription watchdog (a
+        # deleted one is answered 404); filter_types None: every type.
+        self.disabled = False
+        self.endpoint_url = "https://example.invalid/webhooks/src"
+        self.filter_types: list[str] | None = None
+        self.endpoint_deleted = False
         self.lock = threading.Lock()
         self.url = ""
 
@@ -377,6 +473,27 @@ class FakeSvix:
     def fail(self, nth: int, status: int) -> None:
         self.script[nth] = Scripted(status, {}, {"code": "scripted", "detail": f"{status}"})
 
+    def endpoint_requests(self, method: str | None = None) -> list[Seen]:
+        path = f"/api/v1/app/{self.app_id}/endpoint/{self.endpoint_id}"
+        return [s for s in self.seen if s.path == path and method in (None, s.method)]
+
+    def endpoint(self) -> dict[str, Any]:
+        """The endpoint, as Svix's API documents EndpointOut."""
+        return {
+            "id": self.endpoint_id,
+            "uid": None,
+            "description": "",
+            "url": self.endpoint_url,
+            "version": 1,
+            "rateLimit": None,
+            "disabled": self.disabled,
+            "filterTypes": self.filter_types,
+            "channels": None,
+            "metadata": {},
+            "createdAt": "2026-01-01T00:00:00Z",
+            "updatedAt": "2026-12-01T00:00:00Z",
+        }
+
     def answer(
         self, method: str, path: str, query: dict[str, list[str]], auth: str | None
     ) -> tuple[int, dict[str, str], Any]:
@@ -391,6 +508,13 @@ class FakeSvix:
         if early is not None:
             return early
         app = f"/api/v1/app/{self.app_id}"
+        if path == f"{app}/endpoint/{self.endpoint_id}" and method in ("GET", "PATCH"):
+            if self.endpoint_deleted:
+                seen.status = 404
+                return 404, {}, {"code": "not_found", "detail": "Endpoint not found"}
+            if method == "PATCH" and isinstance(self.last_body.get("disabled"), bool):
+                self.disabled = self.last_body["disabled"]
+            return 200, {}, self.endpoint()
         if method == "GET" and path.rstrip("/") == f"{app}/msg":
             after = datetime.fromisoformat(query["after"][0].replace("Z", "+00:00"))
             with self.lock:

@@ -34,6 +34,7 @@ from models import breaker, transitions
 from models.catalog import Change
 from tests.conftest import REDIS, free_port, make_settings
 from tests.factories import MadeSource
+from tests.fake_providers import FakeStripe, serving
 from tests.handlers_for_tests import EFFECTS_DDL
 from tests.leakcheck import remember
 from tests.operators_support import (
@@ -862,6 +863,44 @@ def test_routes_pause_resume_and_remove_follow_the_cli_rules(
         ("route.pause", "dora", "downstream maintenance", "console"),
         ("route.resume", "dora", "back", "console"),
     ]
+
+
+def test_an_open_watchdog_finding_is_a_banner_on_the_overview_and_the_source_until_closed(
+    page: Page, api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """Issue 38 item 1: a Stripe endpoint disabled at the provider (a local stand-in of its
+    API), found by `webhooks sources check`, shows on the overview, the source's overview and
+    its section of the sources page; enabled again and checked, the banner is gone."""
+    key = f"rk_test_{secrets.token_hex(12)}"
+    remember(key)
+    fake = FakeStripe(key)
+    source = source_with(sessions, ops, "log", provider="stripe")
+    with serving(fake):
+        updated = cli(
+            "sources", "update", source.name, "--api-key", key,
+            "--config", f"api_base={fake.url}", "--config", f"endpoint_id={fake.endpoint_id}",
+            env=ops_env(),
+        )  # fmt: skip
+        assert updated.returncode == 0, updated.stderr
+        fake.endpoint_status = "disabled"
+        assert cli("sources", "check", source.name, env=ops_env()).returncode == 1
+        finding = f"[data-finding='{source.public_id}:disabled']"
+        for path in ("/console/", f"/console/?source={source.public_id}"):
+            page.goto(f"{api.admin_url}{path}")
+            banner = page.locator(f"[role=alert]:has({finding})")
+            expect(banner).to_be_visible()
+            said = page.locator(finding).inner_text()
+            assert f"{source.name} disabled since" in said
+            assert "stripe has the endpoint disabled" in said
+            assert banner.locator("a[href*='provider-side']").count() == 1
+        page.goto(f"{api.admin_url}/console/routes")
+        expect(page.locator(f"section[data-source='{source.public_id}'] {finding}")).to_be_visible()
+
+        fake.endpoint_status = "enabled"
+        assert cli("sources", "check", source.name, env=ops_env()).returncode == 0
+        for path in ("/console/", f"/console/?source={source.public_id}", "/console/routes"):
+            page.goto(f"{api.admin_url}{path}")
+            expect(page.locator(finding)).to_have_count(0)
 
 
 @pytest.mark.parametrize(

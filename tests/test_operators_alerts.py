@@ -40,6 +40,10 @@ REQUIRED = {
     "WebhookProviderWindowReviewDue": "webhooks_provider_window_review_due",
     # Issue 35 item 3: live processes deriving different dedup TTLs for a source.
     "WebhookTtlFingerprintsDisagree": "webhooks_ttl_fingerprint_disagreements",
+    # Issue 38 item 1: the provider's endpoint disabled, deleted, elsewhere or missing types;
+    # and the provider's API that could not say.
+    "WebhookSubscriptionFinding": "webhooks_subscription_findings",
+    "WebhookSubscriptionCannotCheck": "webhooks_subscription_findings",
 }
 
 

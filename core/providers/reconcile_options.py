@@ -56,10 +56,12 @@ SPECS: dict[str, ApiSpec] = {
 }
 
 # Options reconciliation reads from a source's config, per provider.
+# endpoint_url: the URL registered at the provider, compared by the subscription watchdog
+# (core.watchdog; default WEBHOOKS_PUBLIC_BASE_URL + /webhooks/{source id}).
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "stripe": ("api_base", ALLOW_PRIVATE, "endpoint_id"),
-    "github": ("api_base", ALLOW_PRIVATE, "hook"),
-    "svix": ("api_base", ALLOW_PRIVATE, "app_id", "endpoint_id"),
+    "stripe": ("api_base", ALLOW_PRIVATE, "endpoint_id", "endpoint_url"),
+    "github": ("api_base", ALLOW_PRIVATE, "hook", "endpoint_url"),
+    "svix": ("api_base", ALLOW_PRIVATE, "app_id", "endpoint_id", "endpoint_url"),
 }
 ALL_OPTIONS = frozenset(o for names in OPTIONS.values() for o in names)
 
@@ -162,6 +164,15 @@ def _endpoint_id(value: str) -> str:
     return _svix_id(value)
 
 
+def _endpoint_url(value: str) -> str:
+    """The URL the provider posts to, as registered there: an absolute http(s) URL."""
+    text = value.strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("https", "http") or not parts.hostname or parts.fragment:
+        raise ValueError(f"endpoint_url must be an absolute http(s) URL, got {value!r}")
+    return text
+
+
 def _flag(value: str) -> str:
     """``allow_private``: true or false (also 1/0, yes/no), stored as ``true``/``false``."""
     return "true" if allows_private({ALLOW_PRIVATE: value}) else "false"
@@ -173,6 +184,7 @@ CHECKS = {
     "hook": _hook,
     "app_id": _svix_id,
     "endpoint_id": _endpoint_id,
+    "endpoint_url": _endpoint_url,
 }
 
 

@@ -14,6 +14,7 @@ from ingest.console.base import Console, Visit, args_of, opt, parse_when
 from ingest.console.charts import charts_of
 from models import console as reads
 from models import queries
+from models.findings import OpenFinding, open_findings
 
 
 def routes(c: Console) -> list[Route]:
@@ -63,7 +64,11 @@ async def overview(c: Console, v: Visit) -> Response:
         return c.error(v, str(exc), 404 if isinstance(exc, queries.NotFoundError) else 400)
     sources = await c.db(reads.catalog)
     degraded = await run_in_threadpool(_fail_open_signal, c)
+    findings = await c.db(open_findings)
+    if source is not None:  # a source's page: its own findings
+        findings = scoped(findings, source)
     context = {
+        "findings": findings,
         "o": counts,
         "charts": [chart for window in data.activity for chart in charts_of(window)],
         "scope": data.scope,
@@ -71,6 +76,11 @@ async def overview(c: Console, v: Visit) -> Response:
         "degraded": degraded,
     }
     return c.show(v, "overview.html", context)
+
+
+def scoped(findings: list[OpenFinding], source: str) -> list[OpenFinding]:
+    """The findings of one source, named by id or name."""
+    return [f for f in findings if source in (f.source, f.name)]
 
 
 async def audit_page(c: Console, v: Visit) -> Response:

@@ -21,6 +21,7 @@ from models import breaker, catalog, queries, route_catalog
 from models import console as reads
 from models.admission import parse_max_in_flight, parse_rate
 from models.catalog import CatalogError, Change
+from models.findings import open_findings
 from models.retention_layout import ensure_partitions
 from tasks.handlers.registry import load_registry
 
@@ -43,8 +44,10 @@ def routes(c: Console) -> list[Route]:
 
 async def routes_page(c: Console, v: Visit) -> Response:
     sources = await c.db(reads.catalog)
+    findings = await c.db(open_findings)
     context = {
         "sources": sources,
+        "findings": findings,
         "message": None,
         "providers": known_providers(),
         "handlers": load_registry(c.settings.handler_modules).names(),

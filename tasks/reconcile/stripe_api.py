@@ -52,7 +52,7 @@ def _unanswered(exc: Exception) -> bool:
     return isinstance(exc.__cause__, UNANSWERED)
 
 
-def _guarded(base: str, allow_private: bool) -> Any:
+def _guarded(base: str, allow_private: bool, timeout: float | None = None) -> Any:
     """A ``stripe.HTTPClient`` over :func:`tasks.reconcile.transport.api_client`. A refusal
     of the transport (redirect, size, address) is an ApiError that passes through the library
     as it is; an httpx error becomes the library's APIConnectionError (its cause kept)."""
@@ -63,7 +63,9 @@ def _guarded(base: str, allow_private: bool) -> Any:
 
         def __init__(self) -> None:
             super().__init__()
-            self._client = api_client(base, f"Stripe API at {base}", allow_private=allow_private)
+            self._client = api_client(
+                base, f"Stripe API at {base}", allow_private=allow_private, timeout=timeout
+            )
 
         def request(
             self,
@@ -101,6 +103,12 @@ def _guarded(base: str, allow_private: bool) -> Any:
             self._client.close()
 
     return _GuardedClient()
+
+
+def guarded_client(base: str, allow_private: bool, timeout: float | None = None) -> Any:
+    """A ``stripe.HTTPClient`` over :mod:`.transport` (the watchdog's, :mod:`tasks.watchdog`):
+    see :func:`_guarded`."""
+    return _guarded(base, allow_private, timeout)
 
 
 def events_fetcher(

@@ -150,12 +150,15 @@ def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
 class ApiTransport(httpx.HTTPTransport):
     """httpx's transport for one API base: see the module's docstring."""
 
-    def __init__(self, base: str, what: str, *, allow_private: bool = False) -> None:
+    def __init__(
+        self, base: str, what: str, *, allow_private: bool = False, timeout: float | None = None
+    ) -> None:
         tls = httpx.create_ssl_context()  # what httpx.Client() itself builds
         super().__init__(verify=tls, trust_env=False)
         self._what = what  # "GitHub API at https://..." (no path, no key)
         self._origin = _origin(httpx.URL(base))
-        self._timeout = CALL_TIMEOUT
+        # Each call's bound: CALL_TIMEOUT unless the caller has a shorter one (the watchdog).
+        self._timeout = CALL_TIMEOUT if timeout is None else timeout
         self._max_bytes = MAX_RESPONSE_BYTES
         self._deadline = _Deadline()
         backend = _ApiBackend(urlsplit(base).scheme == "http", allow_private, self._deadline)
@@ -215,13 +218,16 @@ def api_client(
     *,
     allow_private: bool = False,
     headers: dict[str, str] | None = None,
+    timeout: float | None = None,
 ) -> httpx.Client:
-    """An httpx client for ``base`` over :class:`ApiTransport` (no redirects, no proxy)."""
+    """An httpx client for ``base`` over :class:`ApiTransport` (no redirects, no proxy);
+    ``timeout``: each call's bound (None: :data:`CALL_TIMEOUT`)."""
+    bound = CALL_TIMEOUT if timeout is None else timeout
     return httpx.Client(
         base_url=base,
-        transport=ApiTransport(base, what, allow_private=allow_private),
+        transport=ApiTransport(base, what, allow_private=allow_private, timeout=bound),
         follow_redirects=False,
         trust_env=False,
-        timeout=CALL_TIMEOUT,  # the transport bounds each call by it
+        timeout=bound,  # the transport bounds each call by it
         headers=headers,
     )

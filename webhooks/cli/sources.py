@@ -515,5 +515,154 @@ def sources_enable(
     _say_source(f"enabled (each receiver accepts again within {ttl})", changed)
 
 
+@sources_app.command("check")
+@handle_errors
+def sources_check(
+    source: Annotated[
+        str | None,
+        typer.Argument(metavar="[SOURCE]", help="Source id or name (default: every one watched)."),
+    ] = None,
+    stored: Annotated[
+        bool,
+        typer.Option("--stored", help="Only list the open findings; ask no provider."),
+    ] = False,
+    fix: Annotated[
+        bool,
+        typer.Option(
+            "--fix",
+            help="Re-enable SOURCE's disabled endpoint (Stripe, Svix) or inactive hook "
+            "(GitHub) at its provider, after a confirmation (audited). Never creates or "
+            "deletes one.",
+        ),
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    reason: ReasonOpt = None,
+    operator: OperatorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Read each watched source's endpoint at its provider now (the subscription watchdog:
+    disabled, deleted, another URL, event types no longer subscribed, or the API could not
+    say), record the findings, and list the open ones. Exit code 1 while any is open."""
+    from core.docs import see
+    from models import findings
+    from tasks.watchdog import run as watch
+
+    e = env()
+    if fix and (source is None or stored):
+        raise CliError("--fix needs one SOURCE and asks its provider (not with --stored)")
+    if not e.keys_checked:
+        e.check_keys()
+    box = secret_box(e)
+    checked: list[Any] = []
+    if not stored:
+        refs = [source] if source is not None else _watched(e)
+        try:
+            checked = [watch.check(e.settings, e.sessions, box, ref, via="cli") for ref in refs]
+        except watch.WatchError as exc:
+            raise CliError(str(exc), doc="watchdog") from None
+    if fix:
+        assert source is not None
+        checked = [_fix(e, box, checked[0], yes, operator, reason)]
+    with e.session() as session:
+        scope = None if source is None else _source_id(session, source)
+        still = findings.open_findings(session, scope)
+    if as_json:
+        print_json(
+            {
+                "checked": [c.view_dict() for c in checked],
+                "open": [f.view() for f in still],
+            }
+        )
+    else:
+        for c in checked:
+            _say_checked(c)
+        for f in still:
+            say(
+                escape(
+                    f"open: {f.source} ({f.name}) {f.kind} since "
+                    f"{f.opened_at:%Y-%m-%d %H:%M:%S}Z: {f.detail}"
+                )
+            )
+        if not still:
+            say("no open finding")
+        else:
+            say(escape(see("watchdog")))
+    if still:
+        raise typer.Exit(1)
+
+
+def _watched(e: Env) -> list[str]:
+    from sqlalchemy import select
+
+    from core.watchdog import WATCHED
+    from models.schema import Source
+
+    with e.session() as session:
+        found = session.scalars(
+            select(Source.public_id)
+            .where(
+                Source.active.is_(True),
+                Source.reconcile_ciphertext.is_not(None),
+                Source.provider.in_(WATCHED),
+            )
+            .order_by(Source.public_id)
+        )
+        return list(found)
+
+
+def _source_id(session: Any, ref: str) -> int:
+    from models import catalog
+
+    return catalog.get_source(session, ref).id
+
+
+def _say_checked(c: Any) -> None:
+    head = f"{c.source} ({c.name}, {c.provider})"
+    if c.view is not None and c.view.status != "deleted":
+        v = c.view
+        url = "" if c.url is not None else "; url not compared (no endpoint_url, no public base)"
+        say(escape(f"{head}: {v.status}, url {v.url}, events {','.join(v.events) or 'none'}{url}"))
+    for f in c.found:
+        say(escape(f"{head}: {f.kind}: {f.detail}"))
+    for kind in c.recorded.closed:
+        say(escape(f"{head}: {kind} closed (back to normal)"))
+
+
+def _fix(
+    e: Env, box: Any, checked: Any, yes: bool, operator: str | None, reason: str | None
+) -> Any:
+    from core.watchdog import DISABLED
+    from tasks.watchdog import run as watch
+    from tasks.watchdog.endpoints import CannotCheck
+
+    if not watch.fixable(checked):
+        kinds = ", ".join(f.kind for f in checked.found) or "none"
+        _say_checked(checked)
+        say(
+            escape(
+                f"nothing --fix can do (findings: {kinds}): it only re-enables a disabled "
+                "endpoint; a deleted one, another URL or other event types are changed at the "
+                "provider by hand"
+            )
+        )
+        return checked
+    thing = "hook" if checked.provider == "github" else "endpoint"
+    if not yes:
+        typer.confirm(f"Re-enable {checked.source}'s {thing} at {checked.provider}?", abort=True)
+    try:
+        after = watch.enable(
+            e.settings,
+            e.sessions,
+            box,
+            checked.source,
+            operator=operator or login(),
+            reason=reason or f"re-enable the {DISABLED} {thing}",
+        )
+    except CannotCheck as exc:
+        raise CliError(f"{checked.provider} refused the re-enable: {exc}", doc="watchdog") from None
+    say(escape(f"re-enabled {checked.source}'s {thing} at {checked.provider} (audited)"))
+    return after
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(sources_app, name="sources")

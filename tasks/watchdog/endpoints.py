@@ -1,0 +1,232 @@
+"""The provider's view of a source's endpoint, read (and re-enabled) with the source's API
+credential, through reconciliation's client (:mod:`tasks.reconcile.transport`: addresses
+judged at connect time, no redirect, a size cap, each call within its timeout).
+
+- Stripe, with the ``stripe`` library: ``GET /v1/webhook_endpoints/{id}`` (``status``,
+  ``url``, ``enabled_events``); re-enable: ``POST /v1/webhook_endpoints/{id}`` with
+  ``disabled=false``.
+- GitHub, with httpx: ``GET /repos/{owner}/{repo}/hooks/{id}`` (or ``/orgs/{org}/hooks/{id}``:
+  ``active``, ``config.url``, ``events``, ``last_response``); re-enable: ``PATCH`` the hook
+  with ``{"active": true}``.
+- Svix, with httpx: ``GET /api/v1/app/{app_id}/endpoint/{endpoint_id}`` (``disabled``,
+  ``url``, ``filterTypes``: absent or null for every type); re-enable: ``PATCH`` it with
+  ``{"disabled": false}``. Read as JSON rather than through the ``svix`` library: its 2.x
+  models name the types ``eventTypes`` where the API (and Svix's other clients) say
+  ``filterTypes``, so both names are read.
+
+A 404 is the endpoint deleted (a :class:`~core.watchdog.View`); every other failure (401,
+403, 429, 5xx, a timeout, no answer, an answer it cannot read) is :class:`CannotCheck` with
+the status, never the API's message or the key. Nothing is retried here: the next period
+checks again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from core.errors import WebhooksError
+from core.watchdog import View
+from tasks.reconcile.paging import ApiError
+from tasks.reconcile.transport import api_client
+
+
+class CannotCheck(WebhooksError):
+    """The provider's API did not say what it holds: one line, the status if there was one."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _stripe_call(base: str, request: Any) -> Any:
+    import stripe  # noqa: PLC0415  (only a Stripe source's check needs it)
+
+    try:
+        return request()
+    except stripe.InvalidRequestError as exc:
+        if exc.http_status == 404:
+            return None
+        raise CannotCheck(exc.http_status, f"Stripe API error ({exc.http_status})") from None
+    except (stripe.AuthenticationError, stripe.PermissionError) as exc:
+        raise CannotCheck(
+            exc.http_status,
+            f"Stripe refused the API key ({exc.http_status}): set one that can read and update"
+            " webhook endpoints with webhooks sources update SOURCE --api-key",
+        ) from None
+    except stripe.RateLimitError as exc:
+        raise CannotCheck(exc.http_status, "Stripe rate limited the check (429)") from None
+    except stripe.APIConnectionError as exc:
+        if isinstance(exc.__cause__, httpx.TimeoutException):
+            raise CannotCheck(None, f"Stripe API at {base} did not answer in time") from None
+        raise CannotCheck(None, f"Stripe API at {base} did not answer") from None
+    except stripe.StripeError as exc:
+        raise CannotCheck(exc.http_status, f"Stripe API error ({exc.http_status})") from None
+    except ApiError as exc:  # the transport's refusals (redirect, size, address)
+        raise CannotCheck(exc.status, str(exc)) from None
+
+
+def _stripe(api_key: str, base: str, allow_private: bool, timeout: float) -> Any:
+    import stripe  # noqa: PLC0415  (only a Stripe source's check needs it)
+
+    from tasks.reconcile.stripe_api import guarded_client  # noqa: PLC0415 (the stripe client)
+
+    return stripe.StripeClient(
+        api_key,
+        base_addresses={"api": base},
+        max_network_retries=0,
+        http_client=guarded_client(base, allow_private, timeout),
+    )
+
+
+def _stripe_view(found: Any) -> View:
+    if found is None:
+        return View("deleted")
+    body = found.to_dict()
+    status = str(body.get("status") or "")
+    return View(
+        status="enabled" if status == "enabled" else (status or "unknown"),
+        url=body.get("url"),
+        events=tuple(str(e) for e in body.get("enabled_events") or ()),
+    )
+
+
+def stripe_view(
+    api_key: str, base: str, endpoint_id: str, *, allow_private: bool, timeout: float
+) -> View:
+    client = _stripe(api_key, base, allow_private, timeout)
+    found = _stripe_call(base, lambda: client.v1.webhook_endpoints.retrieve(endpoint_id))
+    return _stripe_view(found)
+
+
+def stripe_enable(
+    api_key: str, base: str, endpoint_id: str, *, allow_private: bool, timeout: float
+) -> View:
+    """``disabled=false`` on the endpoint (one call); the endpoint as Stripe then has it."""
+    client = _stripe(api_key, base, allow_private, timeout)
+    found = _stripe_call(
+        base, lambda: client.v1.webhook_endpoints.update(endpoint_id, {"disabled": False})
+    )
+    return _stripe_view(found)
+
+
+def _github(token: str, base: str, allow_private: bool, timeout: float) -> httpx.Client:
+    return api_client(
+        base,
+        f"GitHub API at {base}",
+        allow_private=allow_private,
+        timeout=timeout,
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Accept": "application/vnd.github+json",
+            "X-GitHub-Api-Version": "2022-11-28",
+            "User-Agent": "webhook-pipeline-watchdog",
+        },
+    )
+
+
+def _github_answer(base: str, call: Any) -> View:
+    try:
+        answer = call()
+    except httpx.TimeoutException:
+        raise CannotCheck(None, f"GitHub API at {base} did not answer in time") from None
+    except httpx.HTTPError:
+        raise CannotCheck(None, f"GitHub API at {base} did not answer") from None
+    except ApiError as exc:
+        raise CannotCheck(exc.status, str(exc)) from None
+    status = answer.status_code
+    if status == 404:
+        return View("deleted")
+    if status == 429 or (status == 403 and answer.headers.get("x-ratelimit-remaining") == "0"):
+        raise CannotCheck(status, f"GitHub rate limited the check ({status})")
+    if status in (401, 403):
+        raise CannotCheck(
+            status,
+            f"GitHub refused the token ({status}): it needs admin:repo_hook (or admin:org_hook)"
+            " on the hook named by --config hook=...",
+        )
+    if status >= 400:
+        raise CannotCheck(status, f"GitHub API error ({status})")
+    try:
+        body = answer.json()
+        last = body.get("last_response") or {}
+        code, said = last.get("code"), last.get("status")
+        return View(
+            status="enabled" if body["active"] is True else "inactive",
+            url=(body.get("config") or {}).get("url"),
+            events=tuple(str(e) for e in body.get("events") or ()),
+            last_response=None if code is None and said is None else f"{code} {said}".strip(),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CannotCheck(status, f"GitHub API at {base} answered a hook it cannot read") from None
+
+
+def _svix(token: str, base: str, allow_private: bool, timeout: float) -> httpx.Client:
+    return api_client(
+        base,
+        f"Svix API at {base}",
+        allow_private=allow_private,
+        timeout=timeout,
+        headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+    )
+
+
+def _svix_answer(base: str, call: Any) -> View:
+    try:
+        answer = call()
+    except httpx.TimeoutException:
+        raise CannotCheck(None, f"Svix API at {base} did not answer in time") from None
+    except httpx.HTTPError:
+        raise CannotCheck(None, f"Svix API at {base} did not answer") from None
+    except ApiError as exc:
+        raise CannotCheck(exc.status, str(exc)) from None
+    status = answer.status_code
+    if status == 404:
+        return View("deleted")
+    if status == 429:
+        raise CannotCheck(status, "Svix rate limited the check (429)")
+    if status in (401, 403):
+        raise CannotCheck(status, f"Svix refused the API token ({status})")
+    if status >= 400:
+        raise CannotCheck(status, f"Svix API error ({status})")
+    try:
+        body = answer.json()
+        types = body.get("filterTypes", body.get("eventTypes"))
+        return View(
+            status="disabled" if body.get("disabled") is True else "enabled",
+            url=str(body["url"]),
+            events=("*",) if not types else tuple(str(t) for t in types),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CannotCheck(
+            status, f"Svix API at {base} answered an endpoint it cannot read"
+        ) from None
+
+
+def svix_view(token: str, base: str, endpoint: str, *, allow_private: bool, timeout: float) -> View:
+    """``endpoint``: ``APP_ID/ENDPOINT_ID``."""
+    app, _, ep = endpoint.partition("/")
+    with _svix(token, base, allow_private, timeout) as client:
+        return _svix_answer(base, lambda: client.get(f"/api/v1/app/{app}/endpoint/{ep}"))
+
+
+def svix_enable(
+    token: str, base: str, endpoint: str, *, allow_private: bool, timeout: float
+) -> View:
+    """``{"disabled": false}`` on the endpoint (one call); the endpoint as Svix then has it."""
+    app, _, ep = endpoint.partition("/")
+    with _svix(token, base, allow_private, timeout) as client:
+        path = f"/api/v1/app/{app}/endpoint/{ep}"
+        return _svix_answer(base, lambda: client.patch(path, json={"disabled": False}))
+
+
+def github_view(token: str, base: str, hook: str, *, allow_private: bool, timeout: float) -> View:
+    with _github(token, base, allow_private, timeout) as client:
+        return _github_answer(base, lambda: client.get(f"/{hook}"))
+
+
+def github_enable(token: str, base: str, hook: str, *, allow_private: bool, timeout: float) -> View:
+    """``{"active": true}`` on the hook (one call); the hook as GitHub then has it."""
+    with _github(token, base, allow_private, timeout) as client:
+        return _github_answer(base, lambda: client.patch(f"/{hook}", json={"active": True}))
