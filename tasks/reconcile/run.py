@@ -163,7 +163,7 @@ def _hook(target: Target) -> str:
     return hook
 
 
-def _credential(box: SecretBox, source_id: int, ciphertext: bytes) -> str:
+def provider_credential(box: SecretBox, source_id: int, ciphertext: bytes) -> str:
     """The source's API credential, opened only at its own place: one sealed for another row
     or purpose (a signing secret copied there, say) is never sent anywhere."""
     try:
@@ -194,7 +194,9 @@ def load_target(session: Session, box: SecretBox, settings: Settings, ref: str) 
         name=source.name,
         provider=source.provider,
         config=dict(source.config or {}),
-        api_key=None if ciphertext is None else _credential(box, source.id, bytes(ciphertext)),
+        api_key=None
+        if ciphertext is None
+        else provider_credential(box, source.id, bytes(ciphertext)),
         secret_id=secret_id,
         ttl=catalog.source_effective_ttl(source, settings).total,
     )

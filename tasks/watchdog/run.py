@@ -27,7 +27,7 @@ from core.settings import Settings
 from models import catalog
 from models.findings import Recorded, gauge_rows, record
 from models.schema import Route
-from tasks.reconcile.run import ReconcileError, _credential
+from tasks.reconcile.run import ReconcileError, provider_credential
 from tasks.watchdog.endpoints import (
     CannotCheck,
     github_enable,
@@ -96,7 +96,7 @@ def load_subject(session: Session, box: SecretBox, ref: str) -> Subject:
     ).all()
     ciphertext = source.reconcile_ciphertext
     try:
-        key = None if ciphertext is None else _credential(box, source.id, bytes(ciphertext))
+        key = None if ciphertext is None else provider_credential(box, source.id, bytes(ciphertext))
     except ReconcileError as exc:
         raise WatchError(str(exc)) from None
     return Subject(
