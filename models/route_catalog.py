@@ -40,6 +40,12 @@ from models.schema import (
 )
 
 
+class PublishOptionsError(CatalogError):
+    """A ``publish`` route's options that cannot work (core.publish_target): nothing saved."""
+
+    doc = "publish"  # the docs topic a CLI refusal names (core.docs)
+
+
 def add_route(
     session: Session,
     box: SecretBox,
@@ -78,7 +84,7 @@ def add_route(
         try:
             publish_target(opts)
         except ValueError as exc:
-            raise CatalogError(str(exc)) from None
+            raise PublishOptionsError(str(exc)) from None
     route = Route(
         source_id=source.id,
         handler=handler,

@@ -127,6 +127,7 @@ class UnregisteredTransformError(WebhooksError, ValueError):
     """A route would name a transform that no module registers: refused when it is saved."""
 
     reason = "unknown_transform"
+    doc = "transforms"  # the docs topic a CLI refusal names (core.docs)
 
 
 class UnknownTransformError(PermanentError):
