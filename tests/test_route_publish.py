@@ -27,6 +27,7 @@ from kombu import Connection
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.docs import TOPICS
 from core.idempotency import idempotency_key
 from core.publish_target import publish_target, shown_options
 from tests.factories import MadeSource, accept_event, make_source
@@ -150,6 +151,7 @@ def test_a_publish_route_is_checked_when_saved_and_shown_masked(
     assert refused.returncode == 1
     assert refused.stderr.strip().count("\n") == 0, refused.stderr
     assert "needs --option exchange=NAME" in refused.stderr
+    assert refused.stderr.rstrip().endswith(f"(see {TOPICS['publish'].path})"), refused.stderr
     assert rabbit.password not in refused.stderr
     with engine.connect() as conn:
         count = conn.execute(

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks.webhooks import Webhook
 
 from core.crypto import generate_secret
+from core.docs import TOPICS
 from core.settings import Settings
 from tasks.context import Event, EventMeta
 from tasks.transforms import (
@@ -287,6 +288,7 @@ def test_an_unknown_transform_is_refused_and_a_route_shows_its_transform_everywh
     assert added.stderr.strip().count("\n") == 0, added.stderr  # one line
     assert "unknown transform 'reshap': did you mean 'reshape'? registered: " in added.stderr
     assert "data_object, explodes, reshape, spins" in added.stderr
+    assert added.stderr.rstrip().endswith(f"(see {TOPICS['transforms'].path})"), added.stderr
     route = made.route_ids[0]
     updated = cli("routes", "update", str(route), "--transform", "nope", "--reason", "t", env=env)
     assert updated.returncode == 1
