@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from alembic import command
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks.webhooks import Webhook
@@ -27,6 +28,7 @@ from standardwebhooks.webhooks import Webhook
 from core.crypto import generate_secret
 from core.docs import TOPICS
 from core.settings import Settings
+from models.db import alembic_config
 from tasks.context import Event, EventMeta
 from tasks.transforms import (
     TransformDropped,
@@ -36,10 +38,12 @@ from tasks.transforms import (
     apply,
     load_transforms,
 )
+from tests.conftest import TEST_DB
 from tests.factories import accept_event, make_source
 from tests.leakcheck import remember
 from tests.operators_support import cli, console_login, ops_env, ops_receiver, ops_settings
 from tests.processes import Receiver
+from tests.retention_support import own_database
 from tests.transforms_for_tests import SECRET_WORDS, reshape, spins
 from tests.workers import Broker, delivery, running_worker, wait_status, worker_settings
 
@@ -348,3 +352,24 @@ def test_an_unknown_transform_is_refused_and_a_route_shows_its_transform_everywh
             {"r": route},
         ).all()
     assert [tuple(a) for a in audited] == [(None, "data_object"), ("data_object", None)]
+
+
+def test_migration_0029_goes_down_and_up_again() -> None:
+    """Downgrade drops the column (routes lose their transform); upgrade brings it back, and
+    the worker's claim reads it again."""
+    with own_database(f"{TEST_DB}_transforms_0029") as (settings, engine, sessions):
+        make_source(sessions, settings, routes=[{"handler": "log", "transform": "reshape"}])
+        config = alembic_config(settings)
+        command.downgrade(config, "0027")
+        with engine.connect() as conn:
+            columns = conn.execute(
+                text(
+                    "SELECT column_name FROM information_schema.columns"
+                    " WHERE table_name = 'routes' AND column_name = 'transform'"
+                )
+            ).all()
+        assert columns == []
+        command.upgrade(config, "head")
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE routes SET transform = 'reshape'"))
+            assert conn.execute(text("SELECT transform FROM routes")).scalars().all() == ["reshape"]
