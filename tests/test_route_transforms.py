@@ -174,9 +174,16 @@ def downstream() -> Iterator[Recording]:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("clean_worker_state")
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_a_transform_reshapes_the_forward_drops_or_fails_its_delivery(
-    sessions: sessionmaker[Session], engine: Engine, tmp_path: Path, downstream: Recording
+    sessions: sessionmaker[Session],
+    engine: Engine,
+    tmp_path: Path,
+    downstream: Recording,
+    pool: str,
 ) -> None:
+    """Under the threads pool the transform runs in a handler thread; under prefork, a lone
+    delivery's runs in the child's main thread: the limit stops the runaway in both."""
     settings = worker_settings(handler_modules=MODULES, transform_time_limit=LIMIT)
     whsec = generate_secret("standard")
     forward = {"url": downstream.url, "allow_private": "true"}
@@ -195,7 +202,7 @@ def test_a_transform_reshapes_the_forward_drops_or_fails_its_delivery(
     kept_ids, dropped_ids = list(kept.delivery_ids), list(dropped.delivery_ids)
     broker = Broker(settings)
     with running_worker(
-        "transforms", tmp_path, handler_modules=MODULES, transform_time_limit=LIMIT
+        "transforms", tmp_path, pool=pool, handler_modules=MODULES, transform_time_limit=LIMIT
     ) as worker:
         for delivery_id in kept_ids + dropped_ids:
             broker.publish(delivery_id)
