@@ -57,6 +57,10 @@ TOPICS: dict[str, Topic] = {
         "Saving a filter: checked once, nothing saved when it is wrong",
         "Content filters",
     ),
+    "transforms": Topic(
+        "routing", "Transforms: reshape or drop an event before its handler", "Transforms"
+    ),
+    "publish": Topic("routing", "Fan-out to a broker: the publish handler", "Publishing to AMQP"),
     "settings": Topic("providers", "Settings and secrets", "Settings and secrets"),
     "retention": Topic("retention", "", "Retention"),
     "ledger": Topic("retention", "The processed-events ledger", "The processed-events ledger"),

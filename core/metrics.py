@@ -36,6 +36,13 @@ FILTERED = Counter(
     "Accepted events a route's filter did not match, by source and route",
     ["source", "route"],
 )
+# A delivery its route's transform dropped (returned None, tasks.transforms): it ends
+# ``filtered`` on the worker, its handler never called. ``route``: the route's id.
+TRANSFORM_DROPPED = Counter(
+    "webhooks_transform_dropped_total",
+    "Deliveries a route's transform dropped (filtered on the worker), by source and route",
+    ["source", "route"],
+)
 # A stored secret refused where it was read (core.crypto): ``misplaced``, sealed for another row
 # or purpose (copied there: alerted); ``unbound``, written before binding (run db upgrade).
 SECRETS_REFUSED = Counter(
@@ -359,6 +366,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     DELIVERIES,
     RETRIES,
     DEAD_LETTERS,
+    TRANSFORM_DROPPED,
     CLAIMS,
     DEGRADED,
     REPEAT_WINDOWS,

@@ -133,6 +133,10 @@ class Settings(BaseSettings):
     handler_io_timeout: float = Field(default=10.0, gt=0)
     soft_time_limit: float = Field(default=30.0, gt=0)
     hard_time_limit: float = Field(default=60.0, gt=0)
+    # A route's transform (tasks.transforms) runs at most this long before its handler; past
+    # it the delivery goes dead with transform_failed (TransformTimeLimit). The handler's soft
+    # limit bounds it too (the smaller of the two applies).
+    transform_time_limit: float = Field(default=1.0, gt=0, le=60)
     visibility_timeout: float = Field(default=3600.0, gt=0)
     # How long a worker's wait for the broker's next message lasts (kombu's Redis BRPOP timeout):
     # a stopping worker begins its warm shutdown once that wait returns, so shorter stops

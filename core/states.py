@@ -23,6 +23,7 @@ class DeliveryStatus(StrEnum):
     DISCARDED = "discarded"
     # Final at the accept: the route's filter did not match the event (core.filters); no
     # work was made for it, ``last_error`` says why. Replayed only when chosen by its id.
+    # Also final on the worker when the route's transform dropped it (tasks.transforms).
     FILTERED = "filtered"
 
 
@@ -39,6 +40,7 @@ class AttemptOutcome(StrEnum):
     RETRY = "retry"
     DEAD = "dead"
     CRASHED = "crashed"
+    FILTERED = "filtered"  # the route's transform dropped the event (tasks.transforms)
 
 
 class BreakerState(StrEnum):
@@ -61,6 +63,8 @@ class DeadReason(StrEnum):
     EXPIRED = "expired"
     # Waiting when its route was disabled for a breaker open past WEBHOOKS_ROUTE_DISABLE_AFTER.
     ROUTE_DISABLED = "route_disabled"
+    # The route's transform raised, overran its limit or returned nonsense (tasks.transforms).
+    TRANSFORM_FAILED = "transform_failed"
 
 
 class ReplayStatus(StrEnum):

@@ -337,6 +337,7 @@ class RouteRow:
     state: RouteState
     limits: dict[str, Any]  # models.breaker.limits_view: max_in_flight, rate_limit (None: unset)
     filter: str | None = None  # its JMESPath filter (core.filters), None: every event
+    transform: str | None = None  # its transform's name (tasks.transforms), None: none
 
 
 @dataclass(frozen=True)
@@ -363,6 +364,7 @@ def catalog(session: Session) -> list[SourceRow]:
                 state_of(route),
                 limits_view(route),
                 route.filter,
+                route.transform,
             )
         )
     return [SourceRow(s.public_id, s.name, s.provider, s.active, by_source[s.id]) for s in sources]

@@ -20,6 +20,7 @@ from core.crypto import (
 )
 from core.filters import compile_filter
 from core.providers import registry
+from core.publish_target import publish_target
 from core.states import DeliveryStatus
 from models.catalog import (
     CatalogError,
@@ -39,6 +40,12 @@ from models.schema import (
 )
 
 
+class PublishOptionsError(CatalogError):
+    """A ``publish`` route's options that cannot work (core.publish_target): nothing saved."""
+
+    doc = "publish"  # the docs topic a CLI refusal names (core.docs)
+
+
 def add_route(
     session: Session,
     box: SecretBox,
@@ -50,13 +57,17 @@ def add_route(
     max_attempts: int | None = None,
     max_age: timedelta | None = None,
     filter: str | None = None,  # noqa: A002 (the option's and the column's name)
+    transform: str | None = None,
     operator: str | None = None,
     via: str = "cli",
 ) -> tuple[Route, str | None]:
     """Bind a handler (audited: ``operator``, default this process's login name).
     ``forward`` routes get their own signing secret (returned once, never audited). A
-    ``filter`` is checked first (:func:`check_filter`): a bad one saves nothing."""
+    ``filter`` is checked first (:func:`check_filter`): a bad one saves nothing. A
+    ``transform`` names a registered one: the caller checks it against the registry
+    (:meth:`tasks.transforms.TransformRegistry.require`) before calling."""
     expression = check_filter(filter)
+    transform = stored_transform(transform)
     if not handler.strip():
         raise CatalogError("handler name must not be empty")
     if not events.strip():
@@ -69,6 +80,11 @@ def add_route(
         _check_forward_target(opts)
         signing_plain = opts.pop("secret", None) or generate_secret("standard")
         check_whsec(signing_plain)
+    elif handler == "publish":
+        try:
+            publish_target(opts)
+        except ValueError as exc:
+            raise PublishOptionsError(str(exc)) from None
     route = Route(
         source_id=source.id,
         handler=handler,
@@ -78,6 +94,7 @@ def add_route(
         max_attempts=max_attempts,
         max_age_s=whole_seconds(max_age),
         filter=expression,
+        transform=transform,
     )
     session.add(route)
     session.flush()
@@ -122,6 +139,33 @@ def set_filter(
     source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
     target = {**route_target(route, source), "before": before, "after": stored}
     audit_id = record_audit(session, change, "route.filter", target, count=1, now=now)
+    return Changed(audit_id, target, 0)
+
+
+def stored_transform(name: str | None) -> str | None:
+    """The transform name to store: None for none (``None``, empty, or ``none``)."""
+    if name is None or name.strip() in ("", "none"):
+        return None
+    return name.strip()
+
+
+def set_transform(
+    session: Session, route_id: int, name: str | None, change: Change, *, now: datetime | None
+) -> Changed:
+    """Set or clear a route's transform (audited ``route.transform``, the old and new name;
+    the caller checked the name against the registry). Deliveries claimed after this
+    commits run it, those of events accepted before included."""
+    change.check()
+    stored = stored_transform(name)
+    route = session.scalars(select(Route).where(Route.id == route_id).with_for_update()).first()
+    if route is None:
+        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
+    before = route.transform
+    route.transform = stored
+    session.flush()
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = {**route_target(route, source), "before": before, "after": stored}
+    audit_id = record_audit(session, change, "route.transform", target, count=1, now=now)
     return Changed(audit_id, target, 0)
 
 
@@ -210,6 +254,8 @@ def route_target(route: Route, source: str) -> dict[str, Any]:
     }
     if route.filter is not None:
         target["filter"] = route.filter
+    if route.transform is not None:
+        target["transform"] = route.transform
     return target
 
 

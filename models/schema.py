@@ -203,6 +203,9 @@ class Route(Base):
     # A JMESPath predicate over the event (core.filters, migration 0027); NULL: every event
     # of its types. Checked when saved (models.route_catalog.check_filter).
     filter: Mapped[str | None] = mapped_column(Text)
+    # A registered transform's name (tasks.transforms, migration 0029); NULL: none. Checked
+    # against the registry when saved (webhooks routes add|update --transform).
+    transform: Mapped[str | None] = mapped_column(Text)
 
 
 receipt_id_seq = Sequence("receipts_id_seq", metadata=Base.metadata)

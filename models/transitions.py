@@ -128,7 +128,7 @@ _CLAIMED_EVENT = """\
            s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s, s.clock_skew_s,
            s.replay_grace_s,
            r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
-           r.content_type, r.payload
+           r.content_type, r.payload, rt.transform
     FROM claimed c
     LEFT JOIN routes rt ON rt.id = c.route_id
     LEFT JOIN sources s ON s.id = rt.source_id
@@ -253,6 +253,7 @@ class ClaimedEvent(NamedTuple):
     received_at: datetime | None
     content_type: str | None
     payload: bytes | None
+    transform: str | None = None  # the route's transform (tasks.transforms; None: none)
 
 
 def claim(
@@ -318,7 +319,7 @@ def claim_with_event(
     )
     if row is None:
         return None
-    return Claim(*row[:14]), ClaimedEvent(*row[14:41])
+    return Claim(*row[:14]), ClaimedEvent(*row[14:42])
 
 
 # The worker's claim of several deliveries at once (a message carrying several ids): the same
@@ -429,7 +430,7 @@ def claim_many_with_event(
             "worker": worker,
         },
     ).fetchall()
-    return [(Claim(*row[:14]), ClaimedEvent(*row[14:41])) for row in rows]
+    return [(Claim(*row[:14]), ClaimedEvent(*row[14:42])) for row in rows]
 
 
 @functools.cache
@@ -658,4 +659,21 @@ def kill(
         error=error,
         params={"reason": reason},
         final=ledger.dead(),
+    )
+
+
+def filter_out(session: Target, found: Claim, *, now: datetime, reason: str) -> None:
+    """processing (this attempt) -> filtered: the route's transform dropped the event
+    (tasks.transforms), its handler never called; ``reason`` names the transform, as the
+    accept's ``filtered`` deliveries name the filter. Final, like those, and like those
+    replayed only when chosen by id; no ledger entry, as the accept writes none for them."""
+    _guarded_finish(
+        session,
+        found,
+        "filter",
+        "status = 'filtered', next_attempt_at = NULL, "
+        "last_error_class = 'filtered', last_error = :reason",
+        now=now,
+        outcome=AttemptOutcome.FILTERED,
+        params={"reason": reason},
     )

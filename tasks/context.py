@@ -82,6 +82,9 @@ class EventMeta:
 class Event:
     meta: EventMeta
     body: bytes = field(repr=False)
+    # Headers the route's transform (tasks.transforms) set for the handler to send with the
+    # body (lower-cased names); empty without a transform.
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def event_id(self) -> str:

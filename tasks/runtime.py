@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -25,6 +25,7 @@ from models.db import make_engine, make_sessionmaker
 from models.installation import installation_id
 from tasks.claims import ClaimStore, make_client
 from tasks.handlers.registry import HandlerRegistry, load_registry
+from tasks.transforms import TransformRegistry, load_transforms
 
 # A prefork pool process runs one task at a time: one connection for the task, one spare.
 WORKER_POOL_SIZE = 2
@@ -56,6 +57,9 @@ class Runtime:
     clock: Clock
     rng: random.Random
     worker: str
+    # The transforms routes may name (tasks.transforms): built-ins, WEBHOOKS_HANDLER_MODULES
+    # and the webhooks.transforms entry points.
+    transforms: TransformRegistry = field(default_factory=lambda: TransformRegistry({}))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -105,4 +109,5 @@ def build_runtime(
         # A seed makes retry delays reproducible (tests); None draws from the OS.
         rng=rng or random.Random(settings.retry_seed),  # noqa: S311 (jitter, not crypto)
         worker=worker or f"{socket.gethostname()}:{os.getpid()}",
+        transforms=load_transforms(settings.handler_modules),
     )

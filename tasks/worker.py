@@ -41,6 +41,7 @@ from tasks.observability import is_worker_command
 from tasks.pools import check_pool, set_crash_reporter, start_watchdog
 from tasks.reconcile import schedule
 from tasks.runtime import Runtime, build_runtime
+from tasks.transforms import load_transforms
 from tasks.watchdog import schedule as subscriptions
 
 
@@ -136,21 +137,34 @@ def _report_raised_ttls(settings: Settings, sender: Any) -> None:
 
 
 def _report_unknown_handlers(settings: Settings) -> None:
-    """Once at the worker's start: each active route whose handler this worker does not know
-    (a deployment that lacks a handler module), before its events start going dead with
-    ``unknown_handler``. An unreachable database is logged and skipped, as for the TTLs."""
+    """Once at the worker's start: each active route whose handler (or transform) this worker
+    does not know (a deployment that lacks a handler module), before its events start going
+    dead with ``unknown_handler`` (``unknown_transform``). An unreachable database is logged
+    and skipped, as for the TTLs."""
     log = get_logger("worker")
     known = set(load_registry(settings.handler_modules).names())
+    transforms = set(load_transforms(settings.handler_modules).names())
     engine = make_engine(settings, pool_size=1)
     try:
         with Session(engine) as session:
-            routes = [(r.id, r.handler, source) for r, source in active_routes(session)]
+            routes = [
+                (r.id, r.handler, source, r.transform) for r, source in active_routes(session)
+            ]
     except OperationalError as exc:
         log.warning("routes.handler_check_skipped", error_class=type(exc).__name__)
         return
     finally:
         engine.dispose()
-    for route_id, handler, source in routes:
+    for route_id, handler, source, transform in routes:
+        if transform is not None and transform not in transforms:
+            log.error(
+                "route.unknown_transform",
+                route_id=route_id,
+                source=source,
+                transform=transform,
+                registered=sorted(transforms),
+                fix=f"deploy the transform, or webhooks routes update {route_id} --transform none",
+            )
         if handler not in known:
             log.error(
                 "route.unknown_handler",

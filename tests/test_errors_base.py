@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "models", "tasks", "ingest", "webhooks")
 # Deliberately outside Exception, so no ``except Exception`` can swallow it: a WebhooksError
 # base (an Exception) would change what catches it.
-BASE_EXCEPTION_ONLY = {"tasks.pools.HardTimeLimitExceeded"}
+BASE_EXCEPTION_ONLY = {
+    "tasks.pools.HardTimeLimitExceeded",
+    # Raised into a runaway transform's thread: its `except Exception` must not swallow it.
+    "tasks.transforms.TransformTimeLimit",
+}
 
 
 def product_exceptions() -> list[type[BaseException]]:

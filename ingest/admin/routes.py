@@ -1,4 +1,5 @@
-"""The admin API's routes: a route's pause and circuit breaker state; pause and resume
+"""The admin API's routes: a route (its handler, options, filter, transform) with its pause
+and circuit breaker state; pause and resume
 (audited, the token's name as the operator, ``via: api``)."""
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from typing import Any
 from fastapi import APIRouter
 from sqlalchemy.orm import Session
 
+from core.publish_target import shown_options
 from ingest.admin.deps import Db, Operator, PathId, error
 from ingest.admin.schemas import NOT_FOUND, ErrorOut, PauseIn
-from models import breaker, queries
+from models import breaker, queries, route_catalog
 from models.catalog import CatalogError, Change
 
 router = APIRouter()
@@ -19,21 +21,36 @@ CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {**NOT_FOUND, 409: {"model":
 
 
 def _route_state(session: Session, route_id: int) -> dict[str, Any]:
+    """The route as ``webhooks routes show --json`` describes it: handler, event types,
+    options (a URL's password masked), filter and transform, then its pause and breaker."""
     try:
-        return {"route": route_id, **breaker.route_state(session, route_id).view()}
+        state = breaker.route_state(session, route_id).view()
+        route = route_catalog.get_route(session, route_id)
     except CatalogError as exc:
         raise queries.NotFoundError(str(exc)) from None
+    return {
+        "route": route_id,
+        "handler": route.handler,
+        "events": route.events_glob,
+        "active": route.active,
+        "options": shown_options(route.options),
+        "filter": route.filter,
+        "transform": route.transform,
+        **state,
+    }
 
 
 @router.get(
     "/routes/{route_id}",
     tags=["routes"],
-    summary="A route's pause and circuit breaker state",
+    summary="A route: its handler, options, filter and transform, pause and breaker state",
     responses=NOT_FOUND,
 )
 def show_route(route_id: PathId, session: Db) -> dict[str, Any]:
-    """Whether the route is paused (since when, why) and its breaker: `closed`, `open` or
-    `half_open`, when it opened, the next probe, trips, and the failure window."""
+    """The route's handler, event types, options (a URL's password shown as `***`), filter
+    (JMESPath, or null) and transform (a registered name, or null); whether it is paused
+    (since when, why) and its breaker: `closed`, `open` or `half_open`, when it opened, the
+    next probe, trips, and the failure window."""
     return _route_state(session, route_id)
 
 

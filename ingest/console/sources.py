@@ -24,6 +24,7 @@ from models.catalog import CatalogError, Change
 from models.findings import open_findings
 from models.retention_layout import ensure_partitions
 from tasks.handlers.registry import load_registry
+from tasks.transforms import load_transforms
 
 ROUTE_ACTIONS = ("enable", "disable", "remove", "pause", "resume")
 SOURCE_ACTIONS = ("enable", "disable")
@@ -51,6 +52,7 @@ async def routes_page(c: Console, v: Visit) -> Response:
         "message": None,
         "providers": known_providers(),
         "handlers": load_registry(c.settings.handler_modules).names(),
+        "transforms": load_transforms(c.settings.handler_modules).names(),
     }
     return c.show(v, "routes.html", context)
 
@@ -109,8 +111,11 @@ async def route_new(c: Console, v: Visit) -> Response:
     url = (one(v.form, "url") or "").strip()
     attempts = (one(v.form, "max_attempts") or "").strip()
     expression = (one(v.form, "filter") or "").strip() or None
+    transform = (one(v.form, "transform") or "").strip() or None
     try:
         load_registry(c.settings.handler_modules).require(handler)
+        if transform is not None:
+            load_transforms(c.settings.handler_modules).require(transform)
         if attempts and not attempts.isdigit():
             raise queries.QueryError(f"max attempts must be a whole number, not {attempts!r}")
         options = {"url": url} if url else {}
@@ -126,6 +131,7 @@ async def route_new(c: Console, v: Visit) -> Response:
                 options=options,
                 max_attempts=int(attempts) if attempts else None,
                 filter=expression,
+                transform=transform,
                 operator=v.session.operator,
                 via="console",
             )

@@ -31,6 +31,10 @@ cannot switch the target; TLS still verifies, and SNI and ``Host`` still name, t
 A refused address is a PermanentError (``address_refused``), never retried. Forwards connect
 directly: ``HTTP(S)_PROXY`` is not used (a proxy would resolve the host itself).
 
+A route's transform (``--transform``, :mod:`tasks.transforms`) reshapes what is sent: the
+body posted and signed is the transform's, its headers go along (the signature's, the key's
+and ``traceparent`` are ours, never the transform's).
+
 Header values are ASCII: an event type with other characters goes as
 ``X-Webhooks-Event-Type-UTF8`` (its UTF-8 percent-encoded) instead of
 ``X-Webhooks-Event-Type``, and a stored content type that is not printable ASCII is replaced
@@ -158,7 +162,8 @@ def forward(event: Event, ctx: HandlerContext) -> None:
     if not ctx.route.signing_secret:
         raise PermanentError("forward route has no signing secret", reason="misconfigured")
     now = ctx.clock.now()
-    headers = signed_headers(event, ctx, ctx.route.signing_secret, now)
+    # A route's transform may add headers (tasks.transforms refuses ours): ours win.
+    headers = {**event.headers, **signed_headers(event, ctx, ctx.route.signing_secret, now)}
     if ctx.traceparent is None:
         answer = post(
             url,

@@ -31,6 +31,7 @@ ENTRY_POINT_GROUP = "webhooks.handlers"
 BUILTIN_MODULES = (
     "tasks.handlers.builtin",
     "tasks.handlers.forward",
+    "tasks.handlers.publish",
     "tasks.handlers.subscription",
 )
 

@@ -36,6 +36,7 @@ class Outcome(enum.StrEnum):
     UNCLAIMED = "unclaimed"  # its partition's claim failed on a lost connection
     UNRECORDED = "unrecorded"  # the database stayed away past WEBHOOKS_RECORD_RETRY_SECONDS
     FENCED = "fenced"  # its lease could not outlive a call: no call made, the lease handed back
+    FILTERED = "filtered"  # its route's transform dropped the event: no handler call
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,9 @@ from core.metrics import (
     RECEIPT_TO_SUCCESS,
     REPEAT_WINDOWS,
     RETRIES,
+    TRANSFORM_DROPPED,
 )
+from core.states import DeadReason
 from models import breaker, deliveries, transitions
 from models.admission import Admission
 from models.breaker import BreakerChange, Thresholds
@@ -60,6 +62,7 @@ from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed
 from tasks.steps.inputs import Loaded
 from tasks.steps.outcome import Outcome, PublishRetry, Report, scope, source_label
+from tasks.transforms import TransformDropped, TransformFailed
 
 log = get_logger(__name__)
 
@@ -350,6 +353,9 @@ def fail(
         rng=rt.rng,
     )
     error_class, error = type(exc).__name__, describe_error(exc)
+    if isinstance(exc, TransformFailed):  # its dead letter names what the transform raised
+        decision = dataclasses.replace(decision, reason=DeadReason.TRANSFORM_FAILED)
+        error_class = exc.raised
     if probe and decision.reason == DEAD_MAX_AGE:
         decision = dataclasses.replace(decision, reason=DEAD_EXPIRED)
         error = f"{expired_probe(policy, row, now)}; last error: {error}"
@@ -497,6 +503,43 @@ def fenced(
     if handed_back:
         _next_copy(rt, found, row, 0.0, 0.0, publish_retry)
     return Report.of(Outcome.FENCED, found, row, str(exc), finished=handed_back)
+
+
+def dropped(rt: Runtime, claimed: Claimed, loaded: Loaded, exc: TransformDropped) -> Report:
+    """The route's transform returned None: the delivery ends ``filtered`` (its reason names
+    the transform), counted per route; its fast claim kept for the dedup TTL, as a success's
+    is. A lost lease: another attempt decides."""
+    found, row, fast = claimed.found, claimed.row, claimed.fast
+    now = claimed.now(rt.clock)
+    reason = f"route {found.route_id}: transform {exc.name} dropped the event"
+
+    def write() -> None:
+        with rt.sessions() as fresh, fresh.begin():
+            transitions.filter_out(fresh, found, now=now, reason=reason)
+
+    try:
+        record(
+            rt.engine, Outcome.FILTERED, [found.id], write, within=rt.settings.record_retry_seconds
+        )
+    except IllegalTransition:
+        return lost(rt, found, fast, row)
+    except Unrecorded:
+        return unrecorded(found, row)
+    if loaded.dedup_ttl is not None:
+        rt.claims.confirm(fast, loaded.dedup_ttl)
+    else:
+        rt.claims.release(fast)
+    source = source_label(row)
+    TRANSFORM_DROPPED.labels(source=source, route=str(found.route_id)).inc()
+    DELIVERIES.labels(outcome=Outcome.FILTERED, source=source).inc()
+    log.info(
+        "delivery.filtered",
+        delivery_id=found.id,
+        attempt=found.attempt,
+        transform=exc.name,
+        **scope(found, row, now),
+    )
+    return Report.of(Outcome.FILTERED, found, row, reason, finished=True)
 
 
 def age_from(found: Claim, row: ClaimedEvent) -> datetime:

@@ -27,7 +27,7 @@ from core.settings import MAX_DELIVERY_BATCH
 from models import transitions
 from models.admission import Admission, Rate
 from models.transitions import IllegalTransition
-from tasks.context import HandlerContext, idempotency_key, result_reference
+from tasks.context import Event, HandlerContext, idempotency_key, result_reference
 from tasks.errors import LeaseFenced, RetryableError
 from tasks.policy import RetryPolicy
 from tasks.pools import is_green, is_hard_timeout, run_limited
@@ -35,7 +35,8 @@ from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed, held_of
 from tasks.steps.inputs import Loaded, load
 from tasks.steps.outcome import PublishRetry, Report
-from tasks.steps.record import Done, fail, fenced, lost, succeeded
+from tasks.steps.record import Done, dropped, fail, fenced, lost, succeeded
+from tasks.transforms import TransformDropped, apply
 
 log = get_logger(__name__)
 
@@ -65,7 +66,7 @@ def attempt(
     loaded: Loaded | None = None
     try:
         loaded = load(rt, found, claimed.row)
-        handler = rt.registry.get(loaded.route.handler)
+        handler = _with_transform(rt, claimed.row.transform, rt.registry.get(loaded.route.handler))
         ctx = HandlerContext(
             idempotency_key=idempotency_key(
                 found.source_id, loaded.event.event_id, found.route_id, found.generation
@@ -106,6 +107,10 @@ def attempt(
     except IllegalTransition:
         session.rollback()
         return lost(rt, found, fast, claimed.row)
+    except TransformDropped as exc:  # no handler call: final, filtered
+        assert loaded is not None
+        _discard(session, exc)
+        return dropped(rt, claimed, loaded, exc)
     except LeaseFenced as exc:  # no call was made: not a failed attempt
         _discard(session, exc)
         return fenced(rt, session, claimed, exc, publish_retry)
@@ -146,6 +151,23 @@ def attempt(
     if loaded.dedup_ttl is not None:
         rt.claims.confirm(fast, loaded.dedup_ttl)
     return succeeded(rt, Done(claimed, loaded, done_at))
+
+
+def _with_transform(
+    rt: Runtime, name: str | None, handler: Callable[[Event, HandlerContext], object]
+) -> Callable[[Event, HandlerContext], object]:
+    """The handler, or, for a route with a transform, the handler behind it: the transform
+    runs first (under its own time limit, inside the handler's limits: tasks.transforms) and
+    the handler gets the event it made. An unknown transform is a permanent error here."""
+    if name is None:
+        return handler
+    transform = rt.transforms.get(name)
+    limit = min(rt.settings.transform_time_limit, rt.settings.soft_time_limit)
+
+    def transformed(event: Event, ctx: HandlerContext) -> object:
+        return handler(apply(transform, name, event, limit), ctx)
+
+    return transformed
 
 
 def pace(rt: Runtime, route_id: int, rate: Rate) -> None:

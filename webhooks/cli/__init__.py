@@ -33,6 +33,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("secrets", "source_secrets"),
     ("routes", "routes"),
     ("handlers", "routes"),
+    ("transforms", "routes"),
     ("providers", "providers"),
     ("events", "operators"),
     ("deliveries", "operators"),

@@ -48,24 +48,38 @@ FilterOpt = Annotated[
     ),
 ]
 
+TransformOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--transform",
+        help="A registered transform's name (webhooks transforms list): reshapes or drops "
+        "each event before the handler; none clears it (docs/routing.md).",
+    ),
+]
+
 routes_app = typer.Typer(help="Handlers bound to a source.", no_args_is_help=True)
 
 
 handlers_app = typer.Typer(help="The handlers this installation registers.", no_args_is_help=True)
+transforms_app = typer.Typer(
+    help="The transforms this installation registers.", no_args_is_help=True
+)
 
 
 def route_view(r: Any) -> dict[str, Any]:
     """A route (the ORM's row, or :mod:`models.reads`' with the same columns) as printed."""
+    from core.publish_target import shown_options
     from models import views as breaker
 
     return {
         "id": r.id,
         "handler": r.handler,
         "events": r.events_glob,
-        "options": r.options,
+        "options": shown_options(r.options),  # a URL's password masked
         "max_attempts": r.max_attempts,
         "max_age_s": r.max_age_s,
         "filter": r.filter,
+        "transform": r.transform,
         "active": r.active,
         **breaker.state_of(r).view(),
     }
@@ -89,6 +103,7 @@ def routes_add(
     max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
     max_age: DurationOpt = None,
     filter_: FilterOpt = None,
+    transform: TransformOpt = None,
     operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -97,11 +112,14 @@ def routes_add(
     The handler must be registered here (webhooks handlers list). A route on types its
     source's provider reads from an unsigned header is added with a warning saying so.
     --filter: a JMESPath predicate over body, type and headers (docs/routing.md); a bad one
-    is refused with its position and nothing is saved."""
+    is refused with its position and nothing is saved. --transform: a registered transform
+    (webhooks transforms list); an unknown name is refused and nothing is saved."""
     from models import catalog, route_catalog
 
     e = env()
     _registry(e).require(handler)
+    if route_catalog.stored_transform(transform) is not None:
+        _transforms(e).require(route_catalog.stored_transform(transform))
     with e.session() as session:
         found = catalog.get_source(session, source)
         route, signing = route_catalog.add_route(
@@ -114,6 +132,7 @@ def routes_add(
             max_attempts=max_attempts,
             max_age=duration_or_none(max_age),
             filter=filter_,
+            transform=transform,
             operator=operator or login(),
         )
         view = route_view(route)
@@ -128,6 +147,8 @@ def routes_add(
     say(escape(f"route {view['id']}: {handler} for {events}"))
     if view["filter"] is not None:
         say(escape(f"filter: {view['filter']}"))
+    if view["transform"] is not None:
+        say(escape(f"transform: {view['transform']}"))
     if warning is not None:
         err_console.print(f"warning: {escape(warning)}", highlight=False, soft_wrap=True)
     if signing is not None:
@@ -169,6 +190,8 @@ def routes_list(
             options = "\n".join(f"{k}={o}" for k, o in v["options"].items())
             if v["filter"] is not None:
                 options = "\n".join(x for x in (options, f"filter: {v['filter']}") if x)
+            if v["transform"] is not None:
+                options = "\n".join(x for x in (options, f"transform: {v['transform']}") if x)
             limits = _limits_cell(v, default_budget).replace(", ", ",\n")
             row(
                 table,
@@ -209,6 +232,12 @@ def _registry(e: Env) -> Any:
     from tasks.handlers.registry import load_registry
 
     return load_registry(e.settings.handler_modules)
+
+
+def _transforms(e: Env) -> Any:
+    from tasks.transforms import load_transforms
+
+    return load_transforms(e.settings.handler_modules)
 
 
 def _say_route(verb: str, changed: catalog.Changed, extra: str = "") -> None:
@@ -281,6 +310,10 @@ def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
     b = view["breaker"]
     say(escape(f"route {view['id']}: {view['handler']} for {view['events']}"))
     say(escape(f"filter: {view['filter'] or 'none (every event of its types)'}"))
+    shaped = view["transform"] or "none (the handler gets the event as received)"
+    say(escape(f"transform: {shaped}"))
+    if view["options"]:
+        say(escape("options: " + ", ".join(f"{k}={o}" for k, o in view["options"].items())))
     if not view["active"]:
         since = f" since {view['disabled_at']}: {view['disabled_reason']}"
         say(escape(f"disabled{since if view['disabled_at'] else ''}"))
@@ -314,13 +347,15 @@ def routes_update(
         ),
     ] = None,
     filter_: FilterOpt = None,
+    transform: TransformOpt = None,
     reason: ReasonOpt = None,
     operator: OperatorOpt = None,
 ) -> None:
     """Set the route's delivery limits (audited): they hold across every worker and host;
     waiting for them is not an attempt. --filter sets its filter (``none`` clears it): it
     applies to the events accepted after the change; a bad one is refused with its position
-    and nothing is saved."""
+    and nothing is saved. --transform sets its transform (``none`` clears it): deliveries
+    claimed afterwards run it; an unknown name is refused and nothing is saved."""
     from models import breaker, route_catalog
     from models.admission import parse_max_in_flight, parse_rate
 
@@ -329,11 +364,15 @@ def routes_update(
         values["rate"] = parse_rate(rate_limit)
     if max_in_flight is not None:
         values["max_in_flight"] = parse_max_in_flight(max_in_flight)
-    if not values and filter_ is None:
-        raise CliError("nothing to change: give --rate-limit, --max-in-flight and/or --filter")
+    if not values and filter_ is None and transform is None:
+        raise CliError(
+            "nothing to change: give --rate-limit, --max-in-flight, --filter and/or --transform"
+        )
     if filter_ is not None:
         route_catalog.check_filter(filter_)  # before anything is written
     e = env()
+    if route_catalog.stored_transform(transform) is not None:
+        _transforms(e).require(route_catalog.stored_transform(transform))
     with e.session() as session:
         limits = None
         if values:
@@ -343,6 +382,12 @@ def routes_update(
         if filter_ is not None:
             change = change_by(operator, reason or "filter updated")
             filtered = route_catalog.set_filter(session, route_id, filter_, change, now=None)
+        transformed = None
+        if transform is not None:
+            change = change_by(operator, reason or "transform updated")
+            transformed = route_catalog.set_transform(
+                session, route_id, transform, change, now=None
+            )
     if limits is not None:
         after = limits.target["after"]
         _say_route(
@@ -353,6 +398,9 @@ def routes_update(
     if filtered is not None:
         now = filtered.target["after"]
         _say_route("updated", filtered, f": filter {now if now is not None else 'none'}")
+    if transformed is not None:
+        name = transformed.target["after"]
+        _say_route("updated", transformed, f": transform {name or 'none'}")
 
 
 @routes_app.command("pause")
@@ -449,6 +497,22 @@ def handlers_list(
         )
 
 
+@transforms_app.command("list")
+@handle_errors
+def transforms_list(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Transforms a route can name (--transform): the built-ins, the webhooks.transforms
+    entry points and those WEBHOOKS_HANDLER_MODULES register."""
+    names = _transforms(env()).names()
+    if as_json:
+        print_json(names)
+        return
+    for name in names:
+        say(escape(name))
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(routes_app, name="routes")
     app.add_typer(handlers_app, name="handlers")
+    app.add_typer(transforms_app, name="transforms")

@@ -20,7 +20,7 @@ Self-contained: another 0028 or 0029 may be chained before or after it.
 Downgrade: the table and both columns are dropped (the findings' audit rows stay).
 
 Revision ID: 0030
-Revises: 0027
+Revises: 0029
 Create Date: 2026-12-07
 """
 
@@ -33,7 +33,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = "0030"
-down_revision: str | None = "0027"
+down_revision: str | None = "0029"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
