@@ -22,6 +22,8 @@
 7. 202
 
 Postgres unreachable -> 503 with Retry-After: nothing is acknowledged before the commit.
+Every 5xx answered is counted in memory per source and minute, and written with the
+process's heartbeat (:mod:`models.intake_gaps`): what `webhooks gaps` reads.
 
 This port (``WEBHOOKS_PORT``, the one the internet reaches) serves that route, ``/healthz`` and
 ``/readyz`` only. The admin API and ``/metrics`` (which lists every source's public id) are on
@@ -55,6 +57,7 @@ from core.clock import Clock, SystemClock, pinned
 from core.crypto import SecretBox, SecretDecryptError, SecretMisplaced, SecretUnbound
 from core.errors import WebhooksError
 from core.filters import FiltersChanged
+from core.gaps import ALL_SOURCES, GapKind
 from core.logs import configure_logging, get_logger
 from core.messages import Dispatch
 from core.providers import (
@@ -75,6 +78,7 @@ from core.ttl import expires_at
 from ingest.filtering import accept_judged
 from ingest.store import SourceRecord, Store
 from models.accept import NewReceipt, Outcome
+from models.intake_gaps import ErrorCounts, IntakeHeartbeat
 from tasks.publisher import Publisher
 
 if TYPE_CHECKING:
@@ -139,6 +143,8 @@ class Receiver:
         self.store = store
         self.publisher = publisher
         self._sync_engine: Any = None
+        # The 5xx answered, until the heartbeat writes them (models/intake_gaps.py).
+        self.errors = ErrorCounts()
         # What verifies `webhooks send`'s mark (derived from WEBHOOKS_SECRET_KEY).
         self._mark_keys = send_marks.mark_keys(settings.secret_key.get_secret_value())
 
@@ -157,6 +163,8 @@ class Receiver:
 
     def _retry_later(self, label: str, outcome: str, error: str, seconds: int) -> Response:
         """503 with Retry-After: nothing was recorded, and the sender keeps the event."""
+        kind = GapKind.DB_UNREACHABLE if outcome == "unavailable" else GapKind.ERRORS
+        self.errors.add(label, self.clock.now(), kind)
         return self._answer(
             label, outcome, 503, {"error": error}, headers={"Retry-After": str(seconds)}
         )
@@ -633,6 +641,7 @@ class ReceiverApp(Starlette):
     def __init__(self, receiver: Receiver, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._receive_webhook = receiver.receive
+        self._receiver = receiver
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -641,10 +650,18 @@ class ReceiverApp(Starlette):
             if path.startswith(_HOT_PREFIX) and source_id and "/" not in source_id:
                 scope["app"] = self
                 scope["path_params"] = {"source_id": source_id}
-                response = await self._receive_webhook(Request(scope, receive))
+                try:
+                    response = await self._receive_webhook(Request(scope, receive))
+                except Exception:  # a bug: uvicorn answers 500 and logs it; the sender retries
+                    self._count_failure(source_id)
+                    raise
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+    def _count_failure(self, source_id: str) -> None:
+        label = source_id if SOURCE_ID.fullmatch(source_id) else ALL_SOURCES
+        self._receiver.errors.add(label, self._receiver.clock.now(), GapKind.ERRORS)
 
 
 def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
@@ -666,6 +683,9 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
         # This process's TTL inputs in Postgres, refreshed by a thread of its own: compared
         # with the other processes' by maintenance and `webhooks ttl check` (issue 35 item 3).
         fingerprint = await loop.run_in_executor(None, _record_fingerprint, settings)
+        # That this receiver is up, and the 5xx it answered: `webhooks gaps` (issue 38).
+        heartbeat = IntakeHeartbeat(settings, receiver.errors)
+        heartbeat.start()
         await store.open()
         tracing.setup("receiver")  # only when an OTLP endpoint is set (core/tracing.py)
         # Everything loaded so far (modules, settings, the providers) lives as long as the
@@ -678,6 +698,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
             await store.close()
             publisher.close()
             await loop.run_in_executor(None, fingerprint.stop)
+            await loop.run_in_executor(None, heartbeat.stop)
             tracing.shutdown()
 
     # The public port serves these three and nothing else: the admin API and /metrics are on
