@@ -6,6 +6,8 @@ moving the recorded heartbeats back on the database's clock, never by sleeping."
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from playwright.sync_api import sync_playwright
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
@@ -29,6 +32,9 @@ from tests.signing import sign_github, sign_stripe
 from tests.workers import wait_for
 
 PERIOD = "1s"  # the receivers' heartbeat here: a gap is seen after two of them
+CHROMIUM = "/usr/bin/chromium"  # as tests/test_console.py drives it
+TOKEN = "adm_gaps_" + secrets.token_urlsafe(24)
+remember(TOKEN)
 
 
 @pytest.fixture
@@ -120,11 +126,9 @@ def test_a_receiver_killed_while_senders_keep_sending_is_a_gap_with_each_provide
         half_an_hour_ago = int(time.time()) - 1800
         stripe_api.add_event(lost_stripe, half_an_hour_ago)
         lost_guid = str(uuid.uuid4())
-        github_api.add_delivery(
-            lost_guid, datetime.now(UTC) - timedelta(minutes=30), status_code=0
-        )
+        github_api.add_delivery(lost_guid, datetime.now(UTC) - timedelta(minutes=30), status_code=0)
 
-        with receiver(**env) as second:
+        with receiver(**env, WEBHOOKS_ADMIN_TOKENS=f"dora:{TOKEN}") as second:
             wait_for(lambda: len(_sql(settings, "SELECT 1 FROM intake_heartbeats")) == 2,
                      timeout=30, what="the new receiver's first heartbeat")  # fmt: skip
             [(restarted,)] = _sql(settings, "SELECT max(started_at) FROM intake_heartbeats")
@@ -153,6 +157,7 @@ def test_a_receiver_killed_while_senders_keep_sending_is_a_gap_with_each_provide
             assert f"retries until {dead_last_seen + timedelta(days=3):%Y-%m-%d %H:%M:%S}Z" in out
             assert "does not retry by itself: only reconciliation recovers it" in out
             assert "never reached us" in out
+            _console_shows(second.admin_url, dead_last_seen)
             bad = cli("gaps", "--since", "soon", env=test_env())
             assert bad.returncode != 0
             assert len(bad.stderr.strip().splitlines()) == 1
@@ -206,6 +211,39 @@ def test_a_receiver_killed_while_senders_keep_sending_is_a_gap_with_each_provide
     assert received[lost_guid] == "webhook"  # the signed redelivery
     assert _sql(settings, "SELECT count(*) FROM receipts WHERE event_id = ANY(%s)",
                 [lost_stripe, lost_guid]) == [(2,)]  # fmt: skip
+
+
+def _console_shows(admin_url: str, start: datetime) -> None:
+    """The console's Gaps page, in a real chromium: the range and each source's verdict."""
+    if shutil.which(CHROMIUM) is None:
+        pytest.skip(f"{CHROMIUM} is missing: run `make install` (as root)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"{admin_url}/console/login")
+            page.fill("#token", TOKEN)
+            page.click("button[type=submit]")
+            page.wait_for_url(f"{admin_url}/console/")
+            page.click("nav >> text=Gaps")
+            page.wait_for_url(f"{admin_url}/console/gaps")
+            rows = page.locator("#gaps tbody tr")
+            assert rows.count() == 1
+            assert rows.first.get_attribute("data-kind") == "no_receiver_seen"
+            assert f"{start:%Y-%m-%d %H:%M}" in rows.first.inner_text()
+            verdicts = {
+                r.get_attribute("data-verdict"): r.locator(".says").inner_text()
+                for r in page.locator("#gap-sources tbody tr").all()
+            }
+            assert set(verdicts) == {"no_retry", "retrying"}
+            assert "only reconciliation recovers it" in verdicts["no_retry"]
+            assert "never reached us" in page.locator("#invisible").inner_text()
+            page.goto(f"{admin_url}/console/gaps?since=soon")
+            assert page.locator("#message").is_visible()
+        finally:
+            browser.close()
 
 
 def test_a_receiver_cut_off_from_postgres_answers_503_and_its_counts_show_as_a_gap(
