@@ -253,18 +253,23 @@ def read(
 
 # ---- maintenance -------------------------------------------------------------------------
 
-_PRUNE_BEATS = "DELETE FROM intake_heartbeats WHERE last_seen < now() - %(keep)s"
-_PRUNE_ERRORS = "DELETE FROM intake_errors WHERE minute < now() - %(keep)s"
+_PRUNE_BEATS = (
+    "DELETE FROM intake_heartbeats"
+    " WHERE last_seen < coalesce(%(now)s::timestamptz, now()) - %(keep)s"
+)
+_PRUNE_ERRORS = (
+    "DELETE FROM intake_errors WHERE minute < coalesce(%(now)s::timestamptz, now()) - %(keep)s"
+)
 
 
 def keep_for(sources: Sequence[SourceWindow]) -> timedelta:
     return default_since(sources) + KEEP_MARGIN
 
 
-def prune(conn: psycopg.Connection[Any]) -> int:
-    """Delete heartbeat segments and error counts older than :func:`keep_for` (the database's
-    clock); returns how many rows."""
-    keep = keep_for(source_windows(conn))
-    beats = conn.execute(_PRUNE_BEATS, {"keep": keep}).rowcount
-    errors = conn.execute(_PRUNE_ERRORS, {"keep": keep}).rowcount
+def prune(conn: psycopg.Connection[Any], now: datetime | None = None) -> int:
+    """Delete heartbeat segments and error counts older than :func:`keep_for` (at ``now``:
+    None, the database's clock); returns how many rows."""
+    params = {"keep": keep_for(source_windows(conn)), "now": now}
+    beats = conn.execute(_PRUNE_BEATS, params).rowcount
+    errors = conn.execute(_PRUNE_ERRORS, params).rowcount
     return beats + errors

@@ -288,3 +288,37 @@ def test_a_receiver_cut_off_from_postgres_answers_503_and_its_counts_show_as_a_g
             assert _at(standing["deadline"]) == _at(errors[0]["start"]) + timedelta(days=3)
     finally:
         proxy.close()
+
+
+def test_maintenance_prunes_heartbeats_and_counts_past_every_retry_window(
+    settings: Settings, sessions: sessionmaker[Session], engine: Any, only_these_sources: None
+) -> None:
+    """Kept: the longest retry window of the active sources' providers (Shopify 4 h, Stripe
+    3 d here) plus a day, by the database's clock; older rows are removed, younger kept."""
+    from tasks.horizon import prune_intake_gaps  # noqa: PLC0415 (the worker's side)
+
+    make_source(sessions, settings, provider="shopify", routes=[])
+    make_source(sessions, settings, provider="stripe", routes=[])
+    for age in ("3 days 23 hours", "4 days 1 hour"):
+        _sql(
+            settings,
+            "INSERT INTO intake_heartbeats (host, pid, started_at, last_seen)"
+            " VALUES ('h', 1, now() - CAST(%s AS interval), now() - CAST(%s AS interval))",
+            age,
+            age,
+        )
+        _sql(
+            settings,
+            "INSERT INTO intake_errors (source, minute, kind, count)"
+            " VALUES ('unknown', date_trunc('minute', now() - CAST(%s AS interval)),"
+            " 'errors_answered', 1)",
+            age,
+        )
+    assert prune_intake_gaps(engine, None) == 2
+    kept = _sql(settings, "SELECT now() - last_seen FROM intake_heartbeats")
+    assert [k[0] < timedelta(days=4) for k in kept] == [True]
+    assert len(_sql(settings, "SELECT 1 FROM intake_errors")) == 1
+    # A day later (a pinned clock), the other row is past the window too.
+    [(now,)] = _sql(settings, "SELECT now()")
+    assert prune_intake_gaps(engine, now + timedelta(days=1)) == 2
+    assert _sql(settings, "SELECT count(*) FROM intake_heartbeats") == [(0,)]
