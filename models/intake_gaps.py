@@ -199,6 +199,22 @@ def retries_by_itself(provider: str) -> bool:
     return True if row is None else bool(row.get("retries", True))
 
 
+def provider_gives_up(
+    provider: str, occurred_at: datetime | None, received_at: datetime | None
+) -> tuple[datetime | None, str]:
+    """When ``provider`` stops retrying one event (None: it never retries by itself, or its
+    window is unknown here), and that in words."""
+    try:
+        window, _ = providers.retry_window_of(provider)
+    except ValueError:
+        return None, f"unknown here ({provider} is not installed)"
+    retries = retries_by_itself(provider)
+    at = gaps.gives_up_at(occurred_at, received_at, window, retries)
+    if at is None:
+        return None, "never by itself: only a redelivery or reconciliation resends it"
+    return at, f"until {at:%Y-%m-%d %H:%M:%S} UTC ({provider}'s documented window)"
+
+
 def source_windows(conn: psycopg.Connection[Any]) -> list[SourceWindow]:
     out = []
     for public_id, name, provider, retry_window_s, has_key in conn.execute(_SOURCES):

@@ -322,3 +322,25 @@ def test_maintenance_prunes_heartbeats_and_counts_past_every_retry_window(
     [(now,)] = _sql(settings, "SELECT now()")
     assert prune_intake_gaps(engine, now + timedelta(days=1)) == 2
     assert _sql(settings, "SELECT count(*) FROM intake_heartbeats") == [(0,)]
+
+
+def test_each_receipt_says_until_when_its_provider_retries_it(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """``events show``: a Stripe event is retried until its own (signed) time + 3 days; a
+    GitHub one is never retried by GitHub itself."""
+    from tests.factories import accept_event  # noqa: PLC0415
+
+    stripe = make_source(sessions, settings, provider="stripe", routes=[])
+    github = make_source(sessions, settings, provider="github", routes=[])
+    occurred = datetime(2026, 12, 1, 10, 0, 0, tzinfo=UTC)
+    paid, _ = accept_event(settings, stripe, occurred_at=occurred)
+    pushed, _ = accept_event(settings, github)
+    shown = cli("events", "show", paid, "--source", stripe.public_id, "--json", env=test_env())
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["sender_retries"].startswith(
+        "until 2026-12-04 10:00:00 UTC (stripe's documented window)"
+    )
+    text = cli("events", "show", pushed, "--source", github.public_id, env=test_env())
+    assert text.returncode == 0, text.stderr
+    assert "retried:   never by itself" in text.stdout
