@@ -22,8 +22,7 @@
 7. 202
 
 Postgres unreachable -> 503 with Retry-After: nothing is acknowledged before the commit.
-Every 5xx answered is counted in memory per source and minute, and written with the
-process's heartbeat (:mod:`models.intake_gaps`): what `webhooks gaps` reads.
+Every 5xx answered is counted per source and minute for `webhooks gaps` (:mod:`models.intake_gaps`).
 
 This port (``WEBHOOKS_PORT``, the one the internet reaches) serves that route, ``/healthz`` and
 ``/readyz`` only. The admin API and ``/metrics`` (which lists every source's public id) are on
@@ -41,7 +40,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
@@ -57,7 +56,6 @@ from core.clock import Clock, SystemClock, pinned
 from core.crypto import SecretBox, SecretDecryptError, SecretMisplaced, SecretUnbound
 from core.errors import WebhooksError
 from core.filters import FiltersChanged
-from core.gaps import ALL_SOURCES, GapKind
 from core.logs import configure_logging, get_logger
 from core.messages import Dispatch
 from core.providers import (
@@ -75,14 +73,12 @@ from core.providers import (
 )
 from core.settings import Settings, load_settings
 from core.ttl import expires_at
+from ingest import lifecycle
 from ingest.filtering import accept_judged
 from ingest.store import SourceRecord, Store
 from models.accept import NewReceipt, Outcome
-from models.intake_gaps import ErrorCounts, IntakeHeartbeat
+from models.intake_gaps import ErrorCounts
 from tasks.publisher import Publisher
-
-if TYPE_CHECKING:
-    from models.ttl_fingerprints import Heartbeat
 
 log = get_logger("ingest")
 T = TypeVar("T")
@@ -143,8 +139,7 @@ class Receiver:
         self.store = store
         self.publisher = publisher
         self._sync_engine: Any = None
-        # The 5xx answered, until the heartbeat writes them (models/intake_gaps.py).
-        self.errors = ErrorCounts()
+        self.errors = ErrorCounts()  # the 5xx answered, until the heartbeat writes them
         # What verifies `webhooks send`'s mark (derived from WEBHOOKS_SECRET_KEY).
         self._mark_keys = send_marks.mark_keys(settings.secret_key.get_secret_value())
 
@@ -163,8 +158,7 @@ class Receiver:
 
     def _retry_later(self, label: str, outcome: str, error: str, seconds: int) -> Response:
         """503 with Retry-After: nothing was recorded, and the sender keeps the event."""
-        kind = GapKind.DB_UNREACHABLE if outcome == "unavailable" else GapKind.ERRORS
-        self.errors.add(label, self.clock.now(), kind)
+        self.errors.answered(label, outcome, self.clock.now())
         return self._answer(
             label, outcome, 503, {"error": error}, headers={"Retry-After": str(seconds)}
         )
@@ -568,27 +562,6 @@ class Receiver:
         return _json(200 if ready else 503, {"status": "ready" if ready else "not ready", **checks})
 
 
-def _report_raised_ttls(settings: Settings) -> None:
-    # Lazy: SQLAlchemy loads only for this start-up report; the receiver's path is psycopg.
-    from models.catalog import report_raised_ttls  # noqa: PLC0415 (SQLAlchemy, see above)
-    from models.db import make_engine  # noqa: PLC0415 (SQLAlchemy, see above)
-
-    engine = make_engine(settings, pool_size=1)
-    try:
-        report_raised_ttls(engine, settings, process="receiver")
-    finally:
-        engine.dispose()
-
-
-def _record_fingerprint(settings: Settings) -> Heartbeat:
-    # Lazy, as above: SQLAlchemy's text() types come with the module; the heartbeat is psycopg.
-    from models.ttl_fingerprints import Heartbeat  # noqa: PLC0415 (SQLAlchemy, see above)
-
-    heartbeat = Heartbeat(settings, "receiver")
-    heartbeat.start()
-    return heartbeat
-
-
 def traced(
     dispatches: list[Dispatch], source: SourceRecord, started: float, parent: str | None
 ) -> list[Dispatch]:
@@ -652,16 +625,12 @@ class ReceiverApp(Starlette):
                 scope["path_params"] = {"source_id": source_id}
                 try:
                     response = await self._receive_webhook(Request(scope, receive))
-                except Exception:  # a bug: uvicorn answers 500 and logs it; the sender retries
-                    self._count_failure(source_id)
+                except Exception:  # a bug: uvicorn answers 500 and logs it; `webhooks gaps`
+                    self._receiver.errors.failed(source_id, self._receiver.clock.now())
                     raise
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
-
-    def _count_failure(self, source_id: str) -> None:
-        label = source_id if SOURCE_ID.fullmatch(source_id) else ALL_SOURCES
-        self._receiver.errors.add(label, self._receiver.clock.now(), GapKind.ERRORS)
 
 
 def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
@@ -679,13 +648,12 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, _report_raised_ttls, settings)
+        await loop.run_in_executor(None, lifecycle.report_raised_ttls, settings)
         # This process's TTL inputs in Postgres, refreshed by a thread of its own: compared
         # with the other processes' by maintenance and `webhooks ttl check` (issue 35 item 3).
-        fingerprint = await loop.run_in_executor(None, _record_fingerprint, settings)
+        fingerprint = await loop.run_in_executor(None, lifecycle.record_fingerprint, settings)
         # That this receiver is up, and the 5xx it answered: `webhooks gaps` (issue 38).
-        heartbeat = IntakeHeartbeat(settings, receiver.errors)
-        heartbeat.start()
+        heartbeat = lifecycle.intake_heartbeat(settings, receiver.errors)
         await store.open()
         tracing.setup("receiver")  # only when an OTLP endpoint is set (core/tracing.py)
         # Everything loaded so far (modules, settings, the providers) lives as long as the

@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 
 from core import gaps
-from core.gaps import ErrorMinute, GapKind, GapReport, Segment, SourceWindow
+from core.gaps import ALL_SOURCES, ErrorMinute, GapKind, GapReport, Segment, SourceWindow
 from core.logs import get_logger
 from core.providers import descriptions, reconcile_options
 from core.providers import registry as providers
@@ -55,6 +55,17 @@ class ErrorCounts:
                 self._counts[key] = self._counts.get(key, 0) + 1
             else:
                 self.dropped += 1
+
+    def answered(self, source: str, outcome: str, when: datetime) -> None:
+        """A 503 answered with this outcome (``unavailable``: the database did not answer)."""
+        kind = GapKind.DB_UNREACHABLE if outcome == "unavailable" else GapKind.ERRORS
+        self.add(source, when, kind)
+
+    def failed(self, path_id: str, when: datetime) -> None:
+        """A request that raised (a bug, answered 500), under its path's source id when it has
+        the form of one (else every source's)."""
+        label = path_id if len(path_id) == 24 and path_id.startswith("src_") else ALL_SOURCES
+        self.add(label, when, GapKind.ERRORS)
 
     def take(self) -> dict[Key, int]:
         with self._lock:

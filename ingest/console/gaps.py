@@ -28,6 +28,7 @@ def routes(c: Console) -> list[Route]:
 
 def _read(session: Session, c: Console, since: Any) -> GapReport:
     raw = session.connection().connection.driver_connection  # psycopg: the CLI's read
+    assert raw is not None
     return read(raw, c.settings, since)
 
 
