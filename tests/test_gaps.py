@@ -344,3 +344,11 @@ def test_each_receipt_says_until_when_its_provider_retries_it(
     text = cli("events", "show", pushed, "--source", github.public_id, env=test_env())
     assert text.returncode == 0, text.stderr
     assert "retried:   never by itself" in text.stdout
+
+
+def test_reconcile_without_source_refuses_since_in_one_line_and_changes_nothing() -> None:
+    done = cli("reconcile", "--since", "1h", env=test_env())
+    assert done.returncode != 0
+    [line] = done.stderr.strip().splitlines()
+    assert "--since needs a SOURCE" in line
+    assert "docs/provider-side-gaps.md#webhooks-reconcile-without-source" in line

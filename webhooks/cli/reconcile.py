@@ -62,7 +62,8 @@ def reconcile_command(
     if source is None and since is not None:
         raise CliError(
             "--since needs a SOURCE: without one, reconcile recovers the intake gaps over "
-            "their own windows (webhooks gaps)"
+            "their own windows (webhooks gaps)",
+            doc="gaps",
         )
     window = None if since is None else parse_duration(since)
     e = env()
