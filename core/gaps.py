@@ -61,6 +61,9 @@ class Segment:
 
     started_at: datetime
     last_seen: datetime
+    # Set when the process opened this segment after its beats had failed since then (its
+    # own clock): it was up, the database did not answer it.
+    unreachable_since: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -179,14 +182,17 @@ class GapReport:
         )
 
 
-def _merge(spans: Iterable[tuple[datetime, datetime]]) -> list[tuple[datetime, datetime]]:
-    out: list[tuple[datetime, datetime]] = []
-    for start, end in sorted(spans):
+Span = tuple[datetime, datetime, bool]  # start, end, opened after a database outage
+
+
+def _merge(spans: Iterable[Span]) -> list[Span]:
+    out: list[Span] = []
+    for start, end, after_outage in sorted(spans, key=lambda s: (s[0], s[1])):
         if out and start <= out[-1][1]:
             if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
+                out[-1] = (out[-1][0], end, out[-1][2])
         else:
-            out.append((start, end))
+            out.append((start, end, after_outage))
     return out
 
 
@@ -202,20 +208,24 @@ def unseen(
     process up to :func:`reach` past its ``last_seen``; a range is reported from the last
     beat before it to the first beat after it (the widest it can be). Nothing is reported
     before the first segment ever recorded (no history), and a range still open at ``now``
-    has no end."""
+    has no end. A range ended by a segment opened after a database outage (the process was
+    up and could not reach the database) is of kind ``database_unreachable``."""
     if not segments:
         return []
     span = reach(period)
     first = min(s.started_at for s in segments)
-    covered = _merge((s.started_at, s.last_seen + span) for s in segments)
+    covered = _merge(
+        (s.started_at, s.last_seen + span, s.unreachable_since is not None) for s in segments
+    )
     gaps: list[Gap] = []
     cursor = max(since, first)
     last_seen_before = cursor
-    for start, end in covered:
+    for start, end, after_outage in covered:
         if end <= cursor:
             continue
         if start > cursor:
-            gaps.append(Gap(last_seen_before, min(start, now), GapKind.NO_RECEIVER))
+            kind = GapKind.DB_UNREACHABLE if after_outage else GapKind.NO_RECEIVER
+            gaps.append(Gap(last_seen_before, min(start, now), kind))
         cursor = max(cursor, end)
         last_seen_before = end - span
         if cursor >= now:

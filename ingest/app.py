@@ -653,7 +653,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
         # with the other processes' by maintenance and `webhooks ttl check` (issue 35 item 3).
         fingerprint = await loop.run_in_executor(None, lifecycle.record_fingerprint, settings)
         # That this receiver is up, and the 5xx it answered: `webhooks gaps` (issue 38).
-        heartbeat = lifecycle.intake_heartbeat(settings, receiver.errors)
+        heartbeat = lifecycle.intake_heartbeat(settings, receiver.errors, clock)
         await store.open()
         tracing.setup("receiver")  # only when an OTLP endpoint is set (core/tracing.py)
         # Everything loaded so far (modules, settings, the providers) lives as long as the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from core.clock import Clock
 from core.settings import Settings
 from models.intake_gaps import ErrorCounts, IntakeHeartbeat
 
@@ -34,8 +35,8 @@ def record_fingerprint(settings: Settings) -> Heartbeat:
     return heartbeat
 
 
-def intake_heartbeat(settings: Settings, errors: ErrorCounts) -> IntakeHeartbeat:
+def intake_heartbeat(settings: Settings, errors: ErrorCounts, clock: Clock) -> IntakeHeartbeat:
     """This receiver's intake heartbeat, beating from its own thread."""
-    heartbeat = IntakeHeartbeat(settings, errors)
+    heartbeat = IntakeHeartbeat(settings, errors, clock=clock)
     heartbeat.start()
     return heartbeat

@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 
 from core import gaps
+from core.clock import Clock, SystemClock
 from core.gaps import ALL_SOURCES, ErrorMinute, GapKind, GapReport, Segment, SourceWindow
 from core.logs import get_logger
 from core.providers import descriptions, reconcile_options
@@ -87,7 +88,10 @@ UPDATE intake_heartbeats SET last_seen = now()
 WHERE id = %(id)s AND last_seen >= now() - %(reach)s
 RETURNING id
 """
-_OPEN = "INSERT INTO intake_heartbeats (host, pid) VALUES (%(host)s, %(pid)s) RETURNING id"
+_OPEN = """
+INSERT INTO intake_heartbeats (host, pid, unreachable_since)
+VALUES (%(host)s, %(pid)s, %(unreachable_since)s) RETURNING id
+"""
 _ADD_ERRORS = """
 INSERT INTO intake_errors AS e (source, minute, kind, count)
 SELECT * FROM unnest(%(sources)s::text[], %(minutes)s::timestamptz[], %(kinds)s::text[],
@@ -104,11 +108,13 @@ class IntakeHeartbeat:
         settings: Settings,
         counts: ErrorCounts,
         *,
+        clock: Clock | None = None,
         host: str | None = None,
         pid: int | None = None,
     ) -> None:
         self.settings = settings
         self.counts = counts
+        self.clock = clock or SystemClock()
         self.host = host or socket.gethostname()
         self.pid = os.getpid() if pid is None else pid
         self.period = settings.intake_heartbeat_period
@@ -116,6 +122,7 @@ class IntakeHeartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._failing_since: datetime | None = None  # this host's clock: the first failed beat
         self._dropped_told = 0
 
     def beat(self) -> bool:
@@ -133,7 +140,12 @@ class IntakeHeartbeat:
                     reach = gaps.reach(self.period)
                     row = conn.execute(_EXTEND, {"id": self.segment, "reach": reach}).fetchone()
                 if row is None:
-                    row = conn.execute(_OPEN, {"host": self.host, "pid": self.pid}).fetchone()
+                    opened = {
+                        "host": self.host,
+                        "pid": self.pid,
+                        "unreachable_since": self._failing_since,
+                    }
+                    row = conn.execute(_OPEN, opened).fetchone()
                 assert row is not None
                 if taken:
                     keys = list(taken)
@@ -156,10 +168,13 @@ class IntakeHeartbeat:
                     retry_in_s=self.period.total_seconds(),
                 )
             self._failing = True
+            if self._failing_since is None:
+                self._failing_since = self.clock.now()
             return False
         if self._failing:
             log.info("intake.heartbeat_recorded", errors_flushed=sum(taken.values()))
         self._failing = False
+        self._failing_since = None
         if self.counts.dropped > self._dropped_told:
             log.warning("intake.error_counts_dropped", dropped=self.counts.dropped)
             self._dropped_told = self.counts.dropped
@@ -188,10 +203,11 @@ class IntakeHeartbeat:
 
 _NOW = "SELECT now()"
 _SEGMENTS = """
-SELECT started_at, last_seen FROM intake_heartbeats WHERE last_seen >= %(from)s
+SELECT started_at, last_seen, unreachable_since FROM intake_heartbeats
+WHERE last_seen >= %(from)s
 UNION ALL
-(SELECT started_at, last_seen FROM intake_heartbeats WHERE last_seen < %(from)s
- ORDER BY last_seen DESC LIMIT 1)
+(SELECT started_at, last_seen, unreachable_since FROM intake_heartbeats
+ WHERE last_seen < %(from)s ORDER BY last_seen DESC LIMIT 1)
 """
 _ERRORS = """
 SELECT source, minute, kind, count FROM intake_errors
@@ -268,7 +284,7 @@ def read(
     period = settings.intake_heartbeat_period
     reach = gaps.reach(period)
     segments = [
-        Segment(started_at=r[0], last_seen=r[1])
+        Segment(started_at=r[0], last_seen=r[1], unreachable_since=r[2])
         for r in conn.execute(_SEGMENTS, {"from": start - reach})
     ]
     minutes = [

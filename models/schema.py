@@ -486,6 +486,7 @@ class IntakeHeartbeat(Base):
     pid: Mapped[int] = mapped_column(Integer)
     started_at: Mapped[datetime] = mapped_column(server_default=func.now())
     last_seen: Mapped[datetime] = mapped_column(server_default=func.now())
+    unreachable_since: Mapped[datetime | None] = mapped_column()
 
 
 class IntakeError(Base):

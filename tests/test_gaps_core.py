@@ -64,6 +64,23 @@ def test_a_range_still_open_has_no_end_and_nothing_before_the_first_beat_counts(
     assert (cut.start, cut.end) == (at(20), at(30))
 
 
+def test_a_range_after_which_the_receiver_came_back_from_a_database_outage_says_so() -> None:
+    """The receiver was up but its beats failed (the database did not answer): the segment it
+    opened after says since when, and the range before it is the database unreachable, for
+    every source, not a receiver down."""
+    segments = [Segment(at(0), at(10)), Segment(at(20), at(30), unreachable_since=at(10.2))]
+    [gap] = unseen(segments, at(0), at(30), P)
+    assert (gap.start, gap.end, gap.kind, gap.source) == (
+        at(10),
+        at(20),
+        GapKind.DB_UNREACHABLE,
+        None,
+    )
+    # Another receiver that was down meanwhile does not change what the range was.
+    both = [*segments, Segment(at(25), at(30))]
+    assert [g.kind for g in unseen(both, at(0), at(30), P)] == [GapKind.DB_UNREACHABLE]
+
+
 def test_error_minutes_merge_per_source_and_kind_and_unknown_means_every_source() -> None:
     minutes = [
         ErrorMinute("src_s", at(3), GapKind.DB_UNREACHABLE, 4),

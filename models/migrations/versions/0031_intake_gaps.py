@@ -6,7 +6,10 @@ one row of ``intake_heartbeats`` per uninterrupted stretch in which it reached t
 ``started_at`` and ``last_seen`` on the database's clock, ``last_seen`` moved by a beat every
 ``WEBHOOKS_INTAKE_HEARTBEAT_PERIOD`` from a thread of its own (never per request); a beat
 that finds its row's ``last_seen`` more than two periods old opens a new row. Rows are kept
-after the process stops: the ranges no row covers are the times no receiver answered.
+after the process stops: the ranges no row covers are the times no receiver answered. A row
+opened by a process whose beats failed meanwhile (it was up, the database did not answer it)
+says since when, by its own clock (``unreachable_since``): the range before it is then the
+database unreachable, not a receiver down.
 
 ``intake_errors`` counts the 5xx answers the receivers gave, per source public id (or
 ``unknown`` when the source could not be looked up), minute of the receiver's clock and kind
@@ -49,6 +52,7 @@ def upgrade() -> None:
         sa.Column("pid", sa.Integer(), nullable=False),
         sa.Column("started_at", sa.DateTime(timezone=True), server_default=now, nullable=False),
         sa.Column("last_seen", sa.DateTime(timezone=True), server_default=now, nullable=False),
+        sa.Column("unreachable_since", sa.DateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_intake_heartbeats")),
     )
     op.create_index(op.f("ix_intake_heartbeats_last_seen"), "intake_heartbeats", ["last_seen"])
