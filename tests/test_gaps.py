@@ -107,7 +107,8 @@ def test_a_receiver_killed_while_senders_keep_sending_is_a_gap_with_each_provide
                key=github_api.token)  # fmt: skip
 
         with receiver(**env) as first:
-            assert send_stripe(first.url, f"evt_{uuid.uuid4().hex[:20]}").status_code == 202
+            paid = f"evt_{uuid.uuid4().hex[:20]}"
+            assert send_stripe(first.url, paid).status_code == 202
             wait_for(lambda: _sql(settings, "SELECT 1 FROM intake_heartbeats"), timeout=30,
                      what="the receiver's first heartbeat")  # fmt: skip
             first.proc.kill()
@@ -157,7 +158,14 @@ def test_a_receiver_killed_while_senders_keep_sending_is_a_gap_with_each_provide
             assert f"retries until {dead_last_seen + timedelta(days=3):%Y-%m-%d %H:%M:%S}Z" in out
             assert "does not retry by itself: only reconciliation recovers it" in out
             assert "never reached us" in out
-            _console_shows(second.admin_url, dead_last_seen)
+            [(receipt, occurred)] = _sql(
+                settings, "SELECT id, occurred_at FROM receipts WHERE event_id = %s", paid
+            )
+            retried = (
+                f"until {occurred + timedelta(days=3):%Y-%m-%d %H:%M:%S} UTC"
+                " (stripe's documented window)"
+            )
+            _console_shows(second.admin_url, dead_last_seen, receipt, retried)
             bad = cli("gaps", "--since", "soon", env=test_env())
             assert bad.returncode != 0
             assert len(bad.stderr.strip().splitlines()) == 1
@@ -213,8 +221,9 @@ def test_a_receiver_killed_while_senders_keep_sending_is_a_gap_with_each_provide
                 [lost_stripe, lost_guid]) == [(2,)]  # fmt: skip
 
 
-def _console_shows(admin_url: str, start: datetime) -> None:
-    """The console's Gaps page, in a real chromium: the range and each source's verdict."""
+def _console_shows(admin_url: str, start: datetime, receipt: int, retried: str) -> None:
+    """The console's Gaps page, in a real chromium: the range and each source's verdict; and
+    an event's page: until when its sender retries it."""
     if shutil.which(CHROMIUM) is None:
         pytest.skip(f"{CHROMIUM} is missing: run `make install` (as root)")
     with sync_playwright() as p:
@@ -242,6 +251,8 @@ def _console_shows(admin_url: str, start: datetime) -> None:
             assert "never reached us" in page.locator("#invisible").inner_text()
             page.goto(f"{admin_url}/console/gaps?since=soon")
             assert page.locator("#message").is_visible()
+            page.goto(f"{admin_url}/console/events/{receipt}")
+            assert page.locator("#sender-retries").inner_text() == retried
         finally:
             browser.close()
 
