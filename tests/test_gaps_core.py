@@ -166,3 +166,33 @@ def test_a_receipt_knows_when_its_provider_gives_up_on_it() -> None:
     assert gives_up_at(at(0), at(5), 3 * day, True) == at(0) + 3 * day  # the event's own time
     assert gives_up_at(None, at(5), 3 * day, True) == at(5) + 3 * day  # else its arrival
     assert gives_up_at(at(0), at(5), 3 * day, False) is None  # it never retries
+
+
+def test_error_counts_wait_in_memory_bounded_and_come_back_when_a_flush_fails() -> None:
+    """The receiver's counts (models/intake_gaps.py): per source, minute and kind; given back
+    when a flush could not write them; past MAX_KEYS new keys are dropped and counted."""
+    from models import intake_gaps  # noqa: PLC0415 (psycopg: only this test)
+
+    counts = intake_gaps.ErrorCounts()
+    counts.answered("src_a", "unavailable", at(1) + timedelta(seconds=7))
+    counts.answered("src_a", "unavailable", at(1) + timedelta(seconds=50))
+    counts.answered("src_a", "provider_missing", at(1))
+    counts.failed("src_" + "x" * 20, at(2))
+    counts.failed("not-an-id", at(2))
+    taken = counts.take()
+    assert taken == {
+        ("src_a", at(1), "database_unreachable"): 2,
+        ("src_a", at(1), "errors_answered"): 1,
+        ("src_" + "x" * 20, at(2), "errors_answered"): 1,
+        ("unknown", at(2), "errors_answered"): 1,
+    }
+    assert counts.take() == {}
+    counts.answered("src_a", "unavailable", at(1))
+    counts.restore(taken)  # the flush failed: nothing lost, added to what came meanwhile
+    assert counts.take()[("src_a", at(1), "database_unreachable")] == 3
+
+    bounded = intake_gaps.ErrorCounts()
+    for n in range(intake_gaps.MAX_KEYS + 5):
+        bounded.add(f"src_{n}", at(0), GapKind.ERRORS)
+    assert len(bounded.take()) == intake_gaps.MAX_KEYS
+    assert bounded.dropped == 5

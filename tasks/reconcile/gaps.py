@@ -12,6 +12,7 @@ one is named as not recoverable here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -86,7 +87,7 @@ def reconcile_gaps(
     *,
     dry_run: bool,
     max_pages: int,
-    sleep: Any,
+    sleep: Callable[[float], None],
     publish: Publish | None = None,
     since: timedelta | None = None,
 ) -> GapRun:
