@@ -362,9 +362,26 @@ def test_each_receipt_says_until_when_its_provider_retries_it(
     assert "retried:   never by itself" in text.stdout
 
 
-def test_reconcile_without_source_refuses_since_in_one_line_and_changes_nothing() -> None:
+def test_reconcile_without_source_refuses_since_and_without_a_gap_asks_no_provider(
+    settings: Settings, sessions: sessionmaker[Session], only_these_sources: None
+) -> None:
+    """``--since`` without SOURCE: one line naming its docs section. No gap recorded: nothing
+    to recover, no provider asked (a keyed Stripe source's stand-in API sees no request)."""
     done = cli("reconcile", "--since", "1h", env=test_env())
     assert done.returncode != 0
     [line] = done.stderr.strip().splitlines()
     assert "--since needs a SOURCE" in line
     assert "docs/provider-side-gaps.md#webhooks-reconcile-without-source" in line
+
+    api = FakeStripe(f"rk_test_{uuid.uuid4().hex}")
+    remember(api.api_key)
+    stripe = make_source(sessions, settings, provider="stripe", routes=[])
+    with serving(api):
+        _keyed(stripe, f"api_base={api.url}", f"endpoint_id={api.endpoint_id}", key=api.api_key)
+        _sql(settings, "INSERT INTO intake_heartbeats (host, pid) VALUES ('h', 1)")
+        done = cli("reconcile", "--json", env=test_env())
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["sources"] == []
+        text = cli("reconcile", env=test_env())
+        assert "no intake gap since" in text.stdout
+        assert api.seen == []
