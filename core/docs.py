@@ -50,6 +50,7 @@ TOPICS: dict[str, Topic] = {
         "provider-side", "The subscription watchdog", "The provider's view of each endpoint"
     ),
     "traces": Topic("operating", "Traces across the pipeline", "Traces"),
+    "gaps": Topic("provider-side-gaps", "`webhooks reconcile` without SOURCE", "Intake gaps"),
     "sources": Topic("providers", "Providers", "Sources and providers"),
     "routes": Topic("routing", "", "Routing: event types and content filters"),
     "filters": Topic(

@@ -248,6 +248,10 @@ class Settings(BaseSettings):
     # for this long (the database's clock) is a process gone: no longer compared, and removed
     # by maintenance. Maintenance and `webhooks ttl check` compare the live ones.
     ttl_fingerprint_stale_after: timedelta = timedelta(minutes=10)
+    # Each receiver records that it is up and answering (intake_heartbeats, core/gaps.py) every
+    # this long, from a thread of its own, and adds the 5xx it answered to intake_errors: what
+    # `webhooks gaps` reads. A receiver stopped for less than two periods may go unseen.
+    intake_heartbeat_period: timedelta = timedelta(seconds=15)
 
     # Observability.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -356,6 +360,7 @@ class Settings(BaseSettings):
             "console_idle_timeout",
             "route_disable_after",
             "ttl_fingerprint_stale_after",
+            "intake_heartbeat_period",
         ):
             if getattr(self, name) <= timedelta():
                 raise ValueError(f"WEBHOOKS_{name.upper()} must be positive")

@@ -22,6 +22,7 @@
 7. 202
 
 Postgres unreachable -> 503 with Retry-After: nothing is acknowledged before the commit.
+Every 5xx answered is counted per source and minute for `webhooks gaps` (:mod:`models.intake_gaps`).
 
 This port (``WEBHOOKS_PORT``, the one the internet reaches) serves that route, ``/healthz`` and
 ``/readyz`` only. The admin API and ``/metrics`` (which lists every source's public id) are on
@@ -39,7 +40,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
@@ -72,13 +73,12 @@ from core.providers import (
 )
 from core.settings import Settings, load_settings
 from core.ttl import expires_at
+from ingest import lifecycle
 from ingest.filtering import accept_judged
 from ingest.store import SourceRecord, Store
 from models.accept import NewReceipt, Outcome
+from models.intake_gaps import ErrorCounts
 from tasks.publisher import Publisher
-
-if TYPE_CHECKING:
-    from models.ttl_fingerprints import Heartbeat
 
 log = get_logger("ingest")
 T = TypeVar("T")
@@ -139,6 +139,7 @@ class Receiver:
         self.store = store
         self.publisher = publisher
         self._sync_engine: Any = None
+        self.errors = ErrorCounts()  # the 5xx answered, until the heartbeat writes them
         # What verifies `webhooks send`'s mark (derived from WEBHOOKS_SECRET_KEY).
         self._mark_keys = send_marks.mark_keys(settings.secret_key.get_secret_value())
 
@@ -157,6 +158,7 @@ class Receiver:
 
     def _retry_later(self, label: str, outcome: str, error: str, seconds: int) -> Response:
         """503 with Retry-After: nothing was recorded, and the sender keeps the event."""
+        self.errors.answered(label, outcome, self.clock.now())
         return self._answer(
             label, outcome, 503, {"error": error}, headers={"Retry-After": str(seconds)}
         )
@@ -560,27 +562,6 @@ class Receiver:
         return _json(200 if ready else 503, {"status": "ready" if ready else "not ready", **checks})
 
 
-def _report_raised_ttls(settings: Settings) -> None:
-    # Lazy: SQLAlchemy loads only for this start-up report; the receiver's path is psycopg.
-    from models.catalog import report_raised_ttls  # noqa: PLC0415 (SQLAlchemy, see above)
-    from models.db import make_engine  # noqa: PLC0415 (SQLAlchemy, see above)
-
-    engine = make_engine(settings, pool_size=1)
-    try:
-        report_raised_ttls(engine, settings, process="receiver")
-    finally:
-        engine.dispose()
-
-
-def _record_fingerprint(settings: Settings) -> Heartbeat:
-    # Lazy, as above: SQLAlchemy's text() types come with the module; the heartbeat is psycopg.
-    from models.ttl_fingerprints import Heartbeat  # noqa: PLC0415 (SQLAlchemy, see above)
-
-    heartbeat = Heartbeat(settings, "receiver")
-    heartbeat.start()
-    return heartbeat
-
-
 def traced(
     dispatches: list[Dispatch], source: SourceRecord, started: float, parent: str | None
 ) -> list[Dispatch]:
@@ -633,6 +614,7 @@ class ReceiverApp(Starlette):
     def __init__(self, receiver: Receiver, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._receive_webhook = receiver.receive
+        self._receiver = receiver
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -641,7 +623,11 @@ class ReceiverApp(Starlette):
             if path.startswith(_HOT_PREFIX) and source_id and "/" not in source_id:
                 scope["app"] = self
                 scope["path_params"] = {"source_id": source_id}
-                response = await self._receive_webhook(Request(scope, receive))
+                try:
+                    response = await self._receive_webhook(Request(scope, receive))
+                except Exception:  # a bug: uvicorn answers 500 and logs it; `webhooks gaps`
+                    self._receiver.errors.failed(source_id, self._receiver.clock.now())
+                    raise
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
@@ -662,10 +648,12 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, _report_raised_ttls, settings)
+        await loop.run_in_executor(None, lifecycle.report_raised_ttls, settings)
         # This process's TTL inputs in Postgres, refreshed by a thread of its own: compared
         # with the other processes' by maintenance and `webhooks ttl check` (issue 35 item 3).
-        fingerprint = await loop.run_in_executor(None, _record_fingerprint, settings)
+        fingerprint = await loop.run_in_executor(None, lifecycle.record_fingerprint, settings)
+        # That this receiver is up, and the 5xx it answered: `webhooks gaps` (issue 38).
+        heartbeat = lifecycle.intake_heartbeat(settings, receiver.errors, clock)
         await store.open()
         tracing.setup("receiver")  # only when an OTLP endpoint is set (core/tracing.py)
         # Everything loaded so far (modules, settings, the providers) lives as long as the
@@ -678,6 +666,7 @@ def create_app(settings: Settings, clock: Clock | None = None) -> Starlette:
             await store.close()
             publisher.close()
             await loop.run_in_executor(None, fingerprint.stop)
+            await loop.run_in_executor(None, heartbeat.stop)
             tracing.shutdown()
 
     # The public port serves these three and nothing else: the admin API and /metrics are on

@@ -511,6 +511,38 @@ class TtlFingerprint(Base):
     last_seen: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
+class IntakeHeartbeat(Base):
+    """One receiver process's uninterrupted stretch of heartbeats (core/gaps.py,
+    models/intake_gaps.py): kept after it stops, pruned by maintenance."""
+
+    __tablename__ = "intake_heartbeats"
+    __table_args__ = (Index(None, "last_seen"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    host: Mapped[str] = mapped_column(Text)
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    last_seen: Mapped[datetime] = mapped_column(server_default=func.now())
+    unreachable_since: Mapped[datetime | None] = mapped_column()
+
+
+class IntakeError(Base):
+    """The 5xx answers the receivers gave, per source, minute (the receiver's clock) and kind
+    (core/gaps.py): flushed from memory when the database answers."""
+
+    __tablename__ = "intake_errors"
+    __table_args__ = (
+        PrimaryKeyConstraint("source", "minute", "kind"),
+        CheckConstraint(_in("kind", ("database_unreachable", "errors_answered")), name="kind"),
+        Index(None, "minute"),
+    )
+
+    source: Mapped[str] = mapped_column(Text)
+    minute: Mapped[datetime] = mapped_column()
+    kind: Mapped[str] = mapped_column(Text)
+    count: Mapped[int] = mapped_column(Integer)
+
+
 def include_name(name: str | None, type_: str, parent_names: object) -> bool:
     """Alembic filter: partitions (``receipts_p20261130``, ``receipts_default``) belong to
     maintenance, not to migrations."""

@@ -190,6 +190,14 @@ class EventDetail:
     # recovered from the provider's API (:func:`unsigned_type_of`).
     type_unsigned: str | None = None
 
+    @property
+    def sender_retries(self) -> str:
+        """Until when its provider retries it (its documented schedule, from the event's own
+        time, else its arrival: :func:`core.gaps.gives_up_at`), or that it never retries."""
+        from models.intake_gaps import provider_gives_up  # noqa: PLC0415 (only when shown)
+
+        return provider_gives_up(self.provider, self.occurred_at, self.received_at)[1]
+
 
 @dataclass(frozen=True)
 class DeadGroup:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from datetime import date, datetime
 
+import psycopg
 import sqlalchemy.exc
 from sqlalchemy import Engine
 
@@ -25,7 +26,7 @@ from core.horizon import WindowReview, review
 from core.logs import get_logger
 from core.providers import registry
 from core.settings import Settings
-from models import ttl_fingerprints
+from models import intake_gaps, ttl_fingerprints
 
 log = get_logger(__name__)
 
@@ -48,6 +49,23 @@ def record(settings: Settings, today: date) -> tuple[WindowReview, ...]:
             hint="webhooks ttl check",
         )
     return reviews
+
+
+def prune_intake_gaps(engine: Engine, now: datetime | None) -> int | None:
+    """Remove the receivers' heartbeat segments and error counts older than the longest
+    retry window of the sources' providers plus a day (:func:`models.intake_gaps.prune`);
+    None (and a warning) when the database could not be written."""
+    try:
+        with engine.begin() as conn:
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            pruned = intake_gaps.prune(raw, now)
+    except (sqlalchemy.exc.SQLAlchemyError, psycopg.Error) as exc:
+        log.warning("intake.gaps_unpruned", error_class=type(exc).__name__)
+        return None
+    if pruned:
+        log.info("intake.gaps_pruned", rows=pruned)
+    return pruned
 
 
 def record_fingerprints(

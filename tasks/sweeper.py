@@ -240,14 +240,16 @@ def maintenance_task(runtime: Callable[[], Runtime]) -> str:
     the capacity gauges (:mod:`tasks.capacity`), read even when retention failed: a failing
     drop is what the past-days gauge is there to show; and each source's measured p99 queue
     lag beside its budget (:func:`tasks.capacity.record_queue_lag`). Before all of it, the
-    providers' retry windows due for review and the live processes' TTL inputs compared
-    (:mod:`tasks.horizon`)."""
+    providers' retry windows due for review, the live processes' TTL inputs compared and the
+    intake gaps' rows past every retry window removed (:mod:`tasks.horizon`)."""
     rt = periodic_runtime(runtime, "maintenance.failed")
     # The horizon, re-checked (issue 35 item 3): pure arithmetic over the provider registry,
     # on this worker's clock (a UTC day), first, so no database or Redis fault skips it.
     horizon.record(rt.settings, utc_day(rt.clock.now()))
     # Do the live receivers and workers derive the same TTLs? (Its own failure is one line.)
     horizon.record_fingerprints(rt.engine, rt.settings, pinned(rt.clock))
+    # The receivers' heartbeats and error counts past every retry window (webhooks gaps).
+    horizon.prune_intake_gaps(rt.engine, pinned(rt.clock))
     capacity.record_fast_tier(rt.redis)
     try:
         try:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # typing only: Unpack for **kwargs is in typing from Python 3
 
 DESCRIPTIONS: Final = "descriptions.toml"
 _REQUIRED: Final = frozenset({"retry_window", "citation", "verified_on", "signed", "summary"})
-_OPTIONAL: Final = frozenset({"handshake", "fields"})
+_OPTIONAL: Final = frozenset({"handshake", "fields", "retries"})
 
 
 class Contract(TypedDict, total=False):

@@ -211,6 +211,12 @@ def default_window(target: Target) -> timedelta:
     return min(DEFAULT_WINDOW, target.ttl, horizon)
 
 
+def longest_window(target: Target) -> timedelta:
+    """The longest window :func:`check_window` allows: the source's dedup TTL, the provider's
+    listing horizon."""
+    return min(target.ttl, timedelta(days=options.SPECS[target.provider].horizon_days))
+
+
 def check_window(target: Target, since: timedelta) -> None:
     if since <= timedelta(0):
         raise ReconcileError("--since must be positive")

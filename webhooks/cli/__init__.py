@@ -28,6 +28,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("replay", "operators"),
     ("demo", "operators"),
     ("reconcile", "reconcile"),
+    ("gaps", "gaps"),
     ("db", "db"),
     ("sources", "sources"),
     ("secrets", "source_secrets"),

@@ -131,7 +131,10 @@ def events_show(
     with e.reads() as conn:
         detail = reads.get_event_or_ledger(conn, event, source=source)
     if as_json:
-        print_json(plain(detail))
+        shown = plain(detail)
+        if not isinstance(detail, LedgerEvent):
+            shown["sender_retries"] = detail.sender_retries
+        print_json(shown)
         return
     if isinstance(detail, LedgerEvent):
         print_ledger_event(detail)
@@ -150,6 +153,7 @@ def events_show(
         ("received", when(detail.received_at)),
         ("via", detail.arrived_via),
         ("expires", when(detail.expires_at)),
+        ("retried", detail.sender_retries),
         ("payload", payload),
     ):
         say(f"{label + ':':<10} {escape(str(value))}")

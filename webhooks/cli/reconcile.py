@@ -1,5 +1,7 @@
 """``webhooks reconcile SOURCE``: find the events the provider sent that never arrived, and
-recover them (issue 22; :mod:`tasks.reconcile.run`)."""
+recover them (issue 22; :mod:`tasks.reconcile.run`). Without SOURCE: every source the intake
+gaps affect (``webhooks gaps``), in the order of their deadlines (issue 38 item 2;
+:mod:`tasks.reconcile.gaps`)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,21 @@ from webhooks.cli.common import CliError, env, handle_errors, print_json
 from webhooks.cli.render import row, say, show_table, whole
 
 if TYPE_CHECKING:
+    from tasks.reconcile.gaps import GapRun
     from tasks.reconcile.run import Report
 
 
 @handle_errors
 def reconcile_command(
-    source: Annotated[str, typer.Argument(metavar="SOURCE", help="Source id or name.")],
+    source: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[SOURCE]",
+            help="Source id or name; without it, every source the intake gaps affect "
+            "(webhooks gaps), earliest deadline first.",
+            show_default=False,
+        ),
+    ] = None,
     since: Annotated[
         str | None,
         typer.Option(
@@ -42,10 +53,18 @@ def reconcile_command(
     and print the missing ones; without --dry-run, recover each (Stripe: accepted from the
     API's event object, with its deliveries; GitHub: a redelivery request, the signed webhook
     then arrives). Exit code 1 when the provider's API failed (what was found before the
-    failure is still recovered)."""
+    failure is still recovered). Without SOURCE (and without --since): the sources the
+    intake gaps affect, each over its gaps' window, in the order of their deadlines; those
+    without a reconciliation credential are named as not recoverable."""
     from core.crypto import SecretBox
     from tasks.reconcile.run import ReconcileError, reconcile
 
+    if source is None and since is not None:
+        raise CliError(
+            "--since needs a SOURCE: without one, reconcile recovers the intake gaps over "
+            "their own windows (webhooks gaps)",
+            doc="gaps",
+        )
     window = None if since is None else parse_duration(since)
     e = env()
     if not e.keys_checked:
@@ -56,6 +75,24 @@ def reconcile_command(
         from tasks.publisher import CeleryPublisher  # only when recovering
 
         publisher = CeleryPublisher(e.settings)
+    if source is None:
+        from tasks.reconcile.gaps import reconcile_gaps
+
+        try:
+            run = reconcile_gaps(
+                e.settings, e.sessions, box, dry_run=dry_run, max_pages=max_pages,
+                sleep=time.sleep, publish=publisher.one if publisher is not None else None,
+            )  # fmt: skip
+        finally:
+            if publisher is not None:
+                publisher.close()
+        if as_json:
+            print_json(run.view())
+        else:
+            _show_gaps(run)
+        if run.failed:
+            raise typer.Exit(1)
+        return
     try:
         report = reconcile(
             e.settings,
@@ -125,6 +162,41 @@ def _show(report: Report) -> None:
             say(f"recovered {report.recovered}{meanwhile}")
     if report.error is not None:
         say(escape(f"error: {report.error}; run again to compare the rest"))
+
+
+def _show_gaps(run: GapRun) -> None:
+    from core.gaps import INVISIBLE
+
+    if not run.runs:
+        say(
+            f"no intake gap since {run.gaps.since:%Y-%m-%d %H:%M:%S}Z: nothing to recover "
+            "(webhooks reconcile SOURCE compares a source's whole window)"
+        )
+    for n, one in enumerate(run.runs, 1):
+        r = one.recovery
+        head = (
+            f"{n}. {r.source.name} ({r.source.public_id}, {r.source.provider}): deadline "
+            f"{r.deadline:%Y-%m-%d %H:%M:%S}Z, {r.gaps} gap(s)"
+        )
+        if not r.source.reconcilable:
+            say(
+                escape(
+                    f"{head}: not recoverable here (no reconciliation credential, or a "
+                    "provider reconciliation does not know): only the sender can resend it"
+                )
+            )
+            continue
+        say(escape(head))
+        if one.error is not None:
+            say(escape(f"   error: {one.error}"))
+        elif one.report is not None:
+            if one.clamped:
+                say(
+                    "   the gaps reach further back than reconciliation may compare (the "
+                    "source's dedup TTL or the provider's listing horizon): the rest is lost"
+                )
+            _show(one.report)
+    say(escape(INVISIBLE))
 
 
 def register(app: typer.Typer) -> None:
