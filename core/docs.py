@@ -56,6 +56,7 @@ TOPICS: dict[str, Topic] = {
     ),
     "settings": Topic("providers", "Settings and secrets", "Settings and secrets"),
     "retention": Topic("retention", "", "Retention"),
+    "drift": Topic("drift", "", "Payload shape drift"),
     "ledger": Topic("retention", "The processed-events ledger", "The processed-events ledger"),
     "retries": Topic("retries", "", "Retry timing"),
     "workers": Topic("workers", "", "Workers"),

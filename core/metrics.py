@@ -299,6 +299,16 @@ TTL_FINGERPRINT_CHECKED = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+# Payload shape drift (issue 38 item 3, tasks/drift.py): open findings per source and kind
+# (new_path, type_changed, path_gone), set by each learning run on a worker.
+DRIFT_FINDINGS = Gauge(
+    "webhooks_drift_findings",
+    "Open payload shape drift findings (a JSON key path new, changed type or gone) per source"
+    " and kind; webhooks drift list shows them, webhooks drift accept closes them",
+    ["source", "kind"],
+    multiprocess_mode="mostrecent",
+)
+
 # Retention and operators.
 DEAD_LETTERS_DISCARDED = Counter(
     "webhooks_dead_letters_discarded_total",
@@ -373,6 +383,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     TTL_FINGERPRINT_DISAGREEMENTS,
     TTL_FINGERPRINT_PROCESSES,
     TTL_FINGERPRINT_CHECKED,
+    DRIFT_FINDINGS,
 )
 
 

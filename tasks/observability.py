@@ -129,6 +129,7 @@ def _serve_metrics(**_: Any) -> None:
         ("sweep", settings.sweep_interval.total_seconds()),
         ("maintenance", settings.maintenance_interval.total_seconds()),
         ("reconcile", RECONCILE_TICK),
+        ("drift", settings.drift_every.total_seconds()),
     ):
         JOB_PERIOD.labels(job).set(period)
 

@@ -92,6 +92,7 @@ def test_the_command_table_is_what_every_module_registers() -> None:
         "operators",
         "retention",
         "reconcile",
+        "drift",
     ):
         __import__(f"webhooks.cli.{module}", fromlist=["register"]).register(eager)
     assert list(typer.main.get_group(eager).commands) == [name for name, _ in COMMANDS]
@@ -134,6 +135,8 @@ def _read_commands(seeded: dict[str, Any]) -> list[list[str]]:
         ["sources", "list", "--wide"],
         ["routes", "list"],
         ["routes", "list", source.public_id, "--json"],
+        ["drift", "list"],
+        ["drift", "list", "--source", source.public_id, "--json"],
     ]
 
 

@@ -40,6 +40,8 @@ REQUIRED = {
     "WebhookProviderWindowReviewDue": "webhooks_provider_window_review_due",
     # Issue 35 item 3: live processes deriving different dedup TTLs for a source.
     "WebhookTtlFingerprintsDisagree": "webhooks_ttl_fingerprint_disagreements",
+    # Issue 38 item 3: a payload shape drifted (a key path new, changed type or gone).
+    "WebhookPayloadShapeDrift": "webhooks_drift_findings",
 }
 
 
