@@ -107,7 +107,7 @@ def test_a_new_path_a_type_change_and_a_removed_path_each_make_one_finding(
         stored = conn.execute(
             "SELECT path, types FROM drift_paths WHERE source_id = %s ORDER BY path", (source.id,)
         ).fetchall()
-    assert dict(stored)["data.amount"] == ["integer", "string"]
+    assert {r[0]: r[1] for r in stored}["data.amount"] == ["integer", "string"]
     assert "in_1" not in repr(stored)
     assert "private" not in repr(stored)
 
