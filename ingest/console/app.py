@@ -9,7 +9,7 @@ from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
-from ingest.console import dead, deliveries, docs, events, login, overview, sources
+from ingest.console import dead, deliveries, docs, drift, events, login, overview, sources
 from ingest.console.base import HERE, Console, SecurityHeaders
 from ingest.plane import PlaneState
 
@@ -25,6 +25,7 @@ def create_console(state: PlaneState) -> ASGIApp:
         *dead.routes(c),
         *sources.routes(c),
         *overview.audit_routes(c),
+        *drift.routes(c),
         *docs.routes(c),
         Mount("/static", app=StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
