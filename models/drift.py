@@ -31,6 +31,9 @@ from models.views import CatalogError
 Conn = psycopg.Connection[Any]
 
 ACCEPT_ACTION = "drift.accept"
+OPEN_ACTION = "drift.open"
+# The audit trail's operator (and via) of a finding the learning run opened.
+LEARNER = "drift"
 
 
 @dataclass
@@ -233,6 +236,25 @@ def _open(
         },
     ).fetchone()
     if opened is not None:
+        # Opened, audited in the same transaction (as the sweeper audits a route it disables).
+        conn.execute(
+            "INSERT INTO audit_log (at, operator, action, target, reason, count, via)"
+            " SELECT %(now)s, %(who)s, %(action)s,"
+            " jsonb_build_object('source', s.public_id, 'event_type', %(event_type)s::text,"
+            " 'path', %(path)s::text, 'kind', %(kind)s::text, 'finding', %(id)s::bigint),"
+            " %(detail)s, 1, %(who)s FROM sources s WHERE s.id = %(source_id)s",
+            {
+                "now": now,
+                "who": LEARNER,
+                "action": OPEN_ACTION,
+                "event_type": event_type,
+                "path": change.path,
+                "kind": change.kind,
+                "id": int(opened[0]),
+                "detail": change.detail,
+                "source_id": source_id,
+            },
+        )
         report.opened.append((str(source_id), event_type, change.path, change.kind))
 
 

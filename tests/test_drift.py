@@ -21,9 +21,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.messages import DRIFT_TASK, MAINTENANCE_QUEUE
 from core.settings import Settings
 from models import drift, pg
-from tests.conftest import BIN, test_env
+from tests.conftest import BIN, free_port, test_env, wait_for_port
 from tests.factories import MadeSource, accept_event, make_source
-from tests.workers import Broker, running_worker, wait_for, worker_settings
+from tests.workers import Broker, running_worker, scrape_metrics, wait_for, worker_settings
 
 ABSENT = timedelta(days=7)
 TYPE = "invoice.paid"
@@ -101,6 +101,18 @@ def test_a_new_path_a_type_change_and_a_removed_path_each_make_one_finding(
     learn(settings, now=base + timedelta(days=9))
     learn(settings, now=base + timedelta(days=10))
     assert findings(settings, source) == rows
+    # Each finding's opening is audited once, under the learning run.
+    with psycopg.connect(settings.psycopg_dsn) as conn:
+        opened = conn.execute(
+            "SELECT target->>'path', target->>'kind', operator, via FROM audit_log"
+            " WHERE action = 'drift.open' AND target->>'source' = %s ORDER BY 1",
+            (source.public_id,),
+        ).fetchall()
+    assert [tuple(r) for r in opened] == [
+        ("data.amount", "type_changed", "drift", "drift"),
+        ("data.extra", "new_path", "drift", "drift"),
+        ("data.note", "path_gone", "drift", "drift"),
+    ]
     # No value is stored anywhere: only types and dates.
     assert not any("1200" in r[3] or "private" in r[3] for r in rows)
     with psycopg.connect(settings.psycopg_dsn) as conn:
@@ -276,11 +288,14 @@ def test_beat_s_drift_task_on_a_real_worker_learns_a_period_once(
         conn.execute("UPDATE drift_marks SET ran_at = NULL")
         conn.commit()
     broker = Broker(worker_settings(drift_every=timedelta(hours=1)))
+    port = free_port()
     try:
         with running_worker(
             "drift", tmp_path, pool="prefork", concurrency=2, queues=MAINTENANCE_QUEUE,
-            drift_every=timedelta(hours=1), admission=False,
+            drift_every=timedelta(hours=1), admission=False, worker_metrics_port=port,
+            metrics_dir=str(tmp_path / "metrics"),
         ) as worker:  # fmt: skip
+            wait_for_port(port, worker.proc)
             for _ in range(2):
                 broker.app.send_task(DRIFT_TASK, queue=MAINTENANCE_QUEUE)
 
@@ -292,8 +307,14 @@ def test_beat_s_drift_task_on_a_real_worker_learns_a_period_once(
                 return done if finished >= 4 else None  # received + succeeded, twice
 
             learned = wait_for(both_ran, timeout=120, what="both drift runs")
+            samples = scrape_metrics(port)
     finally:
         broker.close()
     assert len(learned) == 1
     assert learned[0]["read"] >= 1
     assert kinds(findings(settings, source)) == [("data.v", "type_changed")]
+    # The open findings' gauge, on the worker's /metrics (0 for the kinds with none open).
+    gauge = "webhooks_drift_findings"
+    assert samples[(gauge, (("kind", "type_changed"), ("source", source.public_id)))] == 1
+    assert samples[(gauge, (("kind", "new_path"), ("source", source.public_id)))] == 0
+    assert samples[("webhooks_job_period_seconds", (("job", "drift"),))] == 3600
