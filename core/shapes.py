@@ -181,3 +181,31 @@ def gone(
 
 def _names(types: Iterable[str]) -> str:
     return "|".join(sorted(types))
+
+
+# A route's option (``routes add|update --quarantine-drift``): its deliveries whose event has
+# drifted from the accepted shape wait, held, until ``webhooks drift accept``.
+QUARANTINE_OPTION = "quarantine_drift"
+
+
+def quarantines(options: Mapping[str, object] | None) -> bool:
+    return str((options or {}).get(QUARANTINE_OPTION, "")).strip().lower() == "true"
+
+
+def drift_of(
+    accepted: Mapping[str, frozenset[str]], unaccepted: frozenset[str], sighting: Fingerprint
+) -> str | None:
+    """Why an event's shape is not the accepted one (None: it is): a (path, type) the learnt
+    shape never had, or a path with an open new-path or type-changed finding
+    (``unaccepted``). An event type with no learnt shape has nothing to drift from."""
+    if not accepted:
+        return None
+    for path, types in sorted(sighting.paths().items()):
+        if path in unaccepted:
+            return f"path {path} not accepted yet"
+        known = accepted.get(path)
+        if known is None:
+            return f"new path {path}"
+        if not types <= known:
+            return f"path {path} is {_names(types - known)}, was {_names(known)}"
+    return None

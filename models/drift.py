@@ -342,6 +342,7 @@ class Accepted:
     event_type: str | None
     findings: int
     audit_id: int | None
+    released: int = 0
 
 
 def accept(
@@ -365,6 +366,11 @@ def accept(
         ).fetchall()
         if not closed:
             return Accepted(public_id, event_type, 0, None)
+        # Deliveries a quarantined route held for drift are due now (the sweeper publishes
+        # them); a worker checks each against the shape as accepted here before its handler.
+        released = conn.execute(
+            RELEASE, {"sid": sid, "held": HELD_CLASS, "type": event_type}
+        ).rowcount
         for et, path, kind in closed:
             if kind == "path_gone":
                 conn.execute(
@@ -376,6 +382,7 @@ def accept(
             "source": public_id,
             "event_type": event_type,
             "findings": sorted({f"{et} {path} {kind}" for et, path, kind in closed}),
+            "released": released,
         }
         audit = conn.execute(
             "INSERT INTO audit_log (at, operator, action, target, reason, count, via)"
@@ -383,4 +390,42 @@ def accept(
             (operator.strip(), ACCEPT_ACTION, json.dumps(target), reason.strip(), len(closed), via),
         ).fetchone()
         assert audit is not None
-    return Accepted(public_id, event_type, len(closed), int(audit[0]))
+    return Accepted(public_id, event_type, len(closed), int(audit[0]), released)
+
+
+# A delivery held for drift (tasks/steps/run.py): retrying, its error class this, due again
+# after :data:`HOLD_RECHECK` unless an accept releases it first.
+HELD_CLASS = "DriftHeld"
+HOLD_RECHECK = timedelta(days=1)
+
+
+def accepted_shape(
+    conn: Conn, source_id: int, event_type: str
+) -> tuple[dict[str, frozenset[str]], frozenset[str]]:
+    """The learnt shape of an event type (path: types) and its paths with an open new-path or
+    type-changed finding (not accepted yet)."""
+    shape = {
+        str(r[0]): frozenset(r[1])
+        for r in conn.execute(
+            "SELECT path, types FROM drift_paths WHERE source_id = %s AND event_type = %s",
+            (source_id, event_type),
+        )
+    }
+    open_paths = frozenset(
+        str(r[0])
+        for r in conn.execute(
+            "SELECT path FROM drift_findings WHERE source_id = %s AND event_type = %s"
+            " AND accepted_at IS NULL AND kind IN ('new_path', 'type_changed')",
+            (source_id, event_type),
+        )
+    )
+    return shape, open_paths
+
+
+RELEASE = """
+UPDATE deliveries d SET next_attempt_at = now(), updated_at = now()
+FROM receipts r
+WHERE d.source_id = %(sid)s AND d.status = 'retrying' AND d.last_error_class = %(held)s
+  AND r.id = d.receipt_id AND r.expires_at = d.expires_at
+  AND (%(type)s::text IS NULL OR r.event_type = %(type)s)
+"""

@@ -77,6 +77,12 @@ def _breaker_cell(v: dict[str, Any]) -> str:
     return f"paused, {state}" if v["paused"] else state
 
 
+def _quarantine(on: bool) -> dict[str, str]:
+    from core.shapes import QUARANTINE_OPTION
+
+    return {QUARANTINE_OPTION: "true"} if on else {}
+
+
 @routes_app.command("add")
 @handle_errors
 def routes_add(
@@ -89,6 +95,13 @@ def routes_add(
     max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
     max_age: DurationOpt = None,
     filter_: FilterOpt = None,
+    quarantine_drift: Annotated[
+        bool,
+        typer.Option(
+            "--quarantine-drift",
+            help="Hold events whose payload shape drifted until `webhooks drift accept`.",
+        ),
+    ] = False,
     operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -110,7 +123,7 @@ def routes_add(
             found,
             handler=handler,
             events=events,
-            options=pairs(option, "--option"),
+            options={**pairs(option, "--option"), **_quarantine(quarantine_drift)},
             max_attempts=max_attempts,
             max_age=duration_or_none(max_age),
             filter=filter_,
@@ -314,6 +327,14 @@ def routes_update(
         ),
     ] = None,
     filter_: FilterOpt = None,
+    quarantine_drift: Annotated[
+        bool | None,
+        typer.Option(
+            "--quarantine-drift/--no-quarantine-drift",
+            help="Hold events whose payload shape drifted until `webhooks drift accept`"
+            " (docs/drift.md).",
+        ),
+    ] = None,
     reason: ReasonOpt = None,
     operator: OperatorOpt = None,
 ) -> None:
@@ -329,8 +350,11 @@ def routes_update(
         values["rate"] = parse_rate(rate_limit)
     if max_in_flight is not None:
         values["max_in_flight"] = parse_max_in_flight(max_in_flight)
-    if not values and filter_ is None:
-        raise CliError("nothing to change: give --rate-limit, --max-in-flight and/or --filter")
+    if not values and filter_ is None and quarantine_drift is None:
+        raise CliError(
+            "nothing to change: give --rate-limit, --max-in-flight, --filter and/or"
+            " --quarantine-drift"
+        )
     if filter_ is not None:
         route_catalog.check_filter(filter_)  # before anything is written
     e = env()
@@ -343,6 +367,12 @@ def routes_update(
         if filter_ is not None:
             change = change_by(operator, reason or "filter updated")
             filtered = route_catalog.set_filter(session, route_id, filter_, change, now=None)
+        quarantined = None
+        if quarantine_drift is not None:
+            change = change_by(operator, reason or "drift quarantine updated")
+            quarantined = route_catalog.set_quarantine_drift(
+                session, route_id, quarantine_drift, change, now=None
+            )
     if limits is not None:
         after = limits.target["after"]
         _say_route(
@@ -353,6 +383,10 @@ def routes_update(
     if filtered is not None:
         now = filtered.target["after"]
         _say_route("updated", filtered, f": filter {now if now is not None else 'none'}")
+    if quarantined is not None:
+        _say_route(
+            "updated", quarantined, f": drift quarantine {'on' if quarantine_drift else 'off'}"
+        )
 
 
 @routes_app.command("pause")
