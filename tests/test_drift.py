@@ -318,3 +318,39 @@ def test_beat_s_drift_task_on_a_real_worker_learns_a_period_once(
     assert samples[(gauge, (("kind", "type_changed"), ("source", source.public_id)))] == 1
     assert samples[(gauge, (("kind", "new_path"), ("source", source.public_id)))] == 0
     assert samples[("webhooks_job_period_seconds", (("job", "drift"),))] == 3600
+
+
+def test_routes_add_and_update_set_the_drift_quarantine_audited(
+    source: MadeSource, settings: Settings
+) -> None:
+    added = webhooks(
+        "routes", "add", source.public_id, "--handler", "log", "--quarantine-drift", "--json"
+    )
+    assert added.returncode == 0, added.stderr
+    route_id = json.loads(added.stdout)["id"]
+
+    def option() -> Any:
+        with psycopg.connect(settings.psycopg_dsn) as conn:
+            row = conn.execute("SELECT options FROM routes WHERE id = %s", (route_id,)).fetchone()
+        assert row is not None
+        return row[0].get("quarantine_drift")
+
+    assert option() == "true"
+    off = webhooks(
+        "routes", "update", str(route_id), "--no-quarantine-drift", "--reason", "reports only"
+    )
+    assert off.returncode == 0, off.stderr
+    assert "drift quarantine off" in off.stdout
+    assert option() is None
+    with psycopg.connect(settings.psycopg_dsn) as conn:
+        audited = conn.execute(
+            "SELECT reason, target->>'after' FROM audit_log"
+            " WHERE action = 'route.quarantine_drift' AND (target->>'route')::bigint = %s",
+            (route_id,),
+        ).fetchall()
+    assert [tuple(r) for r in audited] == [("reports only", "false")]
+    # An unknown route: one line, nothing written.
+    bad = webhooks("routes", "update", "999999999", "--quarantine-drift", "--reason", "r")
+    assert bad.returncode == 1
+    assert len(bad.stderr.strip().splitlines()) == 1
+    assert "no such route" in bad.stderr

@@ -7,7 +7,17 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from core.shapes import Fingerprint, NotJson, PathSeen, fingerprint, fingerprint_body, gone, merge
+from core.shapes import (
+    Fingerprint,
+    NotJson,
+    PathSeen,
+    drift_of,
+    fingerprint,
+    fingerprint_body,
+    gone,
+    merge,
+    quarantines,
+)
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -99,3 +109,26 @@ def test_a_path_is_gone_after_the_absence_window_only_while_its_type_keeps_arriv
     assert [(c.path, c.kind) for c in found] == [("data.old", "path_gone")]
     # A quiet event type (nothing arrived after the path's last sighting) is not drift.
     assert gone({"data.old": stored["data.old"]}, T0, T0 + timedelta(days=30), absent) == ()
+
+
+def test_an_event_drifts_from_the_accepted_shape_by_a_new_path_a_new_type_or_an_open_finding() -> (
+    None
+):
+    accepted = {"data": frozenset({"object"}), "data.amount": frozenset({"integer"})}
+    same = fingerprint({"data": {"amount": 1}})
+    assert drift_of(accepted, frozenset(), same) is None
+    assert drift_of(accepted, frozenset(), fingerprint({"data": {"amount": 1, "x": 2}})) == (
+        "new path data.x"
+    )
+    assert drift_of(accepted, frozenset(), fingerprint({"data": {"amount": "1"}})) == (
+        "path data.amount is string, was integer"
+    )
+    # Learnt already but not accepted (its finding is open): still drift.
+    assert drift_of(accepted, frozenset({"data.amount"}), same) == (
+        "path data.amount not accepted yet"
+    )
+    # No learnt shape: nothing to drift from.
+    assert drift_of({}, frozenset(), same) is None
+    assert quarantines({"quarantine_drift": "true"})
+    assert not quarantines({"quarantine_drift": "no"})
+    assert not quarantines(None)
