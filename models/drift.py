@@ -32,6 +32,8 @@ Conn = psycopg.Connection[Any]
 
 ACCEPT_ACTION = "drift.accept"
 OPEN_ACTION = "drift.open"
+# How long after its arrival a receipt is read by a learning run (see learn_due).
+SETTLE = timedelta(minutes=1)
 # The audit trail's operator (and via) of a finding the learning run opened.
 LEARNER = "drift"
 
@@ -125,7 +127,13 @@ def learn_due(
         mark = int(claimed[0])
         at: datetime = now if now is not None else claimed[1]
         report = LearnReport(claimed=True, through_receipt_id=mark)
-        upto_row = conn.execute("SELECT max(id) FROM receipts WHERE id > %s", (mark,)).fetchone()
+        # Only receipts received SETTLE ago or earlier (the database's clock): a receipt
+        # numbered below one read here but committed after this run would be behind the mark
+        # for ever; accept transactions take milliseconds.
+        upto_row = conn.execute(
+            "SELECT max(id) FROM receipts WHERE id > %s AND received_at <= now() - %s",
+            (mark, SETTLE),
+        ).fetchone()
         upto = int(upto_row[0]) if upto_row is not None and upto_row[0] is not None else mark
         if upto > mark:
             rows = conn.execute(SAMPLE, {"mark": mark, "upto": upto, "sample": sample}).fetchall()

@@ -66,7 +66,7 @@ def test_the_drift_page_lists_the_open_findings_and_drops_accepted_ones(
 ) -> None:
     ops = ops_settings()
     one, other = source_with(sessions, ops, "log"), source_with(sessions, ops, "log")
-    now = datetime.now(UTC)
+    now = datetime.now(UTC) - timedelta(minutes=2)  # settled: learning reads them
     for source in (one, other):
         accept_event(ops, source, event_type="charge.ok", body={"data": {"n": 1}}, now=now)
     learn(ops)

@@ -97,7 +97,9 @@ def test_a_new_path_a_type_change_and_a_removed_path_each_make_one_finding(
         ("data.note", "path_gone"),
     ]
     # Later runs (and the same drift seen again) open nothing more: one finding each.
-    send(settings, source, {"id": "in_4", "amount": "7", "extra": True}, base)
+    send(
+        settings, source, {"id": "in_4", "amount": "7", "extra": True}, base - timedelta(minutes=2)
+    )
     learn(settings, now=base + timedelta(days=9))
     learn(settings, now=base + timedelta(days=10))
     assert findings(settings, source) == rows
@@ -176,6 +178,36 @@ def test_two_learning_runs_at_once_open_each_finding_once_and_learn_each_receipt
         ).fetchone()
     assert row is not None
     assert row[0] == 4
+
+
+def test_a_receipt_is_learnt_once_settled_so_none_is_left_behind_the_mark(
+    source: MadeSource, settings: Settings
+) -> None:
+    """A receipt received less than SETTLE ago is left to the next run: one numbered below it
+    may still be committing, and the mark must not pass it."""
+    base = datetime.now(UTC)
+    send(settings, source, {"id": "a", "v": 1}, base - timedelta(minutes=5))
+    learn(settings)
+    fresh = send(settings, source, {"id": "b", "v": 1, "fresh": 1}, base)
+    learn(settings)
+    assert findings(settings, source) == []
+    with psycopg.connect(settings.psycopg_dsn) as conn:
+        row = conn.execute(
+            "SELECT m.through_receipt_id < r.id FROM drift_marks m, receipts r"
+            " WHERE r.event_id = %s",
+            (fresh,),
+        ).fetchone()
+        assert row is not None
+        assert row[0]  # the mark stopped short of it
+        # A minute later (the database's view: its received_at moved back), it is learnt.
+        conn.execute(
+            "UPDATE receipts SET received_at = received_at - interval '2 minutes'"
+            " WHERE event_id = %s",
+            (fresh,),
+        )
+        conn.commit()
+    learn(settings)
+    assert kinds(findings(settings, source)) == [("data.fresh", "new_path")]
 
 
 def test_a_period_is_learnt_once_however_many_runs_ask(settings: Settings) -> None:
@@ -263,7 +295,7 @@ def test_drift_accept_closes_the_findings_changes_the_shape_and_is_audited(
         )]  # fmt: skip
     assert "data.gone_soon" not in paths
     assert "data.added" in paths
-    send(settings, source, {"id": "c", "added": "t"}, base)
+    send(settings, source, {"id": "c", "added": "t"}, base - timedelta(minutes=2))
     learn(settings, now=base + ABSENT)
     assert findings(settings, source) == []
     # Accepting again: nothing open, one line, no second audit row.
@@ -281,9 +313,9 @@ def test_beat_s_drift_task_on_a_real_worker_learns_a_period_once(
     """Two deliveries of the task (two beats, or one firing twice) to a worker with two pool
     processes: one run claims the period and learns; the other does nothing."""
     base = datetime.now(UTC)
-    send(settings, source, {"id": "a", "v": 1}, base - timedelta(minutes=2))
+    send(settings, source, {"id": "a", "v": 1}, base - timedelta(minutes=3))
     learn(settings)
-    send(settings, source, {"id": "b", "v": "1"}, base - timedelta(minutes=1))
+    send(settings, source, {"id": "b", "v": "1"}, base - timedelta(minutes=2))
     with pg.connect(settings) as conn:
         conn.execute("UPDATE drift_marks SET ran_at = NULL")
         conn.commit()
