@@ -357,8 +357,10 @@ def accept(
     conn: Conn, ref: str, *, event_type: str | None, operator: str, reason: str, via: str = "cli"
 ) -> Accepted:
     """Close the source's open findings (of ``event_type`` only, when given) and make the
-    shape as it now stands the accepted one: a path reported gone leaves the shape. One
-    ``audit_log`` row in the same transaction. Nothing open: nothing written, no audit."""
+    shape as it now stands the accepted one: a path reported gone leaves the shape, and the
+    shapes of the events a quarantined route holds join it; those deliveries are released.
+    One ``audit_log`` row in the same transaction. Nothing open and nothing held: nothing
+    written, no audit."""
     if not reason.strip():
         raise CatalogError("--reason is required: it is recorded in the audit trail")
     if not operator.strip():
@@ -372,8 +374,30 @@ def accept(
             " RETURNING event_type, path, kind",
             {"op": operator.strip(), "sid": sid, "type": event_type},
         ).fetchall()
-        if not closed:
+        # The held deliveries' events are part of the new shape, whether or not a learning
+        # run sampled them: each one's paths are learnt here, so that released it passes.
+        held = conn.execute(
+            HELD_EVENTS, {"sid": sid, "held": HELD_CLASS, "type": event_type}
+        ).fetchall()
+        if not closed and not held:
             return Accepted(public_id, event_type, 0, None)
+        for et, received_at, payload, _ in held:
+            try:
+                sighting = shapes.fingerprint_body(bytes(payload))
+            except NotJson:
+                continue
+            for path, types in sighting.paths().items():
+                conn.execute(
+                    UPSERT_PATH,
+                    {
+                        "source_id": sid,
+                        "event_type": et,
+                        "path": path,
+                        "types": sorted(types),
+                        "first": received_at,
+                        "last": received_at,
+                    },
+                )
         # Deliveries a quarantined route held for drift are due now (the sweeper publishes
         # them); a worker checks each against the shape as accepted here before its handler.
         released = conn.execute(
@@ -395,7 +419,14 @@ def accept(
         audit = conn.execute(
             "INSERT INTO audit_log (at, operator, action, target, reason, count, via)"
             " VALUES (now(), %s, %s, %s::jsonb, %s, %s, %s) RETURNING id",
-            (operator.strip(), ACCEPT_ACTION, json.dumps(target), reason.strip(), len(closed), via),
+            (
+                operator.strip(),
+                ACCEPT_ACTION,
+                json.dumps(target),
+                reason.strip(),
+                len(closed) + released,
+                via,
+            ),
         ).fetchone()
         assert audit is not None
     return Accepted(public_id, event_type, len(closed), int(audit[0]), released)
@@ -430,6 +461,16 @@ def accepted_shape(
     return shape, open_paths
 
 
+# The events of the source's deliveries held for drift that still hold their body.
+HELD_EVENTS = """
+SELECT DISTINCT r.event_type, r.received_at, r.payload, r.id
+FROM deliveries d
+JOIN receipts r ON r.id = d.receipt_id AND r.expires_at = d.expires_at
+WHERE d.source_id = %(sid)s AND d.status = 'retrying' AND d.last_error_class = %(held)s
+  AND r.payload IS NOT NULL AND (%(type)s::text IS NULL OR r.event_type = %(type)s)
+ORDER BY r.id
+"""
+
 RELEASE = """
 UPDATE deliveries d SET next_attempt_at = now(), updated_at = now()
 FROM receipts r
@@ -437,3 +478,15 @@ WHERE d.source_id = %(sid)s AND d.status = 'retrying' AND d.last_error_class = %
   AND r.id = d.receipt_id AND r.expires_at = d.expires_at
   AND (%(type)s::text IS NULL OR r.event_type = %(type)s)
 """
+
+
+def held_count(conn: Conn, source_id: int, event_type: str | None) -> int:
+    """The source's deliveries held for drift (of ``event_type``, when given)."""
+    row = conn.execute(
+        "SELECT count(*) FROM deliveries d JOIN receipts r"
+        " ON r.id = d.receipt_id AND r.expires_at = d.expires_at"
+        " WHERE d.source_id = %(sid)s AND d.status = 'retrying' AND d.last_error_class = %(held)s"
+        " AND (%(type)s::text IS NULL OR r.event_type = %(type)s)",
+        {"sid": source_id, "held": HELD_CLASS, "type": event_type},
+    ).fetchone()
+    return int(row[0]) if row is not None else 0

@@ -95,12 +95,36 @@ def test_a_quarantined_route_holds_exactly_the_drifted_events_until_drift_accept
             for d in (new_path[quarantined], new_type[quarantined]):
                 broker.sweep()
                 wait_status(engine, d, "succeeded", tick=broker.sweep)
+
+            # A drifted event no learning run has read yet (no finding to accept): held; the
+            # accept learns its shape from the held event itself and releases it.
+            late = send({"id": "f", "amount": 5, "late": [1]}, 1)
+            for d in late.values():
+                broker.publish(d)
+            wait_status(engine, late[plain], "succeeded")
+            assert wait_status(engine, late[quarantined], "retrying").last_error_class == (
+                drift.HELD_CLASS
+            )
+            again = subprocess.run(
+                [str(BIN / "webhooks"), "drift", "accept", source.public_id, "--reason",
+                 "late field", "--yes", "--json"],
+                env=test_env(), capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert again.returncode == 0, again.stderr
+            assert json.loads(again.stdout)["accepted"] == 0
+            assert json.loads(again.stdout)["released"] == 1
+            broker.sweep()
+            wait_status(engine, late[quarantined], "succeeded", tick=broker.sweep)
     finally:
         broker.close()
     # Nothing lost, nothing run twice: every delivery of both routes ran its handler once.
-    everything = [*baseline.values(), *same.values(), *new_path.values(), *new_type.values()]
+    everything = [
+        *baseline.values(), *same.values(), *new_path.values(), *new_type.values(),
+        *late.values(),
+    ]  # fmt: skip
     for d in everything:
         assert delivery(engine, d).status == "succeeded"
         assert len(effects(engine, d)) == 1, d
-    held = [a for d in (new_path[quarantined], new_type[quarantined]) for a in attempts(engine, d)]
-    assert [a.error_class for a in held if a.outcome == "retry"] == [drift.HELD_CLASS] * 2
+    holds = (new_path[quarantined], new_type[quarantined], late[quarantined])
+    held = [a for d in holds for a in attempts(engine, d)]
+    assert [a.error_class for a in held if a.outcome == "retry"] == [drift.HELD_CLASS] * 3

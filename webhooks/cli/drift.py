@@ -112,24 +112,29 @@ def drift_accept(
     e = env()
     with e.reads() as conn:
         try:
-            sid = drift.source_id(conn, source)[1]
+            sid, public_id = drift.source_id(conn, source)
             pending = [
                 f
-                for f in drift.list_findings(conn, source=sid)
+                for f in drift.list_findings(conn, source=public_id)
                 if event_type is None or f.event_type == event_type
             ]
+            held = drift.held_count(conn, sid, event_type)
         except CatalogError as exc:
             raise CliError(str(exc), doc=DOC) from None
-    if not pending:
+    if not pending and not held:
         raise CliError(
-            f"no open drift findings for {source}"
+            f"no open drift findings and no held deliveries for {source}"
             + (f" of type {event_type}" if event_type else ""),
             doc=DOC,
         )
     if not yes:
         if as_json:
             raise CliError("--json needs --yes (there is no prompt in JSON mode)", doc=DOC)
-        typer.confirm(f"accept {len(pending)} drift finding(s) of {source}?", abort=True)
+        typer.confirm(
+            f"accept {len(pending)} drift finding(s) of {source}"
+            f" and release {held} held delivery(ies)?",
+            abort=True,
+        )
     from models import pg
 
     with pg.connect(e.settings) as conn:
@@ -142,10 +147,13 @@ def drift_accept(
     if as_json:
         print_json(
             {"source": done.source, "event_type": done.event_type, "accepted": done.findings,
-             "audit_id": done.audit_id}
+             "released": done.released, "audit_id": done.audit_id}
         )  # fmt: skip
     else:
-        say(f"accepted {done.findings} finding(s) of {escape(done.source)} (audit {done.audit_id})")
+        say(
+            f"accepted {done.findings} finding(s) of {escape(done.source)}, released"
+            f" {done.released} held delivery(ies) (audit {done.audit_id})"
+        )
 
 
 @drift_app.command("learn")
