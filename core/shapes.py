@@ -193,14 +193,22 @@ def quarantines(options: Mapping[str, object] | None) -> bool:
 
 
 def drift_of(
-    accepted: Mapping[str, frozenset[str]], unaccepted: frozenset[str], sighting: Fingerprint
+    accepted: Mapping[str, frozenset[str]],
+    unaccepted: frozenset[str],
+    sighting: Fingerprint,
+    always: frozenset[str] = frozenset(),
 ) -> str | None:
     """Why an event's shape is not the accepted one (None: it is): a (path, type) the learnt
-    shape never had, or a path with an open new-path or type-changed finding
-    (``unaccepted``). An event type with no learnt shape has nothing to drift from."""
+    shape never had, a path with an open new-path or type-changed finding (``unaccepted``), or
+    the lack of a path every learnt event of its type had (``always``; not judged on a
+    document the caps cut). An event type with no learnt shape has nothing to drift from."""
     if not accepted:
         return None
-    for path, types in sorted(sighting.paths().items()):
+    seen = sighting.paths()
+    missing = sorted(always - seen.keys()) if sighting.cut == 0 else []
+    if missing:
+        return f"lacks path {missing[0]}, which every learnt event had"
+    for path, types in sorted(seen.items()):
         if path in unaccepted:
             return f"path {path} not accepted yet"
         known = accepted.get(path)

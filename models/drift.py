@@ -83,13 +83,14 @@ RETURNING (xmax = 0) AS created
 """
 
 UPSERT_PATH = """
-INSERT INTO drift_paths (source_id, event_type, path, types, first_seen, last_seen)
-VALUES (%(source_id)s, %(event_type)s, %(path)s, %(types)s, %(first)s, %(last)s)
+INSERT INTO drift_paths (source_id, event_type, path, types, first_seen, last_seen, sightings)
+VALUES (%(source_id)s, %(event_type)s, %(path)s, %(types)s, %(first)s, %(last)s, 1)
 ON CONFLICT (source_id, event_type, path) DO UPDATE
 SET types = ARRAY(SELECT DISTINCT t FROM unnest(drift_paths.types || EXCLUDED.types) AS t
                   ORDER BY t),
     first_seen = least(drift_paths.first_seen, EXCLUDED.first_seen),
-    last_seen = greatest(drift_paths.last_seen, EXCLUDED.last_seen)
+    last_seen = greatest(drift_paths.last_seen, EXCLUDED.last_seen),
+    sightings = drift_paths.sightings + 1
 """
 
 OPEN_FINDING = """
@@ -386,6 +387,11 @@ def accept(
                 sighting = shapes.fingerprint_body(bytes(payload))
             except NotJson:
                 continue
+            conn.execute(
+                "UPDATE drift_shapes SET sightings = sightings + 1,"
+                " last_seen = greatest(last_seen, %s) WHERE source_id = %s AND event_type = %s",
+                (received_at, sid, et),
+            )
             for path, types in sighting.paths().items():
                 conn.execute(
                     UPSERT_PATH,
@@ -438,18 +444,30 @@ HELD_CLASS = "DriftHeld"
 HOLD_RECHECK = timedelta(days=1)
 
 
-def accepted_shape(
-    conn: Conn, source_id: int, event_type: str
-) -> tuple[dict[str, frozenset[str]], frozenset[str]]:
-    """The learnt shape of an event type (path: types) and its paths with an open new-path or
-    type-changed finding (not accepted yet)."""
-    shape = {
-        str(r[0]): frozenset(r[1])
-        for r in conn.execute(
-            "SELECT path, types FROM drift_paths WHERE source_id = %s AND event_type = %s",
-            (source_id, event_type),
-        )
-    }
+# An event type's paths count as "always had" once this many of its events were learnt.
+ALWAYS_AFTER = 3
+
+
+@dataclass(frozen=True)
+class AcceptedShape:
+    """What a quarantined route's events are checked against (:func:`core.shapes.drift_of`)."""
+
+    paths: dict[str, frozenset[str]]
+    unaccepted: frozenset[str]
+    always: frozenset[str]
+
+
+def accepted_shape(conn: Conn, source_id: int, event_type: str) -> AcceptedShape:
+    """The learnt shape of an event type (path: types), its paths with an open new-path or
+    type-changed finding (not accepted yet), and the paths every one of its learnt events had
+    (once at least :data:`ALWAYS_AFTER` were learnt)."""
+    rows = conn.execute(
+        "SELECT p.path, p.types, p.sightings >= s.sightings AND s.sightings >= %s"
+        " FROM drift_paths p JOIN drift_shapes s"
+        " ON s.source_id = p.source_id AND s.event_type = p.event_type"
+        " WHERE p.source_id = %s AND p.event_type = %s",
+        (ALWAYS_AFTER, source_id, event_type),
+    ).fetchall()
     open_paths = frozenset(
         str(r[0])
         for r in conn.execute(
@@ -458,7 +476,11 @@ def accepted_shape(
             (source_id, event_type),
         )
     )
-    return shape, open_paths
+    return AcceptedShape(
+        {str(r[0]): frozenset(r[1]) for r in rows},
+        open_paths,
+        frozenset(str(r[0]) for r in rows if r[2]),
+    )
 
 
 # The events of the source's deliveries held for drift that still hold their body.

@@ -524,6 +524,8 @@ class DriftPath(Base):
     types: Mapped[list[str]] = mapped_column(ARRAY(Text))
     first_seen: Mapped[datetime] = mapped_column()
     last_seen: Mapped[datetime] = mapped_column()
+    # In how many learnt events of its type it was (drift_shapes.sightings: in all of them).
+    sightings: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class DriftFinding(Base):

@@ -1,6 +1,7 @@
 """Issue 38 item 3, the quarantine: a route with ``--quarantine-drift`` holds exactly the
 deliveries whose event drifted from the accepted shape (held: drift, no call made, no attempt
-spent), and `webhooks drift accept` releases them: each then runs once. A route without the
+spent; a new path, a new type, or the lack of a path every learnt event had), and `webhooks
+drift accept` releases them: each then runs once. A route without the
 option runs the same drifted events at once (drift only reports). Real worker, real sweeper
 (the accept makes held deliveries due; the sweep publishes them)."""
 
@@ -115,16 +116,35 @@ def test_a_quarantined_route_holds_exactly_the_drifted_events_until_drift_accept
             assert json.loads(again.stdout)["released"] == 1
             broker.sweep()
             wait_status(engine, late[quarantined], "succeeded", tick=broker.sweep)
+
+            # An event that lacks a path every learnt event of its type had (amount, in all
+            # of the ALWAYS_AFTER or more learnt so far): held; accepted, released, run once.
+            lacking = send({"id": "g", "late": [2]}, 1)
+            for d in lacking.values():
+                broker.publish(d)
+            wait_status(engine, lacking[plain], "succeeded")
+            row = wait_status(engine, lacking[quarantined], "retrying")
+            assert row.last_error_class == drift.HELD_CLASS
+            assert "lacks path data.amount" in row.last_error
+            third = subprocess.run(
+                [str(BIN / "webhooks"), "drift", "accept", source.public_id, "--reason",
+                 "amount is optional", "--yes", "--json"],
+                env=test_env(), capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert third.returncode == 0, third.stderr
+            assert json.loads(third.stdout)["released"] == 1
+            broker.sweep()
+            wait_status(engine, lacking[quarantined], "succeeded", tick=broker.sweep)
     finally:
         broker.close()
     # Nothing lost, nothing run twice: every delivery of both routes ran its handler once.
     everything = [
         *baseline.values(), *same.values(), *new_path.values(), *new_type.values(),
-        *late.values(),
+        *late.values(), *lacking.values(),
     ]  # fmt: skip
     for d in everything:
         assert delivery(engine, d).status == "succeeded"
         assert len(effects(engine, d)) == 1, d
-    holds = (new_path[quarantined], new_type[quarantined], late[quarantined])
+    holds = (new_path[quarantined], new_type[quarantined], late[quarantined], lacking[quarantined])
     held = [a for d in holds for a in attempts(engine, d)]
-    assert [a.error_class for a in held if a.outcome == "retry"] == [drift.HELD_CLASS] * 3
+    assert [a.error_class for a in held if a.outcome == "retry"] == [drift.HELD_CLASS] * 4

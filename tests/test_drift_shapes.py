@@ -127,6 +127,14 @@ def test_an_event_drifts_from_the_accepted_shape_by_a_new_path_a_new_type_or_an_
     assert drift_of(accepted, frozenset({"data.amount"}), same) == (
         "path data.amount not accepted yet"
     )
+    # Lacking a path every learnt event had is drift; not judged on a document the caps cut.
+    always = frozenset({"data.amount"})
+    assert drift_of(accepted, frozenset(), fingerprint({"data": {}}), always) == (
+        "lacks path data.amount, which every learnt event had"
+    )
+    assert drift_of(accepted, frozenset(), same, always) is None
+    cut = Fingerprint(fingerprint({"data": {}}).pairs, cut=1)
+    assert drift_of(accepted, frozenset(), cut, always) is None
     # No learnt shape: nothing to drift from.
     assert drift_of({}, frozenset(), same) is None
     assert quarantines({"quarantine_drift": "true"})

@@ -166,9 +166,9 @@ def check_drift(rt: Runtime, source_id: int, event_type: str, body: bytes) -> No
         return
     with rt.engine.connect() as conn:
         raw: Any = conn.connection.driver_connection
-        accepted, unaccepted = drift.accepted_shape(raw, source_id, event_type)
+        accepted = drift.accepted_shape(raw, source_id, event_type)
         conn.rollback()
-    why = shapes.drift_of(accepted, unaccepted, sighting)
+    why = shapes.drift_of(accepted.paths, accepted.unaccepted, sighting, accepted.always)
     if why is not None:
         raise DriftHeld(why)
 

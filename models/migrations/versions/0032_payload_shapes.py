@@ -5,11 +5,12 @@ receipts accepted since its mark (``drift_marks``: one row, the last receipt id 
 a run last claimed its period, on the database's clock), samples a few per (source, event
 type), and stores each one's payload shape (core/shapes.py): per (source, event type) when it
 was first and last sighted (``drift_shapes``), and per JSON key path its types and first and
-last sighting (``drift_paths``); never a value. A path that appears, changes type, or stops
-appearing is a row of ``drift_findings``, open until an operator accepts it (``webhooks drift
-accept``, audited). A partial unique index keeps one open finding per (source, event type,
-path, kind): two runs that see the same drift open it once (INSERT ... ON CONFLICT DO
-NOTHING).
+last sighting and in how many learnt events it was (``drift_paths``: a path in every one,
+``drift_shapes.sightings``, is one the event type always had); never a value. A path that
+appears, changes type, or stops appearing is a row of ``drift_findings``, open until an
+operator accepts it (``webhooks drift accept``, audited). A partial unique index keeps one
+open finding per (source, event type, path, kind): two runs that see the same drift open it
+once (INSERT ... ON CONFLICT DO NOTHING).
 
 Rows cascade with their source. Downgrade drops the four tables (nothing else reads them).
 
@@ -69,6 +70,7 @@ def upgrade() -> None:
         sa.Column("types", postgresql.ARRAY(sa.Text()), nullable=False),
         sa.Column("first_seen", _TS, nullable=False),
         sa.Column("last_seen", _TS, nullable=False),
+        sa.Column("sightings", sa.BigInteger(), server_default="0", nullable=False),
         _source_fk("drift_paths"),
         sa.PrimaryKeyConstraint("source_id", "event_type", "path", name=op.f("pk_drift_paths")),
     )
