@@ -386,3 +386,27 @@ def test_routes_add_and_update_set_the_drift_quarantine_audited(
     assert bad.returncode == 1
     assert len(bad.stderr.strip().splitlines()) == 1
     assert "no such route" in bad.stderr
+
+
+def test_a_bad_drift_setting_is_one_line_and_nothing_runs(settings: Settings) -> None:
+    def mark() -> Any:
+        with psycopg.connect(settings.psycopg_dsn) as conn:
+            return conn.execute("SELECT ran_at, through_receipt_id FROM drift_marks").fetchone()
+
+    before = mark()
+    for name, value in (
+        ("WEBHOOKS_DRIFT_EVERY", "soon"),
+        ("WEBHOOKS_DRIFT_EVERY", "0s"),
+        ("WEBHOOKS_DRIFT_ABSENT_DAYS", "0"),
+        ("WEBHOOKS_DRIFT_SAMPLE", "many"),
+    ):
+        proc = subprocess.run(
+            [str(BIN / "webhooks"), "drift", "learn"], env=test_env(**{name: value}),
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 1, (name, value, proc.stdout)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, (name, value, proc.stderr)
+        assert name in lines[0] or name.removeprefix("WEBHOOKS_").lower() in lines[0].lower()
+        assert "Traceback" not in proc.stderr
+    assert mark() == before
