@@ -241,14 +241,14 @@ QUEUE_LAG_BUDGET = Gauge(
 # the latest success over every process, including exited pool children.
 JOB_LAST_SUCCESS = Gauge(
     "webhooks_job_last_success_timestamp_seconds",
-    "When each periodic job (sweep, maintenance, reconcile) last finished without an error,"
-    " Unix time",
+    "When each periodic job (sweep, maintenance, reconcile, drift) last finished without an"
+    " error, Unix time",
     ["job"],
     multiprocess_mode="max",
 )
 JOB_PERIOD = Gauge(
     "webhooks_job_period_seconds",
-    "How often beat schedules each periodic job (sweep, maintenance, reconcile), seconds",
+    "How often beat schedules each periodic job (sweep, maintenance, reconcile, drift), seconds",
     ["job"],
     multiprocess_mode="max",
 )
