@@ -64,6 +64,7 @@ TOPICS: dict[str, Topic] = {
     "publish": Topic("routing", "Fan-out to a broker: the publish handler", "Publishing to AMQP"),
     "settings": Topic("providers", "Settings and secrets", "Settings and secrets"),
     "retention": Topic("retention", "", "Retention"),
+    "drift": Topic("drift", "", "Payload shape drift"),
     "ledger": Topic("retention", "The processed-events ledger", "The processed-events ledger"),
     "retries": Topic("retries", "", "Retry timing"),
     "workers": Topic("workers", "", "Workers"),

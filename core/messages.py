@@ -13,6 +13,7 @@ DELIVER_TASK = "webhooks.deliver"
 SWEEP_TASK = "webhooks.sweep"
 MAINTENANCE_TASK = "webhooks.maintenance"
 RECONCILE_TASK = "webhooks.reconcile"
+DRIFT_TASK = "webhooks.drift"
 # Beat checks for sources due for reconciliation this often (tasks.reconcile.schedule).
 RECONCILE_TICK = 60.0
 WATCH_TASK = "webhooks.watch"

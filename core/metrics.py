@@ -248,14 +248,15 @@ QUEUE_LAG_BUDGET = Gauge(
 # the latest success over every process, including exited pool children.
 JOB_LAST_SUCCESS = Gauge(
     "webhooks_job_last_success_timestamp_seconds",
-    "When each periodic job (sweep, maintenance, reconcile, watchdog) last finished without an"
+    "When each periodic job (sweep, maintenance, reconcile, watchdog, drift) last finished"
+    " without an"
     " error, Unix time",
     ["job"],
     multiprocess_mode="max",
 )
 JOB_PERIOD = Gauge(
     "webhooks_job_period_seconds",
-    "How often beat schedules each periodic job (sweep, maintenance, reconcile), seconds",
+    "How often beat schedules each periodic job (sweep, maintenance, reconcile, drift), seconds",
     ["job"],
     multiprocess_mode="max",
 )
@@ -303,6 +304,16 @@ TTL_FINGERPRINT_PROCESSES = Gauge(
 TTL_FINGERPRINT_CHECKED = Gauge(
     "webhooks_ttl_fingerprint_checked_timestamp_seconds",
     "When maintenance last compared the live processes' TTL inputs, Unix time (database clock)",
+    multiprocess_mode="mostrecent",
+)
+
+# Payload shape drift (issue 38 item 3, tasks/drift.py): open findings per source and kind
+# (new_path, type_changed, path_gone), set by each learning run on a worker.
+DRIFT_FINDINGS = Gauge(
+    "webhooks_drift_findings",
+    "Open payload shape drift findings (a JSON key path new, changed type or gone) per source"
+    " and kind; webhooks drift list shows them, webhooks drift accept closes them",
+    ["source", "kind"],
     multiprocess_mode="mostrecent",
 )
 
@@ -393,6 +404,7 @@ WORKER_ONLY: tuple[Any, ...] = (
     TTL_FINGERPRINT_DISAGREEMENTS,
     TTL_FINGERPRINT_PROCESSES,
     TTL_FINGERPRINT_CHECKED,
+    DRIFT_FINDINGS,
 )
 
 

@@ -252,6 +252,13 @@ class Settings(BaseSettings):
     # this long, from a thread of its own, and adds the 5xx it answered to intake_errors: what
     # `webhooks gaps` reads. A receiver stopped for less than two periods may go unseen.
     intake_heartbeat_period: timedelta = timedelta(seconds=15)
+    # Payload shape drift (issue 38 item 3, docs/drift.md): beat's learning run reads the
+    # receipts accepted since its last run (on a worker, the maintenance queue; the receiver
+    # pays nothing), at most drift_sample per (source, event type) per run, and reports a
+    # JSON key path absent for drift_absent_days while its event type kept arriving.
+    drift_every: timedelta = timedelta(minutes=10)
+    drift_sample: int = Field(default=20, ge=1, le=10_000)
+    drift_absent_days: int = Field(default=7, ge=1, le=3650)
 
     # Observability.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -361,6 +368,7 @@ class Settings(BaseSettings):
             "route_disable_after",
             "ttl_fingerprint_stale_after",
             "intake_heartbeat_period",
+            "drift_every",
         ):
             if getattr(self, name) <= timedelta():
                 raise ValueError(f"WEBHOOKS_{name.upper()} must be positive")

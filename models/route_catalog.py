@@ -169,6 +169,33 @@ def set_transform(
     return Changed(audit_id, target, 0)
 
 
+def set_quarantine_drift(
+    session: Session, route_id: int, on: bool, change: Change, *, now: datetime | None
+) -> Changed:
+    """Turn a route's drift quarantine on or off (audited ``route.quarantine_drift``): with
+    it on, a delivery whose event's payload shape drifted from the accepted one waits, held,
+    until ``webhooks drift accept`` (docs/drift.md). Turned off, held deliveries stay held
+    until their recheck (a day) or an accept."""
+    from core.shapes import QUARANTINE_OPTION  # noqa: PLC0415 (a rare change)
+
+    change.check()
+    route = session.scalars(select(Route).where(Route.id == route_id).with_for_update()).first()
+    if route is None:
+        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
+    options = dict(route.options or {})
+    before = options.get(QUARANTINE_OPTION) == "true"
+    if on:
+        options[QUARANTINE_OPTION] = "true"
+    else:
+        options.pop(QUARANTINE_OPTION, None)
+    route.options = options
+    session.flush()
+    source = session.scalars(select(Source.public_id).where(Source.id == route.source_id)).one()
+    target = {**route_target(route, source), "before": before, "after": on}
+    audit_id = record_audit(session, change, "route.quarantine_drift", target, count=1, now=now)
+    return Changed(audit_id, target, 0)
+
+
 def unsigned_type_warning(source: Source, events: str) -> str | None:
     """Why a route on ``events`` can be run by a forged type, or None: its source's provider
     reads such types from a part the signature does not cover (GitHub's ``X-GitHub-Event``

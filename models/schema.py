@@ -31,7 +31,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from core.states import DeliveryStatus
@@ -552,3 +552,75 @@ def include_name(name: str | None, type_: str, parent_names: object) -> bool:
             for t in (*PARTITIONED_TABLES, LEDGER_TABLE)
         )
     return True
+
+
+class DriftMark(Base):
+    """Payload shape learning's progress (issue 38 item 3, models/drift.py): one row, the
+    last receipt id a learning run read and when a run last claimed its period (the
+    database's clock), so two workers never learn the same period twice."""
+
+    __tablename__ = "drift_marks"
+
+    singleton: Mapped[bool] = mapped_column(Boolean, primary_key=True, server_default=text("true"))
+    through_receipt_id: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    ran_at: Mapped[datetime | None] = mapped_column()
+
+
+class DriftShape(Base):
+    """One (source, event type) whose payload shape is learnt: when it was first and last
+    sighted, how many sightings were fingerprinted and how many paths the caps cut."""
+
+    __tablename__ = "drift_shapes"
+    __table_args__ = (PrimaryKeyConstraint("source_id", "event_type"),)
+
+    source_id: Mapped[int] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    event_type: Mapped[str] = mapped_column(Text)
+    first_seen: Mapped[datetime] = mapped_column()
+    last_seen: Mapped[datetime] = mapped_column()
+    sightings: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    cut_paths: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+class DriftPath(Base):
+    """One JSON key path of a learnt shape (core/shapes.py): its types, never a value."""
+
+    __tablename__ = "drift_paths"
+    __table_args__ = (PrimaryKeyConstraint("source_id", "event_type", "path"),)
+
+    source_id: Mapped[int] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    event_type: Mapped[str] = mapped_column(Text)
+    path: Mapped[str] = mapped_column(Text)
+    types: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    first_seen: Mapped[datetime] = mapped_column()
+    last_seen: Mapped[datetime] = mapped_column()
+    # In how many learnt events of its type it was (drift_shapes.sightings: in all of them).
+    sightings: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+class DriftFinding(Base):
+    """One drift of a learnt shape: open until an operator accepts it (``webhooks drift
+    accept``, audited). At most one open finding per (source, event type, path, kind)."""
+
+    __tablename__ = "drift_findings"
+    __table_args__ = (
+        CheckConstraint(_in("kind", ("new_path", "type_changed", "path_gone")), name="kind"),
+        Index(
+            "uq_drift_findings_open",
+            "source_id",
+            "event_type",
+            "path",
+            "kind",
+            unique=True,
+            postgresql_where=text("accepted_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    source_id: Mapped[int] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    event_type: Mapped[str] = mapped_column(Text)
+    path: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(Text)
+    detail: Mapped[str] = mapped_column(Text)
+    opened_at: Mapped[datetime] = mapped_column()
+    accepted_at: Mapped[datetime | None] = mapped_column()
+    accepted_by: Mapped[str | None] = mapped_column(Text)

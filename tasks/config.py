@@ -17,6 +17,7 @@ from kombu import Exchange, Queue
 from core.messages import (
     DELIVER_TASK,
     DELIVERIES_QUEUE,
+    DRIFT_TASK,
     MAINTENANCE_QUEUE,
     MAINTENANCE_TASK,
     RECONCILE_TASK,
@@ -94,6 +95,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             MAINTENANCE_TASK: {"queue": MAINTENANCE_QUEUE},
             RECONCILE_TASK: {"queue": MAINTENANCE_QUEUE},
             WATCH_TASK: {"queue": MAINTENANCE_QUEUE},
+            DRIFT_TASK: {"queue": MAINTENANCE_QUEUE},
         },
         "worker_concurrency": settings.worker_slots,
         # No worker_pool here: the pool is named with -P, which must match
@@ -109,6 +111,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "reconcile": {"task": RECONCILE_TASK, "schedule": RECONCILE_TICK},
             # Each source's endpoint at its provider, every WEBHOOKS_WATCH_EVERY.
             "watchdog": {"task": WATCH_TASK, "schedule": WATCH_TICK},
+            # Payload shape learning (tasks/drift.py); the run claims its period itself.
+            "drift": {"task": DRIFT_TASK, "schedule": settings.drift_every.total_seconds()},
         },
         "timezone": "UTC",
         "enable_utc": True,

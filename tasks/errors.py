@@ -85,3 +85,11 @@ class LeaseFenced(WebhooksError):
         )
         self.left = left
         self.needed = needed
+
+
+class DriftHeld(WebhooksError):
+    """The event's payload shape drifted from the one accepted for its source and event type,
+    and its route quarantines drift (``--quarantine-drift``): no call is made; the delivery
+    waits, held, until ``webhooks drift accept`` (docs/drift.md). Spends no attempt."""
+
+    reason = "drift"

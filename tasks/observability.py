@@ -130,6 +130,7 @@ def _serve_metrics(**_: Any) -> None:
         ("maintenance", settings.maintenance_interval.total_seconds()),
         ("reconcile", RECONCILE_TICK),
         ("watchdog", WATCH_TICK),
+        ("drift", settings.drift_every.total_seconds()),
     ):
         JOB_PERIOD.labels(job).set(period)
 

@@ -34,7 +34,7 @@ from models.db import make_engine
 from models.route_catalog import active_routes
 from models.transitions import Held
 from models.ttl_fingerprints import Heartbeat
-from tasks import crashes, deliver, dispatcher, pause, sweeper
+from tasks import crashes, deliver, dispatcher, drift, pause, sweeper
 from tasks.config import create_app
 from tasks.handlers.registry import load_registry
 from tasks.observability import is_worker_command
@@ -93,6 +93,7 @@ def build_app(settings: Settings) -> Celery:
     sweeper.register(app, process.runtime, delivery)
     schedule.register(app, process.runtime)
     subscriptions.register(app, process.runtime)
+    drift.register(app, process.runtime)
 
     def report_ttls(sender: Any = None, **_: Any) -> None:
         _report_raised_ttls(settings, sender)

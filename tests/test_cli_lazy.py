@@ -93,6 +93,7 @@ def test_the_command_table_is_what_every_module_registers() -> None:
         "retention",
         "reconcile",
         "gaps",
+        "drift",
     ):
         __import__(f"webhooks.cli.{module}", fromlist=["register"]).register(eager)
     assert list(typer.main.get_group(eager).commands) == [name for name, _ in COMMANDS]
@@ -137,6 +138,8 @@ def _read_commands(seeded: dict[str, Any]) -> list[list[str]]:
         ["routes", "list", source.public_id, "--json"],
         ["gaps"],
         ["gaps", "--since", "2h", "--json"],
+        ["drift", "list"],
+        ["drift", "list", "--source", source.public_id, "--json"],
     ]
 
 

@@ -1194,6 +1194,7 @@ def test_the_pages_fit_a_390_pixel_wide_phone(
             f"/console/dead?source={source.public_id}",
             "/console/routes",
             "/console/audit",
+            "/console/drift",
             "/console/login",
         ):
             page.goto(f"{api.admin_url}{path}")

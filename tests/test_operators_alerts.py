@@ -44,6 +44,8 @@ REQUIRED = {
     # and the provider's API that could not say.
     "WebhookSubscriptionFinding": "webhooks_subscription_findings",
     "WebhookSubscriptionCannotCheck": "webhooks_subscription_findings",
+    # Issue 38 item 3: a payload shape drifted (a key path new, changed type or gone).
+    "WebhookPayloadShapeDrift": "webhooks_drift_findings",
 }
 
 

@@ -9,7 +9,17 @@ from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
-from ingest.console import dead, deliveries, docs, events, gaps, login, overview, sources
+from ingest.console import (
+    dead,
+    deliveries,
+    docs,
+    drift,
+    events,
+    gaps,
+    login,
+    overview,
+    sources,
+)
 from ingest.console.base import HERE, Console, SecurityHeaders
 from ingest.plane import PlaneState
 
@@ -26,6 +36,7 @@ def create_console(state: PlaneState) -> ASGIApp:
         *sources.routes(c),
         *overview.audit_routes(c),
         *gaps.routes(c),
+        *drift.routes(c),
         *docs.routes(c),
         Mount("/static", app=StaticFiles(directory=str(HERE / "static")), name="static"),
     ]

@@ -52,6 +52,7 @@ from tasks.claims import FastClaim
 from tasks.connections import CONNECTION_ERRORS, Unrecorded, on_connection, record
 from tasks.errors import (
     DownstreamError,
+    DriftHeld,
     HandlerError,
     LeaseFenced,
     PermanentError,
@@ -540,6 +541,37 @@ def dropped(rt: Runtime, claimed: Claimed, loaded: Loaded, exc: TransformDropped
         **scope(found, row, now),
     )
     return Report.of(Outcome.FILTERED, found, row, reason, finished=True)
+
+
+def held_for_drift(rt: Runtime, session: Session, claimed: Claimed, exc: DriftHeld) -> Report:
+    """A quarantined route's delivery whose event drifted (tasks/steps/run.py): no call was
+    made; the lease is handed back as retrying, due after the hold's recheck
+    (models/drift.py HOLD_RECHECK), its error class ``DriftHeld``, spending no attempt.
+    ``webhooks drift accept`` makes it due at once. If another attempt took the lease over,
+    that attempt decides."""
+    from models import drift  # noqa: PLC0415 (only a quarantined route's drifted event)
+
+    found, row, fast = claimed.found, claimed.row, claimed.fast
+    now = claimed.now(rt.clock)
+    held_now = False
+    try:
+        with session.begin():
+            transitions.retry_later(
+                session,
+                found,
+                now=now,
+                next_attempt_at=now + drift.HOLD_RECHECK,
+                error_class=drift.HELD_CLASS,
+                error=f"held: drift ({exc})",
+                uncounted=True,
+            )
+        held_now = True
+    except IllegalTransition:
+        pass  # taken over: its holder decides
+    rt.claims.release(fast)
+    DELIVERIES.labels(outcome=Outcome.HELD, source=source_label(row)).inc()
+    log.warning("delivery.held_drift", delivery_id=found.id, why=str(exc), held=held_now)
+    return Report.of(Outcome.HELD, found, row, f"held: drift ({exc})", finished=held_now)
 
 
 def age_from(found: Claim, row: ClaimedEvent) -> datetime:

@@ -15,27 +15,27 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.orm import Session
 
-from core import tracing
+from core import shapes, tracing
 from core.logs import get_logger
 from core.settings import MAX_DELIVERY_BATCH
 from models import transitions
 from models.admission import Admission, Rate
 from models.transitions import IllegalTransition
 from tasks.context import Event, HandlerContext, idempotency_key, result_reference
-from tasks.errors import LeaseFenced, RetryableError
+from tasks.errors import DriftHeld, LeaseFenced, RetryableError
 from tasks.policy import RetryPolicy
 from tasks.pools import is_green, is_hard_timeout, run_limited
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed, held_of
 from tasks.steps.inputs import Loaded, load
 from tasks.steps.outcome import PublishRetry, Report
-from tasks.steps.record import Done, dropped, fail, fenced, lost, succeeded
+from tasks.steps.record import Done, dropped, fail, fenced, held_for_drift, lost, succeeded
 from tasks.transforms import TransformDropped, apply
 
 log = get_logger(__name__)
@@ -81,6 +81,8 @@ def attempt(
             io_timeout=rt.settings.handler_io_timeout,
             lease_left=lambda: claimed.lease_left(rt.clock),
         )
+        if shapes.quarantines(loaded.route.options):
+            check_drift(rt, found.source_id, loaded.event.event_type, loaded.event.body)
         if claimed.row.rate_count and claimed.row.rate_period_s:
             pace(rt, found.route_id, Rate(claimed.row.rate_count, claimed.row.rate_period_s))
         # Frozen or starved since the claim (or paced), past what a call needs: no handler.
@@ -111,6 +113,9 @@ def attempt(
         assert loaded is not None
         _discard(session, exc)
         return dropped(rt, claimed, loaded, exc)
+    except DriftHeld as exc:  # no call was made: held until the new shape is accepted
+        _discard(session, exc)
+        return held_for_drift(rt, session, claimed, exc)
     except LeaseFenced as exc:  # no call was made: not a failed attempt
         _discard(session, exc)
         return fenced(rt, session, claimed, exc, publish_retry)
@@ -168,6 +173,26 @@ def _with_transform(
         return handler(apply(transform, name, event, limit), ctx)
 
     return transformed
+
+
+def check_drift(rt: Runtime, source_id: int, event_type: str, body: bytes) -> None:
+    """A quarantined route's event (``--quarantine-drift``, docs/drift.md): raises
+    :class:`DriftHeld` when its shape is not the accepted one of its source and event type.
+    Only such routes pay for it (one fingerprint, two indexed reads); a body that is not JSON
+    has no shape to drift."""
+    from models import drift  # noqa: PLC0415 (only a quarantined route's delivery)
+
+    try:
+        sighting = shapes.fingerprint_body(body)
+    except shapes.NotJson:
+        return
+    with rt.engine.connect() as conn:
+        raw: Any = conn.connection.driver_connection
+        accepted = drift.accepted_shape(raw, source_id, event_type)
+        conn.rollback()
+    why = shapes.drift_of(accepted.paths, accepted.unaccepted, sighting, accepted.always)
+    if why is not None:
+        raise DriftHeld(why)
 
 
 def pace(rt: Runtime, route_id: int, rate: Rate) -> None:

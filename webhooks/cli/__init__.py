@@ -43,6 +43,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("audit", "operators"),
     ("ttl", "retention"),
     ("maintenance", "retention"),
+    ("drift", "drift"),
 )
 # The read commands' groups come from their own modules, not through operators (which imports
 # replay and demo too): what `events list` or `dead list` needs and no more.

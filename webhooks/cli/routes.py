@@ -91,6 +91,12 @@ def _breaker_cell(v: dict[str, Any]) -> str:
     return f"paused, {state}" if v["paused"] else state
 
 
+def _quarantine(on: bool) -> dict[str, str]:
+    from core.shapes import QUARANTINE_OPTION
+
+    return {QUARANTINE_OPTION: "true"} if on else {}
+
+
 @routes_app.command("add")
 @handle_errors
 def routes_add(
@@ -104,6 +110,13 @@ def routes_add(
     max_age: DurationOpt = None,
     filter_: FilterOpt = None,
     transform: TransformOpt = None,
+    quarantine_drift: Annotated[
+        bool,
+        typer.Option(
+            "--quarantine-drift",
+            help="Hold events whose payload shape drifted until `webhooks drift accept`.",
+        ),
+    ] = False,
     operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -128,7 +141,7 @@ def routes_add(
             found,
             handler=handler,
             events=events,
-            options=pairs(option, "--option"),
+            options={**pairs(option, "--option"), **_quarantine(quarantine_drift)},
             max_attempts=max_attempts,
             max_age=duration_or_none(max_age),
             filter=filter_,
@@ -348,6 +361,14 @@ def routes_update(
     ] = None,
     filter_: FilterOpt = None,
     transform: TransformOpt = None,
+    quarantine_drift: Annotated[
+        bool | None,
+        typer.Option(
+            "--quarantine-drift/--no-quarantine-drift",
+            help="Hold events whose payload shape drifted until `webhooks drift accept`"
+            " (docs/drift.md).",
+        ),
+    ] = None,
     reason: ReasonOpt = None,
     operator: OperatorOpt = None,
 ) -> None:
@@ -364,9 +385,10 @@ def routes_update(
         values["rate"] = parse_rate(rate_limit)
     if max_in_flight is not None:
         values["max_in_flight"] = parse_max_in_flight(max_in_flight)
-    if not values and filter_ is None and transform is None:
+    if not values and filter_ is None and transform is None and quarantine_drift is None:
         raise CliError(
-            "nothing to change: give --rate-limit, --max-in-flight, --filter and/or --transform"
+            "nothing to change: give --rate-limit, --max-in-flight, --filter, --transform"
+            " and/or --quarantine-drift"
         )
     if filter_ is not None:
         route_catalog.check_filter(filter_)  # before anything is written
@@ -388,6 +410,12 @@ def routes_update(
             transformed = route_catalog.set_transform(
                 session, route_id, transform, change, now=None
             )
+        quarantined = None
+        if quarantine_drift is not None:
+            change = change_by(operator, reason or "drift quarantine updated")
+            quarantined = route_catalog.set_quarantine_drift(
+                session, route_id, quarantine_drift, change, now=None
+            )
     if limits is not None:
         after = limits.target["after"]
         _say_route(
@@ -401,6 +429,10 @@ def routes_update(
     if transformed is not None:
         name = transformed.target["after"]
         _say_route("updated", transformed, f": transform {name or 'none'}")
+    if quarantined is not None:
+        _say_route(
+            "updated", quarantined, f": drift quarantine {'on' if quarantine_drift else 'off'}"
+        )
 
 
 @routes_app.command("pause")
