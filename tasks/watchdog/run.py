@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -204,8 +205,6 @@ def _record(
 
 
 def _json(value: Any) -> str:
-    import orjson  # noqa: PLC0415
-
     return orjson.dumps(value).decode()
 
 
