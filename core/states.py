@@ -24,6 +24,10 @@ class DeliveryStatus(StrEnum):
     # Final at the accept: the route's filter did not match the event (core.filters); no
     # work was made for it, ``last_error`` says why. Replayed only when chosen by its id.
     FILTERED = "filtered"
+    # Final at its claim (a route with --supersede, models/lanes.py): a newer event of its
+    # lane key had already succeeded on the route; its handler was not called, ``last_error``
+    # names the newer event. Replayed only when chosen by its id.
+    SUPERSEDED = "superseded"
 
 
 #: Work not finished yet: it holds its receipt and keeps a route from being removed.
@@ -39,6 +43,7 @@ class AttemptOutcome(StrEnum):
     RETRY = "retry"
     DEAD = "dead"
     CRASHED = "crashed"
+    SUPERSEDED = "superseded"  # not run: a newer event of its lane had succeeded
 
 
 class BreakerState(StrEnum):

@@ -454,6 +454,7 @@ CODES = {
     DeliveryStatus.SUCCEEDED: "s",
     DeliveryStatus.DEAD: "d",
     DeliveryStatus.DISCARDED: "x",
+    DeliveryStatus.SUPERSEDED: "u",
 }
 
 

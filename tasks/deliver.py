@@ -18,18 +18,20 @@ from celery import Celery, Task
 from celery.exceptions import Retry
 
 from core import tracing
+from core.clock import pinned
 from core.errors import WebhooksError
 from core.logs import get_logger
 from core.messages import DELIVER_TASK, TRACE_HEADER, Dispatch
 from core.settings import MAX_DELIVERY_BATCH
+from models import lanes
 from models.admission import Admission
 from models.db import DatabaseUnavailable
 from tasks import dispatcher
-from tasks.connections import CONNECTION_ERRORS
+from tasks.connections import CONNECTION_ERRORS, on_connection
 from tasks.pause import request_pause
 from tasks.pipeline import run
 from tasks.runtime import Runtime
-from tasks.steps.outcome import Outcome, Report
+from tasks.steps.outcome import Outcome, PublishRetry, Report
 
 log = get_logger(__name__)
 
@@ -75,6 +77,8 @@ def celery_state(report: Report) -> str:
         Outcome.HELD: "held: its route is paused or its circuit breaker is open (not an attempt)",
         Outcome.MISSING: "missing: no such delivery",
         Outcome.ISOLATED: "isolated: its worker died holding it; published again alone",
+        Outcome.LANE: "lane: an earlier delivery of its lane is unfinished (not an attempt)",
+        Outcome.SUPERSEDED: f"superseded: {report.detail}",
     }.get(report.outcome, str(report.outcome))
 
 
@@ -156,6 +160,7 @@ def deliver_message(
         text = f"deliveries {ids}: database unavailable ({reason}); {then}"
         raise Retry(text, exc=DatabaseUnavailable(text)) from None
     release_slots(rt, reports)
+    lane_heads(rt, reports, publish_retry)
     return celery_state(reports[0]) if alone else celery_batch_state(reports)
 
 
@@ -192,6 +197,32 @@ def requeue(task: Task[Any, Any], argument: int | list[int]) -> bool:
         log.warning("delivery.requeue_failed", error_class=type(exc).__name__)
         return False
     return True
+
+
+#: Outcomes after which a lane's next delivery may run: the delivery ended (dead: it no longer
+#: holds a ``skip`` lane), or its lane refused it (the lane may have opened since).
+LANE_MOVES = (Outcome.SUCCEEDED, Outcome.DEAD, Outcome.SUPERSEDED, Outcome.LANE)
+
+
+def lane_heads(rt: Runtime, reports: list[Report], publish_retry: PublishRetry) -> None:
+    """Publish the claimable head of each lane a delivery of this message ended in, or was
+    refused by (models/lanes.py): an ordered route drains at the pace of its handlers, not
+    of the sweeper. After the outcomes' commits, so the head read here is the one that may
+    run; a refused delivery's lane is read after its slot was freed, so an end committed by
+    another worker meanwhile (which could not publish it then) is not missed. A head
+    published twice is claimed once. Published directly, one per lane that moved: it takes
+    the slot its predecessor left. Failing here loses nothing: the sweeper picks lane heads."""
+    moved = [r.lane for r in reports if r.lane is not None and r.outcome in LANE_MOVES]
+    if not moved:
+        return
+    try:
+        heads = on_connection(
+            rt.engine, lambda raw: lanes.next_heads(raw, moved, now=pinned(rt.clock))
+        )
+        for head in heads:
+            publish_retry(Dispatch(head.delivery_id, head.event_id, head.source), 0.0)
+    except Exception as exc:  # noqa: BLE001 (the sweeper publishes lane heads too)
+        log.warning("delivery.lane_publish_failed", error_class=type(exc).__name__)
 
 
 def release_slots(rt: Runtime, reports: list[Report]) -> None:

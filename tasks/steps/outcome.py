@@ -36,6 +36,8 @@ class Outcome(enum.StrEnum):
     UNCLAIMED = "unclaimed"  # its partition's claim failed on a lost connection
     UNRECORDED = "unrecorded"  # the database stayed away past WEBHOOKS_RECORD_RETRY_SECONDS
     FENCED = "fenced"  # its lease could not outlive a call: no call made, the lease handed back
+    LANE = "lane"  # an earlier delivery of its lane is unfinished: no attempt (models/lanes.py)
+    SUPERSEDED = "superseded"  # a newer event of its lane had succeeded: handler not called
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class Report:
     # as soon as the task ends (:func:`tasks.deliver.release_slots`), not at the dispatcher's
     # next reconcile.
     route_id: int | None = None
+    # Its lane (route id, lane key) when it has one (models/lanes.py): the task publishes the
+    # lane's next head once this one ended, or once this one was refused by its lane.
+    lane: tuple[int, str] | None = None
 
     @classmethod
     def of(

@@ -48,6 +48,23 @@ FilterOpt = Annotated[
     ),
 ]
 
+OrderKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--order-key",
+        help="JMESPath over body, type, headers whose value orders the route's deliveries per "
+        "entity, e.g. body.data.object.customer; none clears it (docs/routing.md).",
+    ),
+]
+LaneOnDeadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lane-on-dead",
+        help="block (default): a dead event holds its key's lane until replayed or "
+        "discarded; skip: the next event of the key runs.",
+    ),
+]
+
 routes_app = typer.Typer(help="Handlers bound to a source.", no_args_is_help=True)
 
 
@@ -66,9 +83,20 @@ def route_view(r: Any) -> dict[str, Any]:
         "max_attempts": r.max_attempts,
         "max_age_s": r.max_age_s,
         "filter": r.filter,
+        "order_key": r.order_key,
+        "lane_on_dead": r.lane_on_dead,
+        "supersede": bool(r.supersede),
         "active": r.active,
         **breaker.state_of(r).view(),
     }
+
+
+def _lanes_text(v: dict[str, Any]) -> str:
+    """A route's lane options in one line (models/lanes.py)."""
+    if v["order_key"] is None:
+        return "none (unordered)"
+    supersede = ", supersede" if v["supersede"] else ""
+    return f"order key {v['order_key']}, on dead: {v['lane_on_dead']}{supersede}"
 
 
 def _breaker_cell(v: dict[str, Any]) -> str:
@@ -89,6 +117,16 @@ def routes_add(
     max_attempts: Annotated[int | None, typer.Option(help="Retry budget for this route.")] = None,
     max_age: DurationOpt = None,
     filter_: FilterOpt = None,
+    order_key: OrderKeyOpt = None,
+    lane_on_dead: LaneOnDeadOpt = None,
+    supersede: Annotated[
+        bool,
+        typer.Option(
+            "--supersede",
+            help="With --order-key: an event older (by its signed time) than one of its key "
+            "already succeeded here is recorded superseded, its handler not called.",
+        ),
+    ] = False,
     operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -97,7 +135,8 @@ def routes_add(
     The handler must be registered here (webhooks handlers list). A route on types its
     source's provider reads from an unsigned header is added with a warning saying so.
     --filter: a JMESPath predicate over body, type and headers (docs/routing.md); a bad one
-    is refused with its position and nothing is saved."""
+    is refused with its position and nothing is saved. --order-key: deliveries whose events
+    share its value run one at a time, in the order accepted (docs/routing.md)."""
     from models import catalog, route_catalog
 
     e = env()
@@ -114,6 +153,9 @@ def routes_add(
             max_attempts=max_attempts,
             max_age=duration_or_none(max_age),
             filter=filter_,
+            order_key=order_key,
+            lane_on_dead=lane_on_dead or "block",
+            supersede=supersede,
             operator=operator or login(),
         )
         view = route_view(route)
@@ -128,6 +170,8 @@ def routes_add(
     say(escape(f"route {view['id']}: {handler} for {events}"))
     if view["filter"] is not None:
         say(escape(f"filter: {view['filter']}"))
+    if view["order_key"] is not None:
+        say(escape(f"lanes: {_lanes_text(view)}"))
     if warning is not None:
         err_console.print(f"warning: {escape(warning)}", highlight=False, soft_wrap=True)
     if signing is not None:
@@ -169,6 +213,8 @@ def routes_list(
             options = "\n".join(f"{k}={o}" for k, o in v["options"].items())
             if v["filter"] is not None:
                 options = "\n".join(x for x in (options, f"filter: {v['filter']}") if x)
+            if v["order_key"] is not None:
+                options = "\n".join(x for x in (options, f"lanes: {_lanes_text(v)}") if x)
             limits = _limits_cell(v, default_budget).replace(", ", ",\n")
             row(
                 table,
@@ -281,6 +327,7 @@ def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
     b = view["breaker"]
     say(escape(f"route {view['id']}: {view['handler']} for {view['events']}"))
     say(escape(f"filter: {view['filter'] or 'none (every event of its types)'}"))
+    say(escape(f"lanes: {_lanes_text(view)}"))
     if not view["active"]:
         since = f" since {view['disabled_at']}: {view['disabled_reason']}"
         say(escape(f"disabled{since if view['disabled_at'] else ''}"))
@@ -314,6 +361,14 @@ def routes_update(
         ),
     ] = None,
     filter_: FilterOpt = None,
+    order_key: OrderKeyOpt = None,
+    lane_on_dead: LaneOnDeadOpt = None,
+    supersede: Annotated[
+        bool | None,
+        typer.Option(
+            "--supersede/--no-supersede", help="Supersede stale events of a key (or stop)."
+        ),
+    ] = None,
     reason: ReasonOpt = None,
     operator: OperatorOpt = None,
 ) -> None:
@@ -329,10 +384,16 @@ def routes_update(
         values["rate"] = parse_rate(rate_limit)
     if max_in_flight is not None:
         values["max_in_flight"] = parse_max_in_flight(max_in_flight)
-    if not values and filter_ is None:
-        raise CliError("nothing to change: give --rate-limit, --max-in-flight and/or --filter")
+    lane_change = (order_key, lane_on_dead, supersede) != (None, None, None)
+    if not values and filter_ is None and not lane_change:
+        raise CliError(
+            "nothing to change: give --rate-limit, --max-in-flight, --filter, --order-key,"
+            " --lane-on-dead and/or --supersede"
+        )
     if filter_ is not None:
         route_catalog.check_filter(filter_)  # before anything is written
+    if order_key is not None:
+        route_catalog.check_order_key(order_key)
     e = env()
     with e.session() as session:
         limits = None
@@ -343,6 +404,18 @@ def routes_update(
         if filter_ is not None:
             change = change_by(operator, reason or "filter updated")
             filtered = route_catalog.set_filter(session, route_id, filter_, change, now=None)
+        laned = None
+        if lane_change:
+            change = change_by(operator, reason or "lanes updated")
+            laned = route_catalog.set_lanes(
+                session,
+                route_id,
+                change,
+                order_key=order_key,
+                lane_on_dead=lane_on_dead,
+                supersede=supersede,
+                now=None,
+            )
     if limits is not None:
         after = limits.target["after"]
         _say_route(
@@ -353,6 +426,8 @@ def routes_update(
     if filtered is not None:
         now = filtered.target["after"]
         _say_route("updated", filtered, f": filter {now if now is not None else 'none'}")
+    if laned is not None:
+        _say_route("updated", laned, f": lanes {_lanes_text(laned.target['after'])}")
 
 
 @routes_app.command("pause")
