@@ -40,6 +40,15 @@ from tests.workers import (
     worker_settings,
 )
 
+# A loaded 2-core machine: a call's I/O timeout well above the downstream's hold, so no
+# timeout opens the route's breaker (which would hold every lane).
+ROOMY: dict[str, Any] = {
+    "handler_io_timeout": 5.0,
+    "soft_time_limit": 8.0,
+    "hard_time_limit": 10.0,
+    "visibility_timeout": 60.0,
+}
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
 
@@ -89,7 +98,12 @@ class LaneDownstream:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            # Every slot of two workers may connect at once: the default backlog (5) drops
+            # connections, and a client's SYN retry takes a second.
+            request_queue_size = 512
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
         threading.Thread(
@@ -218,7 +232,7 @@ def test_200_keys_by_5_events_run_one_at_a_time_per_key_in_order_and_keys_in_par
         ).scalar_one()
     assert keyed == 1000  # the receiver's key, written by the accept
     publish(dispatches)
-    common = {"pool": "threads", "concurrency": 8, "route_max_in_flight": 64}
+    common = {"pool": "threads", "concurrency": 8, "route_max_in_flight": 64, **ROOMY}
     with (
         running_worker("lanes-a", tmp_path, **common),
         running_worker("lanes-b", tmp_path, **common),
@@ -412,7 +426,11 @@ def test_supersede_records_an_older_event_after_a_newer_one_and_never_calls_it(
                 text("UPDATE routes SET supersede = false WHERE id = :r"),
                 {"r": source.route_ids[0]},
             )
-        publish([Dispatch(ids[1])], per_message=1)
+        broker = Broker(settings)
+        try:
+            broker.publish(ids[1])
+        finally:
+            broker.close()
         wait_for(lambda: row(engine, ids[1]).status == "succeeded", timeout=60, what="replayed")
     assert older_a in downstream.event_ids
 
