@@ -20,19 +20,21 @@ so a changed order key applies to every event accepted after the change commits.
 join compares the filter and the order key with ``IS NOT DISTINCT FROM`` (a route may hold an
 order key and no filter).
 
-The lane itself is kept by the claim (:mod:`models.lanes`, :mod:`models.transitions`): a
-delivery with a lane key is claimed only when no other delivery of its route and key with a
-lower id is unfinished (pending, retrying, processing, or dead when the route's
-``lane_on_dead`` is ``block``) and none is processing under a live lease. The partial index
-``ix_deliveries_lane`` on (route_id, lane_key, id) over the unfinished rows makes that one
-index probe per partition; ``ix_deliveries_lane_done`` on (route_id, lane_key) over the
-succeeded ones is what the supersede check reads.
+The lane itself is kept by the claim (:mod:`models.lanes`, :mod:`models.transitions`),
+through ``webhooks_lane_clear(route, key, id, now)`` (a function, so that the claim statements
+stay under psycopg's cached statement size): a delivery with a lane key is claimed only when
+no other delivery of its route and key with a lower id is unfinished (pending, retrying,
+processing, or dead when the route's ``lane_on_dead`` is ``block``) and none is processing
+under a live lease. The partial index ``ix_deliveries_lane`` on (route_id, lane_key, id) over
+the unfinished rows makes that one index probe per partition; ``ix_deliveries_lane_done`` on
+(route_id, lane_key) over the succeeded ones is what the supersede check reads.
 
 ``deliveries.status``'s CHECK allows ``superseded``: final, the handler was not called, the
 newer event's id in ``last_error``.
 
-Downgrade: superseded deliveries become succeeded-less ``discarded`` (the old code knows no such
-status; they never ran), the columns and indexes dropped, 0027's functions restored.
+Downgrade: superseded deliveries become ``discarded`` (the old code knows no such
+status; they never ran), the columns and indexes dropped, 0027's functions restored, the lane
+function dropped.
 
 Revision ID: 0028
 Revises: 0027
@@ -62,6 +64,25 @@ NEW_STATES = (
 #: The rows a lane waits for (the partial index's predicate; models.lanes repeats it).
 LANE_OPEN = "lane_key IS NOT NULL AND status IN ('pending', 'processing', 'retrying', 'dead')"
 LANE_DONE = "lane_key IS NOT NULL AND status = 'succeeded'"
+
+#: The lane condition, as a function: the claim statements must stay under psycopg's cached
+#: statement size (tests/test_transitions.py), and the claim, the sweeper's pick and the
+#: next-head read share it (models/lanes.py). STABLE: it reads in its caller's snapshot.
+LANE_CLEAR = """
+CREATE FUNCTION webhooks_lane_clear(p_route bigint, p_key text, p_id bigint, p_now timestamptz)
+RETURNS boolean LANGUAGE sql STABLE AS $fn$
+    SELECT NOT EXISTS (
+        SELECT 1 FROM deliveries l
+        WHERE l.route_id = p_route AND l.lane_key = p_key
+          AND l.lane_key IS NOT NULL
+          AND l.status IN ('pending', 'processing', 'retrying', 'dead') AND l.id <> p_id
+          AND ((l.id < p_id
+                AND (l.status <> 'dead'
+                     OR EXISTS (SELECT 1 FROM routes lr WHERE lr.id = p_route
+                                  AND lr.lane_on_dead = 'block')))
+               OR (l.status = 'processing' AND l.lease_until > p_now)))
+$fn$;
+"""
 
 # Each edit: (old, new, how many times old occurs in 0027's body).
 _EDITS = (
@@ -114,6 +135,7 @@ def upgrade() -> None:
     op.execute(
         f"CREATE INDEX ix_deliveries_lane_done ON deliveries (route_id, lane_key) WHERE {LANE_DONE}"
     )
+    op.execute(LANE_CLEAR)
     op.execute(old.DROP_ONE_NEW)  # type: ignore[attr-defined]
     op.execute(old.DROP_MANY_NEW)  # type: ignore[attr-defined]
     op.execute(accept_function())
@@ -129,6 +151,7 @@ def downgrade() -> None:
     op.execute("UPDATE deliveries SET status = 'discarded' WHERE status = 'superseded'")
     op.drop_constraint(op.f("ck_deliveries_status"), "deliveries", type_="check")
     op.create_check_constraint(op.f("ck_deliveries_status"), "deliveries", OLD_STATES)
+    op.execute("DROP FUNCTION webhooks_lane_clear(bigint, text, bigint, timestamptz)")
     op.execute("DROP INDEX ix_deliveries_lane_done")
     op.execute("DROP INDEX ix_deliveries_lane")
     op.execute("ALTER TABLE deliveries DROP COLUMN lane_key")
