@@ -337,6 +337,10 @@ class RouteRow:
     state: RouteState
     limits: dict[str, Any]  # models.breaker.limits_view: max_in_flight, rate_limit (None: unset)
     filter: str | None = None  # its JMESPath filter (core.filters), None: every event
+    # Its lanes (models/lanes.py): the order key (None: unordered), block or skip, supersede.
+    order_key: str | None = None
+    lane_on_dead: str = "block"
+    supersede: bool = False
 
 
 @dataclass(frozen=True)
@@ -363,6 +367,9 @@ def catalog(session: Session) -> list[SourceRow]:
                 state_of(route),
                 limits_view(route),
                 route.filter,
+                route.order_key,
+                route.lane_on_dead,
+                route.supersede,
             )
         )
     return [SourceRow(s.public_id, s.name, s.provider, s.active, by_source[s.id]) for s in sources]

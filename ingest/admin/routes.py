@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from ingest.admin.deps import Db, Operator, PathId, error
 from ingest.admin.schemas import NOT_FOUND, ErrorOut, PauseIn
-from models import breaker, queries
+from models import breaker, queries, route_catalog
 from models.catalog import CatalogError, Change
 
 router = APIRouter()
@@ -20,9 +20,18 @@ CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {**NOT_FOUND, 409: {"model":
 
 def _route_state(session: Session, route_id: int) -> dict[str, Any]:
     try:
-        return {"route": route_id, **breaker.route_state(session, route_id).view()}
+        state = breaker.route_state(session, route_id).view()
+        route = route_catalog.get_route(session, route_id)
     except CatalogError as exc:
         raise queries.NotFoundError(str(exc)) from None
+    # What decides which events make work for it and in what order (docs/routing.md).
+    routing = {
+        "filter": route.filter,
+        "order_key": route.order_key,
+        "lane_on_dead": route.lane_on_dead,
+        "supersede": route.supersede,
+    }
+    return {"route": route_id, **state, **routing}
 
 
 @router.get(
@@ -33,7 +42,8 @@ def _route_state(session: Session, route_id: int) -> dict[str, Any]:
 )
 def show_route(route_id: PathId, session: Db) -> dict[str, Any]:
     """Whether the route is paused (since when, why) and its breaker: `closed`, `open` or
-    `half_open`, when it opened, the next probe, trips, and the failure window."""
+    `half_open`, when it opened, the next probe, trips, and the failure window; its filter,
+    order key, what a dead event does to its lane, and whether it supersedes stale events."""
     return _route_state(session, route_id)
 
 
