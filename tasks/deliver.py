@@ -11,7 +11,7 @@ slots it frees as soon as it ends (:func:`release_slots`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery, Task
@@ -21,7 +21,7 @@ from core import tracing
 from core.clock import pinned
 from core.errors import WebhooksError
 from core.logs import get_logger
-from core.messages import DELIVER_TASK, TRACE_HEADER, Dispatch
+from core.messages import DELIVER_TASK, TRACE_HEADER, Dispatch, batches, message
 from core.settings import MAX_DELIVERY_BATCH
 from models import lanes
 from models.admission import Admission
@@ -31,7 +31,7 @@ from tasks.connections import CONNECTION_ERRORS, on_connection
 from tasks.pause import request_pause
 from tasks.pipeline import run
 from tasks.runtime import Runtime
-from tasks.steps.outcome import Outcome, PublishRetry, Report
+from tasks.steps.outcome import Outcome, Report
 
 log = get_logger(__name__)
 
@@ -160,7 +160,12 @@ def deliver_message(
         text = f"deliveries {ids}: database unavailable ({reason}); {then}"
         raise Retry(text, exc=DatabaseUnavailable(text)) from None
     release_slots(rt, reports)
-    lane_heads(rt, reports, publish_retry)
+
+    def publish_group(group: Sequence[Dispatch]) -> None:
+        args, options = message(group, rt.settings)
+        task.apply_async(args=args, **options)
+
+    lane_heads(rt, reports, publish_group)
     return celery_state(reports[0]) if alone else celery_batch_state(reports)
 
 
@@ -204,13 +209,16 @@ def requeue(task: Task[Any, Any], argument: int | list[int]) -> bool:
 LANE_MOVES = (Outcome.SUCCEEDED, Outcome.DEAD, Outcome.SUPERSEDED, Outcome.LANE)
 
 
-def lane_heads(rt: Runtime, reports: list[Report], publish_retry: PublishRetry) -> None:
+def lane_heads(
+    rt: Runtime, reports: list[Report], publish: Callable[[Sequence[Dispatch]], None]
+) -> None:
     """Publish the claimable head of each lane a delivery of this message ended in, or was
     refused by (models/lanes.py): an ordered route drains at the pace of its handlers, not
     of the sweeper. After the outcomes' commits, so the head read here is the one that may
     run; a refused delivery's lane is read after its slot was freed, so an end committed by
     another worker meanwhile (which could not publish it then) is not missed. A head
-    published twice is claimed once. Published directly, one per lane that moved: it takes
+    published twice is claimed once. Published directly, in messages of up to
+    WEBHOOKS_DELIVERY_BATCH ids as the sweeper does, one head per lane that moved: it takes
     the slot its predecessor left. Failing here loses nothing: the sweeper picks lane heads."""
     moved = [r.lane for r in reports if r.lane is not None and r.outcome in LANE_MOVES]
     if not moved:
@@ -219,8 +227,9 @@ def lane_heads(rt: Runtime, reports: list[Report], publish_retry: PublishRetry) 
         heads = on_connection(
             rt.engine, lambda raw: lanes.next_heads(raw, moved, now=pinned(rt.clock))
         )
-        for head in heads:
-            publish_retry(Dispatch(head.delivery_id, head.event_id, head.source), 0.0)
+        ready = [Dispatch(h.delivery_id, h.event_id, h.source) for h in heads]
+        for group in batches(ready, rt.settings.deliveries_per_message):
+            publish(group)
     except Exception as exc:  # noqa: BLE001 (the sweeper publishes lane heads too)
         log.warning("delivery.lane_publish_failed", error_class=type(exc).__name__)
 
