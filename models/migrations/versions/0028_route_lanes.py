@@ -68,10 +68,14 @@ LANE_DONE = "lane_key IS NOT NULL AND status = 'succeeded'"
 #: The lane condition, as a function: the claim statements must stay under psycopg's cached
 #: statement size (tests/test_transitions.py), and the claim, the sweeper's pick and the
 #: next-head read share it (models/lanes.py). STABLE: it reads in its caller's snapshot.
+#: PL/pgSQL, not SQL: its statement's plan is prepared once per session (a SQL function with
+#: a subquery is not inlined, and was planned again, over every partition, on each call:
+#: bench/results_lanes.txt).
 LANE_CLEAR = """
 CREATE FUNCTION webhooks_lane_clear(p_route bigint, p_key text, p_id bigint, p_now timestamptz)
-RETURNS boolean LANGUAGE sql STABLE AS $fn$
-    SELECT NOT EXISTS (
+RETURNS boolean LANGUAGE plpgsql STABLE AS $fn$
+BEGIN
+    RETURN NOT EXISTS (
         SELECT 1 FROM deliveries l
         WHERE l.route_id = p_route AND l.lane_key = p_key
           AND l.lane_key IS NOT NULL
@@ -80,7 +84,8 @@ RETURNS boolean LANGUAGE sql STABLE AS $fn$
                 AND (l.status <> 'dead'
                      OR EXISTS (SELECT 1 FROM routes lr WHERE lr.id = p_route
                                   AND lr.lane_on_dead = 'block')))
-               OR (l.status = 'processing' AND l.lease_until > p_now)))
+               OR (l.status = 'processing' AND l.lease_until > p_now)));
+END
 $fn$;
 """
 
