@@ -118,19 +118,26 @@ def round_(
 ) -> Drain:
     client.flushdb()
     redis.Redis.from_url(CLAIMS).flushdb()
-    ids: list[int] = []
+    ids: list[int] = []  # every delivery
+    published: list[int] = []  # what the accept returns to publish (a laned one: lane heads)
     for k in range(0, n, 100):
         batch = receipts(conn, source, k, min(100, n - k))
         rows = conn.execute(ACCEPT_MANY_SQL, accept_many_params(batch, s.publish_grace)).fetchall()
-        ids += [o.delivery_ids[0] for o in decide_many(batch, rows)]  # type: ignore[arg-type]
+        outcomes = decide_many(batch, rows)  # type: ignore[arg-type]
+        published += [i for o in outcomes for i in o.delivery_ids]
+        found = conn.execute(
+            "SELECT id FROM deliveries WHERE receipt_id = ANY(%s) ORDER BY id",
+            ([o.receipt_id for o in outcomes],),
+        ).fetchall()
+        ids += [int(r[0]) for r in found]  # type: ignore[index]
     publisher = Publisher(s)
     try:
-        for start in range(0, n, 500):
-            publisher.publish_sync([Dispatch(i) for i in ids[start : start + 500]])
+        for start in range(0, len(published), 500):
+            publisher.publish_sync([Dispatch(i) for i in published[start : start + 500]])
     finally:
         publisher.close()
         publisher.app.close()
-    messages = -(-n // s.deliveries_per_message)
+    messages = -(-len(published) // s.deliveries_per_message)
     while queue_length(client) < messages:
         time.sleep(0.01)
     return drain_queued(client, conn, ids, messages, logdir)

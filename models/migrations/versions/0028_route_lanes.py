@@ -13,12 +13,17 @@ evaluated, and ``lane_key``, its value). Not at the worker's first claim: a clai
 delivery 5 could not know whether an earlier delivery of the route, not claimed yet, has the
 same key, so the lane would have to wait for every earlier unkeyed delivery of the route (all
 keys in one line). Keyed at the accept, every delivery has its key from its first commit and
-the lane is complete in every snapshot. A route that applies to the event and holds an order
-key is judged like a filtered route: the accept answers ``stale`` (writes nothing) when its
-verdict is missing or was computed for another order key (or filter) than the route holds now,
-so a changed order key applies to every event accepted after the change commits. The verdict
-join compares the filter and the order key with ``IS NOT DISTINCT FROM`` (a route may hold an
-order key and no filter).
+the lane is complete in every snapshot. The accept returns for publishing only the
+deliveries that are their lane's head as it sees them (``webhooks_lane_clear``); one behind an
+unfinished delivery of its key is published when that one ends (the worker that ends it reads
+the lane's next head after its commit), or by the sweeper's pick of lane heads should that
+end commit between this accept's read and its commit.
+
+A route that applies to the event and holds an order key is judged like a filtered route: the
+accept answers ``stale`` (writes nothing) when its verdict is missing or was computed for
+another order key (or filter) than the route holds now, so a changed order key applies to every
+event accepted after the change commits. The verdict join compares the filter and the order key
+with ``IS NOT DISTINCT FROM`` (a route may hold an order key and no filter).
 
 The lane itself is kept by the claim (:mod:`models.lanes`, :mod:`models.transitions`),
 through ``webhooks_lane_clear(route, key, id, now)`` (a function, so that the claim statements
@@ -103,12 +108,32 @@ _EDITS = (
 )  # fmt: skip
 
 
+# A delivery is returned for publishing (``delivery_ids``, ``route_limits``) only when it is its
+# lane's head as the accept sees it: one behind an unfinished delivery of its key is published
+# by whoever ends the one ahead of it (models/lanes.py), so an ordered backlog costs no message
+# that its lane would refuse.
+_HEAD = "({d}.lane_key IS NULL OR webhooks_lane_clear({d}.route_id, {d}.lane_key, {d}.id, v_now))"
+_ONE_HEADS = (
+    ("RETURNING deliveries.id, deliveries.route_id, deliveries.status\n",
+     "RETURNING deliveries.id, deliveries.route_id, deliveries.status, deliveries.lane_key\n", 1),
+    ("delivery.status = 'pending'",
+     "delivery.status = 'pending' AND " + _HEAD.format(d="delivery"), 2),
+)  # fmt: skip
+_MANY_HEADS = (
+    ("RETURNING deliveries.id, deliveries.receipt_id, deliveries.route_id, deliveries.status\n",
+     "RETURNING deliveries.id, deliveries.receipt_id, deliveries.route_id, deliveries.status,"
+     " deliveries.lane_key\n", 1),
+    ("d.receipt_id = r.id AND d.status = 'pending'",
+     "d.receipt_id = r.id AND d.status = 'pending' AND " + _HEAD.format(d="d"), 2),
+)  # fmt: skip
+
+
 def _revision_0027() -> object:
     return importlib.import_module("models.migrations.versions.0027_route_filters")
 
 
-def _edited(body: str) -> str:
-    for old, new, times in _EDITS:
+def _edited(body: str, more: Sequence[tuple[str, str, int]] = ()) -> str:
+    for old, new, times in (*_EDITS, *more):
         if body.count(old) != times:
             raise RuntimeError(f"0027's function body changed: {old.strip()!r}")
         body = body.replace(old, new)
@@ -116,11 +141,11 @@ def _edited(body: str) -> str:
 
 
 def accept_function() -> str:
-    return _edited(_revision_0027().accept_function())  # type: ignore[attr-defined]
+    return _edited(_revision_0027().accept_function(), _ONE_HEADS)  # type: ignore[attr-defined]
 
 
 def accept_many_function() -> str:
-    return _edited(_revision_0027().accept_many_function())  # type: ignore[attr-defined]
+    return _edited(_revision_0027().accept_many_function(), _MANY_HEADS)  # type: ignore[attr-defined]
 
 
 def upgrade() -> None:
