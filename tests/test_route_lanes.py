@@ -31,6 +31,8 @@ from models.accept import NewReceipt, accept_sync, route_filters_sync
 from models.catalog import CatalogError, Change
 from models.route_catalog import set_lanes
 from tests.factories import MadeSource, make_source
+from tests.leakcheck import remember
+from tests.operators_support import cli, ops_env, ops_settings
 from tests.workers import (
     Broker,
     flush_redis,
@@ -523,3 +525,44 @@ def test_two_concurrent_claims_never_take_two_deliveries_of_one_lane(
         for th in threads:
             th.join()
         assert out == {a: True, b: False}, (a, b, out)
+
+
+def test_the_cli_refuses_supersede_on_an_unsigned_time_and_shows_the_lanes(
+    sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """``routes add --supersede`` on a GitHub source (no signed event time): one line saying
+    so, exit 1, nothing saved; an ordered route's lanes in ``routes show`` and ``routes list
+    --json``."""
+    ops = ops_settings()
+    env = ops_env()
+    github = make_source(sessions, ops, provider="github", routes=[])
+    remember(github.secret)
+    refused = cli(
+        "routes", "add", github.public_id, "--handler", "log", "--order-key", "body.id",
+        "--supersede", env=env,
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert refused.stderr.strip().count("\n") == 0, refused.stderr  # one line
+    assert "--supersede refused: github events carry no event time" in refused.stderr
+    with engine.connect() as conn:
+        count = conn.execute(
+            text("SELECT count(*) FROM routes WHERE source_id = :s"), {"s": github.id}
+        ).scalar_one()
+    assert count == 0
+    stripe = make_source(sessions, ops, provider="stripe", routes=[])
+    remember(stripe.secret)
+    added = cli(
+        "routes", "add", stripe.public_id, "--handler", "log", "--order-key",
+        "body.data.object.customer", "--supersede", "--lane-on-dead", "skip", "--json", env=env,
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    route = orjson.loads(added.stdout)
+    assert (route["order_key"], route["lane_on_dead"], route["supersede"]) == (
+        "body.data.object.customer",
+        "skip",
+        True,
+    )
+    shown = cli("routes", "show", str(route["id"]), env=env)
+    assert "lanes: order key body.data.object.customer, on dead: skip, supersede" in shown.stdout
+    listed = orjson.loads(cli("routes", "list", stripe.public_id, "--json", env=env).stdout)
+    assert listed[0]["order_key"] == "body.data.object.customer"
