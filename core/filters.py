@@ -29,8 +29,9 @@ saved, and again when a receiver first meets it: :func:`compiled` caches per tex
 
 from __future__ import annotations
 
+import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -203,9 +204,13 @@ class Verdict:
     (never a value of the event)."""
 
     route_id: int
-    expression: str
+    expression: str | None
     matched: bool
     reason: str | None = None
+    # The route's order key (its text, as evaluated) and its value on this event: the
+    # delivery's lane (None: unordered). Migration 0028.
+    order_key: str | None = None
+    lane_key: str | None = None
 
 
 def evaluate(route_id: int, expression: str, document: dict[str, Any]) -> Verdict:
@@ -256,7 +261,8 @@ class RouteFilter:
 
     route_id: int
     events_glob: str
-    expression: str
+    expression: str | None
+    order_key: str | None = None
 
     def applies(self, event_type: str) -> bool:
         return _glob(self.events_glob).fullmatch(event_type) is not None
@@ -265,10 +271,43 @@ class RouteFilter:
 def decide(
     filters: tuple[RouteFilter, ...], body: bytes, event_type: str, headers: Any
 ) -> tuple[Verdict, ...]:
-    """The verdicts of the filters that apply to this event's type (the body parsed once, and
-    only when one applies)."""
+    """The verdicts of the routes (with a filter or an order key) that apply to this event's
+    type (the body parsed once, and only when one applies): each filter judged, and each
+    matching route's lane key computed (:func:`lane_key`)."""
     applying = [f for f in filters if f.applies(event_type)]
     if not applying:
         return ()
     doc = document(body, event_type, headers)
-    return tuple(evaluate(f.route_id, f.expression, doc) for f in applying)
+    out = []
+    for f in applying:
+        verdict = (
+            evaluate(f.route_id, f.expression, doc)
+            if f.expression is not None
+            else Verdict(f.route_id, None, True)
+        )
+        if f.order_key is not None:
+            key = lane_key(f.order_key, doc) if verdict.matched else None
+            verdict = replace(verdict, order_key=f.order_key, lane_key=key)
+        out.append(verdict)
+    return tuple(out)
+
+
+#: A lane key longer than this is stored as its digest (an index entry has a size limit).
+MAX_LANE_KEY_CHARS = 200
+
+
+def lane_key(expression: str, document: dict[str, Any]) -> str | None:
+    """The value of a route's order key on an event (pure but for the compile cache): a
+    string as itself, any other value as its JSON text, a long one as ``sha256:<hex>``;
+    None (the event goes unordered) when the value is null or empty, or the expression fails
+    on this event or no longer compiles."""
+    try:
+        value = compiled(expression).search(document, options=_OPTIONS)
+    except (FilterError, jp_exceptions.JMESPathError, TypeError, ValueError, re.error):
+        return None
+    if value is None or value in ("", [], {}):
+        return None
+    text = value if isinstance(value, str) else orjson.dumps(value).decode()
+    if len(text) > MAX_LANE_KEY_CHARS:
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return text

@@ -169,6 +169,19 @@ BREAKER_STATE = Gauge(
     ["route"],
     multiprocess_mode="mostrecent",
 )
+# Ordered lanes (models/lanes.py, issue 37 items 2 and 3). ``route``: the route's id.
+SUPERSEDED = Counter(
+    "webhooks_superseded_total",
+    "Events recorded superseded (a newer event of their lane key had succeeded on the route;"
+    " handler not called), by source and route",
+    ["source", "route"],
+)
+LANES_BLOCKED = Gauge(
+    "webhooks_lanes_blocked",
+    "Lanes of a route (--lane-on-dead block) whose head is a dead letter, measured by the sweeper",
+    ["route"],
+    multiprocess_mode="mostrecent",
+)
 ROUTES_DISABLED = Counter(
     "webhooks_routes_disabled_total",
     "Routes the sweep disabled because their circuit breaker stayed open longer than"
@@ -397,6 +410,8 @@ WORKER_ONLY: tuple[Any, ...] = (
     JOB_LAST_SUCCESS,
     JOB_PERIOD,
     ROUTES_DISABLED,
+    SUPERSEDED,
+    LANES_BLOCKED,
     EXPIRED_ROWS,
     # The horizon, re-checked.
     PROVIDER_WINDOW_AGE,

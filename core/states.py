@@ -25,6 +25,10 @@ class DeliveryStatus(StrEnum):
     # work was made for it, ``last_error`` says why. Replayed only when chosen by its id.
     # Also final on the worker when the route's transform dropped it (tasks.transforms).
     FILTERED = "filtered"
+    # Final at its claim (a route with --supersede, models/lanes.py): a newer event of its
+    # lane key had already succeeded on the route; its handler was not called, ``last_error``
+    # names the newer event. Replayed only when chosen by its id.
+    SUPERSEDED = "superseded"
 
 
 #: Work not finished yet: it holds its receipt and keeps a route from being removed.
@@ -41,6 +45,7 @@ class AttemptOutcome(StrEnum):
     DEAD = "dead"
     CRASHED = "crashed"
     FILTERED = "filtered"  # the route's transform dropped the event (tasks.transforms)
+    SUPERSEDED = "superseded"  # not run: a newer event of its lane had succeeded
 
 
 class BreakerState(StrEnum):

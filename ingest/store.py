@@ -88,8 +88,9 @@ SELECT s.id, s.provider, s.config, s.tolerance_s, s.max_body_bytes,
                 FILTER (WHERE ss.id IS NOT NULL), '{}'),
        coalesce(array_agg(ss.ciphertext ORDER BY ss.created_at DESC)
                 FILTER (WHERE ss.id IS NOT NULL), '{}'),
-       ARRAY(SELECT ARRAY[rt.id::text, rt.events_glob, rt.filter] FROM routes rt
-             WHERE rt.source_id = s.id AND rt.active AND rt.filter IS NOT NULL
+       ARRAY(SELECT ARRAY[rt.id::text, rt.events_glob, rt.filter, rt.order_key] FROM routes rt
+             WHERE rt.source_id = s.id AND rt.active
+               AND (rt.filter IS NOT NULL OR rt.order_key IS NOT NULL)
              ORDER BY rt.id)
 FROM sources s
 LEFT JOIN source_secrets ss ON ss.source_id = s.id AND ss.revoked_at IS NULL
@@ -276,7 +277,7 @@ class Store:
         (sid, provider, config, tolerance_s, max_body, rw, ql, cs, rg, name, active, ids, cts) = (
             row[:13]
         )
-        filters = tuple(RouteFilter(int(r), glob, expr) for r, glob, expr in row[13])
+        filters = tuple(RouteFilter(int(r), glob, expr, key) for r, glob, expr, key in row[13])
         if provider in registry.providers():
             ttl = effective_ttl(
                 provider, TtlOverrides.from_seconds(rw, ql, cs, rg), self.settings, source_name=name

@@ -107,7 +107,14 @@ class NewReceipt:
 def verdict_rows(verdicts: Sequence[Verdict]) -> list[dict[str, Any]]:
     """The verdicts as the accept functions read them (migration 0027; pure)."""
     return [
-        {"route_id": v.route_id, "filter": v.expression, "matched": v.matched, "reason": v.reason}
+        {
+            "route_id": v.route_id,
+            "filter": v.expression,
+            "matched": v.matched,
+            "reason": v.reason,
+            "order_key": v.order_key,
+            "lane_key": v.lane_key,
+        }
         for v in verdicts
     ]
 
@@ -204,14 +211,16 @@ def decide(row: TupleRow | None) -> Outcome:
 # A source's active routes that hold a filter, as the receiver's source read has them
 # (ingest.store.SOURCE_SQL): for the accepts that do not go through the receiver.
 ROUTE_FILTERS_SQL = """
-SELECT rt.id, rt.events_glob, rt.filter FROM routes rt
-WHERE rt.source_id = %(source_id)s AND rt.active AND rt.filter IS NOT NULL ORDER BY rt.id
+SELECT rt.id, rt.events_glob, rt.filter, rt.order_key FROM routes rt
+WHERE rt.source_id = %(source_id)s AND rt.active
+  AND (rt.filter IS NOT NULL OR rt.order_key IS NOT NULL)
+ORDER BY rt.id
 """
 
 
 def route_filters_sync(conn: psycopg.Connection[Any], source_id: int) -> tuple[RouteFilter, ...]:
     rows = conn.execute(ROUTE_FILTERS_SQL, {"source_id": source_id}).fetchall()
-    return tuple(RouteFilter(int(r), glob, expr) for r, glob, expr in rows)
+    return tuple(RouteFilter(int(r), glob, expr, key) for r, glob, expr, key in rows)
 
 
 def accept_sync(conn: psycopg.Connection[Any], receipt: NewReceipt, grace: timedelta) -> Outcome:

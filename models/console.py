@@ -338,6 +338,10 @@ class RouteRow:
     limits: dict[str, Any]  # models.breaker.limits_view: max_in_flight, rate_limit (None: unset)
     filter: str | None = None  # its JMESPath filter (core.filters), None: every event
     transform: str | None = None  # its transform's name (tasks.transforms), None: none
+    # Its lanes (models/lanes.py): the order key (None: unordered), block or skip, supersede.
+    order_key: str | None = None
+    lane_on_dead: str = "block"
+    supersede: bool = False
 
 
 @dataclass(frozen=True)
@@ -365,6 +369,9 @@ def catalog(session: Session) -> list[SourceRow]:
                 limits_view(route),
                 route.filter,
                 route.transform,
+                route.order_key,
+                route.lane_on_dead,
+                route.supersede,
             )
         )
     return [SourceRow(s.public_id, s.name, s.provider, s.active, by_source[s.id]) for s in sources]

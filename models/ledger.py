@@ -27,7 +27,7 @@ Receipts that matched no route have no work, and no row.
 
 Outcomes: entries ``<route id>.<attempt><code>[:<detail>]`` joined by U+001F (:data:`SEP`,
 which neither a result reference nor a dead reason can hold), code ``s`` succeeded (detail:
-the result reference), ``d`` dead (the reason) or ``x`` discarded.
+the result reference), ``d`` dead (the reason), ``x`` discarded or ``u`` superseded.
 """
 
 from __future__ import annotations
@@ -68,9 +68,13 @@ def discarded(row: str = "") -> str:
     return _entry("x", None, row)
 
 
+def superseded(row: str = "") -> str:
+    return _entry("u", None, row)
+
+
 ANY_END = (
     f"CASE status WHEN 'succeeded' THEN {succeeded()} WHEN 'dead' THEN {dead()}"
-    f" WHEN 'discarded' THEN {discarded()} END"
+    f" WHEN 'discarded' THEN {discarded()} WHEN 'superseded' THEN {superseded()} END"
 )
 
 # The ended receipts' rows, and the kinds among them not seen before. A kind is added by the
@@ -115,7 +119,7 @@ _RECORD = placeholders(f"""
     WITH ended AS (
         SELECT receipt_id, expires_at, {ANY_END} AS outcome FROM deliveries
         WHERE id = ANY(CAST(:ids AS bigint[]))
-          AND status IN ('succeeded', 'dead', 'discarded')
+          AND status IN ('succeeded', 'dead', 'discarded', 'superseded')
     ), {append("ended")}
     SELECT count(*) FROM ended
 """)  # noqa: S608 (fragments of this module, no input)

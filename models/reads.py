@@ -660,7 +660,8 @@ _ROUTE_COLUMNS = (
     " rt.breaker_state, rt.breaker_opened_at, rt.breaker_probe_at, rt.probe_delivery,"
     " rt.breaker_trips, rt.window_started_at, rt.window_requests, rt.window_failures,"
     " rt.max_in_flight, rt.released_at, rt.rate_count, rt.rate_period_s, rt.disabled_at,"
-    " rt.disabled_reason, rt.filter, rt.transform"
+    " rt.disabled_reason, rt.filter, rt.transform, rt.order_key, rt.lane_on_dead,"
+    " rt.supersede"
 )
 
 

@@ -133,14 +133,16 @@ def _refuse_states(candidates: list[Candidate], rerun_succeeded: bool) -> None:
             "deliberately, with a new key, pass --rerun-succeeded (audited like any replay)",
             "succeeded",
         )
-    # A filtered delivery (its route's filter did not match) runs only when named by its id:
-    # a filter-based replay never selects it (candidates_by_filter takes dead or succeeded).
-    busy = [c for c in candidates if c.status not in (*REPLAYABLE, DeliveryStatus.FILTERED)]
+    # A filtered delivery (its route's filter did not match) or a superseded one (a newer
+    # event of its lane had succeeded) runs only when named by its id: a filter-based replay
+    # never selects it (candidates_by_filter takes dead or succeeded).
+    named_only = (DeliveryStatus.FILTERED, DeliveryStatus.SUPERSEDED)
+    busy = [c for c in candidates if c.status not in (*REPLAYABLE, *named_only)]
     if busy:
         listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in busy[:10])
         raise ReplayError(
-            f"refused: delivery {listed} is still being worked on; only dead or filtered "
-            "deliveries (or succeeded ones, with --rerun-succeeded) can be replayed",
+            f"refused: delivery {listed} is still being worked on; only dead, filtered or "
+            "superseded deliveries (or succeeded ones, with --rerun-succeeded) can be replayed",
             "not_replayable",
         )
 

@@ -14,7 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from core.states import DeliveryStatus
-from models import ledger
+from models import lanes, ledger
 from models.statements import sql_text
 
 
@@ -75,8 +75,10 @@ _REPLAY_MANY_SQL = """
         generation = d.generation + :bump, succeeded_at = NULL, dead_reason = NULL,
         dead_at = NULL, first_attempt_at = NULL, next_attempt_at = :now + :grace,
         updated_at = :now,
-        last_error_class = CASE WHEN d.status = 'filtered' THEN NULL ELSE d.last_error_class END,
-        last_error = CASE WHEN d.status = 'filtered' THEN NULL ELSE d.last_error END
+        last_error_class = CASE WHEN d.status IN ('filtered', 'superseded') THEN NULL
+                                ELSE d.last_error_class END,
+        last_error = CASE WHEN d.status IN ('filtered', 'superseded') THEN NULL
+                          ELSE d.last_error END
     WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.status = :status
       AND (SELECT r.payload IS NOT NULL FROM receipts r
            WHERE r.id = d.receipt_id AND r.expires_at = d.expires_at)
@@ -104,6 +106,7 @@ def replay_many(
         (DeliveryStatus.DEAD, 0),
         (DeliveryStatus.SUCCEEDED, 1),
         (DeliveryStatus.FILTERED, 0),
+        (DeliveryStatus.SUPERSEDED, 0),
     ):
         ids = [i for i, seen in wanted if seen == status]
         if ids:
@@ -195,6 +198,9 @@ def due_for_publish(
                       SELECT 1 FROM routes g WHERE g.id = deliveries.route_id
                         AND (g.paused_at IS NOT NULL OR g.breaker_state <> 'closed'))
                   AND id NOT IN (SELECT unnest(CAST(:admitted AS bigint[])))
+                  -- a delivery its lane holds back is not lost: the end of the delivery
+                  -- ahead of it publishes it (models/lanes.py); only heads are picked
+                  AND <lane-guard>
                 ORDER BY next_attempt_at
                 LIMIT :limit
                 FOR UPDATE SKIP LOCKED
@@ -211,7 +217,7 @@ def due_for_publish(
             LEFT JOIN receipts r ON r.id = p.receipt_id AND r.expires_at = p.expires_at
             LEFT JOIN sources s ON s.id = p.source_id
             ORDER BY p.id
-            """
+            """.replace("<lane-guard>", lanes.guard("deliveries"))
         ),
         {"now": now, "grace": grace, "limit": limit, "admitted": list(admitted)},
     ).all()

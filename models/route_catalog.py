@@ -18,8 +18,9 @@ from core.crypto import (
     generate_secret,
     route_secret_place,
 )
-from core.filters import compile_filter
+from core.filters import FilterError, compile_filter
 from core.providers import registry
+from core.providers.contract import SIGNED_FIELD
 from core.publish_target import publish_target
 from core.states import DeliveryStatus
 from models.catalog import (
@@ -58,15 +59,20 @@ def add_route(
     max_age: timedelta | None = None,
     filter: str | None = None,  # noqa: A002 (the option's and the column's name)
     transform: str | None = None,
+    order_key: str | None = None,
+    lane_on_dead: str = "block",
+    supersede: bool = False,
     operator: str | None = None,
     via: str = "cli",
 ) -> tuple[Route, str | None]:
     """Bind a handler (audited: ``operator``, default this process's login name).
     ``forward`` routes get their own signing secret (returned once, never audited). A
-    ``filter`` is checked first (:func:`check_filter`): a bad one saves nothing. A
-    ``transform`` names a registered one: the caller checks it against the registry
-    (:meth:`tasks.transforms.TransformRegistry.require`) before calling."""
+    ``filter`` is checked first (:func:`check_filter`): a bad one saves nothing; so are the
+    lane options (:func:`check_lanes`). A ``transform`` names a registered one: the caller
+    checks it against the registry (:meth:`tasks.transforms.TransformRegistry.require`)
+    before calling."""
     expression = check_filter(filter)
+    key = check_lanes(source, order_key, lane_on_dead, supersede)
     transform = stored_transform(transform)
     if not handler.strip():
         raise CatalogError("handler name must not be empty")
@@ -95,6 +101,9 @@ def add_route(
         max_age_s=whole_seconds(max_age),
         filter=expression,
         transform=transform,
+        order_key=key,
+        lane_on_dead=lane_on_dead,
+        supersede=supersede,
     )
     session.add(route)
     session.flush()
@@ -120,6 +129,98 @@ def check_filter(expression: str | None) -> str | None:
         return None
     compile_filter(expression)
     return expression
+
+
+LANE_ON_DEAD = ("block", "skip")
+
+
+def check_order_key(expression: str | None) -> str | None:
+    """The order key to store: None for none (``None``, empty, or ``none``), else the
+    expression once it compiles (the filter's language and check: :func:`check_filter`)."""
+    try:
+        return check_filter(expression)
+    except FilterError as exc:
+        where = "" if exc.position is None else f" at position {exc.position}"
+        raise CatalogError(f"order key refused{where}: {exc.reason}") from None
+
+
+def check_lanes(
+    source: Source, order_key: str | None, lane_on_dead: str, supersede: bool
+) -> str | None:
+    """The lane options of a route (models/lanes.py), checked before anything is saved: the
+    order key compiles, ``lane_on_dead`` is block or skip, and ``supersede`` has an order key
+    and a source whose provider signs its event time. Returns the order key to store."""
+    key = check_order_key(order_key)
+    if lane_on_dead not in LANE_ON_DEAD:
+        raise CatalogError(f"--lane-on-dead must be block or skip, not {lane_on_dead!r}")
+    if supersede:
+        if key is None:
+            raise CatalogError("--supersede needs --order-key: it compares events of one key")
+        why = unsigned_time(source)
+        if why is not None:
+            raise CatalogError(f"--supersede refused: {why}")
+    return key
+
+
+def unsigned_time(source: Source) -> str | None:
+    """Why this source's events carry no signed event time (so none can supersede another),
+    or None when its provider's signature covers the time it reports."""
+    try:
+        provider = registry.get(source.provider)
+    except registry.UnknownProvider:
+        return f"provider {source.provider} is not installed here"
+    time = provider.signed_fields(source.config or {}).get("time")
+    if time == SIGNED_FIELD:
+        return None
+    if time is None:
+        return f"{source.provider} events carry no event time"
+    return f"{source.provider} reads its event time from a part the signature does not cover"
+
+
+def set_lanes(
+    session: Session,
+    route_id: int,
+    change: Change,
+    *,
+    order_key: str | None = None,
+    lane_on_dead: str | None = None,
+    supersede: bool | None = None,
+    now: datetime | None,
+) -> Changed:
+    """Set a route's lane options (audited ``route.lanes``, before and after; None: left as
+    is; an order key of ``none`` clears it). A new order key applies to the events accepted
+    after this commits (the accept refuses a key it was not given as it now stands, as for a
+    filter: migration 0028); deliveries accepted before keep their lane."""
+    change.check()
+    route = session.scalars(select(Route).where(Route.id == route_id).with_for_update()).first()
+    if route is None:
+        raise CatalogError(f"no such route: {route_id} (see `webhooks routes list SOURCE`)")
+    source = session.scalars(select(Source).where(Source.id == route.source_id)).one()
+    before = _lanes_of(route)
+    key = route.order_key if order_key is None else order_key
+    after_key = check_lanes(
+        source,
+        key,
+        route.lane_on_dead if lane_on_dead is None else lane_on_dead,
+        route.supersede if supersede is None else supersede,
+    )
+    route.order_key = after_key
+    if lane_on_dead is not None:
+        route.lane_on_dead = lane_on_dead
+    if supersede is not None:
+        route.supersede = supersede
+    session.flush()
+    target = {**route_target(route, source.public_id), "before": before, "after": _lanes_of(route)}
+    audit_id = record_audit(session, change, "route.lanes", target, count=1, now=now)
+    return Changed(audit_id, target, 0)
+
+
+def _lanes_of(route: Route) -> dict[str, Any]:
+    return {
+        "order_key": route.order_key,
+        "lane_on_dead": route.lane_on_dead,
+        "supersede": route.supersede,
+    }
 
 
 def set_filter(
@@ -283,6 +384,8 @@ def route_target(route: Route, source: str) -> dict[str, Any]:
         target["filter"] = route.filter
     if route.transform is not None:
         target["transform"] = route.transform
+    if route.order_key is not None:
+        target["order_key"] = route.order_key
     return target
 
 

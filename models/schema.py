@@ -159,6 +159,7 @@ class Route(Base):
             " OR (rate_count >= 1 AND rate_period_s >= 1))",
             name="limits",
         ),
+        CheckConstraint("lane_on_dead IN ('block', 'skip')", name="lane_on_dead"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
@@ -206,6 +207,13 @@ class Route(Base):
     # A registered transform's name (tasks.transforms, migration 0029); NULL: none. Checked
     # against the registry when saved (webhooks routes add|update --transform).
     transform: Mapped[str | None] = mapped_column(Text)
+    # Ordered lanes (migration 0028, models/lanes.py): a JMESPath expression whose value on
+    # an event is its delivery's lane key; NULL: unordered. ``lane_on_dead``: whether a dead
+    # delivery holds its lane (block) or not (skip). ``supersede``: an event older than the
+    # newest one of its key already succeeded here is recorded superseded, not run.
+    order_key: Mapped[str | None] = mapped_column(Text)
+    lane_on_dead: Mapped[str] = mapped_column(Text, server_default="block")
+    supersede: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
 
 receipt_id_seq = Sequence("receipts_id_seq", metadata=Base.metadata)
@@ -288,6 +296,23 @@ class Delivery(Base):
             "expires_at",
             postgresql_where=text("status = 'dead'"),
         ),
+        # Lanes (0028, models/lanes.py): the unfinished deliveries of a route and key, in
+        # order (the claim's probe for an earlier one), and the succeeded ones (supersede).
+        Index(
+            "ix_deliveries_lane",
+            "route_id",
+            "lane_key",
+            "id",
+            postgresql_where=text(
+                "lane_key IS NOT NULL AND status IN ('pending', 'processing', 'retrying', 'dead')"
+            ),
+        ),
+        Index(
+            "ix_deliveries_lane_done",
+            "route_id",
+            "lane_key",
+            postgresql_where=text("lane_key IS NOT NULL AND status = 'succeeded'"),
+        ),
         {"postgresql_partition_by": "RANGE (expires_at)"},
     )
 
@@ -331,6 +356,8 @@ class Delivery(Base):
     # What the handler returned on success, when a short text (0021): a duplicate's answer,
     # ``events show`` and the console show it.
     result_ref: Mapped[str | None] = mapped_column(Text)
+    # The value of its route's order key on its event (0028): its lane; NULL: unordered.
+    lane_key: Mapped[str | None] = mapped_column(Text)
 
 
 class Attempt(Base):

@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import WebhooksError
 from core.states import AttemptOutcome, DeliveryStatus
-from models import ledger
+from models import lanes, ledger
 from models.statements import Target, fetchone, placeholders
 
 
@@ -69,6 +69,9 @@ class Claim:
     status: str  # "processing", or "dead" when this claim found one crash too many
     attempt_base: int  # ``attempt`` when last replayed or re-run (the policy counts from it)
     at: datetime  # the instant the claim was decided at (the database's clock)
+    # Its lane (models/lanes.py, migration 0028): the value of its route's order key on its
+    # event; None: unordered.
+    lane_key: str | None = None
 
     @property
     def attempts_in_run(self) -> int:
@@ -121,14 +124,14 @@ _GATE = """\
 _CLAIMED_EVENT = """\
     SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
            c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
-           c.status, c.attempt_base, c.at,
+           c.status, c.attempt_base, c.at, c.lane_key,
            rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
            rt.max_age_s, rt.active, rt.breaker_state, rt.window_failures, rt.released_at,
            rt.rate_count, rt.rate_period_s, rt.breaker_opened_at,
            s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s, s.clock_skew_s,
            s.replay_grace_s,
            r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
-           r.content_type, r.payload, rt.transform
+           r.content_type, r.payload, rt.transform, rt.supersede IS TRUE
     FROM claimed c
     LEFT JOIN routes rt ON rt.id = c.route_id
     LEFT JOIN sources s ON s.id = rt.source_id
@@ -147,9 +150,10 @@ _CLAIM_SQL = """
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
 {gate}
+{lane}
         RETURNING id, expires_at, receipt_id, source_id, route_id, attempts, redeliveries,
                   generation, created_at, first_attempt_at, lease_until, status, attempt_base,
-                  :now AS at
+                  :now AS at, lane_key
     ), crashed AS (
         UPDATE {attempts} SET outcome = 'crashed', ended_at = :now,
             error_class = 'WorkerLost', error_message = 'lease expired while processing'
@@ -217,6 +221,7 @@ def _claim_sql(*, worker: bool, leaf: str | None = None) -> str:
             ),
             claim_set=_CLAIM_SET,
             gate=_GATE,
+            lane=lanes.GUARD,
             **tables,
         )
     )
@@ -254,6 +259,7 @@ class ClaimedEvent(NamedTuple):
     content_type: str | None
     payload: bytes | None
     transform: str | None = None  # the route's transform (tasks.transforms; None: none)
+    supersede: bool = False  # the route supersedes stale events of a lane (models/lanes.py)
 
 
 def claim(
@@ -319,7 +325,7 @@ def claim_with_event(
     )
     if row is None:
         return None
-    return Claim(*row[:14]), ClaimedEvent(*row[14:42])
+    return Claim(*row[:15]), ClaimedEvent(*row[15:44])
 
 
 # The worker's claim of several deliveries at once (a message carrying several ids): the same
@@ -340,9 +346,10 @@ _CLAIM_MANY_SQL = """
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
 {gate}
+{lane}
         RETURNING deliveries.id, deliveries.expires_at, receipt_id, source_id, route_id,
                   attempts, redeliveries, deliveries.generation, created_at, first_attempt_at,
-                  lease_until, status, attempt_base, :now AS at
+                  lease_until, status, attempt_base, :now AS at, deliveries.lane_key
     ), crashed AS (
         UPDATE {attempts} SET outcome = 'crashed', ended_at = :now,
             error_class = 'WorkerLost', error_message = 'lease expired while processing'
@@ -430,14 +437,18 @@ def claim_many_with_event(
             "worker": worker,
         },
     ).fetchall()
-    return [(Claim(*row[:14]), ClaimedEvent(*row[14:42])) for row in rows]
+    return [(Claim(*row[:15]), ClaimedEvent(*row[15:44])) for row in rows]
 
 
 @functools.cache
 def _claim_many_sql(leaf: str | None) -> str:
     return placeholders(
         _CLAIM_MANY_SQL.format(
-            claim_set=_CLAIM_SET, claimed_event=_CLAIMED_EVENT, gate=_GATE, **_tables(_leaf(leaf))
+            claim_set=_CLAIM_SET,
+            claimed_event=_CLAIMED_EVENT,
+            gate=_GATE,
+            lane=lanes.GUARD,
+            **_tables(_leaf(leaf)),
         )
     )
 
@@ -676,4 +687,31 @@ def filter_out(session: Target, found: Claim, *, now: datetime, reason: str) -> 
         now=now,
         outcome=AttemptOutcome.FILTERED,
         params={"reason": reason},
+    )
+
+
+def supersede(
+    session: Target,
+    found: Claim,
+    *,
+    now: datetime,
+    newer_event_id: str,
+    leaf: str | None = None,
+) -> None:
+    """processing (this attempt) -> superseded: a newer event of its lane already succeeded
+    on the route (models/lanes.py); its handler was not called. Final, with the newer
+    event's id in ``last_error`` and its route's outcome in the ledger (same statement)."""
+    _guarded_finish(
+        session,
+        found,
+        "supersede",
+        "status = 'superseded', next_attempt_at = NULL, last_error_class = 'superseded', "
+        "last_error = :newer",
+        now=now,
+        outcome=AttemptOutcome.SUPERSEDED,
+        error_class="superseded",
+        error=f"superseded by event {newer_event_id}",
+        params={"newer": f"superseded by event {newer_event_id}"},
+        leaf=leaf,
+        final=ledger.superseded(),
     )

@@ -462,6 +462,7 @@ CODES = {
     DeliveryStatus.SUCCEEDED: "s",
     DeliveryStatus.DEAD: "d",
     DeliveryStatus.DISCARDED: "x",
+    DeliveryStatus.SUPERSEDED: "u",
 }
 
 

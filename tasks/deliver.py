@@ -11,21 +11,23 @@ slots it frees as soon as it ends (:func:`release_slots`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery, Task
 from celery.exceptions import Retry
 
 from core import tracing
+from core.clock import pinned
 from core.errors import WebhooksError
 from core.logs import get_logger
-from core.messages import DELIVER_TASK, TRACE_HEADER, Dispatch
+from core.messages import DELIVER_TASK, TRACE_HEADER, Dispatch, batches, message
 from core.settings import MAX_DELIVERY_BATCH
+from models import lanes
 from models.admission import Admission
 from models.db import DatabaseUnavailable
 from tasks import dispatcher
-from tasks.connections import CONNECTION_ERRORS
+from tasks.connections import CONNECTION_ERRORS, on_connection
 from tasks.pause import request_pause
 from tasks.pipeline import run
 from tasks.runtime import Runtime
@@ -75,6 +77,8 @@ def celery_state(report: Report) -> str:
         Outcome.HELD: "held: its route is paused or its circuit breaker is open (not an attempt)",
         Outcome.MISSING: "missing: no such delivery",
         Outcome.ISOLATED: "isolated: its worker died holding it; published again alone",
+        Outcome.LANE: "lane: an earlier delivery of its lane is unfinished (not an attempt)",
+        Outcome.SUPERSEDED: f"superseded: {report.detail}",
     }.get(report.outcome, str(report.outcome))
 
 
@@ -156,6 +160,12 @@ def deliver_message(
         text = f"deliveries {ids}: database unavailable ({reason}); {then}"
         raise Retry(text, exc=DatabaseUnavailable(text)) from None
     release_slots(rt, reports)
+
+    def publish_group(group: Sequence[Dispatch]) -> None:
+        args, options = message(group, rt.settings)
+        task.apply_async(args=args, **options)
+
+    lane_heads(rt, reports, publish_group)
     return celery_state(reports[0]) if alone else celery_batch_state(reports)
 
 
@@ -192,6 +202,36 @@ def requeue(task: Task[Any, Any], argument: int | list[int]) -> bool:
         log.warning("delivery.requeue_failed", error_class=type(exc).__name__)
         return False
     return True
+
+
+#: Outcomes after which a lane's next delivery may run: the delivery ended (dead: it no longer
+#: holds a ``skip`` lane), or its lane refused it (the lane may have opened since).
+LANE_MOVES = (Outcome.SUCCEEDED, Outcome.DEAD, Outcome.SUPERSEDED, Outcome.LANE)
+
+
+def lane_heads(
+    rt: Runtime, reports: list[Report], publish: Callable[[Sequence[Dispatch]], None]
+) -> None:
+    """Publish the claimable head of each lane a delivery of this message ended in, or was
+    refused by (models/lanes.py): an ordered route drains at the pace of its handlers, not
+    of the sweeper. After the outcomes' commits, so the head read here is the one that may
+    run; a refused delivery's lane is read after its slot was freed, so an end committed by
+    another worker meanwhile (which could not publish it then) is not missed. A head
+    published twice is claimed once. Published directly, in messages of up to
+    WEBHOOKS_DELIVERY_BATCH ids as the sweeper does, one head per lane that moved: it takes
+    the slot its predecessor left. Failing here loses nothing: the sweeper picks lane heads."""
+    moved = [r.lane for r in reports if r.lane is not None and r.outcome in LANE_MOVES]
+    if not moved:
+        return
+    try:
+        heads = on_connection(
+            rt.engine, lambda raw: lanes.next_heads(raw, moved, now=pinned(rt.clock))
+        )
+        ready = [Dispatch(h.delivery_id, h.event_id, h.source) for h in heads]
+        for group in batches(ready, rt.settings.deliveries_per_message):
+            publish(group)
+    except Exception as exc:  # noqa: BLE001 (the sweeper publishes lane heads too)
+        log.warning("delivery.lane_publish_failed", error_class=type(exc).__name__)
 
 
 def release_slots(rt: Runtime, reports: list[Report]) -> None:

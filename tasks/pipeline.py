@@ -54,7 +54,26 @@ def run(
     else:
         claimed = claim(rt, ids, reports, publish_retry)
     with in_flight([held_of(c.found) for c in claimed]):
-        return _run_claimed(rt, ids, claimed, reports, publish_retry, inline=alone)
+        out = _run_claimed(rt, ids, claimed, reports, publish_retry, inline=alone)
+    return with_lanes(out, claimed)
+
+
+def with_lanes(reports: list[Report], claimed: list[Claimed]) -> list[Report]:
+    """Each claimed delivery's report with its lane (models/lanes.py), so that the task
+    publishes the lane's next head once it ended."""
+    lane = {
+        c.found.id: (c.found.route_id, c.found.lane_key)
+        for c in claimed
+        if c.found.lane_key is not None
+    }
+    if not lane:
+        return reports
+    return [
+        dataclasses.replace(r, lane=lane[r.delivery_id])
+        if r.lane is None and r.delivery_id in lane
+        else r
+        for r in reports
+    ]
 
 
 def traced_claims(

@@ -40,12 +40,13 @@ from core.metrics import (
     BREAKER_STATE,
     DEAD_LETTERS,
     FAIL_OPEN_LAST,
+    LANES_BLOCKED,
     OLDEST_PENDING,
     ROUTES_DISABLED,
     SWEPT,
 )
 from core.states import DeadReason
-from models import admission, breaker, requeue, retention, route_ends
+from models import admission, breaker, lanes, requeue, retention, route_ends
 from models.admission import Admission
 from models.db import DatabaseUnavailable, session_scope
 from tasks import capacity, horizon
@@ -93,6 +94,10 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
             grace=rt.settings.publish_grace,
         )
         oldest = session.execute(_OLDEST_UNFINISHED, {"now": now}).scalar_one_or_none()
+        raw = session.connection().connection.driver_connection
+        assert raw is not None
+        blocked = lanes.blocked(raw)
+    gauge_blocked(blocked)
     ended(disabled, expired)
     alone = {due.delivery_id for due in picked if due.lease_expired}
     out = admitted(rt, [Dispatch(*due[:3]) for due in picked])
@@ -117,6 +122,20 @@ def sweep_once(rt: Runtime, publish: Callable[[Sequence[Dispatch]], None]) -> li
     if picked:
         log.info("sweep.published", count=len(published), picked=len(picked))
     return published
+
+
+_BLOCKED_SEEN: set[int] = set()
+
+
+def gauge_blocked(blocked: dict[int, int]) -> None:
+    """``webhooks_lanes_blocked``: each route's lanes held by a dead letter (block), 0 for a
+    route that had some at an earlier sweep of this process and has none now."""
+    for route_id in _BLOCKED_SEEN - set(blocked):
+        LANES_BLOCKED.labels(route=str(route_id)).set(0)
+    for route_id, count in blocked.items():
+        LANES_BLOCKED.labels(route=str(route_id)).set(count)
+    _BLOCKED_SEEN.clear()
+    _BLOCKED_SEEN.update(blocked)
 
 
 def ended(disabled: list[route_ends.Disabled], expired: list[route_ends.Expired]) -> None:

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.settings import Settings
 from ingest.admin import create_admin_app
 from models import replays
+from tests.factories import make_source
 from tests.leakcheck import remember
 from tests.operators_support import (
     accept,
@@ -206,3 +207,28 @@ def test_event_views_never_contain_a_secret_or_the_payload(
         assert source.secret not in response.text
         assert private not in response.text
         assert TOKEN not in response.text
+
+
+def test_a_routes_view_shows_its_filter_and_lane_options(
+    api: Receiver, ops: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """GET /routes/{id}: the route's filter, order key, lane-on-dead and supersede (issue 37
+    item 6) beside its pause and breaker; an unknown route is 404."""
+    route = {
+        "handler": "log",
+        "filter": "type == 'test.event'",
+        "order_key": "body.data.customer",
+        "lane_on_dead": "skip",
+        "supersede": True,
+    }
+    made = make_source(sessions, ops, routes=[route])
+    remember(made.secret)
+    view = _get(api, f"/routes/{made.route_ids[0]}")
+    assert view.status_code == 200
+    body = view.json()
+    assert body["filter"] == "type == 'test.event'"
+    assert body["order_key"] == "body.data.customer"
+    assert body["lane_on_dead"] == "skip"
+    assert body["supersede"] is True
+    assert body["breaker"]["state"] == "closed"
+    assert _get(api, "/routes/999999999").status_code == 404

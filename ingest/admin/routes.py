@@ -28,29 +28,37 @@ def _route_state(session: Session, route_id: int) -> dict[str, Any]:
         route = route_catalog.get_route(session, route_id)
     except CatalogError as exc:
         raise queries.NotFoundError(str(exc)) from None
+    # What decides which events make work for it, in what shape and order (docs/routing.md).
+    routing = {
+        "filter": route.filter,
+        "transform": route.transform,
+        "order_key": route.order_key,
+        "lane_on_dead": route.lane_on_dead,
+        "supersede": route.supersede,
+    }
     return {
         "route": route_id,
         "handler": route.handler,
         "events": route.events_glob,
         "active": route.active,
         "options": shown_options(route.options),
-        "filter": route.filter,
-        "transform": route.transform,
         **state,
+        **routing,
     }
 
 
 @router.get(
     "/routes/{route_id}",
     tags=["routes"],
-    summary="A route: its handler, options, filter and transform, pause and breaker state",
+    summary="A route: its handler, options, filter, transform, lanes, pause and breaker state",
     responses=NOT_FOUND,
 )
 def show_route(route_id: PathId, session: Db) -> dict[str, Any]:
     """The route's handler, event types, options (a URL's password shown as `***`), filter
-    (JMESPath, or null) and transform (a registered name, or null); whether it is paused
-    (since when, why) and its breaker: `closed`, `open` or `half_open`, when it opened, the
-    next probe, trips, and the failure window."""
+    (JMESPath, or null), transform (a registered name, or null), order key, what a dead event
+    does to its lane, and whether it supersedes stale events; whether it is paused (since
+    when, why) and its breaker: `closed`, `open` or `half_open`, when it opened, the next
+    probe, trips, and the failure window."""
     return _route_state(session, route_id)
 
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -29,8 +30,8 @@ from core.clock import Clock, pinned
 from core.errors import WebhooksError
 from core.logs import get_logger
 from core.messages import Dispatch
-from core.metrics import DEAD_LETTERS, DELIVERIES, REPEAT_WINDOWS
-from models import deliveries, ledger
+from core.metrics import DEAD_LETTERS, DELIVERIES, REPEAT_WINDOWS, SUPERSEDED
+from models import deliveries, lanes, ledger, transitions
 from models.breaker import held
 from models.transitions import Claim, ClaimedEvent, Held, Wanted
 from tasks.claims import FastClaim
@@ -252,20 +253,71 @@ def _claim_group(
             reports[found.id] = _crash_looped(rt, found, row, claim)
         else:
             out.append(Claimed(found, row, claim, leaf, started))
-    why = _not_claimed(raw, list(claims)) if claims else {}
+    why = _not_claimed(rt, raw, list(claims)) if claims else {}
     for delivery_id, claim in claims.items():
         rt.claims.release(claim)
-        reports[delivery_id] = quiet(delivery_id, why[delivery_id])
+        reports[delivery_id] = why.get(delivery_id) or quiet(delivery_id, Outcome.SKIPPED)
+    return _superseded(rt, raw, leaf, out, reports)
+
+
+def _superseded(
+    rt: Runtime,
+    raw: psycopg.Connection[Any],
+    leaf: str | None,
+    claimed: list[Claimed],
+    reports: dict[int, Report],
+) -> list[Claimed]:
+    """The claimed deliveries of a ``supersede`` route whose event a newer one of its lane
+    has already succeeded on: moved to superseded (their handler never called), under the
+    lane (models/lanes.py); the others, to run. One read per candidate, on this path only."""
+    out: list[Claimed] = []
+    for c in claimed:
+        found, row = c.found, c.row
+        if not (row.supersede and found.lane_key is not None and row.occurred_at is not None):
+            out.append(c)
+            continue
+        with autocommit(raw):
+            newer = lanes.newer_success(
+                raw,
+                delivery_id=found.id,
+                route_id=found.route_id,
+                lane_key=found.lane_key,
+                occurred_at=row.occurred_at,
+            )
+            if newer is None:
+                out.append(c)
+                continue
+            now = c.now(rt.clock)
+            transitions.supersede(raw, found, now=now, newer_event_id=newer, leaf=leaf)
+        rt.claims.release(c.fast)
+        SUPERSEDED.labels(source=source_label(row), route=str(found.route_id)).inc()
+        log.info(
+            "delivery.superseded",
+            delivery_id=found.id,
+            newer_event_id=newer,
+            **scope(found, row, now),
+        )
+        report = Report.of(Outcome.SUPERSEDED, found, row, f"superseded by event {newer}")
+        reports[found.id] = dataclasses.replace(report, lane=(found.route_id, found.lane_key))
     return out
 
 
-def _not_claimed(raw: psycopg.Connection[Any], ids: list[int]) -> dict[int, Outcome]:
+def _not_claimed(rt: Runtime, raw: psycopg.Connection[Any], ids: list[int]) -> dict[int, Report]:
     """Why the claim took none of these: "held" (its route is paused or its breaker open:
-    not an attempt, :mod:`models.breaker`) or "skipped" (done, dead, not due or owned). One
-    more statement, on this path only."""
+    not an attempt, :mod:`models.breaker`), "lane" (an earlier delivery of its lane is
+    unfinished: not an attempt, :mod:`models.lanes`; its admission slot is freed and its lane
+    looked at again once the task ends) or "skipped" (done, dead, not due or owned). One or
+    two more statements, on this path only."""
     with autocommit(raw):
         holding = held(raw, ids)
-    return {i: Outcome.HELD if i in holding else Outcome.SKIPPED for i in ids}
+        rest = [i for i in ids if i not in holding]
+        waiting = lanes.waiting(raw, rest, now=pinned(rt.clock)) if rest else {}
+    out = {i: quiet(i, Outcome.HELD) for i in holding}
+    for i, (route_id, key) in waiting.items():
+        out[i] = dataclasses.replace(
+            quiet(i, Outcome.LANE), route_id=route_id, lane=(route_id, key)
+        )
+    return out
 
 
 def _crash_looped(rt: Runtime, found: Claim, row: ClaimedEvent, fast: FastClaim) -> Report:

@@ -37,6 +37,8 @@ class Outcome(enum.StrEnum):
     UNRECORDED = "unrecorded"  # the database stayed away past WEBHOOKS_RECORD_RETRY_SECONDS
     FENCED = "fenced"  # its lease could not outlive a call: no call made, the lease handed back
     FILTERED = "filtered"  # its route's transform dropped the event: no handler call
+    LANE = "lane"  # an earlier delivery of its lane is unfinished: no attempt (models/lanes.py)
+    SUPERSEDED = "superseded"  # a newer event of its lane had succeeded: handler not called
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Report:
     # as soon as the task ends (:func:`tasks.deliver.release_slots`), not at the dispatcher's
     # next reconcile.
     route_id: int | None = None
+    # Its lane (route id, lane key) when it has one (models/lanes.py): the task publishes the
+    # lane's next head once this one ended, or once this one was refused by its lane.
+    lane: tuple[int, str] | None = None
 
     @classmethod
     def of(

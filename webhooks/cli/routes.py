@@ -56,6 +56,22 @@ TransformOpt = Annotated[
         "each event before the handler; none clears it (docs/routing.md).",
     ),
 ]
+OrderKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--order-key",
+        help="JMESPath over body, type, headers whose value orders the route's deliveries per "
+        "entity, e.g. body.data.object.customer; none clears it (docs/routing.md).",
+    ),
+]
+LaneOnDeadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lane-on-dead",
+        help="block (default): a dead event holds its key's lane until replayed or "
+        "discarded; skip: the next event of the key runs.",
+    ),
+]
 
 routes_app = typer.Typer(help="Handlers bound to a source.", no_args_is_help=True)
 
@@ -80,9 +96,20 @@ def route_view(r: Any) -> dict[str, Any]:
         "max_age_s": r.max_age_s,
         "filter": r.filter,
         "transform": r.transform,
+        "order_key": r.order_key,
+        "lane_on_dead": r.lane_on_dead,
+        "supersede": bool(r.supersede),
         "active": r.active,
         **breaker.state_of(r).view(),
     }
+
+
+def _lanes_text(v: dict[str, Any]) -> str:
+    """A route's lane options in one line (models/lanes.py)."""
+    if v["order_key"] is None:
+        return "none (unordered)"
+    supersede = ", supersede" if v["supersede"] else ""
+    return f"order key {v['order_key']}, on dead: {v['lane_on_dead']}{supersede}"
 
 
 def _breaker_cell(v: dict[str, Any]) -> str:
@@ -117,6 +144,16 @@ def routes_add(
             help="Hold events whose payload shape drifted until `webhooks drift accept`.",
         ),
     ] = False,
+    order_key: OrderKeyOpt = None,
+    lane_on_dead: LaneOnDeadOpt = None,
+    supersede: Annotated[
+        bool,
+        typer.Option(
+            "--supersede",
+            help="With --order-key: an event older (by its signed time) than one of its key "
+            "already succeeded here is recorded superseded, its handler not called.",
+        ),
+    ] = False,
     operator: OperatorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -126,7 +163,9 @@ def routes_add(
     source's provider reads from an unsigned header is added with a warning saying so.
     --filter: a JMESPath predicate over body, type and headers (docs/routing.md); a bad one
     is refused with its position and nothing is saved. --transform: a registered transform
-    (webhooks transforms list); an unknown name is refused and nothing is saved."""
+    (webhooks transforms list); an unknown name is refused and nothing is saved. --order-key:
+    deliveries whose events share its value run one at a time, in the order accepted
+    (docs/routing.md)."""
     from models import catalog, route_catalog
 
     e = env()
@@ -146,6 +185,9 @@ def routes_add(
             max_age=duration_or_none(max_age),
             filter=filter_,
             transform=transform,
+            order_key=order_key,
+            lane_on_dead=lane_on_dead or "block",
+            supersede=supersede,
             operator=operator or login(),
         )
         view = route_view(route)
@@ -162,6 +204,8 @@ def routes_add(
         say(escape(f"filter: {view['filter']}"))
     if view["transform"] is not None:
         say(escape(f"transform: {view['transform']}"))
+    if view["order_key"] is not None:
+        say(escape(f"lanes: {_lanes_text(view)}"))
     if warning is not None:
         err_console.print(f"warning: {escape(warning)}", highlight=False, soft_wrap=True)
     if signing is not None:
@@ -205,6 +249,8 @@ def routes_list(
                 options = "\n".join(x for x in (options, f"filter: {v['filter']}") if x)
             if v["transform"] is not None:
                 options = "\n".join(x for x in (options, f"transform: {v['transform']}") if x)
+            if v["order_key"] is not None:
+                options = "\n".join(x for x in (options, f"lanes: {_lanes_text(v)}") if x)
             limits = _limits_cell(v, default_budget).replace(", ", ",\n")
             row(
                 table,
@@ -327,6 +373,7 @@ def routes_show(route_id: RouteIdArg, as_json: JsonOpt = False) -> None:
     say(escape(f"transform: {shaped}"))
     if view["options"]:
         say(escape("options: " + ", ".join(f"{k}={o}" for k, o in view["options"].items())))
+    say(escape(f"lanes: {_lanes_text(view)}"))
     if not view["active"]:
         since = f" since {view['disabled_at']}: {view['disabled_reason']}"
         say(escape(f"disabled{since if view['disabled_at'] else ''}"))
@@ -369,6 +416,14 @@ def routes_update(
             " (docs/drift.md).",
         ),
     ] = None,
+    order_key: OrderKeyOpt = None,
+    lane_on_dead: LaneOnDeadOpt = None,
+    supersede: Annotated[
+        bool | None,
+        typer.Option(
+            "--supersede/--no-supersede", help="Supersede stale events of a key (or stop)."
+        ),
+    ] = None,
     reason: ReasonOpt = None,
     operator: OperatorOpt = None,
 ) -> None:
@@ -385,13 +440,17 @@ def routes_update(
         values["rate"] = parse_rate(rate_limit)
     if max_in_flight is not None:
         values["max_in_flight"] = parse_max_in_flight(max_in_flight)
-    if not values and filter_ is None and transform is None and quarantine_drift is None:
+    lane_change = (order_key, lane_on_dead, supersede) != (None, None, None)
+    others = (filter_, transform, quarantine_drift)
+    if not values and others == (None, None, None) and not lane_change:
         raise CliError(
-            "nothing to change: give --rate-limit, --max-in-flight, --filter, --transform"
-            " and/or --quarantine-drift"
+            "nothing to change: give --rate-limit, --max-in-flight, --filter, --transform,"
+            " --quarantine-drift, --order-key, --lane-on-dead and/or --supersede"
         )
     if filter_ is not None:
         route_catalog.check_filter(filter_)  # before anything is written
+    if order_key is not None:
+        route_catalog.check_order_key(order_key)
     e = env()
     if route_catalog.stored_transform(transform) is not None:
         _transforms(e).require(route_catalog.stored_transform(transform))
@@ -416,6 +475,18 @@ def routes_update(
             quarantined = route_catalog.set_quarantine_drift(
                 session, route_id, quarantine_drift, change, now=None
             )
+        laned = None
+        if lane_change:
+            change = change_by(operator, reason or "lanes updated")
+            laned = route_catalog.set_lanes(
+                session,
+                route_id,
+                change,
+                order_key=order_key,
+                lane_on_dead=lane_on_dead,
+                supersede=supersede,
+                now=None,
+            )
     if limits is not None:
         after = limits.target["after"]
         _say_route(
@@ -433,6 +504,8 @@ def routes_update(
         _say_route(
             "updated", quarantined, f": drift quarantine {'on' if quarantine_drift else 'off'}"
         )
+    if laned is not None:
+        _say_route("updated", laned, f": lanes {_lanes_text(laned.target['after'])}")
 
 
 @routes_app.command("pause")

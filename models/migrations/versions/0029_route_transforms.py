@@ -13,7 +13,7 @@ reads it with the route (models/transitions.py).
 Downgrade: the column is dropped (routes lose their transform: the old code knows none).
 
 Revision ID: 0029
-Revises: 0027
+Revises: 0028
 Create Date: 2026-12-07
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0029"
-down_revision: str | None = "0027"
+down_revision: str | None = "0028"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

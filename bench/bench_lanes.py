@@ -1,0 +1,188 @@
+"""Lanes benchmark (issue 37 item 2's floor): a route with ``--order-key`` over 1,000 keys
+drains at least 0.8x the same route without one.
+
+Two sources, each with one ``noop`` route: ``plain`` (unordered) and ``laned``
+(``--order-key body.key``). Each round accepts N events per source (``key`` = i mod 1,000, so
+N / 1,000 events per key, interleaved as independent entities arrive), in statements of 100
+as the receiver's group commit does (the laned source's order keys computed by
+:func:`core.filters.decide`, as the receiver does), publishes them with the receiver's
+publisher (WEBHOOKS_DELIVERY_BATCH ids per message), then starts bench_workers' worker
+(``-P threads -c 50``) and times it from the first message taken until every delivery
+succeeded. Rounds alternate plain / laned; the best round of each counts.
+
+Usage: .venv/bin/python bench/bench_lanes.py [--events 5000] [--rounds 2]
+Uses bench_workers' database and Redis DBs 8 and 9; drops them after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import orjson
+import psycopg
+import redis
+from bench_workers import (
+    BROKER,
+    CLAIMS,
+    DB,
+    ENV,
+    ROOT,
+    Drain,
+    drain_queued,
+    queue_length,
+    settings,
+)
+from compat import (
+    ACCEPT_MANY_SQL,
+    Dispatch,
+    NewReceipt,
+    Publisher,
+    SecretBox,
+    Settings,
+    accept_many_params,
+    add_route,
+    create_source,
+    decide_many,
+    expires_at,
+    make_engine,
+    make_sessionmaker,
+    upgrade,
+)
+
+from core.filters import decide
+from models.accept import route_filters_sync
+
+KEYS = 1000
+
+
+def setup(s: Settings) -> dict[str, tuple[int, str]]:
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+    upgrade(s)
+    engine = make_engine(s, pool_size=1)
+    out = {}
+    try:
+        with make_sessionmaker(engine)() as session, session.begin():
+            box = SecretBox(s.secret_key.get_secret_value())
+            for name, key in (("plain", None), ("laned", "body.key")):
+                source, secret = create_source(session, box, s, name=name, provider="standard")
+                add_route(session, box, source, handler="noop", order_key=key)
+                out[name] = (source.id, secret.id)
+        return out
+    finally:
+        engine.dispose()
+
+
+def receipts(
+    conn: psycopg.Connection[object], source: tuple[int, str], start: int, n: int
+) -> list[NewReceipt]:
+    routes = route_filters_sync(conn, source[0])  # type: ignore[arg-type]
+    out = []
+    now = datetime.now(UTC)
+    for i in range(start, start + n):
+        event_id = f"evt_{uuid.uuid4().hex}"
+        body = orjson.dumps({"id": event_id, "key": f"cus_{i % KEYS}", "data": {"n": i}})
+        out.append(
+            NewReceipt(
+                source_id=source[0],
+                secret_id=source[1],
+                event_id=event_id,
+                event_type="bench.event",
+                occurred_at=None,
+                expires_at=expires_at(None, now, timedelta(days=4)),
+                ttl=timedelta(days=4),
+                received_at=None,
+                digest=hashlib.sha256(body).digest(),
+                content_type="application/json",
+                payload=body,
+                verdicts=decide(routes, body, "bench.event", {}),
+            )
+        )
+    return out
+
+
+def round_(
+    s: Settings,
+    client: redis.Redis,
+    conn: psycopg.Connection[object],
+    source: tuple[int, str],
+    n: int,
+    logdir: Path,
+) -> Drain:
+    client.flushdb()
+    redis.Redis.from_url(CLAIMS).flushdb()
+    ids: list[int] = []  # every delivery
+    published: list[int] = []  # what the accept returns to publish (a laned one: lane heads)
+    for k in range(0, n, 100):
+        batch = receipts(conn, source, k, min(100, n - k))
+        rows = conn.execute(ACCEPT_MANY_SQL, accept_many_params(batch, s.publish_grace)).fetchall()
+        outcomes = decide_many(batch, rows)  # type: ignore[arg-type]
+        published += [i for o in outcomes for i in o.delivery_ids]
+        found = conn.execute(
+            "SELECT id FROM deliveries WHERE receipt_id = ANY(%s) ORDER BY id",
+            ([o.receipt_id for o in outcomes],),
+        ).fetchall()
+        ids += [int(r[0]) for r in found]  # type: ignore[index]
+    publisher = Publisher(s)
+    try:
+        for start in range(0, len(published), 500):
+            publisher.publish_sync([Dispatch(i) for i in published[start : start + 500]])
+    finally:
+        publisher.close()
+        publisher.app.close()
+    messages = -(-len(published) // s.deliveries_per_message)
+    while queue_length(client) < messages:
+        time.sleep(0.01)
+    return drain_queued(client, conn, ids, messages, logdir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--events", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_lanes.txt")
+    args = parser.parse_args()
+    os.environ.update(ENV)
+    s = settings()
+    sources = setup(s)
+    client = redis.Redis.from_url(BROKER)
+    logdir = Path(tempfile.mkdtemp(prefix="bench-lanes-"))
+    drains: dict[str, list[Drain]] = {"plain": [], "laned": []}
+    with psycopg.connect(s.psycopg_dsn, autocommit=True) as conn:
+        for _ in range(args.rounds):
+            for name in ("plain", "laned"):
+                drain = round_(s, client, conn, sources[name], args.events, logdir)
+                drains[name].append(drain)
+                print(f"{name}: {drain.rate:.0f} events/s, worker {drain.worker_ms:.3f} ms/event")
+    client.flushdb()
+    redis.Redis.from_url(CLAIMS).flushdb()
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+    best = {k: max(v) for k, v in drains.items()}
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"bench_lanes: {args.events} events per drain over {KEYS} keys, {args.rounds} rounds"
+        f" alternating, -P threads -c 50, {os.cpu_count()} CPUs, {when}",
+        *(
+            f"{k:6} " + "  ".join(f"{d.rate:7.0f} ev/s {d.worker_ms:.3f} ms" for d in v)
+            for k, v in drains.items()
+        ),
+        f"best laned/plain: {best['laned'].rate:.0f} / {best['plain'].rate:.0f} events/s"
+        f" = {best['laned'].rate / best['plain'].rate:.2f}x (floor 0.8x)",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    with args.output.open("a") as out:
+        out.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
