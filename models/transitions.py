@@ -120,18 +120,20 @@ _GATE = """\
                          AND g.probe_delivery IS DISTINCT FROM deliveries.id)))"""
 
 # What the worker's claims return: the claim, its route and source, the receipt's event (the
-# caller adds the receipt join).
+# caller adds the receipt join). Kept short: psycopg caches the conversion of a statement of
+# at most 4,096 characters only (psycopg._queries.MAX_CACHED_STATEMENT_LENGTH; checked by
+# tests/test_transitions.py), so the columns only ``claimed`` has go without their alias.
 _CLAIMED_EVENT = """\
     SELECT c.id, c.expires_at, c.receipt_id, c.source_id, c.route_id, c.attempts,
-           c.redeliveries, c.generation, c.created_at, c.first_attempt_at, c.lease_until,
-           c.status, c.attempt_base, c.at, c.lane_key,
+           redeliveries, c.generation, c.created_at, first_attempt_at, lease_until,
+           c.status, attempt_base, c.at, lane_key,
            rt.id IS NOT NULL, rt.handler, rt.options, rt.signing_ciphertext, rt.max_attempts,
            rt.max_age_s, rt.active, rt.breaker_state, rt.window_failures, rt.released_at,
            rt.rate_count, rt.rate_period_s, rt.breaker_opened_at,
            s.public_id, s.name, s.provider, s.retry_window_s, s.queue_lag_s, s.clock_skew_s,
            s.replay_grace_s,
            r.id IS NOT NULL, r.event_id, r.event_type, r.occurred_at, r.received_at,
-           r.content_type, r.payload, rt.transform, rt.supersede IS TRUE
+           r.content_type, r.payload, rt.transform, rt.supersede
     FROM claimed c
     LEFT JOIN routes rt ON rt.id = c.route_id
     LEFT JOIN sources s ON s.id = rt.source_id
@@ -259,7 +261,8 @@ class ClaimedEvent(NamedTuple):
     content_type: str | None
     payload: bytes | None
     transform: str | None = None  # the route's transform (tasks.transforms; None: none)
-    supersede: bool = False  # the route supersedes stale events of a lane (models/lanes.py)
+    # The route supersedes stale events of a lane (models/lanes.py); None: the route is gone.
+    supersede: bool | None = False
 
 
 def claim(
