@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
+from core.errors import WebhooksError
+
 MAX_PATHS = 512  # distinct (path, type) pairs kept from one document
 MAX_DEPTH = 16  # levels below the root; deeper values are not walked
 MAX_PATH_CHARS = 256  # a longer path (a key made of data) is cut, counted
@@ -29,8 +31,9 @@ Kind = Literal["new_path", "type_changed", "path_gone"]
 KINDS: tuple[Kind, ...] = ("new_path", "type_changed", "path_gone")
 
 
-class NotJson(ValueError):
-    """The body is not a JSON document (no shape is learnt from it)."""
+class NotJson(WebhooksError, ValueError):
+    """The body is not a JSON document, or nests deeper than the parser goes (no shape is
+    learnt from it)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,9 @@ def fingerprint_body(body: bytes) -> Fingerprint:
     quoted: it is a payload)."""
     try:
         document = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: a body nested deeper than the interpreter's recursion limit (a
+        # sender's array of a thousand arrays) stopped every learning run before this.
         raise NotJson("the body is not JSON") from None
     return fingerprint(document)
 

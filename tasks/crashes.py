@@ -8,7 +8,7 @@ stuck handler spent its innocent neighbours' crash budgets, and sent them to the
 letters as ``crashed`` after a few such kills.
 
 Before the kill, :func:`report` marks in Postgres the stuck deliveries ``suspect`` and the
-others whose handlers this process runs ``bystander`` (:func:`models.transitions.mark_crash`,
+others whose handlers this process runs ``bystander`` (:func:`models.crash_marks.mark_crash`,
 each guarded by its attempt). The claim counts a crash only against an unmarked or suspect
 row, so a bystander loses nothing but its lease time. Then the sweeper republishes each
 lease-expired row alone (one id per message), and a requeued copy of a batch message hands
@@ -28,8 +28,8 @@ import psycopg
 
 from core.logs import get_logger
 from core.settings import Settings
-from models import transitions
-from models.transitions import Held
+from models import crash_marks
+from models.crash_marks import Held
 
 log = get_logger(__name__)
 
@@ -46,7 +46,7 @@ def report(settings: Settings, suspects: list[Held], bystanders: list[Held]) -> 
         connect_timeout=MARK_TIMEOUT,
         options=f"-c statement_timeout={MARK_TIMEOUT * 1000} -c lock_timeout={MARK_TIMEOUT * 500}",
     ) as conn:
-        marked = transitions.mark_crash(conn, suspects, bystanders)
+        marked = crash_marks.mark_crash(conn, suspects, bystanders)
     log.warning(
         "worker.crash_marked",
         suspects=[h.id for h in suspects],

@@ -65,7 +65,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from core.errors import WebhooksError
 from core.logs import get_logger
-from models.transitions import Held
+from models.crash_marks import Held
 
 log = get_logger(__name__)
 

@@ -30,9 +30,9 @@ from core import tracing
 from core.logs import configure_logging, get_logger
 from core.settings import Settings
 from models.catalog import report_raised_ttls
+from models.crash_marks import Held
 from models.db import make_engine
 from models.route_catalog import active_routes
-from models.transitions import Held
 from models.ttl_fingerprints import Heartbeat
 from tasks import crashes, deliver, dispatcher, drift, pause, sweeper
 from tasks.config import create_app

@@ -75,6 +75,13 @@ def test_a_body_that_is_not_json_is_refused_without_quoting_it() -> None:
     assert "abc" not in str(caught.value)
 
 
+def test_a_body_nested_past_the_parsers_depth_is_not_json_not_a_crash() -> None:
+    """A sender's array of 100,000 arrays: the parser's recursion limit, which stopped the
+    whole learning run (RecursionError) before; now that one body has no shape."""
+    with pytest.raises(NotJson):
+        fingerprint_body(b"[" * 100_000 + b"]" * 100_000)
+
+
 def _stored(fp: Fingerprint, at: datetime) -> dict[str, PathSeen]:
     return {p: PathSeen(t, at, at) for p, t in fp.paths().items()}
 

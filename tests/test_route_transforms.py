@@ -211,8 +211,13 @@ def test_a_transform_reshapes_the_forward_drops_or_fails_its_delivery(
         lines = worker.json_lines()
     broker.close()
 
+    # Each route's delivery by its route (the accept's ids need not follow the routes' order).
+    kept_by = {row.route_id: row for row in done.values()}
+    dropped_by = {row.route_id: row for row in dropped_rows.values()}
+    assert set(kept_by) == set(dropped_by) == set(made.route_ids)
+
     # The reshaped event reached the downstream: its body is the transform's, signed as sent.
-    assert done[kept_ids[0]].status == "succeeded"
+    assert kept_by[shaped_route].status == "succeeded"
     assert len(downstream.got) == 1
     body, headers = downstream.got[0]
     assert json.loads(body) == {"kind": "test.event", "n": 41, "reshaped": True}
@@ -221,13 +226,13 @@ def test_a_transform_reshapes_the_forward_drops_or_fails_its_delivery(
     Webhook(whsec).verify(body, headers)  # raises unless the signature covers this body
 
     # Raising: dead at once, transform_failed, the exception's class and never its message.
-    failed = done[kept_ids[1]]
+    failed = kept_by[explodes_route]
     assert (failed.status, failed.dead_reason, failed.attempts) == ("dead", "transform_failed", 1)
     assert failed.last_error_class == "KeyError"
     assert SECRET_WORDS not in (failed.last_error or "")
     assert "transform 'explodes' raised KeyError" in failed.last_error
     # A runaway: stopped at its limit, dead the same way.
-    runaway = done[kept_ids[2]]
+    runaway = kept_by[spins_route]
     assert (runaway.status, runaway.dead_reason) == ("dead", "transform_failed")
     assert runaway.last_error_class == "TransformTimeLimit"
     with engine.connect() as conn:
@@ -236,22 +241,21 @@ def test_a_transform_reshapes_the_forward_drops_or_fails_its_delivery(
                 "SELECT extract(epoch FROM ended_at - started_at) FROM attempts"
                 " WHERE delivery_id = :d"
             ),
-            {"d": kept_ids[2]},
+            {"d": runaway.id},
         ).scalar_one()
     assert LIMIT <= float(took) < LIMIT + 2.0, took
 
     # None: every route's delivery of the dropped event ends filtered, its handler not called
     # (the transforms that raise still raise on it).
-    shaped_drop = dropped_rows[dropped_ids[0]]
+    shaped_drop = dropped_by[shaped_route]
     assert shaped_drop.status == "filtered"
     assert shaped_drop.last_error == f"route {shaped_route}: transform reshape dropped the event"
-    assert [d.status for d in dropped_rows.values()][1:] == ["dead", "dead"]
+    assert [dropped_by[r].status for r in (explodes_route, spins_route)] == ["dead", "dead"]
     assert len(downstream.got) == 1  # only the kept event was ever sent
     events = [(line.get("event"), line.get("transform")) for line in lines]
     assert ("delivery.filtered", "reshape") in events
     assert not any(SECRET_WORDS in json.dumps(line) for line in lines)
-    assert {explodes_route, spins_route} == {made.route_ids[1], made.route_ids[2]}
-    assert delivery(engine, dropped_ids[0]).attempts == 1
+    assert delivery(engine, shaped_drop.id).attempts == 1
 
 
 # -- saving a route: the CLI, the admin API, the console ------------------------------------

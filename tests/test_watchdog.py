@@ -660,7 +660,7 @@ def silent_port() -> Iterator[int]:
 # Bad input ------------------------------------------------------------------------------------
 
 
-def test_bad_input_is_one_clear_line_and_changes_nothing(
+def test_bad_watchdog_input_is_one_clear_line_and_changes_nothing(
     engine: Engine, sessions: sessionmaker[Session], settings: Settings
 ) -> None:
     other = make_source(sessions, settings, provider="standard")

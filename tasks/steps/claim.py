@@ -33,7 +33,8 @@ from core.messages import Dispatch
 from core.metrics import DEAD_LETTERS, DELIVERIES, REPEAT_WINDOWS, SUPERSEDED
 from models import deliveries, lanes, ledger, transitions
 from models.breaker import held
-from models.transitions import Claim, ClaimedEvent, Held, Wanted
+from models.crash_marks import Held
+from models.transitions import Claim, ClaimedEvent, Wanted
 from tasks.claims import FastClaim
 from tasks.connections import (
     CONNECTION_ERRORS,
