@@ -2,8 +2,9 @@
 deliveries whose event drifted from the accepted shape (held: drift, no call made, no attempt
 spent; a new path, a new type, or the lack of a path every learnt event had), and `webhooks
 drift accept` releases them: each then runs once. A route without the
-option runs the same drifted events at once (drift only reports). Real worker, real sweeper
-(the accept makes held deliveries due; the sweep publishes them)."""
+option runs the same drifted events at once (drift only reports). `webhooks replay ID` runs
+one held delivery despite its drift, and only it. Real worker, real sweeper (the accept makes
+held deliveries due; the sweep publishes them)."""
 
 from __future__ import annotations
 
