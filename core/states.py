@@ -35,6 +35,12 @@ class DeliveryStatus(StrEnum):
 UNFINISHED = (DeliveryStatus.PENDING, DeliveryStatus.RETRYING, DeliveryStatus.PROCESSING)
 #: What a replay moves: dead letters back to pending, succeeded ones re-run.
 REPLAYABLE = (DeliveryStatus.DEAD, DeliveryStatus.SUCCEEDED)
+#: ``last_error_class`` of a retrying delivery a quarantined route holds for drift
+#: (models/drift.py, docs/drift.md). Replayed only when chosen by its id.
+DRIFT_HELD = "DriftHeld"
+#: ``last_error_class`` a replay of a held delivery leaves: the attempts it makes until it
+#: fails or succeeds are not held for drift again (tasks/steps/run.py check_drift).
+DRIFT_REPLAYED = "DriftReplayed"
 
 
 class AttemptOutcome(StrEnum):

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core.states import REPLAYABLE, DeliveryStatus
+from core.states import DRIFT_HELD, REPLAYABLE, DeliveryStatus
 from models.delivery_history import REMOVED_ROUTE, delivery_of_receipt
 from models.queries import NotFoundError, check_status, receipt_conditions, source_id_of
 from models.schema import (
@@ -46,6 +46,13 @@ class Candidate:
     dead_reason: str | None
     received_at: datetime
     has_payload: bool
+    # Its last error is a drift hold (core.states.DRIFT_HELD): with ``retrying``, a delivery a
+    # quarantined route holds for drift (docs/drift.md), replayed only when chosen by its id.
+    drift_held: bool = False
+
+    @property
+    def held_for_drift(self) -> bool:
+        return self.status == DeliveryStatus.RETRYING and self.drift_held
 
 
 def _candidate_query() -> Any:
@@ -62,6 +69,7 @@ def _candidate_query() -> Any:
             Delivery.dead_reason,
             Receipt.received_at,
             Receipt.payload.is_not(None),
+            Delivery.last_error_class.is_not_distinct_from(DRIFT_HELD),
         )
         .join(Receipt, delivery_of_receipt())
         .join(Source, Source.id == Delivery.source_id)

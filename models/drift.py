@@ -26,6 +26,7 @@ import psycopg
 
 from core import shapes
 from core.shapes import Change, Fingerprint, NotJson, PathSeen
+from core.states import DRIFT_HELD, DRIFT_REPLAYED
 from models.views import CatalogError
 
 Conn = psycopg.Connection[Any]
@@ -440,7 +441,9 @@ def accept(
 
 # A delivery held for drift (tasks/steps/run.py): retrying, its error class this, due again
 # after :data:`HOLD_RECHECK` unless an accept releases it first.
-HELD_CLASS = "DriftHeld"
+HELD_CLASS = DRIFT_HELD
+# A held delivery an operator replayed by its id (models/replays.py): not held again.
+REPLAYED_CLASS = DRIFT_REPLAYED
 HOLD_RECHECK = timedelta(days=1)
 
 
@@ -512,3 +515,17 @@ def held_count(conn: Conn, source_id: int, event_type: str | None) -> int:
         {"sid": source_id, "held": HELD_CLASS, "type": event_type},
     ).fetchone()
     return int(row[0]) if row is not None else 0
+
+
+def replayed_past_hold(conn: Conn, delivery_id: int, expires_at: datetime, attempt: int) -> bool:
+    """Whether this attempt (``attempt``, the claim's number, still processing) belongs to a
+    held delivery an operator replayed by its id (``webhooks replay ID``): the operator
+    decided it runs on the shape it has, so check_drift does not hold it again. Only this
+    delivery: another drifted event of the route is held as before. The mark stays until the
+    delivery fails or succeeds (a redelivery after a crash keeps it)."""
+    row = conn.execute(
+        "SELECT 1 FROM deliveries WHERE id = %s AND expires_at = %s AND attempts = %s"
+        " AND status = 'processing' AND last_error_class = %s",
+        (delivery_id, expires_at, attempt, REPLAYED_CLASS),
+    ).fetchone()
+    return row is not None

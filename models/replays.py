@@ -136,13 +136,19 @@ def _refuse_states(candidates: list[Candidate], rerun_succeeded: bool) -> None:
     # A filtered delivery (its route's filter did not match) or a superseded one (a newer
     # event of its lane had succeeded) runs only when named by its id: a filter-based replay
     # never selects it (candidates_by_filter takes dead or succeeded).
+    # So does a delivery a quarantined route holds for drift (retrying, DriftHeld): the
+    # operator decides it runs on the shape it has (docs/drift.md); its replay's attempt is
+    # not held again.
     named_only = (DeliveryStatus.FILTERED, DeliveryStatus.SUPERSEDED)
-    busy = [c for c in candidates if c.status not in (*REPLAYABLE, *named_only)]
+    busy = [
+        c for c in candidates if c.status not in (*REPLAYABLE, *named_only) and not c.held_for_drift
+    ]
     if busy:
         listed = ", ".join(f"{c.delivery_id} ({c.status})" for c in busy[:10])
         raise ReplayError(
-            f"refused: delivery {listed} is still being worked on; only dead, filtered or "
-            "superseded deliveries (or succeeded ones, with --rerun-succeeded) can be replayed",
+            f"refused: delivery {listed} is still being worked on; only dead, filtered, "
+            "superseded or held-for-drift deliveries (or succeeded ones, with "
+            "--rerun-succeeded) can be replayed",
             "not_replayable",
         )
 
@@ -305,6 +311,11 @@ def _skip_reason(c: Candidate, found: tuple[str, bool, datetime | None] | None) 
     if not present:
         when = f" on {dropped_at:%Y-%m-%d %H:%M}Z" if dropped_at else ""
         return f"payload dropped by retention{when}: nothing left to deliver"
+    if c.held_for_drift:
+        return (
+            f"now {status}, no longer held for drift: accepted, or claimed for its recheck "
+            "first (replay it again if it is held again)"
+        )
     return f"now {status}, no longer {c.status}: another replay or the pipeline moved it first"
 
 

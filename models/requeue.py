@@ -1,8 +1,9 @@
 """The transitions that put a delivery back in line, or take it out, guarded like every
 other (:mod:`models.transitions`): an operator's replay (dead -> pending; filtered -> pending,
-only for deliveries named by id), re-run (succeeded -> pending, generation + 1) and discard
-(dead -> discarded), and the sweeper's pick of the deliveries whose message was lost
-(:func:`due_for_publish`). Time as there: the database's clock unless a test pins ``now``."""
+only for deliveries named by id; retrying held for drift -> pending, likewise), re-run
+(succeeded -> pending, generation + 1) and discard (dead -> discarded), and the sweeper's
+pick of the deliveries whose message was lost (:func:`due_for_publish`). Time as there: the
+database's clock unless a test pins ``now``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import NamedTuple
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from core.states import DeliveryStatus
+from core.states import DRIFT_HELD, DRIFT_REPLAYED, DeliveryStatus
 from models import lanes, ledger
 from models.statements import sql_text
 
@@ -85,6 +86,24 @@ _REPLAY_MANY_SQL = """
     RETURNING d.id
     """
 
+# A delivery a quarantined route holds for drift (retrying, ``DriftHeld``: docs/drift.md),
+# replayed by its id: pending as :func:`replay` would make it, keeping its key generation
+# (the hold made no call), its error class turned into the mark that check_drift lets run
+# (``DriftReplayed``). Guarded on the hold itself: a row the worker's recheck claimed first
+# (processing), or a drift accept released and a worker ran, does not move; a claim that
+# comes after sees the mark. Only while the receipt still holds the payload.
+_REPLAY_HELD_SQL = """
+    UPDATE deliveries d SET status = 'pending', attempt_base = d.attempts, redeliveries = 0,
+        first_attempt_at = NULL, next_attempt_at = :now + :grace, updated_at = :now,
+        last_error_class = :mark,
+        last_error = 'replayed past its drift hold: ' || coalesce(d.last_error, '')
+    WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.status = 'retrying'
+      AND d.last_error_class = :held
+      AND (SELECT r.payload IS NOT NULL FROM receipts r
+           WHERE r.id = d.receipt_id AND r.expires_at = d.expires_at)
+    RETURNING d.id
+    """
+
 
 def replay_many(
     session: Session,
@@ -95,11 +114,12 @@ def replay_many(
 ) -> set[int]:
     """:func:`replay` (``dead``, and ``filtered``: a delivery its route's filter kept from
     running, replayed on purpose, its filter's reason cleared) and :func:`rerun`
-    (``succeeded``) for many (delivery id, status the plan saw) pairs, one statement per
-    status, each row guarded on its own; a row whose payload retention dropped is not moved.
-    Returns the ids that moved (the others: the caller asks why). Run it in a transaction of
-    its own: it turns JIT compilation off there (planning a statement over every partition,
-    Postgres would spend seconds compiling it)."""
+    (``succeeded``), and the replay of a delivery held for drift (``retrying``, guarded on
+    its hold: :data:`_REPLAY_HELD_SQL`), for many (delivery id, status the plan saw) pairs,
+    one statement per status, each row guarded on its own; a row whose payload retention
+    dropped is not moved. Returns the ids that moved (the others: the caller asks why). Run
+    it in a transaction of its own: it turns JIT compilation off there (planning a statement
+    over every partition, Postgres would spend seconds compiling it)."""
     session.execute(text("SET LOCAL jit = off"))
     moved: set[int] = set()
     for status, bump in (
@@ -121,6 +141,19 @@ def replay_many(
                 },
             ).all()
             moved |= {int(r[0]) for r in rows}
+    held = [i for i, seen in wanted if seen == DeliveryStatus.RETRYING]
+    if held:
+        rows = session.execute(
+            sql_text(_REPLAY_HELD_SQL),
+            {
+                "ids": held,
+                "now": now,
+                "grace": publish_grace,
+                "held": DRIFT_HELD,
+                "mark": DRIFT_REPLAYED,
+            },
+        ).all()
+        moved |= {int(r[0]) for r in rows}
     return moved
 
 

@@ -26,7 +26,7 @@ from core.logs import get_logger
 from core.settings import MAX_DELIVERY_BATCH
 from models import transitions
 from models.admission import Admission, Rate
-from models.transitions import IllegalTransition
+from models.transitions import Claim, IllegalTransition
 from tasks.context import Event, HandlerContext, idempotency_key, result_reference
 from tasks.errors import DriftHeld, LeaseFenced, RetryableError
 from tasks.policy import RetryPolicy
@@ -82,7 +82,7 @@ def attempt(
             lease_left=lambda: claimed.lease_left(rt.clock),
         )
         if shapes.quarantines(loaded.route.options):
-            check_drift(rt, found.source_id, loaded.event.event_type, loaded.event.body)
+            check_drift(rt, found, loaded.event.event_type, loaded.event.body)
         if claimed.row.rate_count and claimed.row.rate_period_s:
             pace(rt, found.route_id, Rate(claimed.row.rate_count, claimed.row.rate_period_s))
         # Frozen or starved since the claim (or paced), past what a call needs: no handler.
@@ -175,11 +175,12 @@ def _with_transform(
     return transformed
 
 
-def check_drift(rt: Runtime, source_id: int, event_type: str, body: bytes) -> None:
+def check_drift(rt: Runtime, found: Claim, event_type: str, body: bytes) -> None:
     """A quarantined route's event (``--quarantine-drift``, docs/drift.md): raises
-    :class:`DriftHeld` when its shape is not the accepted one of its source and event type.
-    Only such routes pay for it (one fingerprint, two indexed reads); a body that is not JSON
-    has no shape to drift."""
+    :class:`DriftHeld` when its shape is not the accepted one of its source and event type,
+    unless an operator replayed this held delivery by its id (one more indexed read, only for
+    a drifted event). Only such routes pay for it (one fingerprint, two indexed reads); a body
+    that is not JSON has no shape to drift."""
     from models import drift  # noqa: PLC0415 (only a quarantined route's delivery)
 
     try:
@@ -188,10 +189,15 @@ def check_drift(rt: Runtime, source_id: int, event_type: str, body: bytes) -> No
         return
     with rt.engine.connect() as conn:
         raw: Any = conn.connection.driver_connection
-        accepted = drift.accepted_shape(raw, source_id, event_type)
+        accepted = drift.accepted_shape(raw, found.source_id, event_type)
+        why = shapes.drift_of(accepted.paths, accepted.unaccepted, sighting, accepted.always)
+        exempt = why is not None and drift.replayed_past_hold(
+            raw, found.id, found.expires_at, found.attempt
+        )
         conn.rollback()
-    why = shapes.drift_of(accepted.paths, accepted.unaccepted, sighting, accepted.always)
-    if why is not None:
+    if exempt:
+        log.info("delivery.drift_replayed", delivery_id=found.id, attempt=found.attempt, why=why)
+    elif why is not None:
         raise DriftHeld(why)
 
 

@@ -160,7 +160,9 @@ def replay(
     """Replay dead deliveries by id or by filter: preview, confirm, run at a capped rate.
 
     A dead delivery keeps its downstream idempotency key. A succeeded one runs again only
-    with --rerun-succeeded, under a new key. Every run is audited: webhooks replays list.
+    with --rerun-succeeded, under a new key. Named by id only: filtered, superseded, and
+    held-for-drift deliveries (the latter then runs once on its shape: docs/drift.md).
+    Every run is audited: webhooks replays list.
     """
     from models import replays
 
