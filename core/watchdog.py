@@ -6,11 +6,15 @@ Kinds (one open finding per source and kind, ``subscription_findings``):
 
 - ``disabled``: Stripe's endpoint ``status`` is ``disabled``, GitHub's hook ``active`` false,
   Svix's endpoint ``disabled`` true.
-- ``deleted``: the provider answered 404 for the endpoint or hook.
+- ``deleted``: the provider answered 404 for the endpoint or hook; Shopify: no subscription of
+  the app for a topic a route listens for (Shopify deletes one after 8 failed deliveries over
+  4 hours; a route's glob: when the app has no subscription left at all).
 - ``url_mismatch``: it posts to another URL than this source's (``endpoint_url`` option, or
-  ``WEBHOOKS_PUBLIC_BASE_URL`` + ``/webhooks/{source id}``; neither set: not compared).
+  ``WEBHOOKS_PUBLIC_BASE_URL`` + ``/webhooks/{source id}``; neither set: not compared);
+  Shopify: every subscription of a routed topic does.
 - ``events_missing``: a route of the source listens for an event type the subscription no
-  longer includes (a route's exact type not subscribed; a glob no subscribed type matches).
+  longer includes (a route's exact type not subscribed; a glob no subscribed type matches;
+  Shopify: a glob no subscribed topic matches while others remain).
 - ``cannot_check``: the provider's API did not say (401/403, 429, 5xx, timeout, no answer,
   the source names no endpoint): the others are left as they were, neither opened nor closed.
 """
@@ -31,9 +35,15 @@ CANNOT_CHECK: Final = "cannot_check"
 JUDGED: Final = (DISABLED, DELETED, URL_MISMATCH, EVENTS_MISSING)
 KINDS: Final = (*JUDGED, CANNOT_CHECK)
 # The providers whose endpoint the watchdog reads, and which of them --fix can re-enable.
-WATCHED: Final = ("stripe", "github", "svix")
-# Where each provider's endpoint is named in the source's config (Svix: with app_id).
-ENDPOINT_OPTION: Final = {"stripe": "endpoint_id", "github": "hook", "svix": "endpoint_id"}
+WATCHED: Final = ("stripe", "github", "svix", "shopify")
+# Where each provider's endpoint is named in the source's config (Svix: with app_id; Shopify:
+# the shop, whose app's subscriptions are listed).
+ENDPOINT_OPTION: Final = {
+    "stripe": "endpoint_id",
+    "github": "hook",
+    "svix": "endpoint_id",
+    "shopify": "shop",
+}
 
 
 @dataclass(frozen=True)
@@ -41,20 +51,26 @@ class View:
     """The provider's view of our endpoint: ``status`` enabled, disabled (GitHub: inactive)
     or deleted (a 404); the URL it posts to; the event types it sends (Stripe's
     ``enabled_events``, GitHub's hook ``events``, Svix's ``filterTypes``; ``*``: all);
-    GitHub's ``last_response`` (code and status) if any."""
+    GitHub's ``last_response`` (code and status) if any. Shopify has no endpoint but one
+    subscription per topic and address: ``subscriptions`` (topic, address), ``events`` their
+    topics, ``url`` their address when they share one."""
 
     status: str
     url: str | None = None
     events: tuple[str, ...] = ()
     last_response: str | None = None
+    subscriptions: tuple[tuple[str, str], ...] | None = None
 
     def stored(self) -> dict[str, Any]:
-        return {
+        stored: dict[str, Any] = {
             "status": self.status,
             "url": self.url,
             "events": list(self.events),
             "last_response": self.last_response,
         }
+        if self.subscriptions is not None:
+            stored["subscriptions"] = [{"topic": t, "address": a} for t, a in self.subscriptions]
+        return stored
 
 
 @dataclass(frozen=True)
@@ -110,6 +126,8 @@ def _same_url(a: str, b: str) -> bool:
 
 def judge(provider: str, view: View, url: str | None, globs: Iterable[str]) -> list[Finding]:
     """The findings of one answered check (never ``cannot_check``)."""
+    if provider == "shopify":
+        return _judge_topics(view, url, globs)
     if view.status == "deleted":
         return [Finding(DELETED, f"the {_thing(provider)} no longer exists at {provider} (404)")]
     found: list[Finding] = []
@@ -134,3 +152,45 @@ def judge(provider: str, view: View, url: str | None, globs: Iterable[str]) -> l
 
 def _thing(provider: str) -> str:
     return "hook" if provider == "github" else "endpoint"
+
+
+DELETES_AFTER: Final = "Shopify deletes one after 8 failed deliveries over 4 hours"
+
+
+def _judge_topics(view: View, url: str | None, globs: Iterable[str]) -> list[Finding]:
+    """Shopify: each route's glob against the app's subscriptions (topic, address). A topic
+    with no subscription is ``deleted``; a glob no subscribed topic matches is
+    ``events_missing`` while the app still has other subscriptions (``deleted`` when it has
+    none); a routed topic whose every subscription posts elsewhere is ``url_mismatch``."""
+    subs = view.subscriptions or ()
+    deleted: list[str] = []
+    missing: list[str] = []
+    elsewhere: list[str] = []
+    for glob in sorted(set(globs)):
+        pattern = _glob(glob)
+        mine = [(t, a) for t, a in subs if pattern.fullmatch(t)]
+        if not mine:
+            (missing if _wild(glob) and subs else deleted).append(glob)
+        elif url is not None and not any(_same_url(a, url) for _, a in mine):
+            elsewhere.extend(f"{t} to {a}" for t, a in mine)
+    found: list[Finding] = []
+    if deleted:
+        found.append(
+            Finding(
+                DELETED,
+                f"shopify has no subscription for {', '.join(deleted)} ({DELETES_AFTER})",
+            )
+        )
+    if elsewhere:
+        found.append(
+            Finding(URL_MISMATCH, f"shopify posts {'; '.join(sorted(set(elsewhere)))}, not {url}")
+        )
+    if missing:
+        found.append(
+            Finding(
+                EVENTS_MISSING,
+                f"routes listen for {', '.join(missing)}; the app subscribes to"
+                f" {', '.join(sorted({t for t, _ in subs}))}",
+            )
+        )
+    return found

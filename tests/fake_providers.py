@@ -220,8 +220,11 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         raw_in = self.rfile.read(length) if length else b""
         self.fake.last_body = _body(raw_in, self.headers.get("Content-Type") or "")
+        # Shopify's Admin API takes its token in X-Shopify-Access-Token, the others in
+        # Authorization.
+        credential = self.headers.get(getattr(self.fake, "auth_header", "Authorization"))
         status, headers, body = self.fake.answer(
-            self.command, parts.path, parse_qs(parts.query), self.headers.get("Authorization")
+            self.command, parts.path, parse_qs(parts.query), credential
         )
         if isinstance(body, Streamed):
             self.send_response(status)
@@ -562,6 +565,108 @@ class FakeSvix:
             )
         seen.status = 404
         return 404, {}, {"code": "not_found", "detail": "Not Found"}
+
+    last_body: dict[str, Any] = {}  # noqa: RUF012  (set by the handler before answer)
+
+
+class FakeShopify:
+    """One shop's webhook subscriptions of one app, ``GET
+    /admin/api/{version}/webhooks.json`` (``topic``, ``address``, ``limit`` up to 250 with at
+    most ``page_size`` served, ``page_info`` through the ``Link`` header's ``rel="next"``), as
+    Shopify's REST Admin API documents the webhook resource; the token in
+    ``X-Shopify-Access-Token`` (a wrong one: 401). ``fail(n, status)`` scripts the n-th
+    request; every other path 404."""
+
+    auth_header = "X-Shopify-Access-Token"
+
+    def __init__(self, token: str, shop: str = "watch-test.myshopify.com") -> None:
+        self.token = token
+        self.shop = shop
+        self.page_size = 250
+        self.subscriptions: list[dict[str, Any]] = []
+        self.next_id = 1_047_000_000
+        self.seen: list[Seen] = []
+        self.script: dict[int, Scripted] = {}
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def subscribe(self, topic: str, address: str) -> dict[str, Any]:
+        """A subscription as the API documents it (its fields at version 2025-10)."""
+        with self.lock:
+            self.next_id += 1
+            sub = {
+                "id": self.next_id,
+                "address": address,
+                "topic": topic,
+                "created_at": "2026-11-02T10:00:00-05:00",
+                "updated_at": "2026-11-02T10:00:00-05:00",
+                "format": "json",
+                "fields": [],
+                "metafield_namespaces": [],
+                "api_version": "2025-10",
+                "private_metafield_namespaces": [],
+            }
+            self.subscriptions.append(sub)
+            return sub
+
+    def delete(self, topic: str) -> None:
+        """What Shopify does after 8 failed deliveries over 4 hours."""
+        with self.lock:
+            self.subscriptions = [s for s in self.subscriptions if s["topic"] != topic]
+
+    def fail(self, nth: int, status: int) -> None:
+        headers = {"Retry-After": "2.0"} if status == 429 else {}
+        said = (
+            "Exceeded 2 calls per second for api client. Reduce request rates to resume"
+            " uninterrupted service."
+            if status == 429
+            else f"scripted {status}"
+        )
+        self.script[nth] = Scripted(status, headers, {"errors": said})
+
+    def answer(
+        self, method: str, path: str, query: dict[str, list[str]], auth: str | None
+    ) -> tuple[int, dict[str, str], Any]:
+        seen = Seen(method, path, query, time.monotonic(), auth == self.token)
+        with self.lock:
+            self.seen.append(seen)
+            scripted = self.script.pop(len(self.seen), None)
+        if not seen.authorised:
+            seen.status = 401
+            return (
+                401,
+                {},
+                {
+                    "errors": "[API] Invalid API key or access token (unrecognized login or"
+                    " wrong password)"
+                },
+            )
+        if scripted is not None:
+            seen.status = scripted.status
+            return scripted.status, scripted.headers, scripted.body
+        parts = path.split("/")
+        if (
+            method == "GET"
+            and len(parts) == 5
+            and parts[:3] == ["", "admin", "api"]
+            and (parts[4] == "webhooks.json")
+        ):
+            with self.lock:
+                listed = [
+                    s
+                    for s in self.subscriptions
+                    if s["topic"] in query.get("topic", [s["topic"]])
+                    and s["address"] in query.get("address", [s["address"]])
+                ]
+            start = int(query.get("page_info", ["0"])[0])
+            size = min(int(query.get("limit", ["50"])[0]), 250, self.page_size)
+            headers = {}
+            if start + size < len(listed):
+                following = f"{self.url}{path}?limit={size}&page_info={start + size}"
+                headers["Link"] = f'<{following}>; rel="next"'
+            return 200, headers, {"webhooks": listed[start : start + size]}
+        seen.status = 404
+        return 404, {}, {"errors": "Not Found"}
 
     last_body: dict[str, Any] = {}  # noqa: RUF012  (set by the handler before answer)
 

@@ -283,7 +283,9 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
     other = cli("reconcile", shopify.name, env=env)
     assert other.returncode == 1
     assert "reconciliation supports github, stripe, svix, not 'shopify'" in other.stderr
-    option = cli("sources", "update", shopify.name, "--config", "api_base=https://x.io", env=env)
+    standard = make_source(sessions, settings, provider="standard")
+    remember(standard.secret)
+    option = cli("sources", "update", standard.name, "--config", "api_base=https://x.io", env=env)
     assert option.returncode == 1
     assert "option 'api_base' is for reconciliation" in option.stderr
     with engine.connect() as conn:
@@ -312,13 +314,14 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
         "last_run": None,
     }
     refused = cli(
-        "sources", "add", f"rec-{uuid.uuid4().hex[:8]}", "--provider", "shopify",
+        "sources", "add", f"rec-{uuid.uuid4().hex[:8]}", "--provider", "standard",
         "--api-key", other_key, env=env,
     )  # fmt: skip
     assert refused.returncode == 1
-    assert "--api-key: reconciliation supports github, stripe, svix, not 'shopify'" in (
+    assert "--api-key: a provider API credential is for reconciliation (github, stripe, svix)" in (
         refused.stderr
     )
+    assert "not 'standard'" in refused.stderr
 
 
 # The page walk's bounds (pure, with an injected sleep) ----------------------------------------

@@ -1,7 +1,7 @@
 """The subscription watchdog (issue 38 item 1): the real ``webhooks sources check`` CLI and
 beat's task body on a worker's runtime, against local stand-ins of Stripe's API (the
-``stripe`` library pointed at ``api_base``) and GitHub's (the documented hook object), real
-Postgres, and Prometheus' own promtool evaluating the alert rules over the gauge's values."""
+``stripe`` library pointed at ``api_base``), GitHub's (the documented hook object), Svix's and
+Shopify's (the documented webhook resource, ``webhooks.json``), real Postgres, and Prometheus' own promtool evaluating the alert rules over the gauge's values."""
 
 from __future__ import annotations
 
@@ -25,7 +25,14 @@ from core import watchdog as judge
 from core.settings import Settings
 from tests.conftest import test_env
 from tests.factories import MadeSource, make_source
-from tests.fake_providers import FakeGitHub, FakeStripe, FakeSvix, Scripted, serving
+from tests.fake_providers import (
+    FakeGitHub,
+    FakeShopify,
+    FakeStripe,
+    FakeSvix,
+    Scripted,
+    serving,
+)
 from tests.leakcheck import remember
 from tests.operators_support import cli
 
@@ -47,7 +54,7 @@ def _url(made: MadeSource) -> str:
 def _source(
     sessions: sessionmaker[Session],
     settings: Settings,
-    fake: FakeStripe | FakeGitHub | FakeSvix,
+    fake: FakeStripe | FakeGitHub | FakeSvix | FakeShopify,
     *,
     events: tuple[str, ...] = ("*",),
     api_key: str | None = None,
@@ -60,6 +67,8 @@ def _source(
         provider, key, endpoint = "stripe", fake.api_key, [f"endpoint_id={fake.endpoint_id}"]
     elif isinstance(fake, FakeGitHub):
         provider, key, endpoint = "github", fake.token, [f"hook={HOOK}"]
+    elif isinstance(fake, FakeShopify):
+        provider, key, endpoint = "shopify", fake.token, [f"shop={fake.shop}"]
     else:
         provider, key = "svix", fake.token
         endpoint = [f"app_id={fake.app_id}", f"endpoint_id={fake.endpoint_id}"]
@@ -75,6 +84,8 @@ def _source(
     assert done.returncode == 0, done.stderr
     if isinstance(fake, FakeGitHub):
         fake.hook_url = _url(made)
+    elif isinstance(fake, FakeShopify):
+        pass  # its subscriptions are the test's: fake.subscribe(topic, _url(made))
     else:
         fake.endpoint_url = _url(made)
     return made
@@ -469,6 +480,200 @@ def test_a_disabled_svix_endpoint_and_its_filter_types_are_findings_fix_patches_
     ]
 
 
+# Shopify --------------------------------------------------------------------------------------
+
+SHOPIFY_TOPICS = ("orders/create", "orders/paid")
+
+
+def _shopify_reads(fake: FakeShopify) -> list[Any]:
+    return [s for s in fake.seen if s.path == "/admin/api/2025-10/webhooks.json"]
+
+
+def test_a_deleted_shopify_subscription_is_a_finding_until_the_app_subscribes_again(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings, runtime: Any
+) -> None:
+    """Shopify deletes a subscription after 8 failed deliveries over 4 hours: beat's check
+    lists the app's subscriptions (one call), a routed topic without one is a ``deleted``
+    finding (gauge 1, the alert's expression true, `sources check` exit 1); subscribed again:
+    closed (gauge 0, exit 0)."""
+    fake = FakeShopify(_key("shpat"))
+    with serving(fake):
+        made = _source(sessions, settings, fake, events=SHOPIFY_TOPICS)
+        for topic in SHOPIFY_TOPICS:
+            fake.subscribe(topic, _url(made))
+        fake.subscribe("products/update", "https://elsewhere.example.com/p")  # not routed
+        assert _beat(engine, runtime, made) == [made.public_id]
+        assert _open(engine, made.id) == set()
+
+        fake.delete("orders/paid")
+        assert _beat(engine, runtime, made) == [made.public_id]
+        assert _open(engine, made.id) == {"deleted"}
+        [row] = _findings(engine, made.id)
+        assert row.detail == (
+            "shopify has no subscription for orders/paid (Shopify deletes one after 8 failed"
+            " deliveries over 4 hours)"
+        )
+        assert _gauge(made.public_id) == {"deleted": 1.0}
+        _alerting(made.public_id, {"WebhookSubscriptionFinding": ["deleted"]})
+        code, view, _ = _check(made.name, "--json")
+        assert code == 1
+        assert [(f["source"], f["kind"]) for f in view["open"]] == [(made.public_id, "deleted")]
+        assert view["checked"][0]["provider_view"]["subscriptions"] == [
+            {"topic": "orders/create", "address": _url(made)},
+            {"topic": "products/update", "address": "https://elsewhere.example.com/p"},
+        ]
+        code, said, _ = _check(made.name)
+        assert code == 1
+        assert f"open: {made.public_id} ({made.name}) deleted since" in said
+        assert len(_findings(engine, made.id)) == 1  # seen three times, opened once
+
+        fake.subscribe("orders/paid", _url(made))
+        code, view, _ = _check(made.name, "--json")
+        assert code == 0
+        assert view["checked"][0]["closed"] == ["deleted"]
+        assert _beat(engine, runtime, made) == [made.public_id]
+        assert _gauge(made.public_id) == {"deleted": 0.0}
+        _alerting(made.public_id, {"WebhookSubscriptionFinding": []})
+    assert _audits(engine, made.public_id) == [
+        ("finding.open", "deleted", "watchdog"),
+        ("finding.close", "deleted", "watchdog"),
+    ]
+    # Each check is one GET of the app's subscriptions with the access token; nothing else.
+    reads = _shopify_reads(fake)
+    assert len(reads) == len(fake.seen) == 6
+    assert all(s.method == "GET" and s.authorised for s in reads)
+    assert all(s.query == {"limit": ["250"]} for s in reads)
+
+
+def test_a_shopify_subscription_posting_elsewhere_is_a_finding_and_fix_is_refused(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    fake = FakeShopify(_key("shpat"))
+    fake.page_size = 2  # the subscriptions come in pages: the Link header is followed
+    with serving(fake):
+        made = _source(sessions, settings, fake, events=("orders/create", "refunds/*"))
+        fake.subscribe("orders/create", "https://old-host.example.com/shopify")
+        fake.subscribe("orders/updated", _url(made))
+        fake.subscribe("app/uninstalled", _url(made))
+        code, view, _ = _check(made.name, "--json")
+        assert code == 1
+        assert {f["kind"] for f in view["open"]} == {"url_mismatch", "events_missing"}
+        details = {r.kind: r.detail for r in _findings(engine, made.id)}
+        assert details["url_mismatch"] == (
+            f"shopify posts orders/create to https://old-host.example.com/shopify, not {_url(made)}"
+        )
+        assert details["events_missing"] == (
+            "routes listen for refunds/*; the app subscribes to app/uninstalled, orders/create,"
+            " orders/updated"
+        )
+        assert len(_shopify_reads(fake)) == 2  # two pages of two
+
+        asked = len(fake.seen)
+        for args in (("--fix", "--yes"), ("--fix",)):
+            done = cli("sources", "check", made.name, *args, env=test_env())
+            assert done.returncode == 1
+            assert "Traceback" not in done.stderr + done.stdout
+            [line] = [x for x in done.stderr.splitlines() if x.strip()]
+            assert "--fix cannot help a shopify source: Shopify has no disabled state" in line
+        assert len(fake.seen) == asked  # refused before Shopify is asked anything
+        assert _open(engine, made.id) == {"url_mismatch", "events_missing"}
+        assert not [a for a in _audits(engine, made.public_id) if a[0] == "subscription.enable"]
+
+        fake.delete("orders/create")
+        fake.subscribe("orders/create", _url(made))
+        fake.subscribe("refunds/create", _url(made))
+        code, view, _ = _check(made.name, "--json")
+        assert code == 0
+        assert sorted(view["checked"][0]["closed"]) == ["events_missing", "url_mismatch"]
+
+
+@pytest.mark.parametrize("status", [401, 403, 429, 503])
+def test_a_shopify_api_that_refuses_or_fails_is_a_cannot_check_finding_without_a_traceback(
+    status: int,
+    engine: Engine,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    runtime: Any,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """401 (the stored token revoked: the stand-in refuses it as Shopify does), 403, 429
+    (with Retry-After), 503: a cannot_check finding naming the status, the other findings
+    left as they were, one structured line, no traceback, no token anywhere."""
+    fake = FakeShopify(_key("shpat"))
+    with serving(fake):
+        made = _source(sessions, settings, fake, events=SHOPIFY_TOPICS)
+        fake.subscribe("orders/create", _url(made))
+        assert _beat(engine, runtime, made) == [made.public_id]
+        assert _open(engine, made.id) == {"deleted"}  # orders/paid has none
+
+        good = fake.token
+        if status == 401:
+            fake.token = _key("shpat")
+        else:
+            fake.fail(len(fake.seen) + 1, status)
+        capfd.readouterr()
+        assert _beat(engine, runtime, made) == [made.public_id]
+        out = capfd.readouterr()
+        assert fake.seen[-1].status == status
+        assert _open(engine, made.id) == {"deleted", "cannot_check"}
+        detail = {r.kind: r.detail for r in _findings(engine, made.id)}["cannot_check"]
+        assert f"({status})" in detail
+        assert "Traceback" not in out.out + out.err
+        assert "watchdog.cannot_check" in out.out + out.err
+        assert good not in out.out + out.err + detail
+        assert fake.token not in out.out + out.err + detail
+        assert _gauge(made.public_id) == {"deleted": 1.0, "cannot_check": 1.0}
+        _alerting(made.public_id, {"WebhookSubscriptionCannotCheck": ["cannot_check"]})
+        code, said, err = _check(made.name)
+        assert code == 1
+        assert good not in said + err
+
+        fake.token = good
+        fake.subscribe("orders/paid", _url(made))
+        assert _beat(engine, runtime, made) == [made.public_id]  # answered again: closed
+        assert _open(engine, made.id) == set()
+    assert len([r for r in _findings(engine, made.id) if r.kind == "cannot_check"]) == 1
+
+
+def test_a_shopify_source_takes_an_access_token_and_a_shop_and_refuses_a_bad_one(
+    engine: Engine, sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    made = make_source(sessions, settings, provider="shopify")
+    remember(made.secret)
+    token = _key("shpat")
+    done = cli(
+        "sources", "update", made.name, "--api-key", token, "--config", "shop=my-store",
+        env=test_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert token not in done.stdout + done.stderr
+    with engine.connect() as conn:
+        config, sealed = conn.execute(
+            text("SELECT config, reconcile_ciphertext FROM sources WHERE id = :s"),
+            {"s": made.id},
+        ).one()
+    assert config["shop"] == "my-store.myshopify.com"
+    assert sealed is not None
+    assert token.encode() not in bytes(sealed)
+    for config_arg, words in (
+        ("shop=my-store.example.com", "option 'shop' must be NAME.myshopify.com"),
+        ("hook=repos/a/b/hooks/1", "option 'hook' is not one of shopify's API options"),
+    ):
+        bad = cli("sources", "update", made.name, "--config", config_arg, env=test_env())
+        assert bad.returncode == 1
+        assert "Traceback" not in bad.stderr
+        [line] = [x for x in bad.stderr.splitlines() if x.strip()]
+        assert words in line, line
+    with engine.connect() as conn:
+        after = conn.execute(
+            text("SELECT config FROM sources WHERE id = :s"), {"s": made.id}
+        ).scalar_one()
+    assert after == config  # nothing changed
+    reconcile = cli("reconcile", made.name, env=test_env())
+    assert reconcile.returncode == 1  # the token is the watchdog's: nothing is reconciled
+    assert "reconciliation supports github, stripe, svix, not 'shopify'" in reconcile.stderr
+
+
 # The API cannot say ---------------------------------------------------------------------------
 
 
@@ -667,7 +872,10 @@ def test_bad_watchdog_input_is_one_clear_line_and_changes_nothing(
     for args, words in (
         (("sources", "check", "no-such-source"), "no-such-source"),
         (("sources", "check", "--fix"), "--fix needs one SOURCE"),
-        (("sources", "check", other.name), "the watchdog reads stripe, github, svix endpoints"),
+        (
+            ("sources", "check", other.name),
+            "the watchdog reads stripe, github, svix, shopify endpoints",
+        ),
     ):
         done = cli(*args, env=test_env())
         assert done.returncode == 1, args
@@ -701,6 +909,29 @@ def test_a_route_glob_is_covered_by_the_subscribed_types(
     provider: str, glob: str, events: list[str], covered: bool
 ) -> None:
     assert judge.covered(provider, glob, events) is covered
+
+
+@pytest.mark.parametrize(
+    ("globs", "subs", "kinds"),
+    [
+        (["orders/create"], [("orders/create", "https://h/w")], set()),
+        (["orders/create"], [("orders/paid", "https://h/w")], {"deleted"}),
+        (["orders/*"], [("orders/paid", "https://h/w")], set()),
+        (["orders/*"], [("carts/create", "https://h/w")], {"events_missing"}),
+        (["orders/*"], [], {"deleted"}),
+        (["*"], [], {"deleted"}),
+        (["orders/create"], [("orders/create", "https://x/y")], {"url_mismatch"}),
+        # One subscription of the topic posts to us: the other one is someone else's.
+        (["orders/create"], [("orders/create", "https://x/y"), ("orders/create", "https://h/w/")],
+         set()),
+        ([], [], set()),
+    ],
+)  # fmt: skip
+def test_shopify_subscriptions_are_judged_per_routed_topic(
+    globs: list[str], subs: list[tuple[str, str]], kinds: set[str]
+) -> None:
+    view = judge.View("enabled", None, tuple(t for t, _ in subs), subscriptions=tuple(subs))
+    assert {f.kind for f in judge.judge("shopify", view, "https://h/w", globs)} == kinds
 
 
 def test_the_expected_url_is_the_option_else_the_public_base() -> None:

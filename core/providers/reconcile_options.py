@@ -62,12 +62,24 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "stripe": ("api_base", ALLOW_PRIVATE, "endpoint_id", "endpoint_url"),
     "github": ("api_base", ALLOW_PRIVATE, "hook", "endpoint_url"),
     "svix": ("api_base", ALLOW_PRIVATE, "app_id", "endpoint_id", "endpoint_url"),
+    # Not reconciled: only the subscription watchdog reads a Shopify source's API (the shop's
+    # webhook subscriptions, at https://{shop} unless api_base says otherwise).
+    "shopify": ("api_base", ALLOW_PRIVATE, "shop", "endpoint_url"),
 }
+# Providers a source's API credential (--api-key) is for: reconciliation's, and Shopify's
+# Admin API access token, which the subscription watchdog reads the subscriptions with.
+CREDENTIAL_PROVIDERS: Final = frozenset({*SPECS, "shopify"})
 ALL_OPTIONS = frozenset(o for names in OPTIONS.values() for o in names)
 
 
 def supported(provider: str) -> bool:
     return provider in SPECS
+
+
+def takes_credential(provider: str) -> bool:
+    """Whether a source of ``provider`` may hold an API credential (reconciliation's or the
+    subscription watchdog's)."""
+    return provider in CREDENTIAL_PROVIDERS
 
 
 def split(provider: str, config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -81,6 +93,11 @@ def split(provider: str, config: Mapping[str, Any]) -> tuple[dict[str, Any], dic
     for key in sorted(ours):
         if key not in allowed:
             known = ", ".join(sorted(SPECS)) or "none"
+            if provider in OPTIONS and provider not in SPECS:
+                raise ValueError(
+                    f"option {key!r} is not one of {provider}'s API options"
+                    f" ({', '.join(OPTIONS[provider])})"
+                )
             raise ValueError(
                 f"option {key!r} is for reconciliation, which supports {known}, not {provider!r}"
             )
@@ -173,6 +190,16 @@ def _endpoint_url(value: str) -> str:
     return text
 
 
+def _shop(value: str) -> str:
+    """A Shopify shop's domain, ``NAME.myshopify.com`` (a bare ``NAME`` is completed)."""
+    text = value.strip().lower().removeprefix("https://").rstrip("/")
+    if re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", text):
+        text = f"{text}.myshopify.com"
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}\.myshopify\.com", text):
+        raise ValueError(f"option 'shop' must be NAME.myshopify.com, got {value!r}")
+    return text
+
+
 def _flag(value: str) -> str:
     """``allow_private``: true or false (also 1/0, yes/no), stored as ``true``/``false``."""
     return "true" if allows_private({ALLOW_PRIVATE: value}) else "false"
@@ -185,6 +212,7 @@ CHECKS = {
     "app_id": _svix_id,
     "endpoint_id": _endpoint_id,
     "endpoint_url": _endpoint_url,
+    "shop": _shop,
 }
 
 
@@ -198,6 +226,11 @@ def is_loopback(host: str) -> bool:
 
 
 def base_of(provider: str, config: Mapping[str, Any]) -> str:
-    """The source's API base: its ``api_base`` option, else the provider's real API."""
+    """The source's API base: its ``api_base`` option, else the provider's real API (Shopify:
+    the source's shop, ``https://{shop}``)."""
     given = config.get("api_base")
-    return api_base(given) if isinstance(given, str) else SPECS[provider].default_base
+    if isinstance(given, str):
+        return api_base(given)
+    if provider == "shopify":
+        return f"https://{_shop(str(config.get('shop') or ''))}"
+    return SPECS[provider].default_base

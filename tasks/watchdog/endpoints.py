@@ -22,7 +22,7 @@ checks again.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
@@ -230,3 +230,81 @@ def github_enable(token: str, base: str, hook: str, *, allow_private: bool, time
     """``{"active": true}`` on the hook (one call); the hook as GitHub then has it."""
     with _github(token, base, allow_private, timeout) as client:
         return _github_answer(base, lambda: client.patch(f"/{hook}", json={"active": True}))
+
+
+# Shopify's REST Admin API version: a stable version is supported for at least 12 months, and
+# a request naming one no longer supported is served by the oldest supported one
+# (https://shopify.dev/docs/api/usage/versioning); the webhook resource's ``topic`` and
+# ``address`` are the same in every version (https://shopify.dev/docs/api/admin-rest/latest/resources/webhook).
+SHOPIFY_API_VERSION: Final = "2025-10"
+# At most this many pages of 250 subscriptions (Shopify's largest page) are read.
+SHOPIFY_PAGES: Final = 4
+
+
+def _shopify(token: str, base: str, allow_private: bool, timeout: float) -> httpx.Client:
+    return api_client(
+        base,
+        f"Shopify API at {base}",
+        allow_private=allow_private,
+        timeout=timeout,
+        headers={"X-Shopify-Access-Token": token, "Accept": "application/json"},
+    )
+
+
+def _shopify_page(base: str, call: Any) -> tuple[list[tuple[str, str]], str | None]:
+    """One page's (topic, address) pairs and the next page's URL, if any."""
+    try:
+        answer = call()
+    except httpx.TimeoutException:
+        raise CannotCheck(None, f"Shopify API at {base} did not answer in time") from None
+    except httpx.HTTPError:
+        raise CannotCheck(None, f"Shopify API at {base} did not answer") from None
+    except ApiError as exc:
+        raise CannotCheck(exc.status, str(exc)) from None
+    status = answer.status_code
+    if status == 429:
+        raise CannotCheck(status, "Shopify rate limited the check (429)")
+    if status in (401, 403):
+        raise CannotCheck(
+            status,
+            f"Shopify refused the access token ({status}): set the app's Admin API access"
+            " token with webhooks sources update SOURCE --api-key -",
+        )
+    if status == 404:
+        raise CannotCheck(status, f"Shopify API at {base} has no such shop or API version (404)")
+    if status >= 400:
+        raise CannotCheck(status, f"Shopify API error ({status})")
+    try:
+        subs = [(str(w["topic"]), str(w["address"])) for w in answer.json()["webhooks"]]
+    except (ValueError, KeyError, TypeError):
+        raise CannotCheck(
+            status, f"Shopify API at {base} answered subscriptions it cannot read"
+        ) from None
+    following = answer.links.get("next", {}).get("url")
+    if following is not None and not str(following).startswith(f"{base}/"):
+        raise CannotCheck(status, f"Shopify API at {base} named a next page elsewhere")
+    return subs, following
+
+
+def shopify_view(token: str, base: str, shop: str, *, allow_private: bool, timeout: float) -> View:
+    """Every webhook subscription of the token's app at the shop (``base`` is the shop's
+    ``https://{shop}`` unless the source's ``api_base`` says otherwise)."""
+    subs: list[tuple[str, str]] = []
+    path: str | None = f"/admin/api/{SHOPIFY_API_VERSION}/webhooks.json?limit=250"
+    with _shopify(token, base, allow_private, timeout) as client:
+        for _ in range(SHOPIFY_PAGES):
+            if path is None:
+                break
+            page, path = _shopify_page(base, lambda p=path: client.get(p))
+            subs.extend(page)
+        if path is not None:
+            raise CannotCheck(
+                None, f"shop {shop} has more than {SHOPIFY_PAGES * 250} webhook subscriptions"
+            )
+    addresses = {a.rstrip("/") for _, a in subs}
+    return View(
+        status="enabled",
+        url=next(iter(addresses)) if len(addresses) == 1 else None,
+        events=tuple(sorted({t for t, _ in subs})),
+        subscriptions=tuple(sorted(set(subs))),
+    )

@@ -33,6 +33,7 @@ from tasks.watchdog.endpoints import (
     CannotCheck,
     github_enable,
     github_view,
+    shopify_view,
     stripe_enable,
     stripe_view,
     svix_enable,
@@ -112,10 +113,19 @@ def load_subject(session: Session, box: SecretBox, ref: str) -> Subject:
 
 
 Reader = Callable[..., judge.View]
-_READERS: dict[str, tuple[Reader, Reader]] = {
+_READERS: dict[str, tuple[Reader, Reader | None]] = {
     "stripe": (stripe_view, stripe_enable),
     "github": (github_view, github_enable),
     "svix": (svix_view, svix_enable),
+    "shopify": (shopify_view, None),
+}
+# Why --fix cannot help a provider's source: said before anything is asked or recorded.
+NO_FIX: dict[str, str] = {
+    "shopify": (
+        "--fix cannot help a shopify source: Shopify has no disabled state (it deletes a"
+        " subscription after 8 failed deliveries over 4 hours) and --fix never creates one;"
+        " subscribe the app to the topic again"
+    ),
 }
 
 
@@ -123,6 +133,7 @@ _EXAMPLE = {
     "stripe": "--config endpoint_id=we_...",
     "github": "--config hook=repos/OWNER/REPO/hooks/ID",
     "svix": "--config app_id=APP --config endpoint_id=ENDPOINT",
+    "shopify": "--config shop=NAME.myshopify.com",
 }
 
 
@@ -149,6 +160,8 @@ def _call(settings: Settings, subject: Subject, enable: bool) -> judge.View:
         )
     endpoint = _endpoint(subject)
     reader = _READERS[subject.provider][1 if enable else 0]
+    if reader is None:
+        raise CannotCheck(None, NO_FIX[subject.provider])
     return reader(
         subject.api_key,
         options.base_of(subject.provider, subject.config),
@@ -213,6 +226,12 @@ class Fixed:
     before: Checked
     called: bool  # the provider's API was asked to re-enable
     after: Checked | None
+
+
+def fix_refusal(sessions: sessionmaker[Session], ref: str) -> str | None:
+    """Why ``--fix`` cannot help the source's provider (one line), or None."""
+    with sessions() as session:
+        return NO_FIX.get(catalog.get_source(session, ref).provider)
 
 
 def fixable(checked: Checked) -> bool:

@@ -1,6 +1,6 @@
 """Beat's watchdog (issue 38 item 1): every :data:`TICK` seconds, ``webhooks.watch`` checks
-each source due (an active Stripe or GitHub source with an API credential, not checked within
-``WEBHOOKS_WATCH_EVERY``), on the maintenance queue, then sets
+each source due (an active Stripe, GitHub, Svix or Shopify source with an API credential, not
+checked within ``WEBHOOKS_WATCH_EVERY``), on the maintenance queue, then sets
 ``webhooks_subscription_findings`` from the findings table.
 
 A source is claimed by one guarded UPDATE on the database's clock (``watched_at`` moved to

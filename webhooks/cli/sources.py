@@ -94,6 +94,17 @@ def _require_reconcilable(provider: str, option: str) -> None:
         )
 
 
+def _require_credential(provider: str) -> None:
+    from core.providers import reconcile_options as options
+
+    if not options.takes_credential(provider):
+        raise CliError(
+            f"--api-key: a provider API credential is for reconciliation "
+            f"({', '.join(sorted(options.SPECS))}) and the subscription watchdog "
+            f"({', '.join(sorted(options.CREDENTIAL_PROVIDERS))}), not {provider!r}"
+        )
+
+
 def _reconcile_every(provider: str, value: str | None) -> int | None:
     """Seconds, or 0 for 'off'; None when not given."""
     if value is None:
@@ -226,7 +237,7 @@ def sources_add(
     every = _reconcile_every(provider, reconcile_every)
     credential = _api_key(api_key)
     if credential is not None:
-        _require_reconcilable(provider, "--api-key")
+        _require_credential(provider)
     e = env()
     with e.session() as session:
         source, created = catalog.create_source(
@@ -326,7 +337,7 @@ def sources_update(
         # Everything is checked before anything changes: bad input changes nothing.
         every = _reconcile_every(row.provider, reconcile_every)
         if credential is not None:
-            _require_reconcilable(row.provider, "--api-key")
+            _require_credential(row.provider)
         if given_config:
             merged = {**(row.config or {}), **given_config}
             merged = {k: v for k, v in merged.items() if v != ""}
@@ -532,7 +543,7 @@ def sources_check(
             "--fix",
             help="Re-enable SOURCE's disabled endpoint (Stripe, Svix) or inactive hook "
             "(GitHub) at its provider, after a confirmation (audited). Never creates or "
-            "deletes one.",
+            "deletes one (Shopify: refused, it has no disabled state).",
         ),
     ] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
@@ -553,6 +564,11 @@ def sources_check(
     if not e.keys_checked:
         e.check_keys()
     box = secret_box(e)
+    if fix:
+        assert source is not None
+        refused = watch.fix_refusal(e.sessions, source)
+        if refused is not None:
+            raise CliError(refused, doc="watchdog")
     checked: list[Any] = []
     if not stored:
         refs = [source] if source is not None else _watched(e)
