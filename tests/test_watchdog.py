@@ -869,8 +869,10 @@ def test_bad_watchdog_input_is_one_clear_line_and_changes_nothing(
     engine: Engine, sessions: sessionmaker[Session], settings: Settings
 ) -> None:
     other = make_source(sessions, settings, provider="standard")
+    bare = make_source(sessions, settings, provider="stripe")  # no API credential
     for args, words in (
         (("sources", "check", "no-such-source"), "no-such-source"),
+        (("sources", "check", bare.name), "is not watched: it has no API credential"),
         (("sources", "check", "--fix"), "--fix needs one SOURCE"),
         (
             ("sources", "check", other.name),
@@ -883,6 +885,7 @@ def test_bad_watchdog_input_is_one_clear_line_and_changes_nothing(
         [line] = [x for x in done.stderr.splitlines() if x.strip()]
         assert words in line, line
     assert _findings(engine, other.id) == []
+    assert _findings(engine, bare.id) == []  # nothing recorded: no finding, no alert
 
 
 # The judgement (pure) -------------------------------------------------------------------------

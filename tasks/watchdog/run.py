@@ -97,8 +97,16 @@ def load_subject(session: Session, box: SecretBox, ref: str) -> Subject:
         select(Route.events_glob).where(Route.source_id == source.id, Route.active.is_(True))
     ).all()
     ciphertext = source.reconcile_ciphertext
+    if ciphertext is None:
+        # Not watched (beat picks only sources with a credential): asked by name, it says so
+        # and records nothing. A cannot_check finding here stayed open for good, and its alert
+        # fired, for a source no one meant to watch.
+        raise WatchError(
+            f"source {source.public_id} ({source.name}) is not watched: it has no API "
+            f"credential (webhooks sources update {source.name} --api-key KEY)"
+        )
     try:
-        key = None if ciphertext is None else provider_credential(box, source.id, bytes(ciphertext))
+        key = provider_credential(box, source.id, bytes(ciphertext))
     except ReconcileError as exc:
         raise WatchError(str(exc)) from None
     return Subject(
