@@ -204,9 +204,10 @@ def requeue(task: Task[Any, Any], argument: int | list[int]) -> bool:
     return True
 
 
-#: Outcomes after which a lane's next delivery may run: the delivery ended (dead: it no longer
-#: holds a ``skip`` lane), or its lane refused it (the lane may have opened since).
-LANE_MOVES = (Outcome.SUCCEEDED, Outcome.DEAD, Outcome.SUPERSEDED, Outcome.LANE)
+#: Outcomes after which a lane's next delivery may run: the delivery ended (filtered by its
+#: transform too; dead: it no longer holds a ``skip`` lane), or its lane refused it (the lane
+#: may have opened since).
+LANE_MOVES = (Outcome.SUCCEEDED, Outcome.DEAD, Outcome.SUPERSEDED, Outcome.FILTERED, Outcome.LANE)
 
 
 def lane_heads(
