@@ -69,22 +69,22 @@ class Head(NamedTuple):
     source: str | None
 
 
-# Per lane, its first unfinished delivery (dead ones left out on a ``skip`` route), taken from
-# ix_deliveries_lane by a LIMIT 1 (an ordered index scan per partition, each stopping at
-# once); published when it is pending, or retrying and due, and the lane lets it run.
+# Per lane, its first member (dead ones left out on a ``skip`` route), taken from
+# ix_lane_members_lane by a LIMIT 1; published when it is pending, or retrying and due, and
+# the lane lets it run. Reads the members only (migration 0033), never ``deliveries``.
 _NEXT_HEADS = placeholders("""
-    SELECT h.id FROM unnest(CAST(:routes AS bigint[]), CAST(:keys AS text[])) AS w(route_id, key)
+    SELECT h.delivery_id
+    FROM unnest(CAST(:routes AS bigint[]), CAST(:keys AS text[])) AS w(route_id, key)
     JOIN routes rt ON rt.id = w.route_id
     CROSS JOIN LATERAL (
-        SELECT d.id, d.status, d.next_attempt_at FROM deliveries d
-        WHERE d.route_id = w.route_id AND d.lane_key = w.key AND d.lane_key IS NOT NULL
-          AND d.status IN ('pending', 'processing', 'retrying', 'dead')
-          AND (d.status <> 'dead' OR rt.lane_on_dead = 'block')
-        ORDER BY d.id LIMIT 1
+        SELECT m.delivery_id, m.status, m.next_attempt_at FROM lane_members m
+        WHERE m.route_id = w.route_id AND m.lane_key = w.key
+          AND (m.status <> 'dead' OR rt.lane_on_dead = 'block')
+        ORDER BY m.delivery_id LIMIT 1
     ) h
     WHERE (h.status = 'pending' OR (h.status = 'retrying' AND h.next_attempt_at <= :now))
-      AND webhooks_lane_clear(w.route_id, w.key, h.id, :now)
-    ORDER BY h.id
+      AND webhooks_lane_clear(w.route_id, w.key, h.delivery_id, :now)
+    ORDER BY h.delivery_id
 """)
 
 
@@ -103,11 +103,12 @@ def next_heads(
     return [Head(int(r[0]), None, None) for r in rows]
 
 
-_WAITING = placeholders(f"""
-    SELECT d.id, d.route_id, d.lane_key FROM deliveries d
-    WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.lane_key IS NOT NULL
-      AND d.status IN ('pending', 'retrying', 'processing') AND NOT {guard("d")}
-""")  # noqa: S608 (fragments of this module)
+_WAITING = placeholders("""
+    SELECT m.delivery_id, m.route_id, m.lane_key FROM lane_members m
+    WHERE m.delivery_id = ANY(CAST(:ids AS bigint[]))
+      AND m.status IN ('pending', 'retrying', 'processing')
+      AND NOT webhooks_lane_clear(m.route_id, m.lane_key, m.delivery_id, :now)
+""")
 
 
 def waiting(
@@ -152,20 +153,19 @@ def newer_success(
     return None if row is None else str(row[0])
 
 
-_BLOCKED = placeholders(f"""
+_BLOCKED = placeholders("""
     SELECT h.route_id, count(*) FROM (
-        SELECT DISTINCT ON (d.route_id, d.lane_key) d.route_id, d.status
-        FROM deliveries d JOIN routes rt ON rt.id = d.route_id
-        WHERE d.lane_key IS NOT NULL AND d.status IN {OPEN}
-          AND (d.status <> 'dead' OR rt.lane_on_dead = 'block')
-        ORDER BY d.route_id, d.lane_key, d.id
+        SELECT DISTINCT ON (m.route_id, m.lane_key) m.route_id, m.status
+        FROM lane_members m JOIN routes rt ON rt.id = m.route_id
+        WHERE m.status <> 'dead' OR rt.lane_on_dead = 'block'
+        ORDER BY m.route_id, m.lane_key, m.delivery_id
     ) h
     WHERE h.status = 'dead'
     GROUP BY h.route_id
-""")  # noqa: S608 (fragments of this module)
+""")
 
 
 def blocked(conn: psycopg.Connection[Any]) -> dict[int, int]:
     """Per route, its lanes a dead letter blocks (``lane_on_dead`` block): what
-    ``webhooks_lanes_blocked`` shows. Reads the unfinished lane rows (the partial index)."""
+    ``webhooks_lanes_blocked`` shows. Reads the lane members (migration 0033)."""
     return {int(r[0]): int(r[1]) for r in conn.execute(_BLOCKED).fetchall()}
