@@ -118,6 +118,15 @@ BEGIN
         END IF;
     END IF;
     IF NEW.lane_key IS NOT NULL AND NEW.status IN {OPEN} THEN
+        IF TG_OP = 'UPDATE' THEN
+            UPDATE lane_members SET route_id = NEW.route_id, lane_key = NEW.lane_key,
+                status = NEW.status, lease_until = NEW.lease_until,
+                next_attempt_at = NEW.next_attempt_at, expires_at = NEW.expires_at
+            WHERE delivery_id = NEW.id;
+            IF FOUND THEN
+                RETURN NULL;
+            END IF;
+        END IF;
         INSERT INTO lane_members AS m (delivery_id, route_id, lane_key, status, lease_until,
                                        next_attempt_at, expires_at)
         VALUES (NEW.id, NEW.route_id, NEW.lane_key, NEW.status, NEW.lease_until,
@@ -130,7 +139,7 @@ BEGIN
     RETURN NULL;
 END
 $fn$;
-"""
+"""  # noqa: S608 (OPEN is a literal of this module)
 TRIGGERS = (
     "CREATE TRIGGER lane_members_insert AFTER INSERT ON deliveries FOR EACH ROW"
     " WHEN (NEW.lane_key IS NOT NULL) EXECUTE FUNCTION webhooks_lane_members()",
@@ -181,7 +190,7 @@ INSERT INTO lane_members (delivery_id, route_id, lane_key, status, lease_until,
 SELECT id, route_id, lane_key, status, lease_until, next_attempt_at, expires_at
 FROM deliveries WHERE lane_key IS NOT NULL AND status IN {OPEN}
 ON CONFLICT (delivery_id) DO NOTHING
-"""
+"""  # noqa: S608 (OPEN is a literal of this module)
 
 
 def upgrade() -> None:
