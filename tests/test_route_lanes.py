@@ -24,6 +24,7 @@ from core.states import DeliveryStatus
 from models import lanes, requeue, transitions
 from models.catalog import CatalogError, Change
 from models.route_catalog import set_lanes
+from tests import transforms_for_tests
 from tests.factories import MadeSource, make_source
 from tests.lanes_support import accept, delivery_of, lane_source
 from tests.leakcheck import remember
@@ -45,6 +46,8 @@ ROOMY: dict[str, Any] = {
     "hard_time_limit": 10.0,
     "visibility_timeout": 60.0,
 }
+
+TRANSFORM_MODULES = ["tests.handlers_for_tests", "tests.transforms_for_tests"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
@@ -276,6 +279,40 @@ def test_skip_lets_a_dead_events_successors_run_and_a_replay_retakes_its_place(
             what="the dead one skipped",
         )
     assert downstream.order["k"] == [0, 1, 2]
+    assert max(downstream.key_peak.values()) == 1
+
+
+def test_a_delivery_its_transform_drops_publishes_its_lanes_next_head_at_once(
+    engine: Engine, sessions: sessionmaker[Session], downstream: LaneDownstream, tmp_path: Path
+) -> None:
+    """A lane's first event dropped by the route's transform (filtered, the handler never
+    called): the worker that ended it publishes the lane's next head right after, as any
+    other ending does (LANE_MOVES), so the lane drains with no sweep (the sweeper runs
+    hourly here) and only the first delivery is ever published from outside."""
+    settings = worker_settings(handler_modules=TRANSFORM_MODULES)
+    source = lane_source(sessions, downstream.url, transform=transforms_for_tests.reshape.__name__)
+    ids = []
+    for seq in range(3):
+        body = {"key": "t", "seq": seq, "data": {"n": seq, "drop": seq == 0}}
+        ids.append(delivery_of(settings, accept(settings, source, body)[1]))
+    publish([Dispatch(ids[0])])
+    with running_worker(
+        "filtered",
+        tmp_path,
+        pool="threads",
+        concurrency=4,
+        sweep_interval=timedelta(hours=1),
+        handler_modules=TRANSFORM_MODULES,
+    ):
+        wait_for(
+            lambda: (
+                statuses(engine, ids)
+                == {ids[0]: "filtered", ids[1]: "succeeded", ids[2]: "succeeded"}
+            ),
+            timeout=60,
+            what="the lane drained past its filtered head",
+        )
+    assert len(downstream.calls) == 2  # the dropped one never called
     assert max(downstream.key_peak.values()) == 1
 
 
