@@ -13,11 +13,12 @@ succeeded. Rounds alternate plain / laned; the best round of each counts.
 Against a revision (``--against REV``): each round runs this script twice, one round each,
 in child processes, once with this tree's code and once with a git worktree of REV's
 (``BENCH_CODE``, as bench_workers does; this tree first in odd rounds, REV first in even
-ones), and reports each tree's laned/plain ratio: the fix against the code before it, in one
+ones; a directory instead of REV: that checkout as it is, e.g. a ``git archive`` export), and
+reports each tree's laned/plain ratio: the fix against the code before it, in one
 run on one machine.
 
 Usage: BENCH_REDIS_PORT=6395 .venv/bin/python bench/bench_lanes.py [--events 5000]
-       [--rounds 2] [--against REV]
+       [--rounds 2] [--against REV|DIR]
 Uses bench_workers' database and Redis DBs 8 and 9 of BENCH_REDIS_PORT (default 6379: give
 your own bench Redis); drops them after. Results go on top of bench/results_lanes.txt,
 older ones below a ``# earlier:`` line.
@@ -205,7 +206,11 @@ def child(args: argparse.Namespace, code: Path, out: Path) -> dict[str, list[Dra
 def against(args: argparse.Namespace) -> str:
     """This tree and ``args.against``'s code in alternating rounds; each tree's best
     laned/plain ratio (the floor's figure) and its rounds."""
-    rev, made = worktree(args.against)
+    given = Path(args.against)
+    # A directory: that checkout as it is (a private export: a worktree of a commit is
+    # shared by every bench of the same commit on this machine, and removed by whichever
+    # ends first).
+    rev, made = (given.resolve(), False) if given.is_dir() else worktree(args.against)
     trees = {"this": ROOT, "rev": rev}
     runs: dict[str, dict[str, list[Drain]]] = {t: {"plain": [], "laned": []} for t in trees}
     tmp = Path(tempfile.mkdtemp(prefix="bench-lanes-against-"))
@@ -254,7 +259,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--events", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--against", metavar="REV", help="also run REV's code, alternating")
+    parser.add_argument(
+        "--against", metavar="REV", help="also run REV's code (or a checkout's), alternating"
+    )
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)  # a child's figures
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results_lanes.txt")
     args = parser.parse_args()
