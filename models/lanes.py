@@ -19,12 +19,12 @@ row triggers in every writing statement's own transaction; small and unpartition
 partitioned ``deliveries`` locked every partition on each call (bench/results_lanes.txt).
 
 The claim itself is checked by the BEFORE UPDATE trigger ``webhooks_lane_claim``: when a laned
-delivery becomes processing with one more attempt, it takes its lane's advisory lock (a
-try-lock held to the claim's commit) and reads the lane's members again in a fresh snapshot;
-if the lane is not clear, or another claim of the lane holds the lock, the row is left as it
-was and the claim returns nothing for it. So two hosts, or two connections racing, cannot
-run two deliveries of one key at once, even when an operator's replay made an older one
-claimable between their snapshots. Postgres is the record: a kill -9 leaves the head
+delivery becomes processing with one more attempt, it reads the lane's members in a fresh
+snapshot, and, the lane clear, takes the lane's advisory lock (a try-lock held to the claim's
+commit) and reads them once more; if the lane is not clear, or another claim of the lane
+holds the lock, the row is left as it was and the claim returns nothing for it. So two
+hosts, or two connections racing, cannot run two deliveries of one key at once, even when an
+operator's replay made an older one claimable between their snapshots. Postgres is the record: a kill -9 leaves the head
 processing until its lease expires (the sweeper then publishes it again, and only it), a
 Redis flush loses no lane state at all.
 

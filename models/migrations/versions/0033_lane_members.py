@@ -27,12 +27,14 @@ A claim race: the guard reads the members in the claim statement's snapshot, so 
 two deliveries of one lane could both pass it when an operator's replay made an older one
 claimable meanwhile (0028 admitted this gap). ``webhooks_lane_claim``, a BEFORE UPDATE row
 trigger fired when a laned delivery is claimed (it becomes processing with one more attempt),
-takes the lane's transaction-scoped advisory lock (``pg_try_advisory_xact_lock`` on a 64-bit
-hash of route and key) and reads the lane again in a fresh snapshot (a trigger's queries take
-their own, in READ COMMITTED): another member processing under a live lease, or an earlier
-one holding the lane, and the row is not updated (the trigger returns NULL; the claim returns
-nothing for it, as a lane refusal). The lock is held until the claim commits, so the second of
-two racing claims of one lane either fails to take it (refused; the worker reports its
+reads the lane in a fresh snapshot (a volatile function's queries take their own, in READ
+COMMITTED; ``webhooks_lane_blocked``): another member processing under a live lease, or an
+earlier one holding the lane, and the row is not updated (the trigger returns NULL; the claim
+returns nothing for it, as a lane refusal). A clear lane: the trigger takes the lane's
+transaction-scoped advisory lock (``pg_try_advisory_xact_lock`` on a 64-bit hash of route and
+key) and reads the lane once more. A delivery that is not its lane's head never takes the
+lock, so it never holds a head's claim back. The lock is held until the claim commits, so
+the second of two racing claims of one lane either fails to take it (refused; the worker reports its
 delivery held by its lane or skipped, and whoever ends the lane's delivery, or the sweeper,
 publishes the head again) or reads the first's committed member. A try-lock, never a wait:
 two claims of several lanes in opposite orders cannot deadlock. The instant compared with a
@@ -159,24 +161,34 @@ TRIGGERS = (
 #: A claim of a laned delivery, re-checked under its lane's lock (see the docstring). The
 #: queries of a trigger take their own snapshot: they see every claim committed before.
 CLAIM = """
-CREATE FUNCTION webhooks_lane_claim() RETURNS trigger LANGUAGE plpgsql AS $fn$
+CREATE FUNCTION webhooks_lane_blocked(p_route bigint, p_key text, p_id bigint, p_now timestamptz)
+RETURNS boolean LANGUAGE plpgsql VOLATILE AS $fn$
 BEGIN
-    IF NOT pg_try_advisory_xact_lock(hashtextextended(NEW.lane_key, NEW.route_id)) THEN
-        RETURN NULL;
-    END IF;
-    IF EXISTS (
+    RETURN EXISTS (
         SELECT 1 FROM lane_members l
-        WHERE l.route_id = NEW.route_id AND l.lane_key = NEW.lane_key
-          AND l.delivery_id < NEW.id
+        WHERE l.route_id = p_route AND l.lane_key = p_key AND l.delivery_id < p_id
           AND (l.status <> 'dead'
-               OR EXISTS (SELECT 1 FROM routes lr WHERE lr.id = NEW.route_id
+               OR EXISTS (SELECT 1 FROM routes lr WHERE lr.id = p_route
                             AND lr.lane_on_dead = 'block'))
     ) OR EXISTS (
         SELECT 1 FROM lane_members l
-        WHERE l.route_id = NEW.route_id AND l.lane_key = NEW.lane_key
-          AND l.status = 'processing' AND l.delivery_id <> NEW.id
-          AND l.lease_until > NEW.updated_at
-    ) THEN
+        WHERE l.route_id = p_route AND l.lane_key = p_key
+          AND l.status = 'processing' AND l.delivery_id <> p_id AND l.lease_until > p_now
+    );
+END
+$fn$;
+
+CREATE FUNCTION webhooks_lane_claim() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    -- Not the lane's head: refused, without the lock (a head's claim never waits on it).
+    IF webhooks_lane_blocked(NEW.route_id, NEW.lane_key, NEW.id, NEW.updated_at) THEN
+        RETURN NULL;
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(hashtextextended(NEW.lane_key, NEW.route_id)) THEN
+        RETURN NULL;
+    END IF;
+    -- Under the lock: a claim of the lane committed since the read above is seen now.
+    IF webhooks_lane_blocked(NEW.route_id, NEW.lane_key, NEW.id, NEW.updated_at) THEN
         RETURN NULL;
     END IF;
     RETURN NEW;
@@ -211,6 +223,7 @@ def downgrade() -> None:
     for name in ("lane_claim", "lane_members_delete", "lane_members_update", "lane_members_insert"):
         op.execute(f"DROP TRIGGER {name} ON deliveries")
     op.execute("DROP FUNCTION webhooks_lane_claim()")
+    op.execute("DROP FUNCTION webhooks_lane_blocked(bigint, text, bigint, timestamptz)")
     op.execute("DROP FUNCTION webhooks_lane_members()")
     old = importlib.import_module("models.migrations.versions.0028_route_lanes")
     op.execute(old.LANE_CLEAR.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1))
