@@ -24,9 +24,9 @@ snapshot, and, the lane clear, takes the lane's advisory lock (a try-lock held t
 commit) and reads them once more; if the lane is not clear, or another claim of the lane
 holds the lock, the row is left as it was and the claim returns nothing for it. So two
 hosts, or two connections racing, cannot run two deliveries of one key at once, even when an
-operator's replay made an older one claimable between their snapshots. Postgres is the record: a kill -9 leaves the head
-processing until its lease expires (the sweeper then publishes it again, and only it), a
-Redis flush loses no lane state at all.
+operator's replay made an older one claimable between their snapshots. Postgres is the
+record: a kill -9 leaves the head processing until its lease expires (the sweeper then
+publishes it again, and only it), a Redis flush loses no lane state at all.
 
 A lane-refused claim burns no attempt (the UPDATE matched nothing): the worker reports the
 delivery ``lane`` (:mod:`tasks.steps.claim`), frees its admission slot, and publishes the
