@@ -1,9 +1,9 @@
-"""Ordered lanes per entity (issue 37 items 2 and 3; migration 0028).
+"""Ordered lanes per entity (issue 37 items 2 and 3; migrations 0028 and 0033).
 
 A route with an order key gives each delivery a lane key (its value on the event, computed by
 the receiver before the accept: :func:`core.filters.lane_key`). Deliveries of one route and
-key form a lane, in delivery id order (the order the accept wrote them). The lane is kept by
-the claim alone, in SQL (:data:`GUARD`): a delivery with a lane key is claimable only when
+key form a lane, in delivery id order (the order the accept wrote them). A delivery with a
+lane key is claimable only when
 
 - no other delivery of its lane with a lower id is unfinished: pending, retrying, processing,
   or dead while its route's ``lane_on_dead`` is ``block`` (``skip``: a dead letter no longer
@@ -12,14 +12,21 @@ the claim alone, in SQL (:data:`GUARD`): a delivery with a lane key is claimable
 - no other delivery of its lane is processing under a live lease (a replayed or re-run older
   delivery waits for a younger one already running, never overlaps it).
 
-So only a lane's head can be claimed. Two hosts cannot run two deliveries of one key at once:
-the claim is one guarded UPDATE in READ COMMITTED whose NOT EXISTS reads the lane in the
-statement's snapshot; a younger delivery's claim sees the older one unfinished in every
-snapshot taken before the older one's end commits (rows only move from unfinished to
-finished, except by an operator's replay or re-run), and the older one's own claim committed
-``processing`` before its handler ran. Postgres is the record: a kill -9 leaves the head
-processing until its lease expires (the sweeper then publishes it again, and only it), a Redis
-flush loses no lane state at all.
+So only a lane's head can be claimed. Where the lane is read: ``lane_members`` (migration
+0033), one row per laned delivery in those four statuses, kept in step with ``deliveries`` by
+row triggers in every writing statement's own transaction; small and unpartitioned, so
+``webhooks_lane_clear`` (:func:`guard`) is two index probes, where 0028's read of the
+partitioned ``deliveries`` locked every partition on each call (bench/results_lanes.txt).
+
+The claim itself is checked by the BEFORE UPDATE trigger ``webhooks_lane_claim``: when a laned
+delivery becomes processing with one more attempt, it reads the lane's members in a fresh
+snapshot, and, the lane clear, takes the lane's advisory lock (a try-lock held to the claim's
+commit) and reads them once more; if the lane is not clear, or another claim of the lane
+holds the lock, the row is left as it was and the claim returns nothing for it. So two
+hosts, or two connections racing, cannot run two deliveries of one key at once, even when an
+operator's replay made an older one claimable between their snapshots. Postgres is the
+record: a kill -9 leaves the head processing until its lease expires (the sweeper then
+publishes it again, and only it), a Redis flush loses no lane state at all.
 
 A lane-refused claim burns no attempt (the UPDATE matched nothing): the worker reports the
 delivery ``lane`` (:mod:`tasks.steps.claim`), frees its admission slot, and publishes the
@@ -44,21 +51,18 @@ import psycopg
 
 from models.statements import placeholders
 
-#: The statuses a lane waits on (the partial index ix_deliveries_lane's predicate).
+#: The statuses a lane waits on (the statuses of ``lane_members``' rows).
 OPEN = "('pending', 'processing', 'retrying', 'dead')"
 
 
 def guard(row: str) -> str:
     """The lane condition for the delivery row aliased ``row`` (true for an unordered one):
-    ``webhooks_lane_clear`` (migration 0028) reads the lane in the caller's snapshot."""
+    ``webhooks_lane_clear`` (migration 0033) reads the lane's members in the caller's
+    snapshot. The sweeper's pick reads it; a claim is checked by the trigger."""
     return (
         f"({row}.lane_key IS NULL"
         f" OR webhooks_lane_clear({row}.route_id, {row}.lane_key, {row}.id, :now))"
     )
-
-
-#: The claim's clause (models.transitions), on its target row ``deliveries``.
-GUARD = f"          AND {guard('deliveries')}"
 
 
 class Head(NamedTuple):
@@ -69,22 +73,22 @@ class Head(NamedTuple):
     source: str | None
 
 
-# Per lane, its first unfinished delivery (dead ones left out on a ``skip`` route), taken from
-# ix_deliveries_lane by a LIMIT 1 (an ordered index scan per partition, each stopping at
-# once); published when it is pending, or retrying and due, and the lane lets it run.
+# Per lane, its first member (dead ones left out on a ``skip`` route), taken from
+# ix_lane_members_lane by a LIMIT 1; published when it is pending, or retrying and due, and
+# the lane lets it run. Reads the members only (migration 0033), never ``deliveries``.
 _NEXT_HEADS = placeholders("""
-    SELECT h.id FROM unnest(CAST(:routes AS bigint[]), CAST(:keys AS text[])) AS w(route_id, key)
+    SELECT h.delivery_id
+    FROM unnest(CAST(:routes AS bigint[]), CAST(:keys AS text[])) AS w(route_id, key)
     JOIN routes rt ON rt.id = w.route_id
     CROSS JOIN LATERAL (
-        SELECT d.id, d.status, d.next_attempt_at FROM deliveries d
-        WHERE d.route_id = w.route_id AND d.lane_key = w.key AND d.lane_key IS NOT NULL
-          AND d.status IN ('pending', 'processing', 'retrying', 'dead')
-          AND (d.status <> 'dead' OR rt.lane_on_dead = 'block')
-        ORDER BY d.id LIMIT 1
+        SELECT m.delivery_id, m.status, m.next_attempt_at FROM lane_members m
+        WHERE m.route_id = w.route_id AND m.lane_key = w.key
+          AND (m.status <> 'dead' OR rt.lane_on_dead = 'block')
+        ORDER BY m.delivery_id LIMIT 1
     ) h
     WHERE (h.status = 'pending' OR (h.status = 'retrying' AND h.next_attempt_at <= :now))
-      AND webhooks_lane_clear(w.route_id, w.key, h.id, :now)
-    ORDER BY h.id
+      AND webhooks_lane_clear(w.route_id, w.key, h.delivery_id, :now)
+    ORDER BY h.delivery_id
 """)
 
 
@@ -103,11 +107,12 @@ def next_heads(
     return [Head(int(r[0]), None, None) for r in rows]
 
 
-_WAITING = placeholders(f"""
-    SELECT d.id, d.route_id, d.lane_key FROM deliveries d
-    WHERE d.id = ANY(CAST(:ids AS bigint[])) AND d.lane_key IS NOT NULL
-      AND d.status IN ('pending', 'retrying', 'processing') AND NOT {guard("d")}
-""")  # noqa: S608 (fragments of this module)
+_WAITING = placeholders("""
+    SELECT m.delivery_id, m.route_id, m.lane_key FROM lane_members m
+    WHERE m.delivery_id = ANY(CAST(:ids AS bigint[]))
+      AND m.status IN ('pending', 'retrying', 'processing')
+      AND NOT webhooks_lane_clear(m.route_id, m.lane_key, m.delivery_id, :now)
+""")
 
 
 def waiting(
@@ -152,20 +157,19 @@ def newer_success(
     return None if row is None else str(row[0])
 
 
-_BLOCKED = placeholders(f"""
+_BLOCKED = placeholders("""
     SELECT h.route_id, count(*) FROM (
-        SELECT DISTINCT ON (d.route_id, d.lane_key) d.route_id, d.status
-        FROM deliveries d JOIN routes rt ON rt.id = d.route_id
-        WHERE d.lane_key IS NOT NULL AND d.status IN {OPEN}
-          AND (d.status <> 'dead' OR rt.lane_on_dead = 'block')
-        ORDER BY d.route_id, d.lane_key, d.id
+        SELECT DISTINCT ON (m.route_id, m.lane_key) m.route_id, m.status
+        FROM lane_members m JOIN routes rt ON rt.id = m.route_id
+        WHERE m.status <> 'dead' OR rt.lane_on_dead = 'block'
+        ORDER BY m.route_id, m.lane_key, m.delivery_id
     ) h
     WHERE h.status = 'dead'
     GROUP BY h.route_id
-""")  # noqa: S608 (fragments of this module)
+""")
 
 
 def blocked(conn: psycopg.Connection[Any]) -> dict[int, int]:
     """Per route, its lanes a dead letter blocks (``lane_on_dead`` block): what
-    ``webhooks_lanes_blocked`` shows. Reads the unfinished lane rows (the partial index)."""
+    ``webhooks_lanes_blocked`` shows. Reads the lane members (migration 0033)."""
     return {int(r[0]): int(r[1]) for r in conn.execute(_BLOCKED).fetchall()}

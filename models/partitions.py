@@ -151,7 +151,21 @@ def create_default(conn: Connection) -> None:
 
 
 def drop(conn: Connection, partition: Partition) -> None:
+    """Drop a leaf. A day of deliveries takes its rows' lane members (migration 0033, kept
+    by row triggers, which a dropped table does not fire) with it: a dead letter past its
+    retention holds its lane no more than a deleted one does. Members whose delivery still
+    exists (moved elsewhere) stay."""
     conn.execute(text(f"DROP TABLE {quote(conn, partition.name)}"))
+    if partition.table == "deliveries" and partition.lower is not None:
+        conn.execute(
+            text(
+                "DELETE FROM lane_members m WHERE m.expires_at >= :lower"
+                " AND (CAST(:upper AS timestamptz) IS NULL OR m.expires_at < :upper)"
+                " AND NOT EXISTS (SELECT 1 FROM deliveries d"
+                " WHERE d.id = m.delivery_id AND d.expires_at = m.expires_at)"
+            ),
+            {"lower": partition.lower, "upper": partition.upper},
+        )
 
 
 def detach(conn: Connection, partition: Partition) -> None:

@@ -389,6 +389,31 @@ class Attempt(Base):
     error_message: Mapped[str | None] = mapped_column(Text)
 
 
+class LaneMember(Base):
+    """A laned delivery its lane waits on (0033, models/lanes.py): kept by triggers on
+    deliveries; small and unpartitioned, so the lane's guard is an index probe."""
+
+    __tablename__ = "lane_members"
+    __table_args__ = (
+        Index("ix_lane_members_lane", "route_id", "lane_key", "delivery_id"),
+        Index(
+            "ix_lane_members_processing",
+            "route_id",
+            "lane_key",
+            postgresql_where=text("status = 'processing'"),
+        ),
+        Index("ix_lane_members_expires_at", "expires_at"),
+    )
+
+    delivery_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    route_id: Mapped[int] = mapped_column(BigInteger)
+    lane_key: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(Text)
+    lease_until: Mapped[datetime | None] = mapped_column()
+    next_attempt_at: Mapped[datetime | None] = mapped_column()
+    expires_at: Mapped[datetime] = mapped_column()
+
+
 class Conflict(Base):
     """The same event id arrived with a different body: recorded, counted, original untouched."""
 

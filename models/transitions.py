@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import WebhooksError
 from core.states import AttemptOutcome, DeliveryStatus
-from models import lanes, ledger
+from models import ledger
 from models.statements import Target, fetchone, placeholders
 
 
@@ -152,7 +152,6 @@ _CLAIM_SQL = """
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
 {gate}
-{lane}
         RETURNING id, expires_at, receipt_id, source_id, route_id, attempts, redeliveries,
                   generation, created_at, first_attempt_at, lease_until, status, attempt_base,
                   :now AS at, lane_key
@@ -223,7 +222,6 @@ def _claim_sql(*, worker: bool, leaf: str | None = None) -> str:
             ),
             claim_set=_CLAIM_SET,
             gate=_GATE,
-            lane=lanes.GUARD,
             **tables,
         )
     )
@@ -349,7 +347,6 @@ _CLAIM_MANY_SQL = """
                OR (status = 'retrying' AND next_attempt_at <= :now)
                OR (status = 'processing' AND lease_until <= :now))
 {gate}
-{lane}
         RETURNING deliveries.id, deliveries.expires_at, receipt_id, source_id, route_id,
                   attempts, redeliveries, deliveries.generation, created_at, first_attempt_at,
                   lease_until, status, attempt_base, :now AS at, deliveries.lane_key
@@ -413,7 +410,6 @@ def _claim_many_sql(leaf: str | None) -> str:
             claim_set=_CLAIM_SET,
             claimed_event=_CLAIMED_EVENT,
             gate=_GATE,
-            lane=lanes.GUARD,
             **_tables(_leaf(leaf)),
         )
     )

@@ -4,10 +4,8 @@ over loopback that records, per key, the calls it holds at once and their order.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -16,21 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import psycopg
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.filters import decide
 from core.messages import Dispatch
 from core.settings import Settings
 from core.states import DeliveryStatus
-from core.ttl import expires_at
 from models import lanes, requeue, transitions
-from models.accept import NewReceipt, accept_sync, route_filters_sync
 from models.catalog import CatalogError, Change
 from models.route_catalog import set_lanes
+from tests import transforms_for_tests
 from tests.factories import MadeSource, make_source
+from tests.lanes_support import accept, delivery_of, lane_source
 from tests.leakcheck import remember
 from tests.operators_support import cli, ops_env, ops_settings
 from tests.workers import (
@@ -50,6 +46,8 @@ ROOMY: dict[str, Any] = {
     "hard_time_limit": 10.0,
     "visibility_timeout": 60.0,
 }
+
+TRANSFORM_MODULES = ["tests.handlers_for_tests", "tests.transforms_for_tests"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
 
@@ -122,69 +120,6 @@ def downstream() -> Iterator[LaneDownstream]:
     server = LaneDownstream()
     yield server
     server.close()
-
-
-def lane_source(
-    sessions: sessionmaker[Session],
-    url: str,
-    *,
-    lane_on_dead: str = "block",
-    supersede: bool = False,
-    order_key: str = "body.key",
-) -> MadeSource:
-    route = {
-        "handler": "forward",
-        "options": {"url": url, "allow_private": "true"},
-        "order_key": order_key,
-        "lane_on_dead": lane_on_dead,
-        "supersede": supersede,
-    }
-    return make_source(sessions, worker_settings(), routes=[route])
-
-
-def accept(
-    settings: Settings,
-    source: MadeSource,
-    body: dict[str, Any],
-    *,
-    occurred_at: datetime | None = None,
-    judged: bool = True,
-) -> tuple[str, Any]:
-    """Accept one event as the receiver does: its routes' filters and order keys judged
-    first (core.filters.decide), then the accept statement."""
-    now = datetime.now(UTC)
-    event_id = body.setdefault("id", f"evt_{uuid.uuid4().hex}")
-    raw = orjson.dumps(body)
-    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
-        verdicts = (
-            decide(route_filters_sync(conn, source.id), raw, "test.event", {}) if judged else ()
-        )
-        receipt = NewReceipt(
-            source_id=source.id,
-            secret_id=source.secret_id,
-            event_id=event_id,
-            event_type="test.event",
-            occurred_at=occurred_at,
-            expires_at=expires_at(occurred_at, now, timedelta(days=4)),
-            ttl=timedelta(days=4),
-            received_at=None,
-            digest=hashlib.sha256(raw).digest(),
-            content_type="application/json",
-            payload=raw,
-            verdicts=verdicts,
-        )
-        return event_id, accept_sync(conn, receipt, settings.publish_grace)
-
-
-def delivery_of(settings: Settings, outcome: Any) -> int:
-    """The one delivery of an accepted event (the accept returns it for publishing only when
-    it is its lane's head)."""
-    assert outcome.status == "accepted"
-    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
-        [(delivery_id,)] = conn.execute(
-            "SELECT id FROM deliveries WHERE receipt_id = %s", (outcome.receipt_id,)
-        ).fetchall()
-    return int(delivery_id)
 
 
 def publish(dispatches: list[Dispatch], per_message: int = 16) -> None:
@@ -344,6 +279,40 @@ def test_skip_lets_a_dead_events_successors_run_and_a_replay_retakes_its_place(
             what="the dead one skipped",
         )
     assert downstream.order["k"] == [0, 1, 2]
+    assert max(downstream.key_peak.values()) == 1
+
+
+def test_a_delivery_its_transform_drops_publishes_its_lanes_next_head_at_once(
+    engine: Engine, sessions: sessionmaker[Session], downstream: LaneDownstream, tmp_path: Path
+) -> None:
+    """A lane's first event dropped by the route's transform (filtered, the handler never
+    called): the worker that ended it publishes the lane's next head right after, as any
+    other ending does (LANE_MOVES), so the lane drains with no sweep (the sweeper runs
+    hourly here) and only the first delivery is ever published from outside."""
+    settings = worker_settings(handler_modules=TRANSFORM_MODULES)
+    source = lane_source(sessions, downstream.url, transform=transforms_for_tests.reshape.__name__)
+    ids = []
+    for seq in range(3):
+        body = {"key": "t", "seq": seq, "data": {"n": seq, "drop": seq == 0}}
+        ids.append(delivery_of(settings, accept(settings, source, body)[1]))
+    publish([Dispatch(ids[0])])
+    with running_worker(
+        "filtered",
+        tmp_path,
+        pool="threads",
+        concurrency=4,
+        sweep_interval=timedelta(hours=1),
+        handler_modules=TRANSFORM_MODULES,
+    ):
+        wait_for(
+            lambda: (
+                statuses(engine, ids)
+                == {ids[0]: "filtered", ids[1]: "succeeded", ids[2]: "succeeded"}
+            ),
+            timeout=60,
+            what="the lane drained past its filtered head",
+        )
+    assert len(downstream.calls) == 2  # the dropped one never called
     assert max(downstream.key_peak.values()) == 1
 
 
