@@ -442,7 +442,8 @@ def test_every_console_action_that_changes_data_is_audited(
     a source disabled and enabled (here), dead letters replayed (a ``replays`` row) or
     discarded, a replay cancelled, a login, a source created, a route added, a route's
     limits set (test_a_source_and_its_routes_are_created_and_limited_from_the_page), a
-    route's filter set (tests/test_route_filters.py)."""
+    route's filter set (tests/test_route_filters.py), its transform or lanes set
+    (tests/test_console_routes.py)."""
     from ingest.console.app import create_console
     from ingest.plane import OperatorTokens, PlaneState
 
@@ -455,7 +456,9 @@ def test_every_console_action_that_changes_data_is_audited(
         "/logout",  # ends this process's session: nothing stored
         "/replays/{replay}/cancel",  # replay.cancel
         "/routes/{route}/filter",  # route.filter (tests/test_route_filters.py)
+        "/routes/{route}/lanes",  # route.lanes (tests/test_console_routes.py)
         "/routes/{route}/limits",  # route.limits
+        "/routes/{route}/transform",  # route.transform (tests/test_console_routes.py)
         "/routes/{route}/{action}",  # route.enable|disable|pause|resume|remove
         "/sources/new",  # source.add
         "/sources/{source}/routes",  # route.add
