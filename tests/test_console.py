@@ -303,6 +303,8 @@ def test_a_post_without_its_csrf_token_is_403_and_changes_nothing(
         (f"/console/sources/{source.public_id}/routes", {"handler": "log"}),
         (f"/console/routes/{route}/limits", {"rate": "5/s", "reason": "csrf test"}),
         (f"/console/routes/{route}/filter", {"filter": "`false`", "reason": "csrf test"}),
+        (f"/console/routes/{route}/transform", {"transform": "data_object", "reason": "csrf"}),
+        (f"/console/routes/{route}/lanes", {"order_key": "body.id", "reason": "csrf test"}),
         ("/console/logout", {}),
     ]
     for path, form in posts:
