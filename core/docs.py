@@ -51,6 +51,7 @@ TOPICS: dict[str, Topic] = {
     ),
     "traces": Topic("operating", "Traces across the pipeline", "Traces"),
     "gaps": Topic("provider-side-gaps", "`webhooks reconcile` without SOURCE", "Intake gaps"),
+    "gaps-command": Topic("provider-side-gaps", "`webhooks gaps`", "Intake gaps: webhooks gaps"),
     "sources": Topic("providers", "Providers", "Sources and providers"),
     "routes": Topic("routing", "", "Routing: event types and content filters"),
     "filters": Topic(

@@ -27,7 +27,9 @@ Receipts that matched no route have no work, and no row.
 
 Outcomes: entries ``<route id>.<attempt><code>[:<detail>]`` joined by U+001F (:data:`SEP`,
 which neither a result reference nor a dead reason can hold), code ``s`` succeeded (detail:
-the result reference), ``d`` dead (the reason), ``x`` discarded or ``u`` superseded.
+the result reference), ``d`` dead (the reason), ``x`` discarded, ``u`` superseded or ``f``
+filtered: by the route's filter, written by the accept's statement (attempt 0; migration
+0034), or by its transform, written by the worker's (:func:`models.transitions.filter_out`).
 """
 
 from __future__ import annotations
@@ -72,9 +74,14 @@ def superseded(row: str = "") -> str:
     return _entry("u", None, row)
 
 
+def filtered(row: str = "") -> str:
+    return _entry("f", None, row)
+
+
 ANY_END = (
     f"CASE status WHEN 'succeeded' THEN {succeeded()} WHEN 'dead' THEN {dead()}"
-    f" WHEN 'discarded' THEN {discarded()} WHEN 'superseded' THEN {superseded()} END"
+    f" WHEN 'discarded' THEN {discarded()} WHEN 'superseded' THEN {superseded()}"
+    f" WHEN 'filtered' THEN {filtered()} END"
 )
 
 # The ended receipts' rows, and the kinds among them not seen before. A kind is added by the

@@ -639,7 +639,8 @@ def filter_out(session: Target, found: Claim, *, now: datetime, reason: str) -> 
     """processing (this attempt) -> filtered: the route's transform dropped the event
     (tasks.transforms), its handler never called; ``reason`` names the transform, as the
     accept's ``filtered`` deliveries name the filter. Final, like those, and like those
-    replayed only when chosen by id; no ledger entry, as the accept writes none for them."""
+    replayed only when chosen by id; its route's outcome in the ledger (code ``f``, same
+    statement), as the accept writes one for those (migration 0034)."""
     _guarded_finish(
         session,
         found,
@@ -649,6 +650,7 @@ def filter_out(session: Target, found: Claim, *, now: datetime, reason: str) -> 
         now=now,
         outcome=AttemptOutcome.FILTERED,
         params={"reason": reason},
+        final=ledger.filtered(),
     )
 
 

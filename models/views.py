@@ -463,6 +463,7 @@ CODES = {
     DeliveryStatus.DEAD: "d",
     DeliveryStatus.DISCARDED: "x",
     DeliveryStatus.SUPERSEDED: "u",
+    DeliveryStatus.FILTERED: "f",
 }
 
 
@@ -539,7 +540,7 @@ class Entry:
 
     route_id: int
     attempt: int
-    code: str  # s | d | x
+    code: str  # s | d | x | u | f (CODES)
     detail: str | None  # the result reference or the dead reason
 
 

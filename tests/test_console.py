@@ -303,6 +303,8 @@ def test_a_post_without_its_csrf_token_is_403_and_changes_nothing(
         (f"/console/sources/{source.public_id}/routes", {"handler": "log"}),
         (f"/console/routes/{route}/limits", {"rate": "5/s", "reason": "csrf test"}),
         (f"/console/routes/{route}/filter", {"filter": "`false`", "reason": "csrf test"}),
+        (f"/console/routes/{route}/transform", {"transform": "data_object", "reason": "csrf"}),
+        (f"/console/routes/{route}/lanes", {"order_key": "body.id", "reason": "csrf test"}),
         ("/console/logout", {}),
     ]
     for path, form in posts:
@@ -442,7 +444,8 @@ def test_every_console_action_that_changes_data_is_audited(
     a source disabled and enabled (here), dead letters replayed (a ``replays`` row) or
     discarded, a replay cancelled, a login, a source created, a route added, a route's
     limits set (test_a_source_and_its_routes_are_created_and_limited_from_the_page), a
-    route's filter set (tests/test_route_filters.py)."""
+    route's filter set (tests/test_route_filters.py), its transform or lanes set
+    (tests/test_console_routes.py)."""
     from ingest.console.app import create_console
     from ingest.plane import OperatorTokens, PlaneState
 
@@ -455,7 +458,9 @@ def test_every_console_action_that_changes_data_is_audited(
         "/logout",  # ends this process's session: nothing stored
         "/replays/{replay}/cancel",  # replay.cancel
         "/routes/{route}/filter",  # route.filter (tests/test_route_filters.py)
+        "/routes/{route}/lanes",  # route.lanes (tests/test_console_routes.py)
         "/routes/{route}/limits",  # route.limits
+        "/routes/{route}/transform",  # route.transform (tests/test_console_routes.py)
         "/routes/{route}/{action}",  # route.enable|disable|pause|resume|remove
         "/sources/new",  # source.add
         "/sources/{source}/routes",  # route.add

@@ -56,6 +56,20 @@ def test_every_query_names_declared_metrics_and_labels() -> None:
     assert label in known[metric]
 
 
+def test_every_metric_the_pipeline_exports_has_a_panel() -> None:
+    """Each metric core.metrics declares is drawn by some panel (one of its samples: a
+    counter's ``_total``, a histogram's ``_bucket`` or ``_count``...): a metric added without
+    a panel fails here, naming it."""
+    used = {m for _, expr in queries() for m in re.findall(r"\bwebhooks_[a-z0-9_]+\b", expr)}
+    families: dict[str, set[str]] = {}
+    for sample in declared():
+        family = re.sub(r"(_total|_bucket|_sum|_count)$", "", sample)
+        families.setdefault(family, set()).add(sample)
+    without = sorted(family for family, samples in families.items() if not samples & used)
+    assert without == [], f"metrics without a panel in {DASHBOARD.name}: {without}"
+    assert len(families) >= 50  # the check covers them all, not a few
+
+
 def test_panels_do_not_overlap_and_each_has_a_unit() -> None:
     taken: set[tuple[int, int]] = set()
     for panel in json.loads(DASHBOARD.read_text())["panels"]:

@@ -59,6 +59,9 @@ def _session(state: State) -> Iterator[Session]:
 
 
 Db = Annotated[Session, Depends(_session)]
+# A change's session: committed when the endpoint returns, before the answer is sent (a
+# ``Db`` commits after it), so a client that reads what it changed finds it.
+Writes = Annotated[Session, Depends(_session, scope="function")]
 
 
 def parse_time(state: PlaneState, text: str | None) -> datetime | None:

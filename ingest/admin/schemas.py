@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,6 +21,38 @@ class PauseIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: str = Field(min_length=1, description="Why (required; recorded in the audit).")
+
+
+class RouteUpdateIn(BaseModel):
+    """Change a route's routing (audited, the token's name as the operator): only the fields
+    given change; `null` clears a filter, a transform or an order key. The checks of
+    `webhooks routes update`; when one fails nothing is saved."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1, description="Why (required; recorded in the audit).")
+    filter: str | None = Field(
+        default=None, description="JMESPath over body, type and headers; null clears it."
+    )
+    transform: str | None = Field(
+        default=None, description="A registered transform's name; null clears it."
+    )
+    order_key: str | None = Field(
+        default=None, description="JMESPath whose value is the event's lane; null: unordered."
+    )
+    lane_on_dead: Literal["block", "skip"] | None = Field(
+        default=None, description="What a dead event does to its lane: `block` or `skip`."
+    )
+    supersede: bool | None = Field(
+        default=None, description="Record stale events of a key `superseded` (needs order_key)."
+    )
+
+    @field_validator("reason", "filter", "transform", "order_key")
+    @classmethod
+    def _storable(cls, value: str | None) -> str | None:
+        if value is not None and "\x00" in value:
+            raise ValueError("NUL characters are not allowed (Postgres text cannot hold them)")
+        return value
 
 
 class ReplayIn(BaseModel):

@@ -1,9 +1,10 @@
 """The console's sources and routes: the catalog with each route's pause and breaker state,
 and the audited changes (a source created, enabled or disabled; a route added, enabled,
-disabled, removed, paused or resumed, or its limits or filter set), the session's token name as the
-operator, ``via: console``. A created source's generated signing secret and a forward
-route's are shown once, on the page that answers the form, as ``webhooks sources add`` and
-``routes add`` print them: never logged, never stored in the clear."""
+disabled, removed, paused or resumed, or its limits, filter, transform or lane options
+set), the session's token name as the operator, ``via: console``. A created source's
+generated signing secret and a forward route's are shown once, on the page that answers the
+form, as ``webhooks sources add`` and ``routes add`` print them: never logged, never stored
+in the clear."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def routes(c: Console) -> list[Route]:
         c.post("/sources/{source}/routes", route_new),
         c.post("/routes/{route}/limits", route_limits),
         c.post("/routes/{route}/filter", route_filter),
+        c.post("/routes/{route}/transform", route_transform),
+        c.post("/routes/{route}/lanes", route_lanes),
         c.post("/routes/{route}/{action}", route_action),
         c.post("/sources/{source}/{action}", source_action),
     ]
@@ -181,6 +184,54 @@ async def route_filter(c: Console, v: Visit) -> Response:
     except WebhooksError as exc:
         return c.error(v, str(exc))
     log.info("console.route_changed", route=route_id, action="filter", operator=change.operator)
+    return redirect("/console/routes")
+
+
+async def route_transform(c: Console, v: Visit) -> Response:
+    """Set or clear a route's transform (audited ``route.transform``: before and after); a
+    name no module registers is refused, naming the registered ones, and nothing is saved."""
+    change = Change(v.session.operator, one(v.form, "reason") or "", via="console")
+    name = route_catalog.stored_transform(one(v.form, "transform"))
+    try:
+        route_id = queries.parse_id(v.request.path_params["route"], "route id")
+        if name is not None:
+            load_transforms(c.settings.handler_modules).require(name)
+        await c.db(lambda s: route_catalog.set_transform(s, route_id, name, change, now=None))
+    except WebhooksError as exc:
+        return c.error(v, str(exc))
+    log.info("console.route_changed", route=route_id, action="transform", operator=change.operator)
+    return redirect("/console/routes")
+
+
+async def route_lanes(c: Console, v: Visit) -> Response:
+    """Set a route's lane options as the form holds them (audited ``route.lanes``: before and
+    after): its order key (empty: none), what a dead event does to its lane, and whether it
+    supersedes stale events. The checks of ``webhooks routes update``: a bad order key is
+    refused with its position, ``--supersede`` needs an order key and a source that signs its
+    event time; nothing is saved when one fails."""
+    change = Change(v.session.operator, one(v.form, "reason") or "", via="console")
+    key = (one(v.form, "order_key") or "").strip() or "none"
+    on_dead = (one(v.form, "lane_on_dead") or "").strip() or "block"
+    supersede = (one(v.form, "supersede") or "") == "on"
+    try:
+        route_id = queries.parse_id(v.request.path_params["route"], "route id")
+        route_catalog.check_order_key(key)  # before anything is written
+
+        def save(s: Session) -> None:
+            route_catalog.set_lanes(
+                s,
+                route_id,
+                change,
+                order_key=key,
+                lane_on_dead=on_dead,
+                supersede=supersede,
+                now=None,
+            )
+
+        await c.db(save)
+    except WebhooksError as exc:
+        return c.error(v, str(exc))
+    log.info("console.route_changed", route=route_id, action="lanes", operator=change.operator)
     return redirect("/console/routes")
 
 

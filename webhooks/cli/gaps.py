@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from core.durations import parse_duration
-from webhooks.cli.common import env, handle_errors, print_json
-from webhooks.cli.render import row, say, show_table, stamp, whole
+from webhooks.cli.common import CliError, env, handle_errors, print_json
+from webhooks.cli.render import prose, row, say, show_table, stamp, whole
 
 if TYPE_CHECKING:
     from core.gaps import GapReport
@@ -41,7 +41,10 @@ def gaps_command(
     when) or only reconciliation recovers it (`webhooks reconcile` without SOURCE)."""
     from models.intake_gaps import read
 
-    window = None if since is None else parse_duration(since)
+    try:
+        window = None if since is None else parse_duration(since)
+    except ValueError as exc:
+        raise CliError(f"--since: {exc}", doc="gaps-command") from None
     e = env()
     with e.reads() as conn:
         report = read(conn, e.settings, window)
@@ -54,7 +57,8 @@ def gaps_command(
 def show(report: GapReport) -> None:
     from core.gaps import INVISIBLE
 
-    say(f"since {stamp(report.since)} UTC, now {stamp(report.now)} UTC (the database's clock)")
+    # At 80 columns: each line of prose wraps between words, the tables fit (render.fitted).
+    prose(f"since {stamp(report.since)} UTC, now {stamp(report.now)} UTC (the database's clock)")
     if not report.gaps:
         say("no gap: a receiver was seen throughout and answered no 5xx")
     else:
@@ -73,8 +77,8 @@ def show(report: GapReport) -> None:
         for s in report.sources:
             row(table, s.source.name, s.source.provider, stamp(s.gap.start), s.describe())
         show_table(whole(table, "source", "range from (UTC)"), "by deadline; --json for more")
-    say(escape(report.resolution_text()))
-    say(escape(INVISIBLE))
+    prose(escape(report.resolution_text()))
+    prose(escape(INVISIBLE))
 
 
 def register(app: typer.Typer) -> None:

@@ -89,6 +89,12 @@ def say(line: str) -> None:
     console.print(line, highlight=False, soft_wrap=True)
 
 
+def prose(line: str) -> None:
+    """A sentence or more (its values escaped by the caller), wrapped at the terminal's width
+    between words: what :func:`say` prints on one line however long."""
+    console.print(line, highlight=False)
+
+
 def _replay_line(mark: delivery_history.ReplayMark) -> str:
     kind = "re-run (new key generation)" if mark.rerun else "replay"
     if mark.replay_id is None:
