@@ -22,7 +22,7 @@ are read as the status ``filtered`` by this code, and left out by older code, wh
 know the code: :func:`models.views.entries` keeps any letter, the status shown is the code).
 
 Revision ID: 0034
-Revises: 0032
+Revises: 0033
 Create Date: 2026-12-07
 """
 
