@@ -445,6 +445,8 @@ def drain(worker: Worker, n: int, taken: Callable[[], bool], done: object) -> Dr
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:  # a starved run (a busy machine) measured too few to tell: no figure
+        return float("nan"), float("nan")
     q = statistics.quantiles(sorted(values), n=100)
     return 1000 * q[49], 1000 * q[98]
 

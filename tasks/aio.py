@@ -60,7 +60,7 @@ def loop() -> asyncio.AbstractEventLoop:
         return _Loop.loop
     with _Loop.lock:
         if _Loop.loop is None or _Loop.pid != pid:
-            new = asyncio.new_event_loop()
+            new = _new_loop()
             ready = threading.Event()
 
             def serve() -> None:
@@ -73,6 +73,18 @@ def loop() -> asyncio.AbstractEventLoop:
             _Loop.loop, _Loop.pid = new, pid
             _Loop.closers = []
     return _Loop.loop
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (a dependency): its ``call_soon_threadsafe``, timers
+    and socket transports are C, where on asyncio's own loop the hand-over and aiohttp's
+    transport were a third of a forwarding worker's CPU (py-spy, GIL samples:
+    bench/results_forward.txt); asyncio's loop otherwise."""
+    try:
+        import uvloop  # noqa: PLC0415 (optional: asyncio's loop without it)
+    except ImportError:  # pragma: no cover (installed with the project)
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def on_exit(closer: Callable[[], Awaitable[None]]) -> None:

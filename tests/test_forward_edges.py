@@ -242,7 +242,7 @@ class Recorder:
     """A downstream on loopback that answers 204 and keeps each request's headers; over TLS
     with a certificate for ``name`` only when ``tls`` is given (and records the SNI)."""
 
-    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None, cookie: str | None = None) -> None:
         self.requests: list[dict[str, str]] = []
         self.sni: list[str | None] = []
         recorder = self
@@ -252,6 +252,8 @@ class Recorder:
                 self.rfile.read(int(self.headers["content-length"]))
                 recorder.requests.append({k.lower(): v for k, v in self.headers.items()})
                 self.send_response(204)
+                if cookie is not None:
+                    self.send_header("set-cookie", cookie)
                 self.end_headers()
 
             def log_message(self, *args: Any) -> None:
@@ -450,6 +452,21 @@ def test_non_ascii_type_and_content_type_never_fail_an_attempt(downstream: Recor
     forward(event, ctx)
     assert downstream.requests[1]["x-webhooks-event-type"] == "edge.case"
     assert downstream.requests[1]["content-type"] == "application/json"
+
+
+def test_a_downstreams_cookie_is_never_sent_on_a_later_call() -> None:
+    """A forward keeps no cookies: what one call's downstream set (Set-Cookie) never goes
+    with a later call, of this route or of another one to the same host. By name: a cookie
+    jar keeps no cookie for an address literal."""
+    server = Recorder(cookie="session=secret-of-route-a; Path=/")
+    try:
+        for route in ("a", "b", "a"):
+            event, ctx = context(f"http://localhost:{server.port}/{route}", allow_private="true")
+            forward(event, ctx)
+    finally:
+        server.close()
+    assert len(server.requests) == 3
+    assert [r.get("cookie") for r in server.requests] == [None, None, None]
 
 
 def test_a_downstream_that_never_answers_times_out_at_the_io_timeout() -> None:

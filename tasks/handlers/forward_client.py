@@ -186,6 +186,9 @@ def _session(allow_private: bool) -> aiohttp.ClientSession:
             headers={"user-agent": USER_AGENT},
             auto_decompress=False,
             trust_env=False,  # no proxy: it would resolve the host itself
+            # No cookies: a downstream's Set-Cookie is never sent on a later call (of this
+            # route or another), and no jar is filtered and updated on every request.
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         _sessions[allow_private] = session
         aio.on_exit(session.close)
@@ -309,6 +312,7 @@ def _http(allow_private: bool = False) -> Iterator[httpx.Client]:
     try:
         yield client
     finally:
+        client.cookies.clear()  # no cookies: what a downstream set never goes on a later call
         idle.append(client)
 
 
