@@ -92,8 +92,9 @@ from revisions import remove_worktree, worktree
 # always runs this tree's bench/noop_app.py.
 
 BIN = Path(sys.executable).parent
-DB = "webhooks_bench_workers"
 REDIS_PORT = os.environ.get("BENCH_REDIS_PORT", "6379")
+# Its own database per bench Redis port: two helpers on one machine never drop each other's.
+DB = os.environ.get("BENCH_DB", f"webhooks_bench_workers_{REDIS_PORT}")
 BROKER = f"redis://127.0.0.1:{REDIS_PORT}/8"
 CLAIMS = f"redis://127.0.0.1:{REDIS_PORT}/9"
 # Both targets run this pool and concurrency (--pool, --concurrency).
