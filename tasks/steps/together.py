@@ -21,6 +21,7 @@ import threading
 from collections.abc import Sequence
 
 from core.messages import Dispatch
+from core.metrics import SHARED_STEPS
 from tasks.combine import Combiner
 from tasks.runtime import Runtime
 from tasks.steps.claim import Claimed, claim
@@ -71,7 +72,13 @@ def _route(requests: Sequence[tuple[object, PublishRetry]], ids: list[list[int]]
     return publish
 
 
+def _counted(step: str, requests: int) -> None:
+    SHARED_STEPS.labels(step=step, counted="requests").inc(requests)
+    SHARED_STEPS.labels(step=step, counted="calls").inc()
+
+
 def _claim_together(rt: Runtime, requests: list[ClaimRequest]) -> list[Claimed | Report]:
+    _counted("claim", len(requests))
     ids = [delivery_id for delivery_id, _ in requests]
     reports: dict[int, Report] = {}
     publish = _route(requests, [[i] for i in ids])
@@ -92,6 +99,7 @@ def claim_alone(
 
 
 def _finish_together(rt: Runtime, requests: list[FinishRequest]) -> list[list[Report]]:
+    _counted("succeed", len(requests))
     owned = [[d.claimed.found.id for d in done] for done, _ in requests]
     publish = _route(requests, owned)
     done = [d for ds, _ in requests for d in ds]
