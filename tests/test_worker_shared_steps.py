@@ -125,11 +125,6 @@ def test_two_processes_with_separate_fast_tiers_claim_each_bare_id_once(
     markers = tmp_path / "markers"
     markers.mkdir()
     ids = _deliveries(sessions, 40, "touch", marker_dir=str(markers), sleep="0.3")
-    broker = Broker(worker_settings())
-    for _ in range(3):
-        for delivery_id in ids:
-            broker.publish(delivery_id)
-    broker.close()
     flush_redis(OTHER_CLAIMS_URL)
     try:
         with (
@@ -138,6 +133,11 @@ def test_two_processes_with_separate_fast_tiers_claim_each_bare_id_once(
                 "pair-b", tmp_path, pool="threads", concurrency=12, redis_url=OTHER_CLAIMS_URL
             ) as b,
         ):
+            broker = Broker(worker_settings())  # both ready: both take their share
+            for _ in range(3):
+                for delivery_id in ids:
+                    broker.publish(delivery_id)
+            broker.close()
             wait_for(
                 lambda: _all_succeeded(engine, ids), timeout=90, what="40 deliveries to succeed"
             )
