@@ -93,9 +93,9 @@ from revisions import remove_worktree, worktree
 
 BIN = Path(sys.executable).parent
 REDIS_PORT = os.environ.get("BENCH_REDIS_PORT", "6379")
-# Its own database per bench Redis: two benches run side by side on one machine (each with
-# its BENCH_REDIS_PORT) never drop each other's database.
-DB = "webhooks_bench_workers" + ("" if REDIS_PORT == "6379" else f"_{REDIS_PORT}")
+# Its own database per bench Redis port (BENCH_DB overrides): two benches run side by side on
+# one machine (each with its BENCH_REDIS_PORT) never drop each other's database.
+DB = os.environ.get("BENCH_DB", f"webhooks_bench_workers_{REDIS_PORT}")
 BROKER = f"redis://127.0.0.1:{REDIS_PORT}/8"
 CLAIMS = f"redis://127.0.0.1:{REDIS_PORT}/9"
 # Both targets run this pool and concurrency (--pool, --concurrency).

@@ -127,6 +127,14 @@ CLAIMS = Counter(
     ["result"],
 )
 DEGRADED = Counter("webhooks_degraded_claims_total", "Claims made on the durable tier alone")
+# Messages of one bare id whose claim (step 0-2) or success (step 4) one worker thread ran
+# for the others arriving at once (tasks/steps/together.py): ``requests`` counts the
+# messages, ``calls`` the shared runs; requests / calls is the mean number sharing one.
+SHARED_STEPS = Counter(
+    "webhooks_shared_steps_total",
+    "Bare-id messages' claims and successes (requests) and the shared runs of them (calls)",
+    ["step", "counted"],
+)
 # The named windows in which a downstream can see one delivery twice (docs/workers.md): an
 # attempt that follows one whose call may have reached the downstream without its answer
 # being recorded. lease_taken_over: a claim took over the lease of a worker lost holding it

@@ -23,6 +23,7 @@ from tasks.steps.claim import Claimed, claim, held_of
 from tasks.steps.outcome import Outcome, PublishRetry, Report
 from tasks.steps.record import Done, finish
 from tasks.steps.run import handler_job, in_waves
+from tasks.steps.together import claim_alone, finish_alone
 
 # A handler's success is recorded as soon as it returns, with those of its batch-mates that
 # return within this many seconds after it (one statement for a burst): the downstream's 2xx
@@ -48,11 +49,13 @@ def run(
     ``traces``: the message's traceparent of each delivery id (core/tracing.py), when on."""
     ids = list(dict.fromkeys(delivery_ids))
     reports: dict[int, Report] = {}
-    if tracing.STATE.on:
-        started_ns = time.time_ns()
-        claimed = traced_claims(claim(rt, ids, reports, publish_retry), traces or {}, started_ns)
+    started_ns = time.time_ns()
+    if alone:  # with the bare ids this process's other threads claim now (steps.together)
+        claimed = claim_alone(rt, ids[0], reports, publish_retry)
     else:
         claimed = claim(rt, ids, reports, publish_retry)
+    if tracing.STATE.on:
+        claimed = traced_claims(claimed, traces or {}, started_ns)
     with in_flight([held_of(c.found) for c in claimed]):
         out = _run_claimed(rt, ids, claimed, reports, publish_retry, inline=alone)
     return with_lanes(out, claimed)
@@ -126,7 +129,10 @@ def _run_claimed(
                 # sweeper republishes it, as after a crash. Finish the others first.
                 errors.append(outcome)
         try:
-            finished = finish(rt, done, publish_retry)
+            if inline:  # a bare id: with the others' successes of this moment
+                finished = finish_alone(rt, done, publish_retry)
+            else:
+                finished = finish(rt, done, publish_retry)
         except Exception as exc:  # noqa: BLE001 (raised once every handler is accounted for)
             # Recording these outcomes failed on a database error that is not a lost
             # connection's (those are retried in finish): their deliveries keep their lease,

@@ -60,6 +60,9 @@ class Runtime:
     # The transforms routes may name (tasks.transforms): built-ins, WEBHOOKS_HANDLER_MODULES
     # and the webhooks.transforms entry points.
     transforms: TransformRegistry = field(default_factory=lambda: TransformRegistry({}))
+    # State the worker's steps keep for this runtime, by module (tasks/steps/together.py:
+    # the combiners its threads share).
+    steps: dict[str, object] = field(default_factory=dict)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -86,13 +86,21 @@ def held_of(found: Claim) -> Held:
 
 
 def claim(
-    rt: Runtime, ids: list[int], reports: dict[int, Report], publish_retry: PublishRetry
+    rt: Runtime,
+    ids: list[int],
+    reports: dict[int, Report],
+    publish_retry: PublishRetry,
+    *,
+    isolate: bool | None = None,
 ) -> list[Claimed]:
     """Steps 0-2 on one pooled connection, given back before the handlers run: under gevent
     a hundred handlers wait on their downstreams at once, and holding a connection each
     through that wait would need a hundred. No ping per checkout (a round trip per message):
     a connection that died while pooled fails the first read, which changes nothing, and the
-    message starts again once on a fresh connection."""
+    message starts again once on a fresh connection. ``isolate``: publish alone a delivery
+    whose previous holder died (a message of several; by default, when ``ids`` are several:
+    the bare ids claimed together by :mod:`tasks.steps.together` are each a message alone)."""
+    alone = len(ids) <= 1 if isolate is None else not isolate
     claimed: list[Claimed] = []
     for fresh in (False, True):
         try:
@@ -100,7 +108,7 @@ def claim(
                 raw = conn.connection.driver_connection
                 assert raw is not None
                 try:
-                    claimed = _claim(rt, conn, raw, ids, fresh, reports, publish_retry)
+                    claimed = _claim(rt, conn, raw, ids, fresh, reports, publish_retry, alone)
                 except CONNECTION_ERRORS:
                     # Lost after the probe (cut mid-message): never handed back to the pool,
                     # whose reset would fail on it and log a traceback.
@@ -135,10 +143,11 @@ def _claim(
     fresh: bool,
     reports: dict[int, Report],
     publish_retry: PublishRetry,
+    alone: bool,
 ) -> list[Claimed]:
     found = _probe(rt, conn, raw, ids, fresh)
     # Isolation splits a batch; a message of one id is already alone.
-    batch = len(ids) > 1
+    batch = not alone
     present: list[int] = []
     for delivery_id in ids:
         if delivery_id not in found:
