@@ -35,7 +35,8 @@ Usage: .venv/bin/python bench/bench_workers.py [--events 2000] [--rounds 2] [--s
        [--pool threads --concurrency 50]   (both targets; BENCH_REDIS_PORT picks the Redis)
        [--batch N]   (ids per message; default WEBHOOKS_DELIVERY_BATCH)
        [--against REV]   (this tree against REV's code, alternating runs)
-Uses its own database and Redis DBs 8 (broker) and 9 (claims); drops them after.
+Uses its own database (webhooks_bench_workers_PORT, or BENCH_DB) and Redis DBs 8 (broker) and
+9 (claims); drops them after.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ from revisions import remove_worktree, worktree
 # always runs this tree's bench/noop_app.py.
 
 BIN = Path(sys.executable).parent
-DB = "webhooks_bench_workers"
 REDIS_PORT = os.environ.get("BENCH_REDIS_PORT", "6379")
+# A database of its own per bench Redis port: helpers benching at once do not drop each other's.
+DB = os.environ.get("BENCH_DB", f"webhooks_bench_workers_{REDIS_PORT}")
 BROKER = f"redis://127.0.0.1:{REDIS_PORT}/8"
 CLAIMS = f"redis://127.0.0.1:{REDIS_PORT}/9"
 # Both targets run this pool and concurrency (--pool, --concurrency).
