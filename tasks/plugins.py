@@ -23,7 +23,7 @@ import functools
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from importlib.metadata import entry_points
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from tasks.errors import HandlerRegistrationError
 
@@ -99,19 +99,15 @@ class Plugins(Generic[P]):
 class Registry(Generic[P]):
     """A loaded table of one kind's plug-ins by name."""
 
-    kind = "plug-in"
+    kind: ClassVar[str] = "plug-in"
+    # Raised with the name by :meth:`get` (a claimed delivery's route names it: permanent).
+    unknown: ClassVar[type[Exception]] = LookupError
+    # Raised with the refusal by :meth:`require` (a route being saved would name it).
+    unregistered: ClassVar[type[Exception]] = ValueError
 
     def __init__(self, plugins: Mapping[str, P], origins: Mapping[str, str] | None = None) -> None:
         self._plugins = dict(plugins)
         self._origins = dict(origins or {})
-
-    def unknown(self, name: str) -> Exception:
-        """The error of a claimed delivery whose route names ``name`` (a permanent one)."""
-        raise NotImplementedError
-
-    def unregistered(self, message: str) -> Exception:
-        """The refusal of a route that would name an unregistered plug-in."""
-        raise NotImplementedError
 
     def get(self, name: str) -> P:
         try:

@@ -153,12 +153,8 @@ class TransformTimeLimit(BaseException):  # noqa: N818 (named like Celery's limi
 
 class TransformRegistry(Registry[Transform]):
     kind = "transform"
-
-    def unknown(self, name: str) -> Exception:
-        return UnknownTransformError(name)
-
-    def unregistered(self, message: str) -> Exception:
-        return UnregisteredTransformError(message)
+    unknown = UnknownTransformError
+    unregistered = UnregisteredTransformError
 
 
 def load_transforms(modules: Iterable[str] = ()) -> TransformRegistry:

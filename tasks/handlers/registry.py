@@ -61,12 +61,8 @@ class HandlerInfo:
 
 class HandlerRegistry(Registry[Handler]):
     kind = "handler"
-
-    def unknown(self, name: str) -> Exception:
-        return UnknownHandlerError(name)
-
-    def unregistered(self, message: str) -> Exception:
-        return UnregisteredHandlerError(message)
+    unknown = UnknownHandlerError
+    unregistered = UnregisteredHandlerError
 
     def describe(self) -> list[HandlerInfo]:
         infos = []
