@@ -35,7 +35,8 @@ Usage: .venv/bin/python bench/bench_workers.py [--events 2000] [--rounds 2] [--s
        [--pool threads --concurrency 50]   (both targets; BENCH_REDIS_PORT picks the Redis)
        [--batch N]   (ids per message; default WEBHOOKS_DELIVERY_BATCH)
        [--against REV]   (this tree against REV's code, alternating runs)
-Uses its own database and Redis DBs 8 (broker) and 9 (claims); drops them after.
+Uses its own database (webhooks_bench_workers_PORT, or BENCH_DB) and Redis DBs 8 (broker) and
+9 (claims); drops them after.
 """
 
 from __future__ import annotations

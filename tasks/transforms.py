@@ -48,14 +48,11 @@ the body per event; the thread's limit costs two dictionary writes.
 from __future__ import annotations
 
 import ctypes
-import difflib
-import importlib
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from importlib.metadata import entry_points
 from typing import Any
 
 import orjson
@@ -63,7 +60,8 @@ import orjson
 from core.errors import WebhooksError
 from core.logs import get_logger
 from tasks.context import Event
-from tasks.errors import HandlerRegistrationError, PermanentError
+from tasks.errors import PermanentError
+from tasks.plugins import Plugins, Registry
 from tasks.pools import is_green
 
 log = get_logger(__name__)
@@ -100,27 +98,13 @@ class Transformed:
 
 Transform = Callable[[Event], Transformed | None]
 
-# Filled by @register_transform at import time of the modules that define transforms.
-_registered: dict[str, Transform] = {}
-
-
-def _add(table: dict[str, Transform], name: str, transform: Transform) -> None:
-    if not name or not name.strip():
-        raise HandlerRegistrationError("a transform name must not be empty")
-    existing = table.get(name)
-    if existing is not None and existing is not transform:
-        raise HandlerRegistrationError(f"transform name {name!r} is registered twice")
-    table[name] = transform
+# The transforms' registrations (tasks.plugins: shared with the handlers').
+TRANSFORMS: Plugins[Transform] = Plugins("transform", ENTRY_POINT_GROUP, BUILTIN_MODULES)
 
 
 def register_transform(name: str) -> Callable[[Transform], Transform]:
     """Decorator: make ``transform`` available to routes under ``name``."""
-
-    def decorate(transform: Transform) -> Transform:
-        _add(_registered, name, transform)
-        return transform
-
-    return decorate
+    return TRANSFORMS.register(name)
 
 
 class UnregisteredTransformError(WebhooksError, ValueError):
@@ -167,47 +151,18 @@ class TransformTimeLimit(BaseException):  # noqa: N818 (named like Celery's limi
     ``except Exception`` must not swallow it."""
 
 
-class TransformRegistry:
-    def __init__(self, transforms: Mapping[str, Transform]) -> None:
-        self._transforms = dict(transforms)
-
-    def get(self, name: str) -> Transform:
-        try:
-            return self._transforms[name]
-        except KeyError:
-            raise UnknownTransformError(name) from None
-
-    def names(self) -> list[str]:
-        return sorted(self._transforms)
-
-    def require(self, name: str) -> None:
-        """Refuse a name no transform is registered under, naming the registered ones."""
-        if name in self._transforms:
-            return
-        close = difflib.get_close_matches(name.lower(), self.names(), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UnregisteredTransformError(
-            f"unknown transform {name!r}: {hint}registered: {', '.join(self.names()) or 'none'}"
-        )
+class TransformRegistry(Registry[Transform]):
+    kind = "transform"
+    unknown = UnknownTransformError
+    unregistered = UnregisteredTransformError
 
 
 def load_transforms(modules: Iterable[str] = ()) -> TransformRegistry:
     """Import the built-ins and ``modules`` (WEBHOOKS_HANDLER_MODULES: they register their
-    handlers and transforms), then add the ``webhooks.transforms`` entry points."""
-    for module in (*BUILTIN_MODULES, *modules):
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise HandlerRegistrationError(
-                f"cannot import handler module {module!r}: {exc}"
-            ) from None
-    table = dict(_registered)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        transform = ep.load()
-        if not callable(transform):
-            raise HandlerRegistrationError(f"entry point {ep.name!r} is not callable")
-        _add(table, ep.name, transform)
-    return TransformRegistry(table)
+    handlers and transforms), then add the ``webhooks.transforms`` entry points (scanned once
+    per process)."""
+    table, origins = TRANSFORMS.load(modules)
+    return TransformRegistry(table, origins)
 
 
 # -- running one --------------------------------------------------------------------------

@@ -13,17 +13,15 @@ A handler is a callable ``(event, ctx) -> None``, or ``-> str`` to return a resu
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 
 from core.errors import WebhooksError
 from core.logs import get_logger
 from tasks.context import Event, HandlerContext
-from tasks.errors import HandlerRegistrationError, UnknownHandlerError
+from tasks.errors import UnknownHandlerError
+from tasks.plugins import Plugins, Registry
 
 Handler = Callable[[Event, HandlerContext], str | None]
 
@@ -37,27 +35,13 @@ BUILTIN_MODULES = (
 
 log = get_logger(__name__)
 
-# Filled by @register at import time of the modules that define handlers.
-_registered: dict[str, Handler] = {}
-
-
-def _add(table: dict[str, Handler], name: str, handler: Handler) -> None:
-    if not name or not name.strip():
-        raise HandlerRegistrationError("a handler name must not be empty")
-    existing = table.get(name)
-    if existing is not None and existing is not handler:
-        raise HandlerRegistrationError(f"handler name {name!r} is registered twice")
-    table[name] = handler
+# The handlers' registrations (tasks.plugins: shared with the transforms').
+HANDLERS: Plugins[Handler] = Plugins("handler", ENTRY_POINT_GROUP, BUILTIN_MODULES)
 
 
 def register(name: str) -> Callable[[Handler], Handler]:
     """Decorator: make ``handler`` available to routes under ``name``."""
-
-    def decorate(handler: Handler) -> Handler:
-        _add(_registered, name, handler)
-        return handler
-
-    return decorate
+    return HANDLERS.register(name)
 
 
 class UnregisteredHandlerError(WebhooksError, ValueError):
@@ -75,47 +59,20 @@ class HandlerInfo:
     summary: str  # the first line of its docstring
 
 
-class HandlerRegistry:
-    def __init__(self, handlers: dict[str, Handler], origins: dict[str, str] | None = None) -> None:
-        self._handlers = dict(handlers)
-        self._origins = dict(origins or {})
-
-    def get(self, name: str) -> Handler:
-        try:
-            return self._handlers[name]
-        except KeyError:
-            raise UnknownHandlerError(name) from None
-
-    def names(self) -> list[str]:
-        return sorted(self._handlers)
-
-    def require(self, name: str) -> None:
-        """Refuse a name no handler is registered under, naming the registered ones (and the
-        likely one, for ``Forward`` or ``fowrard``)."""
-        if name in self._handlers:
-            return
-        close = difflib.get_close_matches(name.lower(), self.names(), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UnregisteredHandlerError(
-            f"unknown handler {name!r}: {hint}registered: {', '.join(self.names())}"
-        )
+class HandlerRegistry(Registry[Handler]):
+    kind = "handler"
+    unknown = UnknownHandlerError
+    unregistered = UnregisteredHandlerError
 
     def describe(self) -> list[HandlerInfo]:
         infos = []
         for name in self.names():
-            handler = self._handlers[name]
+            handler = self.get(name)
             module = getattr(handler, "__module__", "") or ""
             # Its docstring, else its module's (forward and stripe_subscription say it there).
             text = handler.__doc__ or getattr(sys.modules.get(module), "__doc__", None) or ""
             doc = [_plain(line) for line in text.strip().splitlines()]
-            infos.append(
-                HandlerInfo(
-                    name,
-                    self._origins.get(name, "entry point"),
-                    module,
-                    doc[0] if doc else "",
-                )
-            )
+            infos.append(HandlerInfo(name, self.origin(name), module, doc[0] if doc else ""))
         return infos
 
 
@@ -127,24 +84,8 @@ def _plain(line: str) -> str:
 
 def load_registry(modules: Iterable[str] = ()) -> HandlerRegistry:
     """Import the built-ins and ``modules`` (they register themselves), then add the entry
-    points. A module that fails to import fails the worker's start, loudly."""
-    for module in (*BUILTIN_MODULES, *modules):
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise HandlerRegistrationError(
-                f"cannot import handler module {module!r}: {exc}"
-            ) from None
-    table = dict(_registered)
-    origins = {}
-    for name, handler in table.items():
-        builtin = getattr(handler, "__module__", None) in BUILTIN_MODULES
-        origins[name] = "built-in" if builtin else "WEBHOOKS_HANDLER_MODULES"
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        handler = ep.load()
-        if not callable(handler):
-            raise HandlerRegistrationError(f"entry point {ep.name!r} is not callable")
-        _add(table, ep.name, handler)
-        origins.setdefault(ep.name, f"entry point ({ep.dist.name if ep.dist else ep.value})")
+    points (scanned once per process). A module that fails to import fails the worker's
+    start, loudly."""
+    table, origins = HANDLERS.load(modules)
     log.debug("handlers.loaded", handlers=sorted(table))
     return HandlerRegistry(table, origins)
