@@ -50,39 +50,45 @@ def accept(
     *,
     occurred_at: datetime | None = None,
     judged: bool = True,
+    conn: psycopg.Connection[Any] | None = None,
 ) -> tuple[str, Any]:
     """Accept one event as the receiver does: its routes' filters and order keys judged
-    first (core.filters.decide), then the accept statement."""
+    first (core.filters.decide), then the accept statement (on ``conn`` if given: an
+    autocommit connection; a test accepting many events shares one)."""
+    if conn is None:
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as own:
+            return accept(settings, source, body, occurred_at=occurred_at, judged=judged, conn=own)
     now = datetime.now(UTC)
     event_id = body.setdefault("id", f"evt_{uuid.uuid4().hex}")
     raw = orjson.dumps(body)
-    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
-        verdicts = (
-            decide(route_filters_sync(conn, source.id), raw, "test.event", {}) if judged else ()
-        )
-        receipt = NewReceipt(
-            source_id=source.id,
-            secret_id=source.secret_id,
-            event_id=event_id,
-            event_type="test.event",
-            occurred_at=occurred_at,
-            expires_at=expires_at(occurred_at, now, timedelta(days=4)),
-            ttl=timedelta(days=4),
-            received_at=None,
-            digest=hashlib.sha256(raw).digest(),
-            content_type="application/json",
-            payload=raw,
-            verdicts=verdicts,
-        )
-        return event_id, accept_sync(conn, receipt, settings.publish_grace)
+    verdicts = decide(route_filters_sync(conn, source.id), raw, "test.event", {}) if judged else ()
+    receipt = NewReceipt(
+        source_id=source.id,
+        secret_id=source.secret_id,
+        event_id=event_id,
+        event_type="test.event",
+        occurred_at=occurred_at,
+        expires_at=expires_at(occurred_at, now, timedelta(days=4)),
+        ttl=timedelta(days=4),
+        received_at=None,
+        digest=hashlib.sha256(raw).digest(),
+        content_type="application/json",
+        payload=raw,
+        verdicts=verdicts,
+    )
+    return event_id, accept_sync(conn, receipt, settings.publish_grace)
 
 
-def delivery_of(settings: Settings, outcome: Any) -> int:
+def delivery_of(
+    settings: Settings, outcome: Any, conn: psycopg.Connection[Any] | None = None
+) -> int:
     """The one delivery of an accepted event (the accept returns it for publishing only when
     it is its lane's head)."""
     assert outcome.status == "accepted"
-    with psycopg.connect(settings.psycopg_dsn, autocommit=True) as conn:
-        [(delivery_id,)] = conn.execute(
-            "SELECT id FROM deliveries WHERE receipt_id = %s", (outcome.receipt_id,)
-        ).fetchall()
+    if conn is None:
+        with psycopg.connect(settings.psycopg_dsn, autocommit=True) as own:
+            return delivery_of(settings, outcome, own)
+    [(delivery_id,)] = conn.execute(
+        "SELECT id FROM deliveries WHERE receipt_id = %s", (outcome.receipt_id,)
+    ).fetchall()
     return int(delivery_id)
