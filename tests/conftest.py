@@ -143,6 +143,14 @@ BASE_ENV = {
 # instead. Python validates each entry against its source's mtime and size, and writes
 # atomically, so runs and worktrees side by side share it safely.
 PYCACHE = Path(tempfile.gettempdir()) / "webhooks-tests-pycache"
+# pytest rewrites each test module's asserts (an AST pass over every file) and caches the
+# result only where bytecode may be written: where PYTHONDONTWRITEBYTECODE is set, each pytest
+# process (two xdist workers, then the serial part) spent half of its collection (~10 s of
+# CPU of ~20) rewriting the same 120 files again. From here on this process writes bytecode:
+# the test modules' to tests/__pycache__ (ignored by git), beside the project's and the
+# libraries' that `make install` compiled in place (no PYTHONPYCACHEPREFIX here: it would
+# compile every library again into that directory, ~10 s more on a first run).
+sys.dont_write_bytecode = False
 
 
 def test_env(**overrides: str) -> dict[str, str]:

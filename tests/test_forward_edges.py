@@ -14,9 +14,7 @@ import tracemalloc
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote
 
 import pytest
@@ -29,6 +27,7 @@ from tasks.errors import DownstreamError, LeaseFenced, PermanentError, Retryable
 from tasks.handlers import forward_client
 from tasks.handlers.forward import check_url, forward, parse_retry_after
 from tasks.handlers.forward_client import MAX_RESPONSE_BYTES
+from tests.loopback import Loopback, Quiet
 
 
 @pytest.fixture(autouse=True, params=["loop", "sync"])
@@ -52,7 +51,7 @@ class HugeAnswer:
         self.done = threading.Event()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
                 self.send_response(500)
@@ -69,18 +68,11 @@ class HugeAnswer:
                 finally:
                     server.done.set()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+        self.loopback = Loopback(Handler, "/hook", daemon_threads=False)
+        self.url = self.loopback.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loopback.close()
 
 
 @pytest.fixture
@@ -247,7 +239,7 @@ class Recorder:
         self.sni: list[str | None] = []
         recorder = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
                 recorder.requests.append({k.lower(): v for k, v in self.headers.items()})
@@ -256,21 +248,13 @@ class Recorder:
                     self.send_header("set-cookie", cookie)
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
         if tls is not None:
             tls.sni_callback = lambda _sock, name, _ctx: recorder.sni.append(name)  # type: ignore[assignment,misc]
-            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+        self.loopback = Loopback(Handler, tls=tls, daemon_threads=False)
+        self.port = self.loopback.port
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loopback.close()
 
 
 @pytest.fixture

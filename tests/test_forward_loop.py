@@ -7,9 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy import Engine, text
@@ -17,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import Dispatch
 from tests.factories import accept_event, make_source
+from tests.loopback import Loopback, Quiet
 from tests.workers import (
     publish_one_message,
     running_worker,
@@ -47,7 +46,7 @@ class HoldingDownstream:
         self._lock = threading.Lock()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:
@@ -63,20 +62,12 @@ class HoldingDownstream:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+        self.loopback = Loopback(Handler, "/hook")
+        self.url = self.loopback.url
 
     def close(self) -> None:
         self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loopback.close()
 
 
 @pytest.fixture

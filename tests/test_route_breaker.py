@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from core.settings import Settings
 from models import admission, breaker, catalog, requeue, transitions
 from models.breaker import Thresholds
 from tests.factories import accept_event, make_source
+from tests.loopback import Loopback, Quiet
 from tests.operators_support import cli, ops_env
 from tests.workers import (
     CLAIMS_URL,
@@ -58,7 +57,7 @@ class Downstream:
         self.calls: list[float] = []
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
                 server.calls.append(time.monotonic())
@@ -66,18 +65,11 @@ class Downstream:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+        self.loopback = Loopback(Handler, "/hook", daemon_threads=False)
+        self.url = self.loopback.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loopback.close()
 
 
 @pytest.fixture

@@ -14,10 +14,8 @@ from __future__ import annotations
 import html
 import re
 import secrets
-import threading
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from tasks.runtime import build_runtime
 from tasks.sweeper import sweep_once
 from tests.factories import MadeSource, accept_event, make_source
 from tests.leakcheck import remember
+from tests.loopback import Loopback, Quiet
 from tests.operators_support import cli, ops_receiver
 from tests.workers import (
     Broker,
@@ -68,7 +67,7 @@ class Down:
         self.calls = 0
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
                 server.calls += 1
@@ -76,18 +75,11 @@ class Down:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+        self.loopback = Loopback(Handler, "/hook", daemon_threads=False)
+        self.url = self.loopback.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loopback.close()
 
 
 @pytest.fixture

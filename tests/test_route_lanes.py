@@ -9,7 +9,6 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests import transforms_for_tests
 from tests.factories import MadeSource, make_source
 from tests.lanes_support import accept, delivery_of, lane_source
 from tests.leakcheck import remember
+from tests.loopback import Loopback, Quiet
 from tests.operators_support import cli, ops_env, ops_settings
 from tests.workers import (
     Broker,
@@ -72,7 +72,7 @@ class LaneDownstream:
         self.peak = 0
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:
@@ -96,24 +96,13 @@ class LaneDownstream:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        class Server(ThreadingHTTPServer):
-            # Every slot of two workers may connect at once: the default backlog (5) drops
-            # connections, and a client's SYN retry takes a second.
-            request_queue_size = 512
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+        # Every slot of two workers may connect at once: the default backlog (5) drops
+        # connections, and a client's SYN retry takes a second.
+        self.loopback = Loopback(Handler, "/hook", backlog=512)
+        self.url = self.loopback.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loopback.close()
 
 
 @pytest.fixture

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import secrets as pysecrets
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from tasks.transforms import (
 from tests.conftest import TEST_DB
 from tests.factories import accept_event, make_source
 from tests.leakcheck import remember
+from tests.loopback import Loopback, Quiet
 from tests.operators_support import cli, console_login, ops_env, ops_receiver, ops_settings
 from tests.processes import Receiver
 from tests.retention_support import own_database
@@ -143,7 +142,7 @@ class Recording:
         self.got: list[tuple[bytes, dict[str, str]]] = []
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 server.got.append((body, {k.lower(): v for k, v in self.headers.items()}))
@@ -151,18 +150,11 @@ class Recording:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+        self.loopback = Loopback(Handler, "/hook", daemon_threads=False)
+        self.url = self.loopback.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loopback.close()
 
 
 @pytest.fixture

@@ -3,10 +3,8 @@ the handler's session sharing the success transaction, and fencing of a stale at
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from tasks.runtime import Runtime, build_runtime
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import record_effect
 from tests.leakcheck import remember
+from tests.loopback import Loopback, Quiet
 from tests.workers import (
     Broker,
     attempts,
@@ -52,7 +51,7 @@ class Downstream:
         self.requests: list[tuple[dict[str, str], bytes]] = []
         downstream = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 downstream.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
@@ -66,22 +65,14 @@ class Downstream:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
+        self.loopback = Loopback(Handler, "/hook", daemon_threads=False)
+        self.url = self.loopback.url
 
     def __enter__(self) -> Downstream:
-        self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.loopback.close()
 
     def received(self, marker: bytes) -> list[tuple[dict[str, str], bytes]]:
         return [(h, b) for h, b in self.requests if marker in b]

@@ -12,7 +12,6 @@ import signal
 import threading
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from tasks.sweeper import sweep_once
 from tests.factories import accept_event, make_source
 from tests.handlers_for_tests import KILL_AFTER_COMMIT_DIR
 from tests.leakcheck import remember
+from tests.loopback import Loopback, Quiet
 from tests.workers import (
     CLAIMS_URL,
     Broker,
@@ -254,7 +254,7 @@ class BlockingDownstream:
         self.release = threading.Event()
         downstream = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(Quiet):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["content-length"]))
                 downstream.keys.append(self.headers["idempotency-key"])
@@ -265,23 +265,15 @@ class BlockingDownstream:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
+        self.loopback = Loopback(Handler, "/hook", daemon_threads=False)
+        self.url = self.loopback.url
 
     def __enter__(self) -> BlockingDownstream:
-        self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.loopback.close()
 
 
 def _forward_delivery(
