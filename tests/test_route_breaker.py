@@ -26,6 +26,7 @@ from tests.operators_support import cli, ops_env
 from tests.workers import (
     CLAIMS_URL,
     Broker,
+    Worker,
     attempts,
     delivery,
     running_worker,
@@ -376,9 +377,13 @@ def test_a_failing_downstream_opens_the_breaker_probes_once_a_second_then_drains
             return set(_statuses(engine, ids).values()) == {"succeeded"}
 
         wait_for(drained, timeout=60, what="the backlog to drain", interval=0.25)
-        events = [line.get("event") for line in worker.json_lines()]
-        assert "route.breaker_opened" in events
-        assert "route.breaker_closed" in events
+        # The breaker's line is written after the commit the wait above saw: wait for it too.
+        wait_for(
+            lambda: "route.breaker_closed" in _events(worker),
+            timeout=10,
+            what="the worker's route.breaker_closed line",
+        )
+        assert "route.breaker_opened" in _events(worker)
     broker.close()
     assert _route(engine, route_id).breaker_state == "closed"
 
@@ -437,9 +442,13 @@ def test_a_quiet_routes_outage_longer_than_its_whole_schedule_sends_nothing_dead
             return delivery(engine, delivery_id).status == "succeeded"
 
         wait_for(delivered, timeout=30, what="the delivery once the downstream is back")
-        events = [line.get("event") for line in worker.json_lines()]
-        assert "route.breaker_opened" in events
-        assert "route.breaker_closed" in events
+        # The breaker's line is written after the commit the wait above saw: wait for it too.
+        wait_for(
+            lambda: "route.breaker_closed" in _events(worker),
+            timeout=10,
+            what="the worker's route.breaker_closed line",
+        )
+        assert "route.breaker_opened" in _events(worker)
     broker.close()
     # Exactly one successful call: every other call was a failed attempt or a failed probe.
     assert _attempt_rows(engine, [delivery_id]) == len(downstream.calls)
@@ -561,3 +570,7 @@ def test_routes_pause_show_list_and_resume_from_the_cli(
         ("route.resume", "bob", "cli"),
         ("route.pause", "alice", "cli"),
     ]
+
+
+def _events(worker: Worker) -> list[Any]:
+    return [line.get("event") for line in worker.json_lines()]
