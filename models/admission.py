@@ -322,6 +322,38 @@ return {due, redis.call('SMEMBERS', prefix .. 'waiting')}
 """
 
 
+# A lane's next head takes the slot its predecessor left (tasks.deliver.lane_heads): ARGV
+# 2.. = (route, head, count, predecessor ids...) per lane. Each predecessor still in the
+# route's in-flight set leaves it; when one did, the head enters it in the same step (the
+# route's count unchanged: no dispatch round, no moment over the budget) and the answer is
+# 'a'; when none did (its slot was freed already, or it was never admitted) the answer is
+# 'u' and the set is left alone.
+_HAND_OVER = """
+local prefix = ARGV[1]
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+local out = {}
+local i = 2
+while i <= #ARGV do
+    local route, head, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+    local key = prefix .. 'f:' .. route
+    local freed = 0
+    for j = i + 3, i + 2 + n do
+        freed = freed + redis.call('ZREM', key, ARGV[j])
+    end
+    if freed > 0 then
+        redis.call('ZADD', key, now, head)
+        redis.call('ZREM', prefix .. 'w:' .. route, head)
+        table.insert(out, 'a')
+    else
+        table.insert(out, 'u')
+    end
+    i = i + 3 + n
+end
+return out
+"""
+
+
 @dataclass(frozen=True)
 class Offer:
     """The receiver's or the sweeper's deliveries, sorted by what admission decided."""
@@ -371,6 +403,7 @@ class Admission:
         self._round = client.register_script(_ROUND)
         self._pace = client.register_script(_PACE)
         self._gate = client.register_script(_GATE)
+        self._hand_over = client.register_script(_HAND_OVER)
 
     def now_ms(self) -> float:
         seconds, micros = self.client.time()
@@ -410,6 +443,18 @@ class Admission:
         for i, answer in zip(known, answers, strict=True):
             out[answer if isinstance(answer, bytes) else str(answer).encode()].append(i)
         return Offer(out[b"a"], out[b"d"], out[b"w"], unknown)
+
+    def hand_over(self, lanes: Sequence[tuple[int, int, Sequence[int]]]) -> list[bool]:
+        """Per lane (route, next head, its predecessors in this message): the predecessors
+        leave the route's in-flight set and, if one of them was in it, the head takes its
+        place, in one step (True); False where none was (the head is not counted: published
+        as before admission knew of lanes). One round trip for them all."""
+        if not lanes:
+            return []
+        args: list[Any] = [self.prefix]
+        for route, head, before in lanes:
+            args += [route, head, len(before), *before]
+        return [answer in (b"a", "a") for answer in self._hand_over(args=args)]
 
     def start_round(
         self, released: dict[int, list[int]], *, most: int = DRAIN_LIMIT

@@ -31,7 +31,8 @@ publishes it again, and only it), a Redis flush loses no lane state at all.
 A lane-refused claim burns no attempt (the UPDATE matched nothing): the worker reports the
 delivery ``lane`` (:mod:`tasks.steps.claim`), frees its admission slot, and publishes the
 lane's head if it opened meanwhile. Whoever ends a lane's delivery publishes the lane's next
-head right after its commit (:func:`next_heads`), so an ordered route drains without waiting
+head right after its commit (:func:`next_heads`), in the admission slot the ended one leaves
+(:meth:`models.admission.Admission.hand_over`), so an ordered route drains without waiting
 for the sweeper, whose pick takes lane heads only (the same guard), so a blocked lane costs no
 message per sweep.
 
@@ -66,18 +67,19 @@ def guard(row: str) -> str:
 
 
 class Head(NamedTuple):
-    """A lane's head, due to be published."""
+    """A lane's head, due to be published, and its lane (route id, lane key)."""
 
     delivery_id: int
     event_id: str | None
     source: str | None
+    lane: tuple[int, str] | None = None
 
 
 # Per lane, its first member (dead ones left out on a ``skip`` route), taken from
 # ix_lane_members_lane by a LIMIT 1; published when it is pending, or retrying and due, and
 # the lane lets it run. Reads the members only (migration 0033), never ``deliveries``.
 _NEXT_HEADS = placeholders("""
-    SELECT h.delivery_id
+    SELECT h.delivery_id, w.route_id, w.key
     FROM unnest(CAST(:routes AS bigint[]), CAST(:keys AS text[])) AS w(route_id, key)
     JOIN routes rt ON rt.id = w.route_id
     CROSS JOIN LATERAL (
@@ -104,7 +106,7 @@ def next_heads(
         _NEXT_HEADS,
         {"routes": [r for r, _ in wanted], "keys": [k for _, k in wanted], "now": now},
     ).fetchall()
-    return [Head(int(r[0]), None, None) for r in rows]
+    return [Head(int(r[0]), None, None, (int(r[1]), str(r[2]))) for r in rows]
 
 
 _WAITING = placeholders("""

@@ -159,13 +159,13 @@ def deliver_message(
         )
         text = f"deliveries {ids}: database unavailable ({reason}); {then}"
         raise Retry(text, exc=DatabaseUnavailable(text)) from None
-    release_slots(rt, reports)
 
     def publish_group(group: Sequence[Dispatch]) -> None:
         args, options = message(group, rt.settings)
         task.apply_async(args=args, **options)
 
-    lane_heads(rt, reports, publish_group)
+    handed = lane_heads(rt, reports, publish_group)
+    release_slots(rt, [r for r in reports if r.delivery_id not in handed])
     return celery_state(reports[0]) if alone else celery_batch_state(reports)
 
 
@@ -212,27 +212,86 @@ LANE_MOVES = (Outcome.SUCCEEDED, Outcome.DEAD, Outcome.SUPERSEDED, Outcome.FILTE
 
 def lane_heads(
     rt: Runtime, reports: list[Report], publish: Callable[[Sequence[Dispatch]], None]
-) -> None:
+) -> set[int]:
     """Publish the claimable head of each lane a delivery of this message ended in, or was
     refused by (models/lanes.py): an ordered route drains at the pace of its handlers, not
     of the sweeper. After the outcomes' commits, so the head read here is the one that may
-    run; a refused delivery's lane is read after its slot was freed, so an end committed by
-    another worker meanwhile (which could not publish it then) is not missed. A head
-    published twice is claimed once. Published directly, in messages of up to
-    WEBHOOKS_DELIVERY_BATCH ids as the sweeper does, one head per lane that moved: it takes
-    the slot its predecessor left. Failing here loses nothing: the sweeper picks lane heads."""
-    moved = [r.lane for r in reports if r.lane is not None and r.outcome in LANE_MOVES]
+    run. Published directly, in messages of up to WEBHOOKS_DELIVERY_BATCH ids as the sweeper
+    does, one head per lane that moved, each in the admission slot its predecessor leaves
+    (:meth:`models.admission.Admission.hand_over`: the route's in-flight count stays true
+    and within its budget, and the head waits for no dispatch round). Before the slots of
+    this message are released (:func:`release_slots`), which is what makes the hand-over
+    possible; returns the deliveries whose slots the hand-over freed, which that release
+    skips (a refused head published again holds its own id's slot). A head published twice
+    is claimed once. Failing here loses nothing: the sweeper picks lane heads, and the
+    slots not handed over are released as usual."""
+    moved = [r for r in reports if r.lane is not None and r.outcome in LANE_MOVES]
     if not moved:
-        return
+        return set()
     try:
         heads = on_connection(
-            rt.engine, lambda raw: lanes.next_heads(raw, moved, now=pinned(rt.clock))
+            rt.engine,
+            lambda raw: lanes.next_heads(
+                raw, [r.lane for r in moved if r.lane is not None], now=pinned(rt.clock)
+            ),
         )
-        ready = [Dispatch(h.delivery_id, h.event_id, h.source) for h in heads]
-        for group in batches(ready, rt.settings.deliveries_per_message):
-            publish(group)
     except Exception as exc:  # noqa: BLE001 (the sweeper publishes lane heads too)
         log.warning("delivery.lane_publish_failed", error_class=type(exc).__name__)
+        return set()
+    freed, counted = hand_over(rt, moved, heads)
+    ready = [Dispatch(h.delivery_id, h.event_id, h.source) for h in heads]
+    for group in batches(ready, rt.settings.deliveries_per_message):
+        try:
+            publish(group)
+        except Exception as exc:  # noqa: BLE001 (the sweeper publishes lane heads too)
+            log.warning("delivery.lane_publish_failed", error_class=type(exc).__name__)
+            unpublished(
+                rt,
+                {d.delivery_id: counted[d.delivery_id] for d in group if d.delivery_id in counted},
+            )
+    return freed
+
+
+def hand_over(
+    rt: Runtime, moved: list[Report], heads: list[lanes.Head]
+) -> tuple[set[int], dict[int, int]]:
+    """Each head into the admission slot of its lane's predecessors in this message; returns
+    those predecessors (their slots are free now) and the heads now counted in flight (id ->
+    route). Nothing when admission is off, and nothing on a Redis failure (logged: the heads
+    go out uncounted, the slots are released as usual, and the reconcile corrects the
+    count)."""
+    if not rt.settings.admission or not heads:
+        return set(), {}
+    before: dict[tuple[int, str], list[int]] = {}
+    for report in moved:
+        if report.lane is not None and report.route_id is not None:
+            before.setdefault(report.lane, []).append(report.delivery_id)
+    lanes_moved = [(h.lane, h.delivery_id) for h in heads if h.lane in before]
+    plan = [(lane[0], head, before[lane]) for lane, head in lanes_moved if lane is not None]
+    if not plan:
+        return set(), {}
+    try:
+        taken = Admission(rt.redis).hand_over(plan)
+    except Exception as exc:  # noqa: BLE001 (the release and the reconcile free the slots)
+        log.warning("delivery.hand_over_failed", error_class=type(exc).__name__)
+        return set(), {}
+    handed = [step for step, ok in zip(plan, taken, strict=True) if ok]
+    return {i for _, _, ids in handed for i in ids}, {head: route for route, head, _ in handed}
+
+
+def unpublished(rt: Runtime, counted: dict[int, int]) -> None:
+    """Heads whose publish failed leave the slots they were handed: not in flight, so the
+    sweeper's next pick publishes them (it leaves admission's members alone) instead of
+    waiting for the reconcile to find them pending past the grace."""
+    if not counted:
+        return
+    by_route: dict[int, list[int]] = {}
+    for head, route in counted.items():
+        by_route.setdefault(route, []).append(head)
+    try:
+        Admission(rt.redis).release(by_route)
+    except Exception as exc:  # noqa: BLE001 (the reconcile frees them after the grace)
+        log.warning("delivery.release_failed", error_class=type(exc).__name__)
 
 
 def release_slots(rt: Runtime, reports: list[Report]) -> None:

@@ -15,23 +15,29 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
+import redis
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.messages import Dispatch
 from core.settings import Settings
 from core.states import DeliveryStatus
-from models import lanes, requeue, transitions
+from models import admission, breaker, lanes, requeue, transitions
 from models.catalog import CatalogError, Change
 from models.route_catalog import set_lanes
+from tasks.publisher import Publisher
 from tests import transforms_for_tests
+from tests.conftest import REDIS_PORT
 from tests.factories import MadeSource, make_source
 from tests.lanes_support import accept, delivery_of, lane_source
 from tests.leakcheck import remember
 from tests.loopback import Loopback, Quiet
+from tests.netproxy import CuttableProxy
 from tests.operators_support import cli, ops_env, ops_settings
 from tests.workers import (
+    CLAIMS_URL,
     Broker,
+    Worker,
     flush_redis,
     publish_one_message,
     running_worker,
@@ -201,6 +207,103 @@ def test_200_keys_by_5_events_run_one_at_a_time_per_key_in_order_and_keys_in_par
     assert all(order == [0, 1, 2, 3, 4] for order in downstream.order.values())
     assert downstream.peak > 1, "different keys never ran at once"
     assert len(downstream.calls) == 1000 == len(set(downstream.calls))  # each once
+
+
+def test_a_lanes_next_head_takes_its_predecessors_slot_so_the_route_keeps_its_budget(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """A laned route with an in-flight budget of 2 and 8 keys x 3 events, the heads offered
+    through admission as the receiver does (2 admitted, 6 waiting): each next head is
+    published in its predecessor's admission slot, so the downstream never holds more than
+    2 calls of the route at once while the dispatcher admits the waiting heads as slots
+    free, every key runs in order, and the route's in-flight set ends empty (no head left
+    counted, none counted twice). Before the hand-over, a next head went out beside
+    admission: the dispatcher filled the slot its predecessor left with a waiting head, and
+    the route ran 3 and more calls at once."""
+    downstream = LaneDownstream(hold=0.15)
+    try:
+        settings = worker_settings()
+        source = lane_source(sessions, downstream.url)
+        (route_id,) = source.route_ids
+        with sessions() as s, s.begin():
+            breaker.set_limits(s, route_id, Change("test", "limits"), max_in_flight=2, now=None)
+        dispatches, lane_of = events(settings, source, keys=8, per_key=3)
+        ids = [d.delivery_id for d in dispatches]
+        gate = admission.Admission(redis.Redis.from_url(CLAIMS_URL))
+        publisher = Publisher(settings)
+        try:
+            with running_worker("budget", tmp_path, pool="threads", concurrency=8, **ROOMY):
+                publisher.submit("heads", [d for d in dispatches if lane_of[d.delivery_id][1] == 0])
+                wait_for(
+                    lambda: count_status(engine, ids, "succeeded") == 24,
+                    timeout=120,
+                    what="24 ordered deliveries succeeded",
+                )
+                wait_for(
+                    lambda: gate.counts(route_id) == (0, 0),
+                    timeout=30,
+                    what="the route's in-flight and waiting sets empty",
+                )
+        finally:
+            publisher.close()
+            gate.client.close()
+    finally:
+        downstream.close()
+    assert downstream.peak == 2, "the route ran past its in-flight budget of 2"
+    assert all(order == [0, 1, 2] for order in downstream.order.values())
+    assert len(downstream.order) == 8
+    assert len(downstream.calls) == 24 == len(set(downstream.calls))  # each once
+
+
+def test_a_next_head_whose_publish_fails_with_the_broker_down_is_published_by_the_sweeper(
+    engine: Engine, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """The worker reaches its broker (Redis) through a proxy that is cut while a lane's
+    first call is in flight: the end commits, the next head's publish fails (one line, no
+    traceback), and the head leaves the admission slot it was handed, so once the broker is
+    back the sweeper publishes it: the lane finishes in order, each event called once."""
+    downstream = LaneDownstream(hold=1.0)
+    proxy = CuttableProxy(REDIS_PORT)
+    broker = Broker(worker_settings())
+    try:
+        settings = worker_settings()
+        source = lane_source(sessions, downstream.url)
+        ids = [
+            delivery_of(settings, accept(settings, source, {"key": "k", "seq": n})[1])
+            for n in range(2)
+        ]
+        publish([Dispatch(ids[0])])
+        cut_broker = {"broker_url": f"redis://127.0.0.1:{proxy.port}/10"}
+        with running_worker(
+            "cut", tmp_path, pool="threads", concurrency=4, **cut_broker, **ROOMY
+        ) as worker:
+            wait_for(lambda: len(downstream.calls) == 1, timeout=30, what="the first call")
+            proxy.cut()
+            wait_for(
+                lambda: "delivery.lane_publish_failed" in _events(worker),
+                timeout=60,
+                what="the next head's publish to fail",
+            )
+            assert statuses(engine, ids) == {ids[0]: "succeeded", ids[1]: "pending"}
+            proxy.restore()
+
+            def swept() -> bool:
+                broker.sweep()
+                return row(engine, ids[1]).status == "succeeded"
+
+            wait_for(swept, timeout=90, what="the sweeper to publish the head", interval=1.0)
+            (failed,) = [
+                line
+                for line in worker.json_lines()
+                if line.get("event") == "delivery.lane_publish_failed"
+            ]
+            assert "exception" not in failed, failed  # a handled condition: no traceback
+    finally:
+        broker.close()
+        proxy.close()
+        downstream.close()
+    assert downstream.order["k"] == [0, 1]
+    assert len(downstream.calls) == 2 == len(set(downstream.calls))
 
 
 def test_a_dead_event_blocks_only_its_own_key_and_no_attempt_is_spent_waiting(
@@ -539,3 +642,7 @@ def test_the_cli_refuses_supersede_on_an_unsigned_time_and_shows_the_lanes(
     assert "lanes: order key body.data.object.customer, on dead: skip, supersede" in shown.stdout
     listed = orjson.loads(cli("routes", "list", stripe.public_id, "--json", env=env).stdout)
     assert listed[0]["order_key"] == "body.data.object.customer"
+
+
+def _events(worker: Worker) -> list[Any]:
+    return [line.get("event") for line in worker.json_lines()]

@@ -307,7 +307,9 @@ def _superseded(
             newer_event_id=newer,
             **scope(found, row, now),
         )
-        report = Report.of(Outcome.SUPERSEDED, found, row, f"superseded by event {newer}")
+        report = Report.of(
+            Outcome.SUPERSEDED, found, row, f"superseded by event {newer}", finished=True
+        )
         reports[found.id] = dataclasses.replace(report, lane=(found.route_id, found.lane_key))
     return out
 
