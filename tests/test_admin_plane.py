@@ -342,6 +342,46 @@ def test_the_audit_records_the_tokens_name(
     assert replay_rows(engine, operator="root") == roots_before
 
 
+def test_pause_and_resume_commit_before_they_answer(
+    plane: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """A commit made slow on purpose (a deferred constraint trigger on this route's row
+    sleeps 1 s at commit): the pause's and the resume's answers still come after their
+    commits, so a client that reads the route right after the answer finds the change.
+    Before, the endpoint's session committed after the answer was sent."""
+    source = source_with(sessions, ops, "log")
+    (route_id,) = source.route_ids
+    name = f"slow_commit_{uuid.uuid4().hex[:12]}"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE CONSTRAINT TRIGGER {name} AFTER UPDATE ON routes"
+            f" DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.id = {route_id})"
+            f" EXECUTE FUNCTION {name}()"
+        )
+    try:
+        for action, paused in (("pause", True), ("resume", False)):
+            answer = httpx.post(
+                f"{plane.admin_url}/admin/routes/{route_id}/{action}",
+                json={"reason": f"{action} before the answer"},
+                headers=bearer(OPS_TOKEN),
+                timeout=10,
+            )
+            assert answer.status_code == 200, answer.text
+            with engine.connect() as conn:
+                stored = conn.exec_driver_sql(
+                    "SELECT paused_at IS NOT NULL FROM routes WHERE id = %s", (route_id,)
+                ).scalar_one()
+            assert stored is paused, f"{action} answered before its commit"
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TRIGGER {name} ON routes")
+            conn.exec_driver_sql(f"DROP FUNCTION {name}()")
+
+
 # Random tokens (a repeated character is refused as predictable: test_secret_strength.py).
 # Random-looking but the same in every test process: they name parametrized cases, which
 # pytest-xdist requires to be collected identically by each of its processes.

@@ -77,7 +77,7 @@ def _set_paused(session: Session, route_id: int, paused: bool, body: PauseIn, op
 
 
 def _pause_endpoint(paused: bool) -> Callable[..., Any]:
-    def endpoint(route_id: PathId, body: PauseIn, session: Db, operator: Operator) -> Any:
+    def endpoint(route_id: PathId, body: PauseIn, session: Writes, operator: Operator) -> Any:
         return _set_paused(session, route_id, paused, body, operator)
 
     return endpoint
