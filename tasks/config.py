@@ -72,7 +72,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_transport_options": transport,
         "result_backend_transport_options": transport,
         "broker_connection_retry_on_startup": True,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # On a lost broker connection, running deliveries of an unacknowledged message are
+        # cancelled (their message comes back; the lease and the fence keep them once). The
+        # thread pool cannot cancel one (Celery raises NotImplementedError, a traceback per
+        # loss, and stops cancelling the rest): there they run to their end, as the fence
+        # allows.
+        "worker_cancel_long_running_tasks_on_connection_loss": settings.worker_pool != "threads",
         # The worker's remote-control queue (<name>.celery.pidbox, what Flower's inspect and
         # rate-limit commands reach) is not exclusive. An exclusive one belongs to the
         # connection that declared it: after a partition from RabbitMQ heals, the broker may
