@@ -270,3 +270,15 @@ def count_rows(engine: Engine, *tables: str) -> dict[str, int]:
         return {
             t: int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()) for t in tables
         }
+
+
+@pytest.fixture(scope="module")
+def ops() -> Iterator[Settings]:
+    """The operators' settings (tests/operators_support.py), their Redis flushed before and
+    after the module: shared by the files that run a receiver's admin plane or the CLI."""
+    from tests.operators_support import flush, ops_settings  # it imports this module
+
+    settings = ops_settings()
+    flush(settings)
+    yield settings
+    flush(settings)

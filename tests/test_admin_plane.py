@@ -37,10 +37,8 @@ from tests.conftest import BIN, free_port, make_settings, test_env
 from tests.leakcheck import log_file, remember
 from tests.operators_support import (
     accept,
-    flush,
     kill,
     ops_receiver,
-    ops_settings,
     replay_rows,
     source_with,
 )
@@ -54,14 +52,6 @@ CI_TOKEN = "ci-" + uuid.uuid4().hex + uuid.uuid4().hex
 remember(OPS_TOKEN)
 remember(CI_TOKEN)
 MB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import pytest
 
 from core.settings import Settings
 from tests.leakcheck import remember
-from tests.operators_support import flush, ops_receiver, ops_settings
+from tests.operators_support import ops_receiver
 from tests.processes import Receiver
 
 pytestmark = pytest.mark.timeout(240)
@@ -39,14 +39,6 @@ pytestmark = pytest.mark.timeout(240)
 TOKEN = "ops-" + uuid.uuid4().hex + uuid.uuid4().hex
 remember(TOKEN)
 ADMIN = 'webhooks_receiver_limits_total{limit="admin_%s"}'
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 @pytest.fixture(scope="module")

@@ -42,11 +42,9 @@ from tests.operators_support import (
     WRAPPED,
     accept,
     cli,
-    flush,
     kill,
     ops_env,
     ops_receiver,
-    ops_settings,
     retry,
     source_with,
     succeed,
@@ -72,14 +70,6 @@ remember(TOKEN, OTHER_TOKEN)
 
 if shutil.which(CHROMIUM) is None:  # make install installs it (Debian's chromium package)
     pytest.skip(f"{CHROMIUM} is missing: run `make install` (as root)", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 @pytest.fixture(scope="module")

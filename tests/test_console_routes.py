@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
 from tests.leakcheck import remember
-from tests.operators_support import flush, ops_receiver, ops_settings, source_with
+from tests.operators_support import ops_receiver, source_with
 from tests.processes import Receiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -29,14 +29,6 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 TOKEN = "adm_routes37_" + secrets.token_urlsafe(24)
 remember(TOKEN)
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 @pytest.fixture(scope="module")

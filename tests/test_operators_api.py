@@ -20,7 +20,6 @@ from tests.factories import make_source
 from tests.leakcheck import remember
 from tests.operators_support import (
     accept,
-    flush,
     kill,
     ops_receiver,
     ops_settings,
@@ -36,14 +35,6 @@ pytestmark = pytest.mark.timeout(120)
 
 TOKEN = "adm_" + secrets.token_urlsafe(24)
 remember(TOKEN)
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,9 @@ from tests.operators_support import (
     OPS,
     accept,
     cli,
-    flush,
     kill,
     ops_env,
     ops_receiver,
-    ops_settings,
     replay_rows,
     source_with,
 )
@@ -38,14 +36,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 TOKEN = "adm_e2e_" + secrets.token_urlsafe(24)  # random: a repeated one is refused
 remember(TOKEN)
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 @pytest.fixture(scope="module")

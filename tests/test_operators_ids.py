@@ -33,11 +33,9 @@ from tests.leakcheck import remember
 from tests.operators_support import (
     accept,
     cli,
-    flush,
     kill,
     ops_env,
     ops_receiver,
-    ops_settings,
     replay_rows,
     source_with,
 )
@@ -48,14 +46,6 @@ pytestmark = pytest.mark.timeout(180)
 TOKEN = "adm_" + secrets.token_urlsafe(24)
 remember(TOKEN)
 ROW = re.compile(r"^[│|] (\d+) +[│|]")
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 @pytest.fixture(scope="module")

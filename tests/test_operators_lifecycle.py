@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,8 @@ from tests.operators_support import (
     OPS,
     accept,
     cli,
-    flush,
     kill,
     ops_env,
-    ops_settings,
     source_with,
     status_of,
     succeed,
@@ -39,14 +36,6 @@ from tests.signing import sign
 from tests.workers import Broker, running_worker, wait_status
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 def env(**extra: str) -> dict[str, str]:

@@ -68,7 +68,6 @@ from tests.operators_support import (
     flush,
     ops_env,
     ops_receiver,
-    ops_settings,
     queued_ids,
 )
 from tests.processes import Receiver
@@ -317,14 +316,6 @@ def _with(receipt: NewReceipt, *verdicts: Verdict) -> NewReceipt:
 
 
 # -- end to end: CLI, receiver, worker, console, metrics -----------------------------------
-
-
-@pytest.fixture(scope="module")
-def ops() -> Iterator[Settings]:
-    settings = ops_settings()
-    flush(settings)
-    yield settings
-    flush(settings)
 
 
 @pytest.fixture(scope="module")
