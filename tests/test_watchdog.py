@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import metrics
 from core import watchdog as judge
 from core.settings import Settings
+from tasks.watchdog import endpoints
 from tests.conftest import test_env
 from tests.factories import MadeSource, make_source
 from tests.fake_providers import (
@@ -34,6 +35,7 @@ from tests.fake_providers import (
     serving,
 )
 from tests.leakcheck import remember
+from tests.loopback import Loopback, Quiet
 from tests.operators_support import cli
 
 ALERTS = Path(__file__).resolve().parent.parent / "deploy" / "alerts.yml"
@@ -945,3 +947,60 @@ def test_the_expected_url_is_the_option_else_the_public_base() -> None:
     assert judge.expected_url({}, None, "src_1") is None
     view = judge.View("enabled", "https://elsewhere/", ("*",))
     assert judge.judge("stripe", view, None, ["*"]) == []  # no URL known: not compared
+
+
+# What each provider's reader makes of an answer that says nothing of the endpoint ----------
+
+_BASE = "http://127.0.0.1:{port}"
+_REFUSALS = [
+    ("github", 401, {}, "GitHub refused the token (401): it needs admin:repo_hook"),
+    ("github", 403, {}, "GitHub refused the token (403): it needs admin:repo_hook"),
+    ("github", 403, {"x-ratelimit-remaining": "0"}, "GitHub rate limited the check (403)"),
+    ("github", 429, {}, "GitHub rate limited the check (429)"),
+    ("github", 500, {}, "GitHub API error (500)"),
+    ("svix", 401, {}, "Svix refused the API token (401)"),
+    ("svix", 429, {}, "Svix rate limited the check (429)"),
+    ("svix", 502, {}, "Svix API error (502)"),
+    ("shopify", 403, {}, "Shopify refused the access token (403): set the app's Admin API"),
+    ("shopify", 404, {}, "Shopify API at {base} has no such shop or API version (404)"),
+    ("shopify", 429, {}, "Shopify rate limited the check (429)"),
+    ("shopify", 503, {}, "Shopify API error (503)"),
+]
+
+
+@pytest.mark.parametrize(("provider", "status", "headers", "said"), _REFUSALS)
+def test_each_readers_refusals_are_cannot_check_with_the_status_and_one_line(
+    provider: str, status: int, headers: dict[str, str], said: str
+) -> None:
+    """GitHub's, Svix's and Shopify's readers share one mapping of an answer that says
+    nothing (401/403, 429, other errors; GitHub's 403 with no rate left is a rate limit):
+    CannotCheck with the status and a line that names the provider, never the API's body."""
+
+    class Answers(Quiet):
+        def do_GET(self) -> None:
+            body = b'{"message": "secret-looking API text"}'
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = Loopback(Answers)
+    base = _BASE.format(port=server.port)
+    reader = {
+        "github": lambda: endpoints.github_view("t", base, "repos/o/r/hooks/1", **_OPEN),
+        "svix": lambda: endpoints.svix_view("t", base, "app_1/ep_1", **_OPEN),
+        "shopify": lambda: endpoints.shopify_view("t", base, "s.myshopify.com", **_OPEN),
+    }[provider]
+    try:
+        with pytest.raises(endpoints.CannotCheck) as caught:
+            reader()
+    finally:
+        server.close()
+    assert caught.value.status == status
+    assert str(caught.value).startswith(said.format(base=base)), str(caught.value)
+    assert "secret-looking" not in str(caught.value)
+
+
+_OPEN: dict[str, Any] = {"allow_private": True, "timeout": 5.0}

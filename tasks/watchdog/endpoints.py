@@ -22,6 +22,8 @@ checks again.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Final
 
 import httpx
@@ -38,6 +40,34 @@ class CannotCheck(WebhooksError):
     def __init__(self, status: int | None, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _answered(provider: str, base: str, call: Callable[[], httpx.Response]) -> httpx.Response:
+    """The answer of one call to ``provider``'s API at ``base``; no answer (a timeout, a
+    transport error, the transport's refusals: redirect, size, address) is CannotCheck."""
+    try:
+        return call()
+    except httpx.TimeoutException:
+        raise CannotCheck(None, f"{provider} API at {base} did not answer in time") from None
+    except httpx.HTTPError:
+        raise CannotCheck(None, f"{provider} API at {base} did not answer") from None
+    except ApiError as exc:
+        raise CannotCheck(exc.status, str(exc)) from None
+
+
+def _refusals(
+    provider: str, answer: httpx.Response, credential: str, hint: str = "", *, limited: bool = False
+) -> None:
+    """An answer that says nothing of the endpoint (its 404 is the caller's): rate limited
+    (429, or ``limited``), ``credential`` refused (401, 403; ``hint``: what it needs), or
+    another error status; CannotCheck with the status for each."""
+    status = answer.status_code
+    if status == 429 or limited:
+        raise CannotCheck(status, f"{provider} rate limited the check ({status})")
+    if status in (401, 403):
+        raise CannotCheck(status, f"{provider} refused {credential} ({status}){hint}")
+    if status >= 400:
+        raise CannotCheck(status, f"{provider} API error ({status})")
 
 
 def _stripe_call(base: str, request: Any) -> Any:
@@ -126,28 +156,18 @@ def _github(token: str, base: str, allow_private: bool, timeout: float) -> httpx
     )
 
 
-def _github_answer(base: str, call: Any) -> View:
-    try:
-        answer = call()
-    except httpx.TimeoutException:
-        raise CannotCheck(None, f"GitHub API at {base} did not answer in time") from None
-    except httpx.HTTPError:
-        raise CannotCheck(None, f"GitHub API at {base} did not answer") from None
-    except ApiError as exc:
-        raise CannotCheck(exc.status, str(exc)) from None
+def _github_answer(base: str, call: Callable[[], httpx.Response]) -> View:
+    answer = _answered("GitHub", base, call)
     status = answer.status_code
     if status == 404:
         return View("deleted")
-    if status == 429 or (status == 403 and answer.headers.get("x-ratelimit-remaining") == "0"):
-        raise CannotCheck(status, f"GitHub rate limited the check ({status})")
-    if status in (401, 403):
-        raise CannotCheck(
-            status,
-            f"GitHub refused the token ({status}): it needs admin:repo_hook (or admin:org_hook)"
-            " on the hook named by --config hook=...",
-        )
-    if status >= 400:
-        raise CannotCheck(status, f"GitHub API error ({status})")
+    _refusals(
+        "GitHub",
+        answer,
+        "the token",
+        ": it needs admin:repo_hook (or admin:org_hook) on the hook named by --config hook=...",
+        limited=status == 403 and answer.headers.get("x-ratelimit-remaining") == "0",
+    )
     try:
         body = answer.json()
         last = body.get("last_response") or {}
@@ -172,24 +192,12 @@ def _svix(token: str, base: str, allow_private: bool, timeout: float) -> httpx.C
     )
 
 
-def _svix_answer(base: str, call: Any) -> View:
-    try:
-        answer = call()
-    except httpx.TimeoutException:
-        raise CannotCheck(None, f"Svix API at {base} did not answer in time") from None
-    except httpx.HTTPError:
-        raise CannotCheck(None, f"Svix API at {base} did not answer") from None
-    except ApiError as exc:
-        raise CannotCheck(exc.status, str(exc)) from None
+def _svix_answer(base: str, call: Callable[[], httpx.Response]) -> View:
+    answer = _answered("Svix", base, call)
     status = answer.status_code
     if status == 404:
         return View("deleted")
-    if status == 429:
-        raise CannotCheck(status, "Svix rate limited the check (429)")
-    if status in (401, 403):
-        raise CannotCheck(status, f"Svix refused the API token ({status})")
-    if status >= 400:
-        raise CannotCheck(status, f"Svix API error ({status})")
+    _refusals("Svix", answer, "the API token")
     try:
         body = answer.json()
         types = body.get("filterTypes", body.get("eventTypes"))
@@ -251,29 +259,20 @@ def _shopify(token: str, base: str, allow_private: bool, timeout: float) -> http
     )
 
 
-def _shopify_page(base: str, call: Any) -> tuple[list[tuple[str, str]], str | None]:
+def _shopify_page(
+    base: str, call: Callable[[], httpx.Response]
+) -> tuple[list[tuple[str, str]], str | None]:
     """One page's (topic, address) pairs and the next page's URL, if any."""
-    try:
-        answer = call()
-    except httpx.TimeoutException:
-        raise CannotCheck(None, f"Shopify API at {base} did not answer in time") from None
-    except httpx.HTTPError:
-        raise CannotCheck(None, f"Shopify API at {base} did not answer") from None
-    except ApiError as exc:
-        raise CannotCheck(exc.status, str(exc)) from None
+    answer = _answered("Shopify", base, call)
     status = answer.status_code
-    if status == 429:
-        raise CannotCheck(status, "Shopify rate limited the check (429)")
-    if status in (401, 403):
-        raise CannotCheck(
-            status,
-            f"Shopify refused the access token ({status}): set the app's Admin API access"
-            " token with webhooks sources update SOURCE --api-key -",
-        )
     if status == 404:
         raise CannotCheck(status, f"Shopify API at {base} has no such shop or API version (404)")
-    if status >= 400:
-        raise CannotCheck(status, f"Shopify API error ({status})")
+    _refusals(
+        "Shopify",
+        answer,
+        "the access token",
+        ": set the app's Admin API access token with webhooks sources update SOURCE --api-key -",
+    )
     try:
         subs = [(str(w["topic"]), str(w["address"])) for w in answer.json()["webhooks"]]
     except (ValueError, KeyError, TypeError):
@@ -295,7 +294,7 @@ def shopify_view(token: str, base: str, shop: str, *, allow_private: bool, timeo
         for _ in range(SHOPIFY_PAGES):
             if path is None:
                 break
-            page, path = _shopify_page(base, lambda p=path: client.get(p))
+            page, path = _shopify_page(base, functools.partial(client.get, path))
             subs.extend(page)
         if path is not None:
             raise CannotCheck(
