@@ -224,7 +224,11 @@ def test_celery_configuration_is_the_safe_one() -> None:
     assert conf["task_acks_late"] is True
     assert conf["worker_prefetch_multiplier"] == 1
     assert conf["task_reject_on_worker_lost"] is True
-    assert conf["worker_cancel_long_running_tasks_on_connection_loss"] is True
+    # Cancelled on a lost broker where the pool can cancel (the thread pool cannot).
+    assert conf["worker_cancel_long_running_tasks_on_connection_loss"] is False  # threads
+    for pool in ("prefork", "gevent"):
+        cancels = celery_config(make_settings(worker_pool=pool))
+        assert cancels["worker_cancel_long_running_tasks_on_connection_loss"] is True, pool
     assert conf["broker_connection_retry_on_startup"] is True
     assert conf["worker_send_task_events"] is True
     assert conf["task_send_sent_event"] is True
