@@ -24,11 +24,13 @@ from tests.workers import (
 )
 
 # Calls held for seconds on a loaded machine: the I/O timeout (1 s in the suite) well above.
+# Calls the downstream holds until all of them arrived: their I/O timeout outlasts the tests'
+# 60 s wait for the last one, or on a loaded machine the first ones time out meanwhile.
 LONG_CALLS = {
-    "handler_io_timeout": 20.0,
-    "soft_time_limit": 25.0,
-    "hard_time_limit": 30.0,
-    "visibility_timeout": 200.0,
+    "handler_io_timeout": 75.0,
+    "soft_time_limit": 80.0,
+    "hard_time_limit": 90.0,
+    "visibility_timeout": 400.0,
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_worker_state")]
