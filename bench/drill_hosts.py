@@ -1125,16 +1125,25 @@ def analyse(
             p(f"    attempt {att['number']} on {worker_host(att['worker'])}: started {rel(att['started'])},"
               f" ended {rel(att['ended'])}, {att['outcome'] or 'open'}"
               f"{' ' + att['error'] if att['error'] else ''}")  # fmt: skip
+
     # The named window (issue 32): each call but the last belongs to an attempt whose worker
     # lost its lease with the call made (killed, frozen, cut off: ``crashed`` when the next
-    # claim took the lease over) and the last attempt succeeded.
+    # claim took the lease over, or, when no claim took it over before the worker woke, a
+    # ``retry`` that outlived the lease: its call timed out across the freeze, and no healthy
+    # attempt outlives a lease four times the hard limit) and the last attempt succeeded.
+    def lost_its_lease(att: dict[str, Any]) -> bool:
+        if att["outcome"] == "crashed":
+            return True
+        lasted = (att["ended"] or 0.0) - (att["started"] or 0.0)
+        return att["outcome"] == "retry" and att["ended"] is not None and lasted > LEASE
+
     unnamed = []
     for key_calls in repeats.values():
         d = by_event.get(key_calls[0]["event"], {})
         tries_of = sorted(attempts_of.get(int(d.get("id") or 0), []), key=lambda x: x["number"])
         named = (
             len(tries_of) >= len(key_calls)
-            and all(att["outcome"] == "crashed" for att in tries_of[:-1])
+            and all(lost_its_lease(att) for att in tries_of[:-1])
             and tries_of[-1]["outcome"] == "succeeded"
         )
         if not named:
