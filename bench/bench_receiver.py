@@ -539,7 +539,9 @@ def main() -> None:
         return r
 
     if args.profile:
-        profile(args, envs["ours"], lua_args["ours"], script, tmp / "ours.log", run_id)
+        # The first of the targets that is ours (``ours``, ``filtered``, ...; ``ours`` if none).
+        mine = next((t for t in targets if t in dbs and t != "rev"), "ours")
+        profile(args, envs[mine], lua_args[mine], script, tmp / f"{mine}.log", run_id)
         for db in dbs.values():
             drop(db)
         return

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from core.logs import get_logger
+from core.messages import Dispatch
 
 log = get_logger(__name__)
 
@@ -153,3 +154,28 @@ def record(
 def trace_id(traceparent: str) -> str:
     """The trace id of a W3C traceparent (``00-<trace id>-<span id>-<flags>``; pure)."""
     return traceparent.split("-")[1]
+
+
+def accepted(
+    dispatches: list[Dispatch], source: str, provider: str, started: float, parent: str | None
+) -> list[Dispatch]:
+    """The receiver's spans (tracing on): each accepted event's, from the request's start
+    (``started``, on ``perf_counter``) to its commit (the child of the request's own
+    ``traceparent`` if a proxy sent one), and its deliveries carrying it to the publisher,
+    the broker and the workers."""
+    start_ns = time.time_ns() - int((time.perf_counter() - started) * 1e9)
+    spans: dict[str | None, str | None] = {}
+    out = []
+    for d in dispatches:
+        if d.event_id not in spans:
+            attributes = {
+                "webhooks.source": source,
+                "webhooks.provider": provider,
+                "webhooks.event_id": d.event_id or "",
+            }
+            spans[d.event_id] = record(
+                "webhooks.accept", parent=parent, start_ns=start_ns, kind="server",
+                attributes=attributes,
+            )  # fmt: skip
+        out.append(d._replace(trace=spans[d.event_id]))
+    return out

@@ -57,7 +57,6 @@ from core.crypto import SecretBox, SecretDecryptError, SecretMisplaced, SecretUn
 from core.errors import WebhooksError
 from core.filters import FiltersChanged
 from core.logs import configure_logging, get_logger
-from core.messages import Dispatch
 from core.providers import (
     AuthError,
     Batch,
@@ -74,7 +73,7 @@ from core.providers import (
 from core.settings import Settings, load_settings
 from core.ttl import expires_at
 from ingest import lifecycle
-from ingest.filtering import accept_judged
+from ingest.filtering import accept_judged, filtered_field
 from ingest.store import SourceRecord, Store
 from models.accept import NewReceipt, Outcome
 from models.intake_gaps import ErrorCounts
@@ -151,9 +150,17 @@ class Receiver:
         data: dict[str, Any],
         event_id: str | None = None,
         headers: dict[str, str] | None = None,
+        filtered: tuple[int, ...] = (),
     ) -> Response:
         metrics.REQUESTS.labels(label, outcome).inc()
-        log.info("webhook", source=label, outcome=outcome, status=status, event_id=event_id)
+        log.info(
+            "webhook",
+            source=label,
+            outcome=outcome,
+            status=status,
+            event_id=event_id,
+            **filtered_field(filtered),
+        )
         return _json(status, data, headers)
 
     def _retry_later(self, label: str, outcome: str, error: str, seconds: int) -> Response:
@@ -302,11 +309,18 @@ class Receiver:
         # there and the sweeper covers them, so the answer does not wait for the broker.
         dispatches = outcome.dispatches(meta.event_id, source.public_id)
         if tracing.STATE.on:
-            dispatches = traced(dispatches, source, started, headers.get("traceparent"))
+            dispatches = tracing.accepted(
+                dispatches, source.public_id, source.provider, started, headers.get("traceparent")
+            )
         self.publisher.submit(label, dispatches)
         metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
         return self._answer(
-            label, "accepted", 202, {"status": "accepted", "event_id": meta.event_id}, meta.event_id
+            label,
+            "accepted",
+            202,
+            {"status": "accepted", "event_id": meta.event_id},
+            meta.event_id,
+            filtered=outcome.filtered_routes,
         )
 
     def _receipt(
@@ -402,14 +416,21 @@ class Receiver:
             metrics.TTL_RAISED.labels(label).inc()
         if dispatches:
             if tracing.STATE.on:
-                dispatches = traced(dispatches, source, started, None)
+                dispatches = tracing.accepted(
+                    dispatches, source.public_id, source.provider, started, None
+                )
             self.publisher.submit(label, dispatches)
         metrics.ACCEPT_LATENCY.observe(perf_counter() - started)
         accepted = sum(1 for r in results if r["status"] == "accepted")
         outcome_label = "accepted" if accepted else "duplicate"
         metrics.REQUESTS.labels(label, outcome_label).inc()
         log.info(
-            "webhook", source=label, outcome=outcome_label, events=len(results), accepted=accepted
+            "webhook",
+            source=label,
+            outcome=outcome_label,
+            events=len(results),
+            accepted=accepted,
+            **filtered_field(tuple(r for o in outcomes for r in o.filtered_routes)),
         )
         if batch.answer is not None:
             # The provider's own body (Adyen: [accepted]); 202 when something new was recorded.
@@ -560,30 +581,6 @@ class Receiver:
         checks["publisher"] = "ok" if self.publisher.running() else "down"
         ready = all(v == "ok" for v in checks.values())
         return _json(200 if ready else 503, {"status": "ready" if ready else "not ready", **checks})
-
-
-def traced(
-    dispatches: list[Dispatch], source: SourceRecord, started: float, parent: str | None
-) -> list[Dispatch]:
-    """Traces on (core/tracing.py): each accepted event's span, from the request's start to
-    its commit (the child of the request's own ``traceparent`` if a proxy sent one), and its
-    deliveries carrying it to the publisher, the broker and the workers."""
-    start_ns = time.time_ns() - int((perf_counter() - started) * 1e9)
-    spans: dict[str | None, str | None] = {}
-    out = []
-    for d in dispatches:
-        if d.event_id not in spans:
-            attributes = {
-                "webhooks.source": source.public_id,
-                "webhooks.provider": source.provider,
-                "webhooks.event_id": d.event_id or "",
-            }
-            spans[d.event_id] = tracing.record(
-                "webhooks.accept", parent=parent, start_ns=start_ns, kind="server",
-                attributes=attributes,
-            )  # fmt: skip
-        out.append(d._replace(trace=spans[d.event_id]))
-    return out
 
 
 def _counted_repeat(label: str, status: str) -> bool:

@@ -18,11 +18,8 @@ from typing import Any
 
 from core import metrics
 from core.filters import FiltersChanged, decide
-from core.logs import get_logger
 from ingest.store import SourceRecord, Store
 from models.accept import NewReceipt, Outcome
-
-log = get_logger("ingest")
 
 
 def judged(source: SourceRecord, receipt: NewReceipt, headers: Any) -> NewReceipt:
@@ -41,7 +38,8 @@ async def accept_judged(
     run: Callable[[list[NewReceipt]], Awaitable[list[Outcome]]],
 ) -> list[Outcome]:
     """Judge, accept (``run``), and once more with the source read afresh if the accept found
-    a filter it was not judged against; counts each route filtered."""
+    a filter it was not judged against; counts each route filtered (the receiver's
+    ``webhook`` line names them: ingest.app)."""
     outcomes = await run([judged(source, r, headers) for r in receipts])
     if any(o.status == "stale" for o in outcomes):
         fresh = await store.source(source.public_id, refresh=True)
@@ -50,9 +48,13 @@ async def accept_judged(
         outcomes = await run([judged(fresh, r, headers) for r in receipts])
         if any(o.status == "stale" for o in outcomes):
             raise FiltersChanged(f"route filters of {source.public_id} changed twice")
-    filtered = [route for o in outcomes for route in o.filtered_routes]
-    for route in filtered:
-        metrics.FILTERED.labels(source.public_id, str(route)).inc()
-    if filtered:
-        log.info("webhook.filtered", source=source.public_id, routes=sorted(set(filtered)))
+    for o in outcomes:
+        for route in o.filtered_routes:
+            metrics.FILTERED.labels(source.public_id, str(route)).inc()
     return outcomes
+
+
+def filtered_field(routes: tuple[int, ...]) -> dict[str, list[int]]:
+    """The receiver's ``webhook`` line's field naming the routes whose filter kept the
+    request's events from their work, when there are any: one line per request."""
+    return {"filtered": sorted(set(routes))} if routes else {}

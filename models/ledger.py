@@ -28,8 +28,13 @@ Receipts that matched no route have no work, and no row.
 Outcomes: entries ``<route id>.<attempt><code>[:<detail>]`` joined by U+001F (:data:`SEP`,
 which neither a result reference nor a dead reason can hold), code ``s`` succeeded (detail:
 the result reference), ``d`` dead (the reason), ``x`` discarded, ``u`` superseded or ``f``
-filtered: by the route's filter, written by the accept's statement (attempt 0; migration
-0034), or by its transform, written by the worker's (:func:`models.transitions.filter_out`).
+filtered: by its transform, written by the worker's statement
+(:func:`models.transitions.filter_out`), or by the route's filter, at the accept (attempt 0).
+That one is the exception to "written by the statement that ends it": the accept writes no
+ledger row (migration 0035 took 0034's append out of it, issue 37's receiver floor), and its
+row is appended by the statement that deletes the filtered delivery at its expiry
+(:func:`deleting`: retention, in both modes). Until then the delivery itself is the record,
+and it is what every reader shows while the receipt lives.
 """
 
 from __future__ import annotations
@@ -120,6 +125,29 @@ def append(ended: str, receipts: str = "receipts") -> str:
     on the worker's path). One row per receipt, however many of its deliveries the statement
     ended."""
     return _APPEND.format(ended=ended, receipts=receipts)
+
+
+# A delivery its route's filter kept from its work at the accept (attempt 0): one whose
+# transform dropped it (attempt 1 and on) has its ledger row from the worker's statement.
+FILTERED_AT_ACCEPT = "status = 'filtered' AND attempts = 0"
+
+
+def deleting(delete: str, receipts: str, returning: str) -> str:
+    """A statement of retention's: ``delete`` (a ``DELETE`` of deliveries rows, without
+    ``RETURNING``), the ledger rows of the filtered-at-the-accept ones among them appended in
+    the same statement (the receipts read from ``receipts``, which must still hold them), and
+    ``returning`` (an expression over a deleted row) selected per deleted row. The row is
+    appended exactly once: by the statement that removes the delivery."""
+    return f"""
+    WITH gone AS (
+        {delete}
+        RETURNING receipt_id, expires_at, route_id, attempts, status
+    ), filtered_end AS (
+        SELECT receipt_id, expires_at, {filtered("gone")} AS outcome FROM gone
+        WHERE gone.status = 'filtered' AND gone.attempts = 0
+    ), {append("filtered_end", receipts)}
+    SELECT {returning} FROM gone
+    """  # noqa: S608 (fragments of this module and the caller's, no input)
 
 
 _RECORD = placeholders(f"""

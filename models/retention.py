@@ -46,7 +46,7 @@ from sqlalchemy import Connection, Engine, text
 
 from core.logs import get_logger
 from core.settings import Settings
-from models import ledger_layout, partitions
+from models import ledger, ledger_layout, partitions
 from models.retention_expiry import expire_partitions
 from models.retention_holds import (
     DROP_ORDER,
@@ -183,16 +183,20 @@ def _delete_statement(conn: Connection, table: str, leaf: str) -> Any:
     within one table, so this runs per partition, never on a partitioned parent; the outer
     predicate repeats the whole test (a row changed since the inner select is re-checked),
     so a row can never be deleted unexpired or held. Deliveries return whether each was a
-    dead letter, to count those whose retention ended."""
+    dead letter, to count those whose retention ended, and append the ledger rows of those
+    filtered at the accept (their receipts are deleted by a later step)."""
     name = partitions.quote(conn, leaf)
     keep = _DELETABLE[table].format(leaf=name)
-    returning = " RETURNING status = 'dead'" if table == "deliveries" else ""
-    return text(
+    delete = (
         f"DELETE FROM {name} WHERE ctid = ANY(ARRAY("  # noqa: S608 (catalog names, quoted)
         f" SELECT ctid FROM {name} WHERE expires_at <= :now AND {keep}"
         f" ORDER BY expires_at LIMIT :limit"
-        f")) AND expires_at <= :now AND {keep}{returning}"
+        f")) AND expires_at <= :now AND {keep}"
     )
+    if table == "deliveries":
+        # A delivery filtered at the accept has its ledger row appended here (models.ledger).
+        return text(ledger.deleting(delete, "receipts", "status = 'dead'"))
+    return text(delete)
 
 
 def _leaves(conn: Connection, table: str) -> list[str]:

@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Engine, text
 
 from core.logs import get_logger
 from core.settings import Settings
-from models import partitions
+from models import ledger, partitions
 from models.retention_holds import (
     DROP_ORDER,
     HOLDING,
@@ -172,6 +172,36 @@ def _longest_lease(
     return end if until is None else max(until, end)
 
 
+def _retire_filtered(engine: Engine, settings: Settings, leaves: list[partitions.Partition]) -> int:
+    """Before a past day goes: delete its deliveries filtered at the accept, appending their
+    ledger rows in the same statements (:func:`models.ledger.deleting`), in batches of short
+    transactions. The accept writes none for them (migration 0035), and the day's drop would
+    take them with it unrecorded; deleting them here records each once, whatever happens to
+    the drop afterwards. Returns how many were recorded."""
+    tables = {p.table: p.name for p in leaves}
+    if "deliveries" not in tables or "receipts" not in tables:
+        return 0
+    batch = min(settings.delete_batch_size, 10_000)
+    with engine.connect() as conn:
+        deliveries = partitions.quote(conn, tables["deliveries"])
+        statement = text(
+            ledger.deleting(
+                f"DELETE FROM {deliveries} WHERE ctid = ANY(ARRAY("  # noqa: S608 (catalog names)
+                f" SELECT ctid FROM {deliveries} WHERE {ledger.FILTERED_AT_ACCEPT}"
+                f" LIMIT :limit)) AND {ledger.FILTERED_AT_ACCEPT}",
+                partitions.quote(conn, tables["receipts"]),
+                "1",
+            )
+        )
+    retired = 0
+    while True:
+        with engine.begin() as conn:
+            deleted = len(conn.execute(statement, {"limit": batch}).all())
+        retired += deleted
+        if deleted < batch:
+            return retired
+
+
 def _detach_and_drop(
     engine: Engine, settings: Settings, leaves: list[partitions.Partition], now: datetime | None
 ) -> bool:
@@ -255,7 +285,9 @@ def expire_partitions(
        ends (:data:`HOLD_UNTIL`: once, not day after day), in short batches taking row
        locks only; a row under a live lease moves once its worker has finished
        (:func:`_move_day`);
-    2. its leaves are detached concurrently and dropped (:func:`_detach_and_drop`).
+    2. its deliveries filtered at the accept are deleted, their ledger rows appended by the
+       same statements (:func:`_retire_filtered`);
+    3. its leaves are detached concurrently and dropped (:func:`_detach_and_drop`).
     """
     if settings.retention_mode == "delete":
         return Expiry(now=now or database_now(engine))
@@ -288,6 +320,7 @@ def expire_partitions(
             expired_dead = _dead_letters_in(engine, deliveries[0].name)
         else:
             expired_dead = 0
+        _retire_filtered(engine, settings, leaves)
         if not _detach_and_drop(engine, settings, leaves, now):
             holds.postponed.append(day)
             log.info("partition_drop_postponed", day=day, reason="held_after_moves")

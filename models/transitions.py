@@ -640,7 +640,7 @@ def filter_out(session: Target, found: Claim, *, now: datetime, reason: str) -> 
     (tasks.transforms), its handler never called; ``reason`` names the transform, as the
     accept's ``filtered`` deliveries name the filter. Final, like those, and like those
     replayed only when chosen by id; its route's outcome in the ledger (code ``f``, same
-    statement), as the accept writes one for those (migration 0034)."""
+    statement); those the accept filtered get theirs at their expiry (models.ledger)."""
     _guarded_finish(
         session,
         found,

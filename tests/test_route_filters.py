@@ -73,7 +73,14 @@ from tests.operators_support import (
 from tests.processes import Receiver
 from tests.retention_support import own_database
 from tests.signing import sign
-from tests.workers import attempts, running_worker, scrape_metrics, wait_for, wait_status
+from tests.workers import (
+    attempts,
+    json_log_lines,
+    running_worker,
+    scrape_metrics,
+    wait_for,
+    wait_status,
+)
 
 TOKEN = "adm_filters_" + pysecrets.token_urlsafe(24)
 remember(TOKEN)
@@ -499,6 +506,22 @@ def test_a_filtered_event_makes_no_work_shows_everywhere_and_replays_on_purpose(
     wait_for(lambda: queued_ids(ops), timeout=10, what="the matching delivery's message")
     assert queued_ids(ops) == [matching.id]
     assert scrape_metrics(rcv.admin_port).get(key, 0.0) - before.get(key, 0.0) == 1.0
+
+    # One line per request: the filtered one's names the route, the matching one's none.
+    def webhook_lines() -> dict[str, dict[str, Any]]:
+        return {
+            line["event_id"]: line
+            for line in json_log_lines(rcv.log_path)
+            if line.get("event") == "webhook" and line.get("event_id") in (big, small)
+        }
+
+    wait_for(lambda: len(webhook_lines()) == 2, timeout=10, what="the two requests' lines")
+    lines = webhook_lines()
+    assert lines[small]["filtered"] == [route]
+    assert "filtered" not in lines[big]
+    assert not [
+        line for line in json_log_lines(rcv.log_path) if line.get("event") == "webhook.filtered"
+    ]
 
     # A duplicate of the filtered event is answered with its outcome.
     headers, body = sign(
