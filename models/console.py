@@ -353,13 +353,12 @@ class SourceRow:
     routes: list[RouteRow]
 
 
-def catalog(session: Session) -> list[SourceRow]:
-    """Every source with its routes and their pause and breaker state."""
-    session.expire_all()
-    sources = session.scalars(select(Source).order_by(Source.name, Source.id)).all()
+def _with_routes(session: Session, sources: list[Source]) -> list[SourceRow]:
+    """These sources with their routes (only theirs are read) and each one's state."""
     by_source: dict[int, list[RouteRow]] = {s.id: [] for s in sources}
-    for route in session.scalars(select(Route).order_by(Route.id)):
-        by_source.setdefault(route.source_id, []).append(
+    found = select(Route).where(Route.source_id.in_(list(by_source))).order_by(Route.id)
+    for route in session.scalars(found) if by_source else ():
+        by_source[route.source_id].append(
             RouteRow(
                 route.id,
                 route.handler,
@@ -375,6 +374,52 @@ def catalog(session: Session) -> list[SourceRow]:
             )
         )
     return [SourceRow(s.public_id, s.name, s.provider, s.active, by_source[s.id]) for s in sources]
+
+
+def catalog(session: Session) -> list[SourceRow]:
+    """Every source with its routes and their pause and breaker state."""
+    session.expire_all()
+    return _with_routes(
+        session, list(session.scalars(select(Source).order_by(Source.name, Source.id)))
+    )
+
+
+#: Sources per page of the console's routes page.
+CATALOG_PAGE = 25
+
+
+@dataclass(frozen=True)
+class CatalogPage:
+    """One page of the routes page: its sources (newest first), and the cursor of the next
+    page (the public id of this page's last source), None on the last page."""
+
+    sources: list[SourceRow]
+    after: str | None
+
+
+def catalog_page(
+    session: Session, *, q: str | None = None, after: str | None = None, limit: int = CATALOG_PAGE
+) -> CatalogPage:
+    """A page of sources, newest first, with their routes: those whose name or public id
+    holds ``q`` (any case), after the source ``after`` (the previous page's cursor; an
+    unknown one is a NotFoundError). Reads only the page's sources and their routes, however
+    many the catalog holds."""
+    session.expire_all()
+    chosen = select(Source).order_by(Source.id.desc()).limit(limit + 1)
+    if q:
+        pattern = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        chosen = chosen.where(
+            Source.name.ilike(pattern, escape="\\") | Source.public_id.ilike(pattern, escape="\\")
+        )
+    if after is not None:
+        last = session.scalar(select(Source.id).where(Source.public_id == after))
+        if last is None:
+            raise queries.NotFoundError(f"no such source {after!r} (the page's cursor)")
+        chosen = chosen.where(Source.id < last)
+    sources = list(session.scalars(chosen))
+    more = len(sources) > limit
+    sources = sources[:limit]
+    return CatalogPage(_with_routes(session, sources), sources[-1].public_id if more else None)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import secrets
 import shutil
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import pytest
@@ -188,6 +189,68 @@ def test_the_console_refuses_supersede_on_a_source_without_a_signed_time(
     assert "github events carry no event time" in page.locator("main").inner_text()
     assert tuple(_route(engine, route)) == (None, None, None, "block", False)
     assert _audits(engine, route) == []
+
+
+def _shown(page: Page) -> list[str]:
+    """The public ids of the sources the routes page shows, in its order."""
+    return [str(s.get_attribute("data-source")) for s in page.locator("section.source").all()]
+
+
+def test_the_routes_page_shows_a_page_of_sources_newest_first_and_finds_them(
+    page: Page, rcv: Receiver, ops: Settings, sessions: sessionmaker[Session], engine: Engine
+) -> None:
+    """27 sources: a search by a part of their name shows the newest 25 (with their routes'
+    forms) and a link to the older ones; the next page the last 2 and a link back. An action
+    taken on the second page returns to it (the form carries the view back, and only the
+    view: a ``back`` naming another site leads to the routes page). A search holding ``%``
+    or ``_`` matches them as characters; an unknown cursor is one clear error."""
+    prefix = f"paged-{secrets.token_hex(4)}"
+    made = [source_with(sessions, ops, "log", name=f"{prefix}-{i:02d}") for i in range(27)]
+    newest_first = [m.public_id for m in reversed(made)]
+    routes_url = f"{rcv.admin_url}/console/routes"
+    page.goto(f"{routes_url}?q={prefix.upper()}")
+    assert _shown(page) == newest_first[:25]
+    assert page.locator("section.source form.route-lanes").count() == 25
+    page.locator("a#next").click()
+    page.wait_for_url(f"{routes_url}?q={prefix.upper()}&after={newest_first[24]}")
+    assert _shown(page) == newest_first[25:]
+    assert page.locator("a#next").count() == 0
+    expect(page.locator("a#first")).to_have_attribute("href", f"/console/routes?q={prefix.upper()}")
+
+    # Paused from the second page: back on the second page, the route paused.
+    second = page.url
+    route = made[0].route_ids[0]
+    change = page.locator(f"tr[data-route='{route}'] form.route-change")
+    change.locator("input[name=reason]").fill("maintenance")
+    change.locator("button:text-is('Pause')").click()
+    page.wait_for_url(second)
+    with engine.connect() as conn:
+        paused = conn.execute(
+            text("SELECT paused_at IS NOT NULL FROM routes WHERE id = :r"), {"r": route}
+        ).scalar_one()
+    assert paused
+    expect(page.locator(f"tr[data-route='{route}'] td.route-state")).to_contain_text("paused")
+
+    # A back that names another site: only the view is read from it.
+    change = page.locator(f"tr[data-route='{route}'] form.route-change")
+    change.locator("input[name=back]").evaluate(
+        "e => e.value = 'https://elsewhere.example/x?q=' + encodeURIComponent('https://elsewhere.example/')"
+    )
+    change.locator("input[name=reason]").fill("done")
+    change.locator("button:text-is('Resume')").click()
+    page.wait_for_url(f"{routes_url}")
+    assert page.url == routes_url
+
+    # `%` and `_` are characters of the search, not patterns.
+    # As patterns, "<prefix>%" would match all 27 and "<prefix>_0" the first ten.
+    for literal in (f"{prefix}%", f"{prefix}_0"):
+        page.goto(f"{routes_url}?{urlencode({'q': literal})}")
+        assert _shown(page) == []
+        expect(page.locator("main")).to_contain_text(f"No source's name or id holds “{literal}”.")
+    answer = page.goto(f"{routes_url}?after=src_nosuchsource")
+    assert answer is not None
+    assert answer.status == 404
+    expect(page.locator("main")).to_contain_text("no such source 'src_nosuchsource'")
 
 
 # -- the admin API -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ in the clear."""
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import parse_qs, urlencode
 
 from sqlalchemy.orm import Session
 from starlette.responses import Response
@@ -17,7 +18,7 @@ from starlette.routing import Route
 from core.crypto import SecretBox
 from core.errors import WebhooksError
 from core.ttl import known_providers
-from ingest.console.base import Console, Visit, log, one, redirect
+from ingest.console.base import Console, Visit, log, one, opt, redirect
 from models import breaker, catalog, queries, route_catalog
 from models import console as reads
 from models.admission import parse_max_in_flight, parse_rate
@@ -46,13 +47,51 @@ def routes(c: Console) -> list[Route]:
     ]
 
 
+# The routes page's view (its search and its page's cursor): the forms carry it back as
+# ``back``, and an action returns there.
+VIEW_ARGS = ("q", "after")
+
+
+def _view(params: Any) -> dict[str, str]:
+    """The view's arguments that are set (``q``, ``after``), from a query or a form."""
+    view = {}
+    for key in VIEW_ARGS:
+        value = params.get(key)
+        value = value[0] if isinstance(value, list) else value
+        if value and value.strip():
+            view[key] = value.strip()
+    return view
+
+
+def _routes_url(view: dict[str, str]) -> str:
+    return "/console/routes" + (f"?{urlencode(view)}" if view else "")
+
+
+def _back(v: Visit) -> str:
+    """Where an action returns: the routes page as the form's page showed it (its search and
+    page, read from the form's ``back``, never a URL it names: no redirect elsewhere)."""
+    return _routes_url(_view(parse_qs(one(v.form, "back") or "")))
+
+
 async def routes_page(c: Console, v: Visit) -> Response:
-    sources = await c.db(reads.catalog)
-    findings = await c.db(open_findings)
+    """A page of sources, newest first (``?q=`` a part of a name or public id; ``?after=``
+    the cursor), with their routes and forms: only the page's sources are read."""
+    view = _view(v.request.query_params)
+    try:
+        q, after = opt(view.get("q")), opt(view.get("after"))
+        page = await c.db(lambda s: reads.catalog_page(s, q=q, after=after))
+    except queries.QueryError as exc:
+        return c.error(v, str(exc), 404 if isinstance(exc, queries.NotFoundError) else 400)
+    shown = {s.public_id for s in page.sources}
+    findings = [f for f in await c.db(open_findings) if f.source in shown]
     context = {
-        "sources": sources,
+        "sources": page.sources,
         "findings": findings,
         "message": None,
+        "q": view.get("q", ""),
+        "back": urlencode(view),
+        "first": _routes_url({"q": view["q"]} if "q" in view else {}) if after else None,
+        "next": _routes_url({**view, "after": page.after}) if page.after else None,
         "providers": known_providers(),
         "handlers": load_registry(c.settings.handler_modules).names(),
         "transforms": load_transforms(c.settings.handler_modules).names(),
@@ -170,7 +209,7 @@ async def route_limits(c: Console, v: Visit) -> Response:
     except WebhooksError as exc:
         return c.error(v, str(exc))
     log.info("console.route_changed", route=route_id, action="limits", operator=change.operator)
-    return redirect("/console/routes")
+    return redirect(_back(v))
 
 
 async def route_filter(c: Console, v: Visit) -> Response:
@@ -184,7 +223,7 @@ async def route_filter(c: Console, v: Visit) -> Response:
     except WebhooksError as exc:
         return c.error(v, str(exc))
     log.info("console.route_changed", route=route_id, action="filter", operator=change.operator)
-    return redirect("/console/routes")
+    return redirect(_back(v))
 
 
 async def route_transform(c: Console, v: Visit) -> Response:
@@ -200,7 +239,7 @@ async def route_transform(c: Console, v: Visit) -> Response:
     except WebhooksError as exc:
         return c.error(v, str(exc))
     log.info("console.route_changed", route=route_id, action="transform", operator=change.operator)
-    return redirect("/console/routes")
+    return redirect(_back(v))
 
 
 async def route_lanes(c: Console, v: Visit) -> Response:
@@ -232,7 +271,7 @@ async def route_lanes(c: Console, v: Visit) -> Response:
     except WebhooksError as exc:
         return c.error(v, str(exc))
     log.info("console.route_changed", route=route_id, action="lanes", operator=change.operator)
-    return redirect("/console/routes")
+    return redirect(_back(v))
 
 
 def _change(c: Console, v: Visit, allowed: tuple[str, ...]) -> tuple[str, Change] | Response:
@@ -263,7 +302,7 @@ async def route_action(c: Console, v: Visit) -> Response:
     except (CatalogError, queries.QueryError) as exc:
         return c.error(v, str(exc), 409)
     log.info("console.route_changed", route=route_id, action=action, operator=change.operator)
-    return redirect("/console/routes")
+    return redirect(_back(v))
 
 
 async def source_action(c: Console, v: Visit) -> Response:
@@ -282,4 +321,4 @@ async def source_action(c: Console, v: Visit) -> Response:
     except CatalogError as exc:
         return c.error(v, str(exc), 409)
     log.info("console.source_changed", action=action, operator=change.operator)
-    return redirect("/console/routes")
+    return redirect(_back(v))
