@@ -12,6 +12,11 @@ the rest succeeded. Then the admin plane (``ingest.admin.AdminServer``, the serv
   delivery  GET /console/deliveries/ID (random ids: dead and succeeded)
   overview  GET /console/ and /console/?source=S (the counts per route over an hour and a
             day, and, from session 19, the charts of the last hour and day)
+  routes    GET /console/routes and /console/routes?q=bench-1 (from session 24: a page of
+            sources with their routes' forms; ``--sources`` sets how many there are)
+
+``--events 0`` leaves out what reads events (the events list, the preview, a delivery, the
+statements' plans): with many ``--sources``, the first one holds too few for 50 rows.
 
 Targets: events p95 <= 200 ms, preview <= 500 ms, delivery p95 <= 100 ms. The plans of the
 statements behind each page (captured while the page's query functions run) are printed
@@ -324,6 +329,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--port", type=int, default=18091)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--events", type=int, default=1, help="0: only the pages of sources")
     args = parser.parse_args()
     cfg = settings(args.port)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (2 cores)")
@@ -338,29 +344,35 @@ def main() -> None:
             csrf = login(client, base)
             source = public[0]
             results: dict[str, list[float]] = {}
-            for status in ("dead", "succeeded"):
-                url = f"{base}/console/events?source={source}&status={status}"
-                timed(lambda url=url: client.get(url))  # warm
+            sizes_kib: dict[str, float] = {}  # the HTML of the pages that list sources
+            if args.events:
+                for status in ("dead", "succeeded"):
+                    url = f"{base}/console/events?source={source}&status={status}"
+                    timed(lambda url=url: client.get(url))  # warm
+                    runs = []
+                    for _ in range(args.requests):
+                        ms, response = timed(lambda url=url: client.get(url))
+                        assert response.status_code == 200
+                        assert response.text.count("data-receipt=") == 50
+                        runs.append(ms)
+                    results[f"events source+status={status}"] = runs
+                form = {"csrf": csrf, "action": "replay", "scope": "all", "source": source}
                 runs = []
-                for _ in range(args.requests):
-                    ms, response = timed(lambda url=url: client.get(url))
-                    assert response.status_code == 200
-                    assert response.text.count("data-receipt=") == 50
+                for _ in range(max(5, args.requests // 4)):
+                    ms, response = timed(
+                        lambda: client.post(f"{base}/console/dead/preview", data=form)
+                    )
+                    assert response.status_code == 200, response.status_code
+                    count = re.search(r'id="preview-count">(\d+)<', response.text)
+                    assert count is not None
                     runs.append(ms)
-                results[f"events source+status={status}"] = runs
-            form = {"csrf": csrf, "action": "replay", "scope": "all", "source": source}
-            runs = []
-            for _ in range(max(5, args.requests // 4)):
-                ms, response = timed(lambda: client.post(f"{base}/console/dead/preview", data=form))
-                assert response.status_code == 200, response.status_code
-                count = re.search(r'id="preview-count">(\d+)<', response.text)
                 assert count is not None
-                runs.append(ms)
-            assert count is not None
-            results[f"dead preview (count {int(count.group(1)):,})"] = runs
+                results[f"dead preview (count {int(count.group(1)):,})"] = runs
             for name, url in (
                 ("overview", f"{base}/console/"),
                 ("overview of a source", f"{base}/console/?source={source}"),
+                ("routes page", f"{base}/console/routes"),
+                ("routes page, a search", f"{base}/console/routes?q=bench-1"),
             ):
                 timed(lambda url=url: client.get(url))  # warm
                 runs = []
@@ -369,53 +381,62 @@ def main() -> None:
                     assert response.status_code == 200, response.status_code
                     runs.append(ms)
                 results[name] = runs
-            rng = random.Random(7)
-            ids = [rng.randrange(1, args.receipts + 1) for _ in range(args.requests)]
-            ids[: args.requests // 2] = [100 * rng.randrange(1, args.receipts // 100) for _ in
-                                         range(args.requests // 2)]  # fmt: skip
-            runs = []
-            for did in ids:
-                ms, response = timed(lambda did=did: client.get(f"{base}/console/deliveries/{did}"))
-                assert response.status_code == 200, (did, response.status_code)
-                runs.append(ms)
-            results["delivery detail"] = runs
+                sizes_kib[name] = len(response.content) / 1024
+            if args.events:
+                rng = random.Random(7)
+                ids = [rng.randrange(1, args.receipts + 1) for _ in range(args.requests)]
+                ids[: args.requests // 2] = [100 * rng.randrange(1, args.receipts // 100) for _ in
+                                             range(args.requests // 2)]  # fmt: skip
+                runs = []
+                for did in ids:
+                    ms, response = timed(
+                        lambda did=did: client.get(f"{base}/console/deliveries/{did}")
+                    )
+                    assert response.status_code == 200, (did, response.status_code)
+                    runs.append(ms)
+                results["delivery detail"] = runs
         print(f"\n{'page':<36} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8}")
         for name, runs in results.items():
             print(
                 f"{name:<36} {len(runs):>4} {statistics.median(runs):>8.1f} {p95(runs):>8.1f} "
                 f"{max(runs):>8.1f}"
             )
+        for name, kib in sizes_kib.items():
+            print(f"{name}: {kib:,.0f} KiB of HTML")
         print(f"load average after the pages: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        same = baseline(cfg, source, max(5, args.requests // 4))
-        print(
-            "\nsame run, no HTTP: the old statements (24f2fee), main's events statements"
-            " (bd40862, before 0016) and the new query functions"
-        )
-        print(f"{'query':<36} {'n':>4} {'p50 ms':>8} {'p95 ms':>8}")
-        for name, runs in same.items():
-            print(f"{name:<36} {len(runs):>4} {statistics.median(runs):>8.1f} {p95(runs):>8.1f}")
-        for what, base in (("events", "old"), ("events", "main"), ("preview", "old")):
-            ratio = statistics.median(same[f"{what} {base}"]) / statistics.median(
-                same[f"{what} new"]
+        if args.events:
+            same = baseline(cfg, source, max(5, args.requests // 4))
+            print(
+                "\nsame run, no HTTP: the old statements (24f2fee), main's events statements"
+                " (bd40862, before 0016) and the new query functions"
             )
-            print(f"{what}: {base} p50 / new p50 = {ratio:.1f}x")
-        explain(
-            cfg,
-            lambda s: queries.list_events(s, EventFilter(source, None, "dead", limit=50)),
-            "events source+status=dead",
-        )
-        explain(
-            cfg,
-            lambda s: reads.preview(s, ReplayFilter(source, None, "dead"), limit=100_001),
-            "dead preview (console.preview: the frozen ids and the sample)",
-        )
-        from tasks.context import idempotency_key  # noqa: PLC0415
+            print(f"{'query':<36} {'n':>4} {'p50 ms':>8} {'p95 ms':>8}")
+            for name, runs in same.items():
+                print(
+                    f"{name:<36} {len(runs):>4} {statistics.median(runs):>8.1f} {p95(runs):>8.1f}"
+                )
+            for what, base in (("events", "old"), ("events", "main"), ("preview", "old")):
+                ratio = statistics.median(same[f"{what} {base}"]) / statistics.median(
+                    same[f"{what} new"]
+                )
+                print(f"{what}: {base} p50 / new p50 = {ratio:.1f}x")
+            explain(
+                cfg,
+                lambda s: queries.list_events(s, EventFilter(source, None, "dead", limit=50)),
+                "events source+status=dead",
+            )
+            explain(
+                cfg,
+                lambda s: reads.preview(s, ReplayFilter(source, None, "dead"), limit=100_001),
+                "dead preview (console.preview: the frozen ids and the sample)",
+            )
+            from tasks.context import idempotency_key  # noqa: PLC0415
 
-        explain(
-            cfg,
-            lambda s: queries.get_delivery(s, ids[0], key_of=idempotency_key),
-            f"delivery detail ({ids[0]})",
-        )
+            explain(
+                cfg,
+                lambda s: queries.get_delivery(s, ids[0], key_of=idempotency_key),
+                f"delivery detail ({ids[0]})",
+            )
     finally:
         server.stop()
         if not args.keep:
