@@ -102,9 +102,9 @@ class FilterFunctions(jp_functions.Functions):  # type: ignore[misc]
 _FUNCTIONS = FilterFunctions()
 _OPTIONS = jmespath.Options(custom_functions=_FUNCTIONS)
 # One interpreter for every search: ``ParsedResult.search`` builds a new one per call, and
-# with it an empty cache of its node handlers (half of a simple filter's time, measured in
-# bench/results_filters.txt). It keeps no state of a search (the cache only fills), so it
-# is shared by every thread.
+# with it an empty cache of its node handlers (a simple filter's search took 4.5 us, now 2.4;
+# judging a receipt 10.3 us, now 7.6: bench/results_filters.txt). It keeps no state of a
+# search (the cache only fills), so it is shared by every thread.
 _INTERPRETER = jp_visitor.TreeInterpreter(_OPTIONS)
 _KNOWN_FUNCTIONS = frozenset(_FUNCTIONS.FUNCTION_TABLE)
 
