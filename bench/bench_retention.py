@@ -74,7 +74,9 @@ FROM generate_series(1, :rows) AS i,
 """
 
 # One delivery per receipt: succeeded, except (held) 1 in 200 retrying and 1 in 200 dead a
-# day before the expiry run (within the 30-day dead-letter retention).
+# day before the expiry run (within the 30-day dead-letter retention), or (filtered) 9 in 10
+# kept from their work by the route's filter at the accept (attempt 0: their ledger rows are
+# appended by the statement that deletes them at expiry, migration 0035).
 DELIVERIES = """
 INSERT INTO deliveries (expires_at, receipt_id, source_id, route_id, status, attempts,
                         next_attempt_at, created_at, updated_at, succeeded_at, dead_at,
@@ -82,9 +84,12 @@ INSERT INTO deliveries (expires_at, receipt_id, source_id, route_id, status, att
 SELECT r.expires_at, r.id, r.source_id, r.source_id,
        CASE WHEN :held AND r.id % 200 = 0 THEN 'retrying'
             WHEN :held AND r.id % 200 = 1 THEN 'dead'
+            WHEN :filtered AND r.id % 10 <> 0 THEN 'filtered'
             ELSE 'succeeded' END,
-       1, r.received_at + interval '1 minute', r.received_at, r.received_at + interval '1 second',
+       CASE WHEN :filtered AND r.id % 10 <> 0 THEN 0 ELSE 1 END,
+       r.received_at + interval '1 minute', r.received_at, r.received_at + interval '1 second',
        CASE WHEN :held AND r.id % 200 IN (0, 1) THEN NULL
+            WHEN :filtered AND r.id % 10 <> 0 THEN NULL
             ELSE r.received_at + interval '1 second' END,
        CASE WHEN :held AND r.id % 200 = 1 THEN :dead_at END,
        CASE WHEN :held AND r.id % 200 = 1 THEN 'permanent' END
@@ -130,11 +135,29 @@ def insert(engine: Engine, rows: int, *, with_payload: bool) -> float:
     return time.perf_counter() - started
 
 
-def insert_deliveries(engine: Engine, *, held: bool, dead_at: datetime) -> float:
+def insert_deliveries(
+    engine: Engine, *, held: bool, dead_at: datetime, filtered: bool = False
+) -> float:
     started = time.perf_counter()
     with engine.begin() as conn:
-        conn.execute(text(DELIVERIES), {"held": held, "dead_at": dead_at})
+        conn.execute(text(DELIVERIES), {"held": held, "dead_at": dead_at, "filtered": filtered})
     return time.perf_counter() - started
+
+
+def lay_out(engine: Engine, part: Settings) -> None:
+    """The synthetic days' partitions: maintenance's layout from T0 (as far ahead as the
+    sources' TTLs ask, which no longer reaches the spread's last days), and every day the
+    receipts spread over."""
+    ensure_partitions(engine, part, T0)
+    with engine.begin() as conn:
+        partitions.lock_layout(conn)
+        for n in range(-1, SPREAD_DAYS + 2):
+            partitions.create_day(conn, (T0 + timedelta(days=n)).date())
+
+
+def ledger_rows(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT count(*) FROM ledger")).scalar_one())
 
 
 def vacuum(engine: Engine) -> None:
@@ -207,23 +230,26 @@ def held_scan_plan(engine: Engine, now: datetime) -> str:
 
 def expire_case(
     engine: Engine, part: Settings, delete: Settings, rows: int, after: datetime, *, held: bool,
-    say: Callable[[str], None],
+    say: Callable[[str], None], filtered: bool = False,
 ) -> tuple[float, float]:  # fmt: skip
     """Fill both layouts with the same receipts and deliveries and expire them; returns
-    (partition drop seconds, batched delete seconds)."""
+    (partition drop seconds, batched delete seconds). ``filtered``: 90% of the deliveries
+    filtered at the accept, each of which must leave one ledger row in both modes."""
     dead_at = after - timedelta(days=1)
-    label = "1% held" if held else "all succeeded"
+    label = "90% filtered" if filtered else "1% held" if held else "all succeeded"
+    want_ledger = rows - rows // 10 if filtered else 0
 
     truncate(engine)
     with engine.begin() as conn:  # partition mode only: no DEFAULT partition
         for table in ("attempts", "deliveries", "receipts"):
             conn.execute(text(f"DROP TABLE IF EXISTS {table}_default"))
-    ensure_partitions(engine, part, T0)
+    lay_out(engine, part)
     insert(engine, rows, with_payload=False)
-    insert_deliveries(engine, held=held, dead_at=dead_at)
+    insert_deliveries(engine, held=held, dead_at=dead_at, filtered=filtered)
     vacuum(engine)
     expected_held = held_count(engine)
-    if not held:
+    ledger_before = ledger_rows(engine)
+    if not held and not filtered:
         say(f"   hold scan of a day (EXPLAIN): {held_scan_plan(engine, after)}")
     started = time.perf_counter()
     expiry = expire_partitions(engine, part, after)
@@ -231,6 +257,7 @@ def expire_case(
     left = count(engine), count(engine, "deliveries")
     assert left == (expected_held, expected_held), f"partition drop kept {left}"
     assert expiry.holds.receipts == expected_held
+    assert ledger_rows(engine) - ledger_before == want_ledger, "partition drop's ledger rows"
 
     truncate(engine)
     with engine.begin() as conn:
@@ -238,14 +265,16 @@ def expire_case(
             partitions.drop(conn, p)
         partitions.create_default(conn)
     insert(engine, rows, with_payload=False)
-    insert_deliveries(engine, held=held, dead_at=dead_at)
+    insert_deliveries(engine, held=held, dead_at=dead_at, filtered=filtered)
     vacuum(engine)
+    ledger_before = ledger_rows(engine)
     started = time.perf_counter()
     counts = delete_expired(engine, delete, after)
     delete_seconds = time.perf_counter() - started
     left = count(engine), count(engine, "deliveries")
     assert left == (expected_held, expected_held), f"batched delete kept {left}"
     assert counts.holds.receipts == expected_held
+    assert ledger_rows(engine) - ledger_before == want_ledger, "batched delete's ledger rows"
     started = time.perf_counter()
     vacuum(engine)  # the dead tuples a delete leaves; a dropped partition leaves none
     vacuum_seconds = time.perf_counter() - started
@@ -294,7 +323,7 @@ def capacity(args: argparse.Namespace) -> None:
 
         # Partition mode: replace the layout made at the real date by the synthetic days.
         drop_expired_partitions(engine, part, T0 - timedelta(days=2))
-        ensure_partitions(engine, part, T0)
+        lay_out(engine, part)
 
         say("1. bytes per row (table + indexes, all partitions)")
         seconds = insert(engine, rows, with_payload=False)
@@ -328,12 +357,20 @@ def capacity(args: argparse.Namespace) -> None:
 
         delete = settings("delete")
         say(f"2. expiring {rows:,} compact receipts, hold step included")
-        ratios = []
-        for held in (False, True):
-            drop_s, delete_s = expire_case(engine, part, delete, rows, after, held=held, say=say)
+        ratios, drops = [], []
+        for held, filtered in ((False, False), (True, False), (False, True)):
+            drop_s, delete_s = expire_case(
+                engine, part, delete, rows, after, held=held, say=say, filtered=filtered
+            )
             ratios.append(delete_s / drop_s)
+            drops.append(drop_s)
         say(
-            f"   ratio delete / drop: {ratios[0]:,.1f}x all succeeded, {ratios[1]:,.1f}x with 1% held"
+            f"   ratio delete / drop: {ratios[0]:,.1f}x all succeeded, {ratios[1]:,.1f}x with 1% held,"
+            f" {ratios[2]:,.1f}x with 90% filtered"
+        )
+        say(
+            f"   90% filtered against all succeeded: the drop {drops[2] / drops[0]:,.1f}x (its"
+            " filtered deliveries deleted first, each appending its ledger row)"
         )
         say("")
         say("capacity: bytes = events_per_day x retention_days x bytes_per_receipt")
