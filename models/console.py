@@ -407,9 +407,9 @@ def catalog_page(
     session.expire_all()
     chosen = select(Source).order_by(Source.id.desc()).limit(limit + 1)
     if q:
-        pattern = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         chosen = chosen.where(
-            Source.name.ilike(pattern, escape="\\") | Source.public_id.ilike(pattern, escape="\\")
+            Source.name.icontains(q, autoescape=True)
+            | Source.public_id.icontains(q, autoescape=True)
         )
     if after is not None:
         last = session.scalar(select(Source.id).where(Source.public_id == after))

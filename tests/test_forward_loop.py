@@ -23,9 +23,9 @@ from tests.workers import (
     worker_settings,
 )
 
-# Calls held for seconds on a loaded machine: the I/O timeout (1 s in the suite) well above.
-# Calls the downstream holds until all of them arrived: their I/O timeout outlasts the tests'
-# 60 s wait for the last one, or on a loaded machine the first ones time out meanwhile.
+# Calls the downstream holds until all of them arrived: their I/O timeout (1 s in the suite)
+# outlasts the tests' 60 s wait for the last one, or on a loaded machine the first ones time
+# out meanwhile.
 LONG_CALLS = {
     "handler_io_timeout": 75.0,
     "soft_time_limit": 80.0,

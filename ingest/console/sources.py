@@ -8,8 +8,9 @@ in the clear."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qsl, urlencode
 
 from sqlalchemy.orm import Session
 from starlette.responses import Response
@@ -18,7 +19,7 @@ from starlette.routing import Route
 from core.crypto import SecretBox
 from core.errors import WebhooksError
 from core.ttl import known_providers
-from ingest.console.base import Console, Visit, log, one, opt, redirect
+from ingest.console.base import Console, Visit, args_of, log, one, opt, redirect
 from models import breaker, catalog, queries, route_catalog
 from models import console as reads
 from models.admission import parse_max_in_flight, parse_rate
@@ -52,15 +53,9 @@ def routes(c: Console) -> list[Route]:
 VIEW_ARGS = ("q", "after")
 
 
-def _view(params: Any) -> dict[str, str]:
+def _view(values: Mapping[str, str]) -> dict[str, str]:
     """The view's arguments that are set (``q``, ``after``), from a query or a form."""
-    view = {}
-    for key in VIEW_ARGS:
-        value = params.get(key)
-        value = value[0] if isinstance(value, list) else value
-        if value and value.strip():
-            view[key] = value.strip()
-    return view
+    return {k: v for k, v in args_of(values, VIEW_ARGS).items() if v}
 
 
 def _routes_url(view: dict[str, str]) -> str:
@@ -70,7 +65,7 @@ def _routes_url(view: dict[str, str]) -> str:
 def _back(v: Visit) -> str:
     """Where an action returns: the routes page as the form's page showed it (its search and
     page, read from the form's ``back``, never a URL it names: no redirect elsewhere)."""
-    return _routes_url(_view(parse_qs(one(v.form, "back") or "")))
+    return _routes_url(_view(dict(parse_qsl(one(v.form, "back") or ""))))
 
 
 async def routes_page(c: Console, v: Visit) -> Response:
